@@ -1,0 +1,181 @@
+"""kvcache command line: generate | report | bench."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+@click.group()
+def main() -> None:
+    """A prefix-caching KV-cache engine for LLM inference."""
+
+
+@main.command()
+@click.argument("input_path", metavar="INPUT", type=click.Path(allow_dash=True))
+@click.option(
+    "-o",
+    "--output",
+    "output_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="JSONL results file; without it, results are printed as they finish.",
+)
+@click.option("--model", default=None, help="HF folder or .gguf file; default: SmolLM2-135M.")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=-1, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--no-prefix-cache", is_flag=True, help="Turn the prefix cache off.")
+@click.option("--batching", type=click.Choice(["continuous", "static"]), default="continuous")
+@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True)
+@click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option(
+    "--metrics",
+    "metrics_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a JSON record of the run for `kvcache report`.",
+)
+@click.option("--resume", is_flag=True, help="Skip ids already in OUTPUT and append the rest.")
+def generate(
+    input_path: str,
+    output_path: str | None,
+    model: str | None,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    stop: tuple[str, ...],
+    block_size: int,
+    no_prefix_cache: bool,
+    batching: str,
+    max_num_batched_tokens: int,
+    num_kv_blocks: int | None,
+    device: str,
+    metrics_path: str | None,
+    resume: bool,
+) -> None:
+    """Generate for every request in INPUT (JSONL, .txt, or - for stdin).
+
+    Greedy by default (--temperature 0). Each JSONL line holds one of prompt / messages /
+    prompt_token_ids, an optional id, and optional sampling fields (max_tokens, temperature,
+    top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos) and cache_salt."""
+    from runner.batch_run import BatchRun
+
+    if resume and output_path is None:
+        raise click.UsageError("--resume needs -o OUTPUT")
+    defaults: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "stop": list(stop) or None,
+    }
+    engine_options: dict[str, Any] = {
+        "block_size": block_size,
+        "enable_prefix_caching": not no_prefix_cache,
+        "batching": batching,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "num_kv_blocks": num_kv_blocks,
+        "device": device,
+    }
+    try:
+        run = BatchRun(model, engine_options, defaults)
+    except ValueError as err:
+        raise click.ClickException(str(err)) from err
+    code = run.execute(input_path, Path(output_path) if output_path else None, resume=resume)
+    if metrics_path:
+        Path(metrics_path).write_text(json.dumps(run.llm.metrics()))
+        click.echo(f"metrics written to {metrics_path}", err=True)
+    sys.exit(code)
+
+
+@main.command()
+@click.argument("metrics_path", metavar="METRICS", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also write a self-contained HTML page with the schedule pictures.",
+)
+def report(metrics_path: str, html_path: str | None) -> None:
+    """Summarise a run recorded with `kvcache generate --metrics`."""
+    from runner.report import format_summary, load_metrics
+
+    try:
+        metrics = load_metrics(Path(metrics_path))
+    except ValueError as err:
+        raise click.ClickException(str(err)) from err
+    click.echo(format_summary(metrics))
+    if html_path:
+        from runner.report_html import write_html
+
+        write_html(metrics, Path(html_path))
+        click.echo(f"report page written to {html_path}")
+
+
+@main.command()
+@click.option(
+    "--workload",
+    default="shared_system_prompt",
+    show_default=True,
+    help="A data/ workload name, or 'all'; 'core' runs the block-manager micro-bench.",
+)
+@click.option(
+    "--systems",
+    default="engine,engine-nocache,engine-static,hf-static,hf-cb",
+    show_default=True,
+    help="Comma-separated systems to run.",
+)
+@click.option("--model", default=None)
+@click.option("--max-tokens", type=int, default=None, help="Override the workload's max_tokens.")
+@click.option("--limit", type=int, default=None, help="Use only the first N requests.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def bench(
+    workload: str,
+    systems: str,
+    model: str | None,
+    max_tokens: int | None,
+    limit: int | None,
+    device: str,
+    json_path: str | None,
+) -> None:
+    """Run a workload through several systems in one process and print one table."""
+    if workload == "core":
+        from kvcache.microbench import main as core_main
+
+        core_main()
+        return
+    from runner.bench import run_bench
+
+    start = time.perf_counter()
+    result = run_bench(
+        workload=workload,
+        systems=[s.strip() for s in systems.split(",") if s.strip()],
+        model=model,
+        max_tokens=max_tokens,
+        limit=limit,
+        device=device,
+    )
+    click.echo(result["table"])
+    if json_path:
+        Path(json_path).write_text(json.dumps(result["rows"], indent=2))
+    click.echo(f"bench took {time.perf_counter() - start:.1f} s", err=True)
+
+
+if __name__ == "__main__":
+    main()

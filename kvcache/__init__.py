@@ -1,0 +1,37 @@
+"""kvcache: the pure-Python KV store core (no torch here; ``kvcache.store`` holds the tensors).
+
+``from kvcache import LLM, SamplingParams`` is the user-facing entry point. Those two names live
+in ``runner`` (which depends on this package, never the reverse) and are resolved on first
+access, so importing the core alone never pulls in torch or the runner.
+"""
+
+import importlib
+from typing import Any
+
+from kvcache.block_manager import Allocation, BlockManager
+from kvcache.hashing import block_hashes, hash_block, namespace_root
+from kvcache.stats import CacheStats
+
+_ENGINE_NAMES = {
+    "LLM": "runner.engine",
+    "SamplingParams": "runner.sampling",
+    "RequestOutput": "runner.outputs",
+}
+
+__all__ = [
+    "LLM",
+    "Allocation",
+    "BlockManager",
+    "CacheStats",
+    "RequestOutput",
+    "SamplingParams",
+    "block_hashes",
+    "hash_block",
+    "namespace_root",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ENGINE_NAMES:
+        return getattr(importlib.import_module(_ENGINE_NAMES[name]), name)
+    raise AttributeError(f"module 'kvcache' has no attribute {name!r}")

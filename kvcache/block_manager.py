@@ -1,0 +1,293 @@
+"""What the scheduler calls: ask (``can_allocate``), then commit (``allocate``); grow, commit, free.
+
+A request's life: ``allocate`` matches the longest cached prefix (capped so at least one prompt
+token is computed), locks that path (ref += 1) and takes fresh blocks for the rest;
+``append_slots`` grows the table during decode; ``commit`` inserts every newly computed full
+block into the radix tree; ``free`` drops the request's refs, leaving tree blocks cached.
+
+Invariants kept here (checked by ``check_integrity``):
+* block tables are append-only while a request lives;
+* a request's *chain* is the tree node standing for each committed full block, in order. Every
+  chain node is held by the request: via its block table, or, when another request had cached the
+  same block first (the request's own copy then stays private), via a *pin*. So whoever holds a
+  node holds its parent, hence ref(parent) >= ref(child), and every ref-0 tree node can be
+  reclaimed by evicting leaves: ``num_available_blocks`` is exact and ``allocate`` never fails
+  after ``can_allocate`` said yes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+from kvcache.block_pool import BlockPool
+from kvcache.hashing import pack_tokens
+from kvcache.radix_tree import Node, RadixTree
+from kvcache.stats import CacheStats
+
+
+class Allocation(NamedTuple):
+    block_table: list[int]
+    num_cached_tokens: int  # multiple of block_size, < len(token_ids)
+
+
+@dataclass(slots=True)
+class _Request:
+    root: int  # namespace root of the request's chain
+    table: list[int]  # block table, append-only
+    chain: list[Node]  # node of each committed full block, in order
+    pins: list[int] = field(default_factory=list)  # blocks held only because the chain needs them
+
+
+class BlockManager:
+    """Prefix-caching block manager. No global state: each instance owns its pool and tree."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._pool = BlockPool(num_blocks)
+        self._tree = RadixTree(block_size)
+        self._requests: dict[int, _Request] = {}
+        self._stats = CacheStats()
+
+    # -- read-only questions -------------------------------------------------------------------
+    @property
+    def stats(self) -> CacheStats:
+        """A snapshot: counters so far plus the pool's block states now. Pure."""
+        pool = self._pool
+        return replace(
+            self._stats,
+            blocks_in_use=pool.num_in_use,
+            blocks_cached=pool.num_cached,
+            blocks_free=pool.num_free,
+        )
+
+    def num_available_blocks(self) -> int:
+        """Free blocks plus cached ones no request holds (all reclaimable). Pure."""
+        return self._pool.num_free + self._pool.num_cached
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _match(self, token_ids: Sequence[int], root: int) -> list[Node]:
+        """Cached path for the prompt, capped at (len - 1) // B blocks so that at least one
+        token is computed (its logits pick the first output token). Pure."""
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        if not self.enable_prefix_caching or max_blocks <= 0:
+            return []
+        data = pack_tokens(token_ids[: max_blocks * self.block_size])
+        return self._tree.match(root, data, max_blocks)
+
+    def cached_prefix_length(self, token_ids: Sequence[int], root: int) -> int:
+        """Tokens ``allocate`` would serve from the cache now. Pure: no stats, no LRU touch."""
+        return len(self._match(token_ids, root)) * self.block_size
+
+    def blocks_needed(self, token_ids: Sequence[int], root: int) -> int:
+        """Fresh blocks ``allocate`` would take now. Pure."""
+        return self._blocks_for(len(token_ids)) - len(self._match(token_ids, root))
+
+    def _shortfall(self, token_ids: Sequence[int], nodes: list[Node]) -> int:
+        """Blocks missing for allocate: fresh blocks needed minus those reclaimable once the
+        matched path is locked (locking a ref-0 node takes it out of the reclaimable set)."""
+        pool = self._pool
+        locked_now = sum(1 for node in nodes if pool.ref(node.block_id) == 0)
+        needed = self._blocks_for(len(token_ids)) - len(nodes)
+        return needed - (self.num_available_blocks() - locked_now)
+
+    def can_allocate(self, token_ids: Sequence[int], root: int) -> bool:
+        """Whether ``allocate`` would succeed now. Pure."""
+        return self._shortfall(token_ids, self._match(token_ids, root)) <= 0
+
+    def can_append(self, request_id: int, num_tokens: int) -> bool:
+        """Whether the request's table can grow to hold ``num_tokens`` tokens in total. Pure."""
+        missing = self._blocks_for(num_tokens) - len(self._requests[request_id].table)
+        return missing <= self.num_available_blocks()
+
+    def block_table(self, request_id: int) -> list[int]:
+        """A copy of the request's block table. Pure."""
+        return list(self._requests[request_id].table)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    # -- mutations -----------------------------------------------------------------------------
+    def allocate(
+        self, request_id: int, token_ids: Sequence[int], root: int, *, readmission: bool = False
+    ) -> Allocation:
+        """Admit a request. Mutates: locks the matched path (ref += 1, out of the LRU, ticks
+        touched), takes fresh blocks (evicting LRU leaves when the free list is short), counts
+        query/hit tokens (``readmit_*`` when ``readmission``). Raises ValueError when blocks are
+        short, the prompt is empty or the id is live; nothing is mutated then."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id} is already allocated")
+        if not token_ids:
+            raise ValueError("cannot allocate an empty prompt")
+        nodes = self._match(token_ids, root)
+        short = self._shortfall(token_ids, nodes)
+        if short > 0:
+            raise ValueError(f"request {request_id}: {short} blocks short (ask can_allocate)")
+        for node in nodes:  # lock before taking fresh blocks, so eviction cannot take them
+            self._hold(node)
+        table = [node.block_id for node in nodes]
+        num_fresh = self._blocks_for(len(token_ids)) - len(nodes)
+        table.extend(self._take_block() for _ in range(num_fresh))
+        self._requests[request_id] = _Request(root, table, nodes)
+        cached = len(nodes) * self.block_size
+        if readmission:
+            self._stats.readmit_query_tokens += len(token_ids)
+            self._stats.readmit_hit_tokens += cached
+        else:
+            self._stats.query_tokens += len(token_ids)
+            self._stats.hit_tokens += cached
+        return Allocation(list(table), cached)
+
+    def append_slots(self, request_id: int, num_tokens: int) -> list[int]:
+        """Grow the table to ceil(num_tokens / B) blocks (never shrinks); returns a copy.
+        Mutates the table and the pool (may evict). Raises ValueError when blocks are short."""
+        request = self._requests[request_id]
+        missing = self._blocks_for(num_tokens) - len(request.table)
+        if missing > self.num_available_blocks():
+            raise ValueError(f"request {request_id}: {missing} blocks needed (ask can_append)")
+        request.table.extend(self._take_block() for _ in range(missing))
+        return list(request.table)
+
+    def commit(self, request_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Insert into the tree every full block inside ``num_computed_tokens`` not yet committed.
+
+        Mutates the tree and pool: new nodes own the request's blocks; a block already cached
+        under the same parent with equal tokens leaves the request's copy private and pins the
+        cached node (so the chain can continue below it); a block whose hash collides with a
+        cached block of other tokens, and every block after it, stay private for now.
+        ``token_ids`` must extend the tokens committed before.
+        """
+        request = self._requests[request_id]
+        if num_computed_tokens > len(token_ids):
+            raise ValueError(f"{num_computed_tokens} computed tokens > {len(token_ids)} tokens")
+        num_full = num_computed_tokens // self.block_size
+        if num_full > len(request.table):
+            raise ValueError(f"request {request_id}: computed tokens beyond its block table")
+        start = len(request.chain)
+        if not self.enable_prefix_caching or num_full <= start:
+            return
+        B = self.block_size
+        parent = request.chain[-1] if request.chain else None
+        data = pack_tokens(token_ids[start * B : num_full * B])
+        result = self._tree.insert(request.root, parent, data, request.table[start:num_full])
+        for node in result.existing:
+            self._hold(node)
+            request.pins.append(node.block_id)
+        for node in result.created:
+            self._pool.mark_cached(node.block_id)
+            node.tick = self._pool.next_tick()
+        request.chain.extend(result.existing)
+        request.chain.extend(result.created)
+        # On a collision the chain stops before the colliding block; the request's own copy
+        # stays private and the next commit retries from there (it succeeds once the colliding
+        # node has been evicted, since the chain's end is held by this request).
+
+    def free(self, request_id: int) -> None:
+        """Finish (or preempt) a request. Mutates: ref -= 1 on every block it holds; tree blocks
+        reaching ref 0 stay cached (ticks touched, root to leaf, and leaves become evictable);
+        private blocks return to the free list; the request is forgotten."""
+        request = self._requests.pop(request_id)
+        pool = self._pool
+        for node in request.chain:  # root to leaf: a deeper block counts as more recent
+            node.tick = pool.next_tick()
+        for block in (*request.table, *request.pins):
+            if pool.release(block) and pool.is_cached_node(block):
+                cached = self._tree.node_of(block)
+                assert cached is not None, f"cached block {block} has no tree node"
+                if not cached.children:
+                    pool.lru_add(block, cached.tick)
+
+    def _hold(self, node: Node) -> None:
+        """ref += 1 on a tree node, taking it out of the LRU; touches its tick."""
+        self._pool.lru_discard(node.block_id)
+        self._pool.acquire(node.block_id)
+        node.tick = self._pool.next_tick()
+
+    def _take_block(self) -> int:
+        """A fresh block with ref 1, evicting the LRU leaf first if the free list is empty."""
+        if not self._pool.num_free:
+            self._evict_one()
+        return self._pool.take_free()
+
+    def _evict_one(self) -> None:
+        """Evict the least recently used ref-0 leaf; its parent may become an evictable leaf."""
+        pool = self._pool
+        block = pool.lru_pop()
+        node = self._tree.node_of(block)
+        assert node is not None, f"LRU block {block} has no tree node"
+        self._tree.remove_leaf(node)
+        pool.evict(block)
+        self._stats.evicted_blocks += 1
+        parent = node.parent
+        if parent is not None and not parent.children and pool.ref(parent.block_id) == 0:
+            pool.lru_add(parent.block_id, parent.tick)
+
+    # -- checks --------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Assert every invariant (AssertionError names the broken one). Beyond the pool's and
+        tree's own checks (``BlockPool.check_integrity``, ``RadixTree.check_integrity``):
+
+        1. a block is a tree node iff the pool flags it as one (so free / cached / in use is a
+           partition that agrees with the tree);
+        2. ref(b) == number of live requests holding b (table or pin); no request holds a block
+           twice; a block in two requests' tables is a tree node (only cached blocks are shared);
+        3. the LRU holds exactly the tree nodes with ref 0 and no children, keyed by their tick;
+        4. ref(parent) >= ref(child) for every node (holders of a node hold its parent);
+        5. each request's chain is a parent-linked path from its namespace's top level, every
+           chain node is held by the request (its table block at that index, or a pin), pins are
+           chain nodes, and the chain is no longer than the table;
+        6. without prefix caching the tree is empty.
+        """
+        pool, tree = self._pool, self._tree
+        pool.check_integrity()
+        tree.check_integrity()
+        for block in range(self.num_blocks):
+            node = tree.node_of(block)
+            assert pool.is_cached_node(block) == (node is not None), f"block {block}: flag differs"
+        holders: Counter[int] = Counter()
+        in_tables: Counter[int] = Counter()
+        for rid, request in self._requests.items():
+            held = request.table + request.pins
+            assert len(set(held)) == len(held), f"request {rid} holds a block twice"
+            holders.update(held)
+            in_tables.update(request.table)
+            self._check_chain(rid, request)
+        for block in range(self.num_blocks):
+            assert pool.ref(block) == holders[block], (
+                f"block {block}: ref {pool.ref(block)} != {holders[block]} holders"
+            )
+            if in_tables[block] > 1:
+                assert tree.node_of(block) is not None, f"private block {block} is shared"
+        evictable = {
+            n.block_id: n.tick for n in tree.nodes() if pool.ref(n.block_id) == 0 and not n.children
+        }
+        assert pool.lru_blocks() == evictable, "LRU != tree nodes with ref 0 and no children"
+        for node in tree.nodes():
+            if node.parent is not None:
+                assert pool.ref(node.parent.block_id) >= pool.ref(node.block_id), (
+                    f"{node!r} is held more often than its parent"
+                )
+        assert self.enable_prefix_caching or len(tree) == 0, "tree used with caching disabled"
+
+    def _check_chain(self, rid: int, request: _Request) -> None:
+        assert len(request.chain) <= len(request.table), f"request {rid}: chain beyond table"
+        pins = set(request.pins)
+        parent: Node | None = None
+        for i, node in enumerate(request.chain):
+            assert self._tree.node_of(node.block_id) is node, f"request {rid}: chain node evicted"
+            assert node.parent is parent, f"request {rid}: chain broken at block {i}"
+            assert node.namespace == request.root, f"request {rid}: chain leaves its namespace"
+            held = request.table[i] == node.block_id or node.block_id in pins
+            assert held, f"request {rid}: chain block {i} is not held"
+            parent = node
+        assert pins <= {n.block_id for n in request.chain}, f"request {rid}: pin off chain"

@@ -1,0 +1,166 @@
+"""Fixed pool of KV block ids: ref counts, the free list, and the LRU of evictable blocks.
+
+Every block id is in exactly one state at any time:
+
+* free:   ref 0, holds no cached KV; sits on the free list (never-cached or evicted blocks);
+* cached: ref 0, holds the KV of a radix-tree node; reclaimable by eviction;
+* in use: ref > 0, held by at least one running request (tree node or private block).
+
+The pool does not know the tree's shape. The manager tells it which blocks are tree nodes
+(``mark_cached`` / ``evict``) and which cached blocks may be evicted *now* (``lru_add``: ref-0
+leaves only). The LRU is a ``SortedDict`` keyed by a monotonic access tick, so adding, removing
+and popping the least recently used block are all O(log n).
+"""
+
+from __future__ import annotations
+
+from sortedcontainers import SortedDict
+
+
+class BlockPool:
+    """Block ids ``0 .. num_blocks-1``. Each method's docstring says what it mutates."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._ref = [0] * num_blocks
+        self._is_node = [False] * num_blocks  # block holds a tree node's KV
+        # Popped from the end: block 0 is handed out first, which keeps tests readable.
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._num_cached = 0  # blocks with ref 0 that are tree nodes
+        self._lru: SortedDict = SortedDict()  # tick -> block, ref-0 tree leaves only
+        self._lru_tick: dict[int, int] = {}  # block -> its tick in _lru
+        self._tick = 0
+
+    # -- counts (pure) -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return self._num_cached
+
+    @property
+    def num_in_use(self) -> int:
+        return self.num_blocks - len(self._free) - self._num_cached
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached blocks evictable right now (ref-0 leaves); their ancestors follow later."""
+        return len(self._lru)
+
+    def ref(self, block: int) -> int:
+        return self._ref[block]
+
+    def is_cached_node(self, block: int) -> bool:
+        """True when ``block`` holds a tree node's KV (whatever its ref count)."""
+        return self._is_node[block]
+
+    def next_tick(self) -> int:
+        """A fresh access tick, larger than every earlier one. Mutates the tick counter."""
+        self._tick += 1
+        return self._tick
+
+    # -- ref counts ----------------------------------------------------------------------------
+    def take_free(self) -> int:
+        """Pop a free block and give it ref 1. Mutates the free list. Raises ValueError if empty
+        (the manager evicts first)."""
+        if not self._free:
+            raise ValueError("no free block (evict first)")
+        block = self._free.pop()
+        self._ref[block] = 1
+        return block
+
+    def acquire(self, block: int) -> None:
+        """ref += 1 on a cached or in-use tree block. The caller must have taken it out of the
+        LRU first (``lru_discard``): a referenced block is never evictable."""
+        if not self._is_node[block]:
+            raise ValueError(f"block {block} is not a tree node; only cached blocks are shared")
+        if block in self._lru_tick:
+            raise ValueError(f"block {block} is still in the LRU")
+        if self._ref[block] == 0:
+            self._num_cached -= 1
+        self._ref[block] += 1
+
+    def release(self, block: int) -> bool:
+        """ref -= 1. At zero a tree block becomes cached; a private block goes back to the free
+        list. Returns True when the ref count reached zero."""
+        ref = self._ref[block] - 1
+        if ref < 0:
+            raise ValueError(f"block {block} released more often than held")
+        self._ref[block] = ref
+        if ref:
+            return False
+        if self._is_node[block]:
+            self._num_cached += 1
+        else:
+            self._free.append(block)
+        return True
+
+    def mark_cached(self, block: int) -> None:
+        """Record that an in-use block now backs a tree node (after insert). Mutates flags."""
+        if self._ref[block] <= 0 or self._is_node[block]:
+            raise ValueError(f"block {block} must be in use and not yet a tree node")
+        self._is_node[block] = True
+
+    def evict(self, block: int) -> None:
+        """A cached block whose node left the tree: back to the free list. The caller popped it
+        from the LRU already. Mutates flags, counts and the free list."""
+        if self._ref[block] or not self._is_node[block] or block in self._lru_tick:
+            raise ValueError(f"block {block} is not an evictable cached block")
+        self._is_node[block] = False
+        self._num_cached -= 1
+        self._free.append(block)
+
+    # -- LRU of evictable blocks ---------------------------------------------------------------
+    def lru_add(self, block: int, tick: int) -> None:
+        """Make a cached ref-0 leaf evictable, ordered by ``tick``. Mutates the LRU."""
+        if self._ref[block] or not self._is_node[block] or block in self._lru_tick:
+            raise ValueError(f"block {block} cannot become evictable")
+        self._lru[tick] = block
+        self._lru_tick[block] = tick
+
+    def lru_discard(self, block: int) -> None:
+        """Take ``block`` out of the LRU if it is there. Mutates the LRU."""
+        tick = self._lru_tick.pop(block, None)
+        if tick is not None:
+            del self._lru[tick]
+
+    def lru_pop(self) -> int:
+        """Remove and return the least recently used evictable block. Raises ValueError when
+        nothing is evictable. Mutates the LRU (the block stays cached until ``evict``)."""
+        if not self._lru:
+            raise ValueError("no evictable block")
+        _, block = self._lru.popitem(0)
+        del self._lru_tick[block]
+        return block
+
+    def check_integrity(self) -> None:
+        """Assert the pool's own invariants (raises AssertionError naming the broken one):
+
+        1. the free list has no duplicates and holds exactly the blocks with ref 0 that are not
+           tree nodes; no ref count is negative;
+        2. ``num_cached`` equals the number of tree blocks with ref 0;
+        3. the LRU holds only ref-0 tree blocks, and its two maps mirror each other.
+        """
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        cached = 0
+        for block, (ref, is_node) in enumerate(zip(self._ref, self._is_node, strict=True)):
+            assert ref >= 0, f"block {block} has negative ref {ref}"
+            assert (block in free) == (ref == 0 and not is_node), (
+                f"block {block}: on free list={block in free}, ref={ref}, tree node={is_node}"
+            )
+            cached += ref == 0 and is_node
+        assert cached == self._num_cached, f"cached count {self._num_cached} != actual {cached}"
+        assert len(self._lru) == len(self._lru_tick), "LRU maps differ in size"
+        for tick, block in self._lru.items():
+            assert self._lru_tick.get(block) == tick, f"LRU maps disagree on block {block}"
+            assert self._ref[block] == 0 and self._is_node[block], f"LRU block {block} not cached"
+            assert tick <= self._tick, f"LRU tick {tick} from the future"
+
+    def lru_blocks(self) -> dict[int, int]:
+        """block -> tick for every evictable block (for integrity checks). Pure copy."""
+        return dict(self._lru_tick)

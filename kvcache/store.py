@@ -1,0 +1,98 @@
+"""The paged KV tensors: one allocation for every layer's keys and values.
+
+This is the only torch module in ``kvcache/``; the block manager hands out plain
+block ids and this store is where those ids point. Layout:
+``[layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]`` so that
+``layer(i)`` returns two contiguous views and a flat slot id
+(``block * block_size + offset``) indexes ``k_cache.view(-1, kv_heads, head_dim)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVStore:
+    """Allocates the KV cache once; never grows, never frees (the pool recycles ids)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if int(value) <= 0:
+                raise ValueError(f"KVStore: {name} must be positive, got {value}")
+        self.num_layers = int(num_layers)
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # Zeros, not empty: attention reads whole blocks (padding slots and block 0 of
+        # padded tables) and masks them; NaN garbage would survive a mask (0 * NaN = NaN).
+        self.tensor = torch.zeros(
+            (
+                self.num_layers,
+                2,
+                self.num_blocks,
+                self.block_size,
+                self.num_kv_heads,
+                self.head_dim,
+            ),
+            dtype=dtype,
+            device=self.device,
+        )  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of layer i, each [blocks, block_size, kv_heads, head_dim] (views)."""
+        return self.tensor[i, 0], self.tensor[i, 1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one block takes across all layers, keys and values."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    @staticmethod
+    def num_blocks_for_budget(
+        budget_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
+        """How many whole blocks fit in ``budget_bytes`` (0 when not even one does)."""
+        per_block = KVStore.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        return max(0, int(budget_bytes) // per_block)
+
+    def __repr__(self) -> str:
+        return (
+            f"KVStore(layers={self.num_layers}, blocks={self.num_blocks}, "
+            f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device}, "
+            f"{self.nbytes / 2**20:.1f} MiB)"
+        )

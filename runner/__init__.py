@@ -1,0 +1,1 @@
+"""Model side of kvcache: model, attention, loader, and (by others) scheduler/engine."""

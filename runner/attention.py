@@ -1,0 +1,277 @@
+"""Paged attention over flat (varlen) token batches: the torch reference path.
+
+Each step the model runner describes the batch once in an AttentionMetadata; every
+layer then calls paged_attention(), which writes the new K/V into the store at
+``slot_mapping`` and lets each query token attend causally to its sequence's context
+(cached prefix + new tokens) read back through the block table.
+
+Torch path strategy (no per-token Python loops; the plan is built once per step and
+shared by all layers):
+- long queries (prefill chunks) run one SDPA per sequence; with no cached prefix they
+  use k/v directly with is_causal, else they gather their blocks and use a causal mask
+  shifted by the prefix length;
+- short queries (decodes, short suffixes) run as one padded batch: their blocks are
+  gathered with one index_select and masked by context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# Sequences whose query is at most this long are batched into one padded SDPA; longer
+# ones run alone (padding them to the longest query would waste work).
+GROUP_MAX_QUERY_LEN = 16
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: flat slot (block * B + offset) of each new token
+    query_start_loc: torch.Tensor  # [S+1] int32: cu_seqlens of the new tokens per sequence
+    context_lens: torch.Tensor  # [S] int32: tokens in KV per sequence, new ones included
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    query_lens: list[int]  # host copies for the torch path
+    context_lens_host: list[int]
+    max_query_len: int
+    max_context_len: int
+    decode_only: bool  # every query_len == 1
+    # Built by the torch path on first use and reused by every layer of the step.
+    _torch_plan: Any = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Metadata for sequences whose new tokens sit at positions C - L .. C - 1.
+
+        A convenience for tests and simple runners: slots come from the block tables."""
+        if not (len(query_lens) == len(context_lens) == len(block_tables)):
+            raise ValueError("query_lens, context_lens and block_tables differ in length")
+        slots: list[int] = []
+        for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
+            if q_len > ctx or len(table) * block_size < ctx:
+                raise ValueError(f"bad sequence: query {q_len}, context {ctx}, {len(table)} blocks")
+            for pos in range(ctx - q_len, ctx):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max((len(t) for t in block_tables), default=0)
+        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        for q_len in query_lens:
+            starts.append(starts[-1] + q_len)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(
+                len(block_tables), width
+            ),
+            query_lens=list(query_lens),
+            context_lens_host=list(context_lens),
+            max_query_len=max(query_lens, default=0),
+            max_context_len=max(context_lens, default=0),
+            decode_only=all(q == 1 for q in query_lens),
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D]; caches [blocks, B, Hkv, D]. Returns [T, Hq, D]."""
+    if backend == "torch":
+        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    if backend == "triton":
+        from runner.triton_attention import triton_paged_attention
+
+        out: torch.Tensor = triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+        return out
+    raise ValueError(f"unknown attention backend {backend!r}; expected 'torch' or 'triton'")
+
+
+@dataclass
+class _Single:
+    """One long query run alone."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor | None  # [nb] int64 block ids; None: no cached prefix, use k/v
+    context_len: int
+    mask: torch.Tensor | None  # [L, C] bool, True = attend
+
+
+@dataclass
+class _Group:
+    """Short queries run as one padded batch of S sequences, each padded to L queries."""
+
+    num_seqs: int
+    max_query_len: int
+    num_keys: int  # nb * B
+    blocks: torch.Tensor  # [S * nb] int64
+    q_rows: torch.Tensor | slice  # [S * L] rows of q (padding repeats a valid row)
+    out_rows: torch.Tensor | slice | None  # rows of out for the valid queries
+    valid: torch.Tensor | None  # [S * L] bool, None when nothing is padded
+    mask: torch.Tensor  # [S, 1, L, nb * B] bool
+
+
+@dataclass
+class _Plan:
+    block_size: int
+    singles: list[_Single]
+    group: _Group | None
+
+
+def _as_index(rows: list[int], device: torch.device) -> torch.Tensor | slice:
+    """A slice when rows are consecutive (a view instead of a gather), else a tensor."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    singles: list[_Single] = []
+    grouped: list[int] = []
+    start = 0
+    starts: list[int] = []
+    for s, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host, strict=True)):
+        starts.append(start)
+        if q_len > GROUP_MAX_QUERY_LEN:
+            if ctx == q_len:
+                singles.append(_Single(start, start + q_len, None, ctx, None))
+            else:
+                nb = -(-ctx // block_size)
+                blocks = meta.block_tables[s, :nb].to(torch.int64)
+                pos_q = torch.arange(ctx - q_len, ctx, device=device)  # [L] query positions
+                mask = torch.arange(ctx, device=device)[None, :] <= pos_q[:, None]  # [L, C]
+                singles.append(_Single(start, start + q_len, blocks, ctx, mask))
+        elif q_len > 0:
+            grouped.append(s)
+        start += q_len
+    group = None
+    if grouped:
+        lens = [meta.query_lens[s] for s in grouped]
+        ctxs = [meta.context_lens_host[s] for s in grouped]
+        n, max_l = len(grouped), max(lens)
+        nb = -(-max(ctxs) // block_size)
+        idx = torch.tensor(grouped, dtype=torch.int64, device=meta.block_tables.device)
+        blocks = meta.block_tables.index_select(0, idx)[:, :nb].reshape(-1).to(device, torch.int64)
+        q_rows: list[int] = []  # padded query i of seq s reads row start + min(i, L - 1)
+        q_pos: list[int] = []  # its position, so its mask row is a real causal row
+        valid: list[bool] = []
+        for s, q_len, ctx in zip(grouped, lens, ctxs, strict=True):
+            for i in range(max_l):
+                j = min(i, q_len - 1)
+                q_rows.append(starts[s] + j)
+                q_pos.append(ctx - q_len + j)
+                valid.append(i < q_len)
+        pos = torch.tensor(q_pos, dtype=torch.int64, device=device).view(n, 1, max_l, 1)
+        keys = torch.arange(nb * block_size, device=device).view(1, 1, 1, -1)
+        padded = not all(valid)
+        out_rows = [r for r, ok in zip(q_rows, valid, strict=True) if ok]
+        group = _Group(
+            num_seqs=n,
+            max_query_len=max_l,
+            num_keys=nb * block_size,
+            blocks=blocks,
+            q_rows=_as_index(q_rows, device) if padded else _as_index(out_rows, device),
+            out_rows=_as_index(out_rows, device),
+            valid=torch.tensor(valid, device=device) if padded else None,
+            mask=keys <= pos,  # [S, 1, L, K]; pads beyond a context sit after its last query
+        )
+    return _Plan(block_size, singles, group)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """cache [blocks, B, Hkv, D] -> [S, Hkv, nb * B, D] for `blocks` [S * nb]."""
+    _, block_size, hkv, d = cache.shape
+    return cache.index_select(0, blocks).view(num_seqs, -1, hkv, d).transpose(1, 2)
+
+
+def torch_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Reference implementation of paged_attention's contract with torch SDPA."""
+    num_tokens, hq, d = q.shape
+    hkv = k.shape[1]
+    block_size = k_cache.shape[1]
+    slots = meta.slot_mapping
+    if slots.dtype != torch.int64:
+        slots = slots.long()
+    # Write first, so every read below sees the new tokens through the block table.
+    k_cache.view(-1, hkv, d).index_copy_(0, slots, k)
+    v_cache.view(-1, hkv, d).index_copy_(0, slots, v)
+
+    plan = meta._torch_plan
+    if plan is None or plan.block_size != block_size:
+        plan = meta._torch_plan = _build_plan(meta, block_size, q.device)
+
+    out = q.new_empty((num_tokens, hq, d))
+    for item in plan.singles:
+        qs = q[item.start : item.end].transpose(0, 1)[None]  # [1, Hq, L, D]
+        if item.blocks is None:
+            ks = k[item.start : item.end].transpose(0, 1)[None]  # [1, Hkv, L, D]
+            vs = v[item.start : item.end].transpose(0, 1)[None]
+            res = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=hq != hkv
+            )
+        else:
+            ks = _gather(k_cache, item.blocks, 1)[:, :, : item.context_len]  # [1, Hkv, C, D]
+            vs = _gather(v_cache, item.blocks, 1)[:, :, : item.context_len]
+            res = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=item.mask, scale=scale, enable_gqa=hq != hkv
+            )
+        out[item.start : item.end] = res[0].transpose(0, 1)  # [L, Hq, D]
+
+    g = plan.group
+    if g is not None:
+        ks = _gather(k_cache, g.blocks, g.num_seqs)  # [S, Hkv, K, D]
+        vs = _gather(v_cache, g.blocks, g.num_seqs)
+        qg = q[g.q_rows]  # [S * L, Hq, D]
+        if g.max_query_len == 1:
+            # GQA without repeating K/V: the G query heads sharing a KV head become
+            # G "query rows" of that head (q head h uses kv head h // G).
+            qs = qg.reshape(g.num_seqs, hkv, hq // hkv, d)  # [S, Hkv, G, D]
+            res = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, scale=scale)
+            res = res.reshape(g.num_seqs, hq, d)  # [S, Hq, D]
+        else:
+            qs = qg.reshape(g.num_seqs, g.max_query_len, hq, d).transpose(1, 2)  # [S, Hq, L, D]
+            res = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=g.mask, scale=scale, enable_gqa=hq != hkv
+            )
+            res = res.transpose(1, 2).reshape(-1, hq, d)  # [S * L, Hq, D]
+            if g.valid is not None:
+                res = res[g.valid]
+        if isinstance(g.out_rows, slice):
+            if g.out_rows == slice(0, num_tokens) and not plan.singles:
+                return res
+            out[g.out_rows] = res
+        else:
+            out.index_copy_(0, g.out_rows, res)
+    return out

@@ -1,0 +1,156 @@
+"""`kvcache generate`: a batch file in, one JSONL record per request out, as they finish."""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from runner.batch_file import BatchLine, ResultWriter, parse_line, read_lines
+from runner.engine import LLM
+from runner.outputs import RequestOutput
+
+
+class BatchRun:
+    """Feeds every good line to one LLM; a bad line becomes an error record and the run goes on."""
+
+    def __init__(
+        self, model: str | None, engine_options: dict[str, Any], defaults: dict[str, Any]
+    ) -> None:
+        self.llm = LLM(model, **engine_options)
+        self.defaults = defaults
+        self.num_errors = 0
+        self.num_done = 0
+        self.num_skipped = 0
+        self.output_tokens = 0
+        self.num_queued = 0
+
+    def execute(self, input_path: str, output: Path | None, resume: bool) -> int:
+        """Returns the exit code: 0 when every line ran, 1 when some failed, 130 on Ctrl-C."""
+        start = time.perf_counter()
+        writer: ResultWriter | PrintWriter = (
+            ResultWriter(output, resume) if output is not None else PrintWriter()
+        )
+        line_of: dict[str, int] = {}
+        with ExitStack() as stack:
+            stack.callback(writer.close)
+            try:
+                stream = self._open(input_path, stack)
+            except OSError as err:
+                print(f"error: cannot read {input_path}: {err}", file=sys.stderr)
+                return 2
+            is_text = input_path.endswith(".txt")
+            for line_no, text, error in read_lines(stream, is_text):
+                if text is None:
+                    self._fail(writer, BatchLine(line_no, str(line_no), error=error))
+                    continue
+                line = parse_line(line_no, text, self.defaults, is_text)
+                if line.request_id in writer.done_ids:
+                    self.num_skipped += 1
+                    continue
+                if line.error is None and line.request_id in line_of:
+                    line.error = (
+                        f"line {line_no}: id {line.request_id!r} repeats line "
+                        f"{line_of[line.request_id]}"
+                    )
+                if line.error is not None:
+                    self._fail(writer, line)
+                    continue
+                line_of[line.request_id] = line_no
+                self._submit(writer, line)
+            bar = tqdm(total=self.num_queued, desc="generate", unit="req", file=sys.stderr)
+            stack.callback(bar.close)
+            try:
+                self.llm.run_until_done(lambda out: self._finish(writer, out, line_of, bar, start))
+            except KeyboardInterrupt:
+                bar.close()
+                where = f"written to {output}; rerun with --resume" if output else "printed"
+                print(f"\ninterrupted: {self.num_done} requests {where}", file=sys.stderr)
+                return 130
+        self._summary(output, time.perf_counter() - start)
+        return 1 if self.num_errors else 0
+
+    @staticmethod
+    def _open(input_path: str, stack: ExitStack) -> IO[bytes]:
+        if input_path == "-":
+            return sys.stdin.buffer
+        return stack.enter_context(Path(input_path).open("rb"))
+
+    def _submit(self, writer: ResultWriter | PrintWriter, line: BatchLine) -> None:
+        try:
+            if line.messages is not None:
+                prompt: str | list[int] = self.llm.apply_chat_template(line.messages)
+                special = False
+            else:
+                prompt = (
+                    line.prompt if line.prompt is not None else list(line.prompt_token_ids or [])
+                )
+                special = True
+            self.llm.add_request(
+                prompt,
+                line.params,
+                request_id=line.request_id,
+                cache_salt=line.cache_salt,
+                add_special_tokens=special,
+            )
+            self.num_queued += 1
+        except ValueError as err:
+            line.error = f"line {line.line_no}: {err}"
+            self._fail(writer, line)
+
+    def _fail(self, writer: ResultWriter | PrintWriter, line: BatchLine) -> None:
+        self.num_errors += 1
+        writer.write({"id": line.request_id, "line": line.line_no, "error": line.error})
+        print(f"error: {line.error}", file=sys.stderr)
+
+    def _finish(
+        self,
+        writer: ResultWriter | PrintWriter,
+        out: RequestOutput,
+        line_of: dict[str, int],
+        bar: tqdm,
+        start: float,
+    ) -> None:
+        writer.write({**out.to_record(), "line": line_of[out.request_id]})
+        self.num_done += 1
+        self.output_tokens += len(out.token_ids)
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        bar.update(1)
+        bar.set_postfix(
+            tok_s=f"{self.output_tokens / elapsed:.1f}",
+            hit=f"{self.llm.block_manager.stats.hit_rate:.1%}",
+            refresh=False,
+        )
+
+    def _summary(self, output: Path | None, elapsed: float) -> None:
+        s = self.llm.stats()
+        lines = [
+            f"done: {self.num_done} requests, {self.num_errors} errors"
+            + (f", {self.num_skipped} skipped (already in output)" if self.num_skipped else ""),
+            f"output tokens: {self.output_tokens} in {elapsed:.1f} s "
+            f"({self.output_tokens / max(elapsed, 1e-9):.1f} tok/s)",
+            f"prefix cache: {s['hit_tokens']}/{s['query_tokens']} prompt tokens hit "
+            f"({s['hit_rate']:.1%}), {s['evicted_blocks']} blocks evicted, "
+            f"{s['num_preemptions']} preemptions",
+        ]
+        if output is not None:
+            lines.append(f"results: {output}")
+        print("\n".join(lines), file=sys.stderr)
+
+
+class PrintWriter:
+    """Without an output file: print each result as a readable line on stdout."""
+
+    done_ids: frozenset[str] = frozenset()
+
+    def write(self, record: dict[str, Any]) -> None:
+        body = record["error"] if "error" in record else record["text"]
+        tag = "error" if "error" in record else record["finish_reason"]
+        print(f"[{record['id']}] ({tag}) {body!r}", flush=True)
+
+    def close(self) -> None:
+        pass

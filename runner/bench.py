@@ -1,0 +1,196 @@
+"""`kvcache bench`: one workload through several systems in one process, one table."""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+import torch
+
+from runner.bench_peers import (
+    PeerResult,
+    cut_at_eos,
+    load_hf_model,
+    run_hf_cb,
+    run_hf_static,
+    run_reference,
+)
+from runner.engine import LLM
+from runner.sampling import SamplingParams
+from runner.workloads import BenchRequest, load_workload
+
+ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
+    "engine": {},
+    "engine-nocache": {"enable_prefix_caching": False},
+    "engine-static": {"batching": "static"},
+    "engine-nochunk": {"enable_chunked_prefill": False},
+}
+
+
+def matmul_peak_gflops(device: str, size: int = 1024, repeats: int = 8) -> float:
+    """A float32 matrix-product peak measured now, the denominator of model-FLOP utilisation."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def run_engine(
+    model: str | None, requests: list[BenchRequest], device: str, options: dict[str, Any]
+) -> tuple[PeerResult, LLM, dict[str, Any]]:
+    llm = LLM(model, device=device, **options)
+    # Warm up the kernels on a prompt that shares nothing with the workload (its own salt).
+    llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2, temperature=0), cache_salt="w")
+    first_step = len(llm.recorder.steps)
+    before = llm.block_manager.stats.as_dict()
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0) for r in requests]
+    start = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in requests], params)
+    wall = time.perf_counter() - start
+    steps = llm.recorder.steps[first_step:]
+    after = llm.block_manager.stats.as_dict()
+    query = after["query_tokens"] - before["query_tokens"]
+    hits = after["hit_tokens"] - before["hit_tokens"]
+    prefill = sum(s["num_prefill_tokens"] for s in steps)
+    ttft = [o.metrics["ttft_s"] for o in outs if o.metrics.get("ttft_s") is not None]
+    pure_prefill = [s for s in steps if s["num_decode_tokens"] == 0 and s["num_prefill_tokens"]]
+    extra = {
+        "hit_rate": hits / query if query else 0.0,
+        "prefill_only_tokens": sum(s["num_prefill_tokens"] for s in pure_prefill),
+        "prefill_only_s": sum(s["duration_s"] for s in pure_prefill),
+        "preemptions": llm.scheduler.num_preemptions,
+        "kv_pool_mib": llm.kv.tensor.numel() * llm.kv.tensor.element_size() / 2**20,
+    }
+    outputs = [list(o.token_ids) for o in outs]
+    return PeerResult(outputs, wall, prefill, ttft), llm, extra
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q))
+
+
+def _matmul_params(llm: LLM) -> int:
+    """Parameters that take part in a token's matrix products (no embedding lookup)."""
+    total = sum(p.numel() for p in llm.model.parameters())
+    embed = llm.hf_config.vocab_size * llm.hf_config.hidden_size
+    return int(total - (0 if llm.hf_config.tie_word_embeddings else embed))
+
+
+def run_bench(
+    workload: str,
+    systems: list[str],
+    model: str | None = None,
+    max_tokens: int | None = None,
+    limit: int | None = None,
+    device: str = "cpu",
+    check: bool = True,
+) -> dict[str, Any]:
+    """Returns {"rows": [...], "table": str}; ratios are against hf-static of this run."""
+    unknown = [s for s in systems if s not in ENGINE_SYSTEMS and s not in ("hf-static", "hf-cb")]
+    if unknown:
+        raise ValueError(
+            f"unknown systems {unknown}; known: {[*ENGINE_SYSTEMS, 'hf-static', 'hf-cb']}"
+        )
+    peak = matmul_peak_gflops(device)
+    probe = LLM(model, device=device, num_kv_blocks=16)
+    requests = load_workload(workload, probe.tokenizer, max_tokens, limit)
+    eos_ids = probe.eos_ids
+    model_dir = probe.model_path
+    matmul_params = _matmul_params(probe)
+    del probe
+    hf_model = (
+        load_hf_model(model_dir, device)
+        if check or any(s.startswith("hf-") for s in systems)
+        else None
+    )
+    reference = run_reference(hf_model, requests, eos_ids, device) if check else None
+    rows: list[dict[str, Any]] = []
+    for system in systems:
+        extra: dict[str, Any] = {}
+        if system in ENGINE_SYSTEMS:
+            result, llm, extra = run_engine(model, requests, device, ENGINE_SYSTEMS[system])
+            if extra["prefill_only_s"] > 0:
+                flops = 2 * matmul_params * extra["prefill_only_tokens"]
+                extra["prefill_mfu"] = flops / extra["prefill_only_s"] / (peak * 1e9)
+            del llm
+        elif system == "hf-static":
+            result = run_hf_static(hf_model, requests, eos_ids, device, batch_size=len(requests))
+        else:
+            result = run_hf_cb(hf_model, requests, eos_ids)
+        outputs = [
+            cut_at_eos(o, eos_ids, r.max_tokens)
+            for o, r in zip(result.outputs, requests, strict=True)
+        ]
+        out_tokens = sum(len(o) for o in outputs)
+        rows.append(
+            {
+                "system": system,
+                "workload": workload,
+                "requests": len(requests),
+                "wall_s": result.wall_s,
+                "output_tokens": out_tokens,
+                "output_tok_s": out_tokens / result.wall_s,
+                "prefill_tokens": result.prefill_tokens,
+                "ttft_p50_ms": _ms(_percentile(result.ttft_s, 0.5)),
+                "ttft_p99_ms": _ms(_percentile(result.ttft_s, 0.99)),
+                "matches_reference": None if reference is None else outputs == reference,
+                **extra,
+            }
+        )
+    base = next((r for r in rows if r["system"] == "hf-static"), None)
+    for row in rows:
+        row["vs_hf_static"] = row["output_tok_s"] / base["output_tok_s"] if base else None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"rows": rows, "table": format_table(rows, peak, rss), "peak_gflops": peak}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def format_table(rows: list[dict[str, Any]], peak: float, rss_mib: float) -> str:
+    head = [
+        "system",
+        "wall s",
+        "out tok/s",
+        "x hf-static",
+        "prefill tok",
+        "hit rate",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "prefill MFU",
+        "match",
+    ]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        cells = [
+            r["system"],
+            f"{r['wall_s']:.2f}",
+            f"{r['output_tok_s']:.1f}",
+            _fmt(r.get("vs_hf_static"), "{:.2f}x"),
+            str(r["prefill_tokens"]),
+            _fmt(r.get("hit_rate"), "{:.1%}"),
+            _fmt(r["ttft_p50_ms"], "{:.0f}"),
+            _fmt(r["ttft_p99_ms"], "{:.0f}"),
+            _fmt(r.get("prefill_mfu"), "{:.0%}"),
+            _fmt(r["matches_reference"], "{}"),
+        ]
+        lines.append(" | ".join(cells))
+    lines.append(
+        f"\nfloat32 matmul peak measured now: {peak:.0f} GFLOP/s; peak RSS {rss_mib:.0f} MiB"
+    )
+    return "\n".join(lines)
+
+
+def _fmt(value: Any, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)

@@ -1,0 +1,140 @@
+"""The systems we measure against, run in the same process: transformers' static `generate`
+with a padded batch, its continuous-batching `generate_batch`, and the unbatched greedy
+reference that every system's output is checked against."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from runner.workloads import BenchRequest
+
+
+class PeerResult(NamedTuple):
+    outputs: list[list[int]]  # per request, cut after EOS and at max_tokens
+    wall_s: float
+    prefill_tokens: int  # prompt tokens the system ran through the model
+    ttft_s: list[float]  # per request, empty when the system does not expose it
+
+
+def load_hf_model(path: Path, device: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model.eval()
+    return model
+
+
+def cut_at_eos(tokens: list[int], eos_ids: set[int], max_tokens: int) -> list[int]:
+    out: list[int] = []
+    for token in tokens[:max_tokens]:
+        out.append(token)
+        if token in eos_ids:
+            break
+    return out
+
+
+@torch.inference_mode()
+def run_reference(
+    model: Any, requests: list[BenchRequest], eos_ids: set[int], device: str
+) -> list[list[int]]:
+    """Unbatched greedy `generate`, one request at a time: the ground truth."""
+    outputs = []
+    for req in requests:
+        ids = torch.tensor([req.prompt_token_ids], device=device)
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=req.max_tokens,
+            do_sample=False,
+            eos_token_id=sorted(eos_ids),
+            pad_token_id=min(eos_ids),
+        )
+        outputs.append(cut_at_eos(gen[0, ids.shape[1] :].tolist(), eos_ids, req.max_tokens))
+    return outputs
+
+
+@torch.inference_mode()
+def run_hf_static(
+    model: Any, requests: list[BenchRequest], eos_ids: set[int], device: str, batch_size: int
+) -> PeerResult:
+    """Classic static batching: left-padded batches of `batch_size`, each runs until its
+    longest member is done."""
+    pad = min(eos_ids)
+    outputs: list[list[int]] = []
+    prefill = 0
+    start = time.perf_counter()
+    ttft: list[float] = []
+    for first in range(0, len(requests), batch_size):
+        batch = requests[first : first + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, req in enumerate(batch):
+            n = len(req.prompt_token_ids)
+            ids[row, width - n :] = torch.tensor(req.prompt_token_ids)
+            mask[row, width - n :] = 1
+        prefill += ids.numel()
+        gen = model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max(r.max_tokens for r in batch),
+            do_sample=False,
+            eos_token_id=sorted(eos_ids),
+            pad_token_id=pad,
+        )
+        for row, req in enumerate(batch):
+            outputs.append(cut_at_eos(gen[row, width:].tolist(), eos_ids, req.max_tokens))
+    return PeerResult(outputs, time.perf_counter() - start, prefill, ttft)
+
+
+@torch.inference_mode()
+def run_hf_cb(
+    model: Any, requests: list[BenchRequest], eos_ids: set[int], block_sharing: bool = True
+) -> PeerResult:
+    """transformers' continuous batching (`generate_batch`), with its prefix block sharing."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max(r.max_tokens for r in requests),
+        do_sample=False,
+        eos_token_id=sorted(eos_ids),
+        pad_token_id=min(eos_ids),
+    )
+    cb_config = ContinuousBatchingConfig(allow_block_sharing=block_sharing)
+    start = time.perf_counter()
+    results: dict[str, Any] = {}
+    # The manager takes a max_new_tokens per request, which generate_batch does not.
+    with model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
+    ) as manager:
+        for req in requests:
+            manager.add_request(
+                req.prompt_token_ids,
+                request_id=req.request_id,
+                max_new_tokens=req.max_tokens,
+                record_timestamps=True,
+            )
+        while len(results) < len(requests):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' generate_batch worker stopped early")
+    wall = time.perf_counter() - start
+    ordered = [results[r.request_id] for r in requests]
+    outputs = [
+        cut_at_eos(list(res.generated_tokens), eos_ids, req.max_tokens)
+        for res, req in zip(ordered, requests, strict=False)
+    ]
+    ttft = []
+    for res in ordered:
+        if res.timestamps:
+            ttft.append(res.timestamps[0] - res.created_time)
+    prefill = sum(len(r.prompt_token_ids) for r in requests)
+    return PeerResult(outputs, wall, prefill, ttft)

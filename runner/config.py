@@ -1,0 +1,62 @@
+"""Engine configuration: one dataclass, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Batching = Literal["continuous", "static"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the scheduler and model runner need to know, checked in one place.
+
+    `num_kv_blocks` wins over `kv_cache_memory_bytes` when both are given; with neither the
+    pool is sized to hold `max_num_seqs` sequences of the model's full context.
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    batching: Batching = "continuous"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str | None = None
+    enable_chunked_prefill: bool = True
+    # A waiting request older than this many steps is admitted before cache-aware reordering.
+    max_wait_steps: int = 64
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
+            )
+        if self.max_wait_steps < 0:
+            raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")

@@ -1,0 +1,349 @@
+"""LLM: the user-facing engine. Tokenize, add, step, generate, chat, stats."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvcache import BlockManager, block_hashes, namespace_root
+from kvcache.store import KVStore
+from runner.config import EngineConfig
+from runner.loader import load_model
+from runner.memory import kv_pool_blocks
+from runner.metrics import MetricsRecorder
+from runner.model_runner import ModelRunner
+from runner.outputs import RequestOutput
+from runner.requests import RequestValidator
+from runner.sampling import SamplingParams, sample
+from runner.scheduler import Scheduler
+from runner.sequence import Sequence
+
+Prompt = str | list[int]
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    """Generation with a prefix cache that persists across calls of one instance."""
+
+    def __init__(self, model: str | None = None, *, seed: int = 0, **options: Any) -> None:
+        self.config = EngineConfig(model=model, **options)
+        device = torch.device(self.config.device)
+        dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
+        loaded = load_model(model, device=str(device), dtype=dtype)
+        self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.config
+        self.fingerprint = loaded.fingerprint
+        self.model_path = loaded.path
+        self.device = device
+        text_cfg = self.hf_config
+        self.max_model_len = int(text_cfg.max_position_embeddings)
+        head_dim = getattr(text_cfg, "head_dim", None) or (
+            text_cfg.hidden_size // text_cfg.num_attention_heads
+        )
+        model_dtype = next(self.model.parameters()).dtype
+        num_blocks = kv_pool_blocks(
+            self.config,
+            num_layers=text_cfg.num_hidden_layers,
+            num_kv_heads=text_cfg.num_key_value_heads,
+            head_dim=head_dim,
+            dtype=model_dtype,
+            max_model_len=self.max_model_len,
+            device=device,
+        )
+        self.kv = KVStore(
+            text_cfg.num_hidden_layers,
+            num_blocks,
+            self.config.block_size,
+            text_cfg.num_key_value_heads,
+            head_dim,
+            model_dtype,
+            device,
+        )
+        self.block_manager = BlockManager(
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(self.model, self.kv, self.block_manager, device)
+        self.validator = RequestValidator(
+            vocab_size=int(text_cfg.vocab_size),
+            max_model_len=self.max_model_len,
+            pool_tokens=num_blocks * self.config.block_size,
+            block_size=self.config.block_size,
+        )
+        self.eos_ids = _eos_ids(text_cfg, self.tokenizer)
+        self.recorder = MetricsRecorder()
+        self._seq_ids = itertools.count()
+        self._rng = torch.Generator(device=device).manual_seed(seed)
+        self._roots: dict[str | None, int] = {}
+        self._live: dict[int, Sequence] = {}
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
+            return list(self.tokenizer(prompt).input_ids)
+        return list(prompt)
+
+    def apply_chat_template(self, messages: Messages) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: pass prompt text instead")
+        RequestValidator.check_messages(messages)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return str(text)
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> Sequence:
+        """Validate and queue one request; raises ValueError naming the problem."""
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, str) and not add_special_tokens:
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
+            token_ids = list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+        else:
+            token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str) and not prompt.strip():
+            raise ValueError("prompt is empty")
+        self.validator.check(token_ids, params)
+        seq_id = next(self._seq_ids)
+        root = self._root(cache_salt)
+        generator = None
+        if not params.greedy:
+            seed = params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        seq = Sequence(
+            seq_id=seq_id,
+            request_id=request_id if request_id is not None else str(seq_id),
+            prompt_token_ids=token_ids,
+            params=params,
+            root=root,
+            generator=generator,
+            prompt_text=text,
+        )
+        first = block_hashes(token_ids[: self.config.block_size], self.config.block_size, root)
+        self.recorder.add_request(seq, f"{first[0]:016x}" if first else "")
+        self.scheduler.add(seq)
+        self._live[seq_id] = seq
+        return seq
+
+    def _root(self, cache_salt: str | None) -> int:
+        if cache_salt not in self._roots:
+            self._roots[cache_salt] = namespace_root(self.fingerprint, cache_salt)
+        return self._roots[cache_salt]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that finished in it."""
+        t_start = time.perf_counter()
+        out = self.scheduler.schedule()
+        finished: list[RequestOutput] = []
+        if not out.is_empty:
+            logits = self.runner.run(out.scheduled)
+            samplers = [item.seq for item in out.scheduled if item.sample]
+            tokens = (
+                sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+                if samplers
+                else []
+            )
+            self.scheduler.commit(out)
+            now = time.perf_counter()
+            for seq, token in zip(samplers, tokens, strict=True):
+                seq.record_token(token, now)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    seq.finish_time = now
+                    self.scheduler.finish(seq, reason)
+                    finished.append(self._output(seq))
+                    del self._live[seq.seq_id]
+        live = list(self.scheduler.waiting)
+        self.recorder.on_step(
+            self.scheduler.step_count,
+            out,
+            live,
+            self.scheduler.held,
+            t_start,
+            time.perf_counter() - t_start,
+            self.block_manager.stats,
+        )
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token in self.eos_ids:
+            return "stop"
+        if params.stop_strings and self.tokenizer is not None:
+            text = self._decode(seq.output_token_ids)
+            cut = _first_stop(text, params.stop_strings)
+            if cut is not None:
+                seq.stop_text_cut = cut
+                return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = self._decode(seq.output_token_ids)
+        if seq.stop_text_cut is not None:
+            text = text[: seq.stop_text_cut]
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt_text,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            num_cached_tokens=seq.num_cached_tokens,
+            finish_reason=seq.finish_reason,
+            metrics=self.recorder.request_record(seq),
+        )
+
+    def run_until_done(
+        self, on_finish: Callable[[RequestOutput], None] | None = None
+    ) -> list[RequestOutput]:
+        done: list[RequestOutput] = []
+        while self.has_unfinished():
+            for output in self.step():
+                done.append(output)
+                if on_finish is not None:
+                    on_finish(output)
+        return done
+
+    # ------------------------------------------------------------------ batch API
+    def generate(
+        self,
+        prompts: Seq[Prompt] | Prompt,
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in input order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        return self._generate_all(list(prompts), params, use_tqdm, cache_salt, chat=False)
+
+    def chat(
+        self,
+        conversations: Seq[Messages] | Messages,
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        texts = [self.apply_chat_template(list(c)) for c in conversations]  # type: ignore[arg-type]
+        return self._generate_all(texts, params, use_tqdm, cache_salt, chat=True)
+
+    def _generate_all(
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None,
+        use_tqdm: bool,
+        cache_salt: str | None,
+        chat: bool,
+    ) -> list[RequestOutput]:
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompts)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompts):
+                raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts")
+        # Validate everything before queueing anything, so one bad prompt leaves no orphans.
+        order: dict[int, int] = {}
+        seqs = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, param_list, strict=True)):
+                seq = self.add_request(
+                    prompt, p, cache_salt=cache_salt, add_special_tokens=not chat
+                )
+                seqs.append(seq)
+                order[seq.seq_id] = i
+        except ValueError as err:
+            for seq in seqs:
+                self.scheduler.abort(seq)
+                del self._live[seq.seq_id]
+            raise ValueError(f"prompt {len(seqs)}: {err}") from err
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        ids = {seq.request_id: seq.seq_id for seq in seqs}
+        bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate")
+        for output in self._drain(bar):
+            results[order[ids[output.request_id]]] = output
+        bar.close()
+        return [r for r in results if r is not None]
+
+    def _drain(self, bar: tqdm) -> Iterable[RequestOutput]:
+        while self.has_unfinished():
+            for output in self.step():
+                bar.update(1)
+                yield output
+
+    # ------------------------------------------------------------------ reports
+    def stats(self) -> dict[str, Any]:
+        stats = self.block_manager.stats
+        return {
+            **stats.as_dict(),
+            "hit_rate": stats.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "block_size": self.config.block_size,
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        header = {
+            "model": self.config.model or "SmolLM2-135M-Instruct (default)",
+            "batching": self.config.batching,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
+            "block_size": self.config.block_size,
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+        }
+        return self.recorder.to_dict(
+            header, self.block_manager.stats, self.scheduler.num_preemptions
+        )
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _eos_ids(config: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, list | tuple):
+        ids.update(int(e) for e in eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

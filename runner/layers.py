@@ -1,0 +1,93 @@
+"""Small building blocks of the decoder: RMSNorm and rotary embeddings.
+
+Numerics follow transformers' Llama code (norm in float32, cos/sin computed in float32
+and cast to the model dtype) so that our logits match HF's on the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# RoPE types whose inverse frequencies are fixed at load time. "dynamic" / "longrope"
+# change with the sequence length, which a KV cache cannot follow (cached keys would
+# carry stale rotations), so they are refused.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused kernel; identical math to the branch below in float32.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # HF order: normalise in float32, round to the input dtype, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE settings of a config, for transformers 5 (rope_parameters) and 4.x
+    (rope_theta + rope_scaling) alike. Always has 'rope_type' and 'rope_theta'."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        if "rope_theta" not in params and "rope_type" not in params:
+            raise ValueError("per-layer-type rope_parameters are not supported by this model")
+        params = dict(params)
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    if "rope_theta" not in params:
+        params["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] (float32, CPU) and the cos/sin scale factor."""
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (base**exponent), 1.0
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    # Reuse transformers' own formulas for the scaled variants: they are pure functions
+    # of the config and exactly what HF's model computes.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    return inv_freq.float().cpu(), float(scale)
+
+
+def rope_cos_sin(
+    config: Any, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [max_positions, head_dim // 2] in `dtype`, indexed by position."""
+    inv_freq, scale = rope_inv_freq(config, head_dim)
+    positions = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2], same products as HF
+    cos = (freqs.cos() * scale).to(device=device, dtype=dtype)
+    sin = (freqs.sin() * scale).to(device=device, dtype=dtype)
+    return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [T, H, D]; cos/sin [T, D/2] (already gathered by position)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
+    # HF: x * cat(c, c) + rotate_half(x) * cat(s, s) with rotate_half(x) = cat(-x2, x1).
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

@@ -1,0 +1,183 @@
+"""Model loading: HF folders (config.json + safetensors), GGUF files, the embedded default.
+
+A GGUF file is converted once (transformers dequantizes it) into an HF folder in the
+cache (runner/gguf.py); every load then reads config.json with AutoConfig and the
+safetensors directly into our CausalLM, never instantiating transformers' model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from runner.gguf import convert_gguf, default_gguf_path
+from runner.model import CausalLM, resolve_architecture
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class LoadedModel(NamedTuple):
+    model: CausalLM
+    config: Any  # transformers.PretrainedConfig
+    tokenizer: Any | None  # a transformers tokenizer, None when the folder has none
+    fingerprint: str  # stable id of the weights (prefix-cache namespace)
+    path: Path  # the HF folder the weights were read from
+
+
+def load_model(
+    model: str | Path | None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+) -> LoadedModel:
+    """Load `model` (None = embedded default, a HF folder, or a .gguf file) onto `device`.
+
+    dtype defaults to float32 on CPU and bfloat16 on CUDA. Raises ValueError naming the
+    file for a missing path, missing config/weights, unknown architecture or corrupt files.
+    """
+    dev = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    folder = resolve_model_dir(model)
+    config = read_config(folder)
+    weights = SafetensorsWeights(weight_files(folder))
+    with torch.device("meta"):
+        net = CausalLM(config)  # validates the architecture before any weight is read
+    net = net.to(dtype=torch_dtype).to_empty(device=dev)
+    net.init_rope_cache()
+    net.load_hf_state_dict(weights)
+    net.eval().requires_grad_(False)
+    tokenizer = load_tokenizer(folder)
+    return LoadedModel(net, config, tokenizer, fingerprint(folder, weights.files), folder)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = dtype.removeprefix("torch.").lower()
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """The HF folder to read: converts GGUF (cached) and checks that config.json exists."""
+    if model is None:
+        return convert_gguf(default_gguf_path())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path not found: {path}")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return convert_gguf(path)
+        raise ValueError(f"{path} is a file but not a .gguf; pass a folder with config.json")
+    path = path.resolve()
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0])
+        raise ValueError(f"no config.json in model folder {path}")
+    return path
+
+
+def read_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # unknown model_type, bad JSON...: name the file
+        raise ValueError(f"cannot read {folder / 'config.json'}: {e}") from e
+    resolve_architecture(config)
+    return config
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder (all shards of an index), else ValueError."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"corrupt safetensors index {index}: {e}") from e
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} lists missing shard(s): {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in folder.glob("*.bin")) + sorted(
+            p.name for p in folder.glob("*.pt*")
+        )
+        hint = f" (found {', '.join(other)}; only safetensors are supported)" if other else ""
+        raise ValueError(f"no *.safetensors weights in {folder}{hint}")
+    return files
+
+
+class SafetensorsWeights(Mapping[str, torch.Tensor]):
+    """Lazy name -> tensor view over safetensors files; a tensor is read when asked for,
+    so loading holds one tensor at a time beside the model."""
+
+    def __init__(self, files: list[Path]) -> None:
+        from safetensors import safe_open
+
+        self.files = files
+        self._where: dict[str, Path] = {}
+        self._handles: dict[Path, Any] = {}
+        for f in files:
+            try:
+                handle = safe_open(str(f), framework="pt", device="cpu")
+                names = list(handle.keys())
+            except Exception as e:  # SafetensorError: truncated file, bad header
+                raise ValueError(f"corrupt safetensors file {f}: {e}") from e
+            self._handles[f] = handle
+            for name in names:
+                self._where[name] = f
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        f = self._where[name]
+        try:
+            tensor: torch.Tensor = self._handles[f].get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"corrupt safetensors file {f} (tensor {name!r}): {e}") from e
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_tokenizer(folder: Path) -> Any | None:
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot load the tokenizer in {folder}: {e}") from e
+
+
+def fingerprint(folder: Path, files: list[Path]) -> str:
+    """`<folder name>@<16 hex>` over the resolved folder, config.json and weight sizes."""
+    h = hashlib.sha256(str(folder.resolve()).encode())
+    h.update((folder / "config.json").read_bytes())
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return f"{folder.name}@{h.hexdigest()[:16]}"

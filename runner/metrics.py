@@ -1,0 +1,116 @@
+"""Records what each engine step did, for `kvcache report` (metrics schema version 1)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvcache import CacheStats
+from runner.scheduler import SchedulerOutput
+from runner.sequence import SeqStatus, Sequence
+
+
+class MetricsRecorder:
+    """Keeps one row per step and per request. Cost per step is O(live requests)."""
+
+    def __init__(self, record_steps: bool = True) -> None:
+        self.record_steps = record_steps
+        self.t0 = time.perf_counter()
+        self.steps: list[dict[str, Any]] = []
+        self.requests: list[Sequence] = []
+        self.index: dict[int, int] = {}  # seq_id -> request index in the report
+        self.prefix_keys: dict[int, str] = {}
+
+    def add_request(self, seq: Sequence, prefix_key: str) -> None:
+        self.index[seq.seq_id] = len(self.requests)
+        self.requests.append(seq)
+        self.prefix_keys[seq.seq_id] = prefix_key
+
+    def on_step(
+        self,
+        step: int,
+        out: SchedulerOutput,
+        live: list[Sequence],
+        held: list[Sequence],
+        t_start: float,
+        duration: float,
+        stats: CacheStats,
+    ) -> None:
+        if not self.record_steps:
+            return
+        admitted = {s.seq_id for s in out.admitted}
+        states: dict[str, str] = {}
+        for seq in live:
+            states[str(self.index[seq.seq_id])] = "preempted" if seq.num_preemptions else "waiting"
+        for seq in held:
+            states[str(self.index[seq.seq_id])] = "held"
+        for item in out.scheduled:
+            seq = item.seq
+            if item.num_new_tokens == 1 and item.sample and seq.output_token_ids:
+                state = "decode"
+            elif seq.seq_id in admitted and item.start > 0:
+                state = "cached"
+            else:
+                state = "prefill"
+            states[str(self.index[seq.seq_id])] = state
+        self.steps.append(
+            {
+                "step": step,
+                "t_start_s": t_start - self.t0,
+                "duration_s": duration,
+                "num_prefill_tokens": out.num_prefill_tokens,
+                "num_decode_tokens": out.num_decode_tokens,
+                "num_cached_tokens": sum(s.num_computed_tokens for s in out.admitted)
+                if out.admitted
+                else 0,
+                "hit_tokens_cum": stats.hit_tokens,
+                "query_tokens_cum": stats.query_tokens,
+                "states": states,
+            }
+        )
+
+    def request_record(self, seq: Sequence) -> dict[str, Any]:
+        """Timings of one request, in seconds from its arrival."""
+        times = seq.token_times
+        return {
+            "arrival_time_s": seq.arrival_time - self.t0,
+            "first_token_time_s": None
+            if seq.first_token_time is None
+            else seq.first_token_time - self.t0,
+            "finish_time_s": None if seq.finish_time is None else seq.finish_time - self.t0,
+            "ttft_s": None
+            if seq.first_token_time is None
+            else seq.first_token_time - seq.arrival_time,
+            "itl_s": [b - a for a, b in zip(times, times[1:], strict=False)],
+            "num_preemptions": seq.num_preemptions,
+        }
+
+    def to_dict(
+        self, header: dict[str, Any], stats: CacheStats, preemptions: int
+    ) -> dict[str, Any]:
+        requests = []
+        for seq in self.requests:
+            rec = self.request_record(seq)
+            rec.update(
+                {
+                    "id": seq.request_id,
+                    "prompt_tokens": seq.num_prompt_tokens,
+                    "cached_tokens": seq.num_cached_tokens,
+                    "output_tokens": len(seq.output_token_ids),
+                    "finish_reason": seq.finish_reason
+                    if seq.status is SeqStatus.FINISHED
+                    else None,
+                    "prefix_key": self.prefix_keys.get(seq.seq_id, ""),
+                    "prefix_preview": (seq.prompt_text or "")[:60],
+                }
+            )
+            requests.append(rec)
+        return {
+            "version": 1,
+            **header,
+            "wall_time_s": time.perf_counter() - self.t0,
+            "cache": {**stats.as_dict(), "hit_rate": stats.hit_rate},
+            "num_preemptions": preemptions,
+            "requests": requests,
+            "steps": self.steps,
+        }

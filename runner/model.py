@@ -1,0 +1,266 @@
+"""Llama-family decoder over flat (varlen) token batches: no padding, no batch dim.
+
+One class covers Llama / Mistral / SmolLM2 (Llama), Qwen2 (q/k/v bias) and Qwen3
+(per-head RMSNorm on q and k). Projections are fused (one Linear for q/k/v, one for
+gate/up) so a layer runs four matmuls; load_hf_state_dict() maps HF's separate tensors
+into the fused ones. K/V live in a KVStore and are read through paged_attention().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcache.store import KVStore
+from runner.attention import AttentionMetadata, paged_attention
+from runner.layers import RMSNorm, apply_rope, rope_cos_sin
+
+# HF architecture name -> (q/k/v bias, o_proj bias, q/k norm); None = read attention_bias.
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool | None, bool]] = {
+    "LlamaForCausalLM": (None, None, False),
+    "MistralForCausalLM": (False, False, False),
+    "Qwen2ForCausalLM": (True, False, False),
+    "Qwen3ForCausalLM": (None, None, True),
+}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def resolve_architecture(config: Any) -> str:
+    """The supported HF architecture of `config`, else ValueError naming it."""
+    archs = list(getattr(config, "architectures", None) or [])
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    model_type = getattr(config, "model_type", None)
+    if not archs and model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    found = ", ".join(archs) if archs else f"model_type={model_type!r}"
+    raise ValueError(
+        f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, arch: str) -> None:
+        super().__init__()
+        qkv_bias, o_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} heads not a multiple of {self.num_kv_heads}")
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            hidden,
+            self.q_size + 2 * self.kv_size,
+            bias=attention_bias if qkv_bias is None else qkv_bias,
+        )
+        self.o_proj = nn.Linear(
+            self.q_size, hidden, bias=attention_bias if o_bias is None else o_bias
+        )
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,  # [T, D/2]
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,  # [blocks, B, Hkv, D]
+        v_cache: torch.Tensor,
+        backend: str,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: norm per head, before RoPE
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, backend)  # [T, Hq, D]
+        out: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
+        return out
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, arch: str) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, arch)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        backend: str,
+    ) -> torch.Tensor:
+        x = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, backend)
+        h = x.add_(h)  # residual; x is a fresh tensor so the in-place add is safe
+        x = self.mlp(self.post_attention_layernorm(h))
+        return x.add_(h)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.architecture = resolve_architecture(config)
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
+        self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.max_position_embeddings = config.max_position_embeddings
+        # Mistral's window is ignored: callers must keep contexts within it.
+        self.sliding_window: int | None = getattr(config, "sliding_window", None)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # "torch" or "triton"; the model runner may switch it after loading.
+        self.attention_backend = "torch"
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.architecture) for _ in range(self.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        attn: Attention = self.layers[0].self_attn  # type: ignore[assignment]
+        self.num_heads: int = attn.num_heads
+        self.num_kv_heads: int = attn.num_kv_heads
+        self.head_dim: int = attn.head_dim
+        self._qkv_sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        if self.embed_tokens.weight.device.type != "meta":
+            self.init_rope_cache()
+
+    def init_rope_cache(self) -> None:
+        """(Re)compute the cos/sin tables on the weights' device and dtype; call after
+        ``to_empty()`` (a meta-built model has no tables yet)."""
+        w = self.embed_tokens.weight
+        self.rope_cos, self.rope_sin = rope_cos_sin(
+            self.config, self.head_dim, self.max_position_embeddings, w.dtype, w.device
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv: KVStore,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [T, H]; writes K/V of all T tokens."""
+        h = self.embed_tokens(input_ids)  # [T, H]
+        cos = self.rope_cos.index_select(0, positions)  # [T, D/2]
+        sin = self.rope_sin.index_select(0, positions)
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv.layer(i)
+            h = layer(h, cos, sin, meta, k_cache, v_cache, self.attention_backend)
+        out: torch.Tensor = self.norm(h)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] (only the rows that need sampling) -> logits [N, vocab] float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors into our (fused) parameters; converts dtype/device.
+
+        Raises ValueError on unknown names, shape mismatches or missing tensors. Tensors
+        are read one at a time, so `state` may be a lazy mapping over files."""
+        params = dict(self.named_parameters())
+        parts_needed = {
+            n: 3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 1 for n in params
+        }
+        parts_done: dict[str, set[int]] = {n: set() for n in params}
+        for hf_name in state.keys():
+            target = self._map_name(hf_name)
+            if target is None:
+                continue
+            name, part = target
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for {self.architecture}")
+            dest = self._part_view(params[name].data, name, part)
+            tensor = state[hf_name]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(
+                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            parts_done[name].add(part)
+        missing = [n for n, k in parts_needed.items() if len(parts_done[n]) != k]
+        if missing:
+            raise ValueError(f"weights missing for {len(missing)} parameters, e.g. {missing[:3]}")
+
+    def _map_name(self, hf_name: str) -> tuple[str, int] | None:
+        """HF name -> (our parameter, part index in a fused tensor); None = ignore."""
+        name = hf_name.removeprefix("model.")
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # tied: the embedding is the head
+        for hf, ours, part in (
+            (".self_attn.q_proj.", ".self_attn.qkv_proj.", 0),
+            (".self_attn.k_proj.", ".self_attn.qkv_proj.", 1),
+            (".self_attn.v_proj.", ".self_attn.qkv_proj.", 2),
+            (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
+            (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
+        ):
+            if hf in name:
+                return name.replace(hf, ours), part
+        return name, 0
+
+    def _part_view(self, data: torch.Tensor, name: str, part: int) -> torch.Tensor:
+        """The rows of a fused parameter that HF tensor `part` fills."""
+        if ".qkv_proj." in name:
+            sizes = self._qkv_sizes
+        elif ".gate_up_proj." in name:
+            sizes = [data.shape[0] // 2] * 2
+        else:
+            return data
+        start = sum(sizes[:part])
+        return data[start : start + sizes[part]]

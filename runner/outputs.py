@@ -1,0 +1,34 @@
+"""What a finished request hands back to the user."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestOutput:
+    """One request's result. `token_ids` include the stop token (EOS) when one ended it;
+    `text` is cut before a matched stop string and leaves special tokens out."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    num_cached_tokens: int
+    finish_reason: str | None  # "stop" | "length"
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        """A JSON-ready dict, the shape `kvcache generate` writes per line."""
+        return {
+            "id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_tokens": len(self.prompt_token_ids),
+            "cached_tokens": self.num_cached_tokens,
+            "output_tokens": len(self.token_ids),
+            "finish_reason": self.finish_reason,
+            **self.metrics,
+        }

@@ -1,0 +1,57 @@
+"""Checks a request before it is queued, so bad input fails alone with a clear message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runner.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestValidator:
+    vocab_size: int
+    max_model_len: int
+    pool_tokens: int  # KV slots in the whole pool
+    block_size: int
+
+    def check(self, token_ids: list[Any], params: Any) -> None:
+        """Raise ValueError naming the problem; returns quietly when the request can run."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        for position, token in enumerate(token_ids):
+            if not isinstance(token, int) or isinstance(token, bool):
+                raise ValueError(f"prompt token {position} is not an integer: {token!r}")
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(
+                    f"prompt token {position} is {token}, outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; the model's context holds "
+                f"{self.max_model_len} (prompt plus at least one new token)"
+            )
+        # A request whose prompt and answer cannot fit even in an empty pool would wait forever.
+        total = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        blocks = -(-total // self.block_size)
+        pool_blocks = self.pool_tokens // self.block_size
+        if blocks > pool_blocks:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{blocks} KV blocks, but the pool holds only {pool_blocks} blocks "
+                f"({self.pool_tokens} tokens); raise num_kv_blocks or lower max_tokens"
+            )
+
+    @staticmethod
+    def check_messages(messages: Any) -> None:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {role, content} objects")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise ValueError(f"messages[{i}] must be an object, got {type(message).__name__}")
+            for key in ("role", "content"):
+                if not isinstance(message.get(key), str):
+                    raise ValueError(f"messages[{i}] needs a string {key!r}")

@@ -1,0 +1,252 @@
+"""Continuous (and static) batching over a per-step token budget, with chunked prefill,
+preemption by recompute, and cache-aware admission."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvcache import BlockManager, block_hashes
+from runner.config import EngineConfig
+from runner.sequence import SeqStatus, Sequence
+
+# How many waiting requests cache-aware admission looks at each step: bounds the per-step cost.
+_ADMISSION_WINDOW = 64
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    # True when this chunk ends at the sequence's newest token: its logits pick the next token.
+    sample: bool
+    # K/V positions [start, start + num_new_tokens) are computed this step.
+    start: int = 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1 or not s.sample)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.sample)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting and running queues; the block manager owns the blocks.
+
+    Continuous mode per step: running decodes first (preempting the most recently admitted
+    sequence when blocks run out), then running chunked prefills, then new admissions, all under
+    `max_num_batched_tokens`. Static mode admits a batch only when the last one is done, and a
+    finished member holds its slot until every member finishes.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is preempted first
+        self.held: list[Sequence] = []  # static mode: finished but still in the batch
+        self.step_count = 0
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- queue bookkeeping
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_step = seq.wait_since_step = self.step_count
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a finished sequence out of the batch; its full blocks stay cached."""
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        if self.config.batching == "static":
+            self.held.append(seq)
+            if not self.running:
+                for done in self.held:
+                    self.bm.free(done.seq_id)
+                self.held.clear()
+        else:
+            self.bm.free(seq.seq_id)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request that failed: free its blocks wherever it is."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+            self.bm.free(seq.seq_id)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free a running sequence's blocks and queue it first for re-admission.
+
+        Its committed full blocks stay in the tree, so re-admission mostly hits the cache."""
+        self.running.remove(seq)
+        self.bm.free(seq.seq_id)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.wait_since_step = self.step_count
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        out.scheduled = [item for item in out.scheduled if item.seq is not seq]
+
+    # ----------------------------------------------------------------- the step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self.step_count += 1
+        if self.config.batching == "static":
+            self._schedule_static(out)
+        else:
+            self._schedule_continuous(out)
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """After the model ran: advance progress and cache every block that just filled."""
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    def _schedule_continuous(self, out: SchedulerOutput) -> None:
+        budget = self.config.max_num_batched_tokens
+        for seq in [s for s in self.running if not s.in_prefill]:
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if self._reserve_decode_slot(seq, out):
+                out.scheduled.append(ScheduledSeq(seq, 1, True, seq.num_computed_tokens))
+                budget -= 1
+        for seq in [s for s in self.running if s.in_prefill]:
+            if budget <= 0:
+                break
+            budget -= self._schedule_prefill_chunk(seq, budget, out)
+        inflight = self._inflight_prefix_hashes()
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self._pick_next(inflight)
+            if seq is None or not self.bm.can_allocate(seq.token_ids, seq.root):
+                break
+            self._admit(seq, out)
+            budget -= self._schedule_prefill_chunk(seq, budget, out)
+            inflight.update(self._prompt_hashes(seq))
+
+    def _schedule_static(self, out: SchedulerOutput) -> None:
+        if not self.running and not self.held:
+            reserved = 0
+            while self.waiting and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                # Reserve room for the whole answer: a static batch never preempts.
+                total = seq.num_tokens + seq.params.max_tokens
+                need = -(-total // self.bm.block_size)
+                if reserved + need > self.bm.num_available_blocks():
+                    break
+                reserved += need
+                self.waiting.popleft()
+                self._admit(seq, out)
+        budget = self.config.max_num_batched_tokens
+        prefilling = [s for s in self.running if s.in_prefill]
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            budget -= self._schedule_prefill_chunk(seq, budget, out)
+        if prefilling:
+            return  # a padded batch decodes only once every member has its prompt in
+        for seq in self.running:
+            if self._reserve_decode_slot(seq, out):
+                out.scheduled.append(ScheduledSeq(seq, 1, True, seq.num_computed_tokens))
+
+    # ----------------------------------------------------------------- helpers
+    def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Make room for one more token, preempting the newest other sequences if needed."""
+        while not self.bm.can_append(seq.seq_id, seq.num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        self.bm.append_slots(seq.seq_id, seq.num_tokens)
+        return True
+
+    def _schedule_prefill_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Schedule the next chunk of a prefill; returns the tokens it takes from the budget."""
+        remaining = seq.num_uncomputed_tokens
+        size = min(remaining, budget) if self.config.enable_chunked_prefill else remaining
+        start = seq.num_computed_tokens
+        out.scheduled.append(ScheduledSeq(seq, size, size == remaining, start))
+        return size
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
+        alloc = self.bm.allocate(seq.seq_id, seq.token_ids, seq.root, readmission=seq.admitted)
+        if not seq.admitted:
+            seq.num_cached_tokens = alloc.num_cached_tokens
+        seq.admitted = True
+        seq.num_computed_tokens = alloc.num_cached_tokens
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        out.admitted.append(seq)
+
+    def _prompt_hashes(self, seq: Sequence) -> list[int]:
+        return block_hashes(seq.token_ids, self.bm.block_size, seq.root)
+
+    def _inflight_prefix_hashes(self) -> set[int]:
+        """Hashes of full blocks that running prefills are computing but have not cached yet."""
+        inflight: set[int] = set()
+        if self.config.enable_prefix_caching:
+            for seq in self.running:
+                if seq.in_prefill:
+                    inflight.update(self._prompt_hashes(seq))
+        return inflight
+
+    def _pick_next(self, inflight: set[int]) -> Sequence | None:
+        """Choose the next request to admit and take it out of the waiting queue.
+
+        The oldest request goes first once it has waited `max_wait_steps`, so nothing starves.
+        Otherwise the one with the longest cached prefix goes first; a request whose prefix is
+        being computed right now by another waits a step and then reuses it instead of
+        computing it again."""
+        oldest = self.waiting[0]
+        if (
+            not self.config.enable_prefix_caching
+            or self.step_count - oldest.wait_since_step >= self.config.max_wait_steps
+        ):
+            self.waiting.popleft()
+            return oldest
+        best: Sequence | None = None
+        best_len = -1
+        for index, seq in enumerate(self.waiting):
+            if index >= _ADMISSION_WINDOW:
+                break
+            cached = self.bm.cached_prefix_length(seq.token_ids, seq.root)
+            if inflight and self._shares_inflight(seq, inflight) * self.bm.block_size > cached:
+                continue
+            if cached > best_len:
+                best, best_len = seq, cached
+        if best is not None:
+            self.waiting.remove(best)
+        return best
+
+    def _shares_inflight(self, seq: Sequence, inflight: set[int]) -> int:
+        """Leading full blocks of `seq` that a running prefill is computing (chained hashes, so
+        membership of block i implies the whole prefix up to i matches)."""
+        shared = 0
+        for h in self._prompt_hashes(seq):
+            if h not in inflight:
+                break
+            shared += 1
+        return shared

@@ -1,0 +1,79 @@
+"""One request as the scheduler sees it: tokens, progress through the KV cache, timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runner.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """A request's state. Invariant: tokens [0, num_computed_tokens) have K/V in the store.
+
+    `token_ids` is prompt + generated so far; the newest sampled token is not computed yet, so a
+    decoding sequence always has exactly one token to feed.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    root: int  # hash-chain root: model fingerprint + cache salt
+    generator: torch.Generator | None = None
+    prompt_text: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # cached tokens found at first admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_text_cut: int | None = None  # chars of the text kept when a stop string matched
+    arrival_time: float = field(default_factory=time.perf_counter)
+    arrival_step: int = 0
+    wait_since_step: int = 0
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    admitted: bool = False  # admitted at least once (later admissions are re-admissions)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the single newest token is left to compute."""
+        return self.num_uncomputed_tokens > 1 or not self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def record_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)

@@ -1,0 +1,149 @@
+"""Triton paged attention: the `backend="triton"` twin of `paged_attention` in runner/attention.py.
+
+Cache layout (kvcache/store.py): k_cache / v_cache [num_blocks, block_size, Hkv, D]; a token's
+flat slot is block * block_size + offset. A step first writes the new tokens' K/V at their slots
+(store_kv), then attends: decode-only steps go to the split-K decode kernels
+(runner/triton_decode.py), anything else to the varlen causal prefill kernel
+(runner/triton_prefill.py), which also covers mixed prefill + decode batches.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (runner/triton_common.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from runner.triton_common import check_cache_pair, last_dim_contiguous, pow2_at_least
+from runner.triton_decode import decode_attention
+from runner.triton_prefill import prefill_attention
+
+if TYPE_CHECKING:  # runner/attention.py imports this module lazily; avoid a cycle at runtime
+    from runner.attention import AttentionMetadata
+
+__all__ = ["decode_attention", "prefill_attention", "store_kv", "triton_paged_attention"]
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr: tl.tensor,  # [T, Hkv, D]
+    v_ptr: tl.tensor,  # [T, Hkv, D]
+    k_cache_ptr: tl.tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr: tl.tensor,  # same layout and strides as k_cache
+    slot_mapping_ptr: tl.tensor,  # [T] int64 flat slots; < 0 means "do not store"
+    stride_kt: int,
+    stride_kh: int,
+    stride_vt: int,
+    stride_vh: int,
+    stride_cb: int,
+    stride_co: int,
+    stride_ch: int,
+    NUM_KV_HEADS: tl.constexpr,
+    H_PAD: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+) -> None:
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    # A negative slot (padding) stores nothing. where() rather than `mask & (slot >= 0)`: the
+    # interpreter turns `tensor & scalar-bool` into an int array that tl.load rejects.
+    mask = tl.where(slot >= 0, mask, False)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
+    dst_off = dst + offs_h[:, None] * stride_ch + offs_d[None, :]  # [H_PAD, D_PAD]
+    k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask)
+    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask)
+    tl.store(k_cache_ptr + dst_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new K/V [T, Hkv, D] into k_cache / v_cache [num_blocks, block_size, Hkv, D] at the
+    flat slots slot_mapping [T] (int32 or int64); tokens with a negative slot are skipped.
+    k / v may be strided views (e.g. slices of a fused qkv projection). Mutates the caches."""
+    check_cache_pair(k_cache, v_cache)
+    k, v = last_dim_contiguous(k), last_dim_contiguous(v)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    _, block_size, cache_heads, cache_dim = k_cache.shape
+    if v.shape != k.shape or (cache_heads, cache_dim) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit cache {tuple(k_cache.shape)}"
+        )
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} != ({num_tokens},)")
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        H_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        D_PAD=pow2_at_least(head_dim, floor=1),
+        BLOCK_SIZE=block_size,
+    )
+
+
+def triton_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    partition_size: int | None = None,
+) -> torch.Tensor:
+    """Same contract as `paged_attention(..., backend="triton")`.
+
+    q [T, Hq, D], k / v [T, Hkv, D]. Writes k / v into the caches at meta.slot_mapping, then
+    query i of a sequence with query_len L and context_len C (positions C - L + i) attends to
+    its sequence's keys at positions <= C - L + i. Returns [T, Hq, D] in q's dtype.
+    `partition_size` overrides the decode split-K partition length (keys per program).
+    """
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.decode_only:
+        kwargs = {} if partition_size is None else {"partition_size": partition_size}
+        return decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.context_lens,
+            meta.block_tables,
+            scale,
+            meta.max_context_len,
+            **kwargs,
+        )
+    return prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.query_start_loc,
+        meta.context_lens,
+        meta.block_tables,
+        scale,
+        meta.max_query_len,
+    )

@@ -1,0 +1,68 @@
+"""Shared pieces of the Triton attention kernels: the CPU interpreter fallback and tile helpers.
+
+Importing this module (the kernel modules do, before defining their kernels) picks Triton's
+interpreter when there is no CUDA device: Triton decides at `@triton.jit` decoration time
+whether a kernel is compiled or interpreted, so the variable must be set before then.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Without a GPU the kernels still run, slowly, on CPU tensors in Triton's interpreter: that is how
+# CI tests them. `setdefault` keeps an explicit TRITON_INTERPRET=0/1 from the user.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the interpreter (CPU tensors) instead of on a GPU."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def pow2_at_least(n: int, floor: int = 16) -> int:
+    """Smallest power of two >= n and >= floor; tl.dot needs every tile dimension >= 16."""
+    return max(floor, triton.next_power_of_2(n))
+
+
+def dot_config(cache_dtype: torch.dtype) -> tuple[tl.dtype, str]:
+    """(operand dtype, input_precision) for the kernels' tl.dot calls on a cache of this dtype.
+
+    Operands stay in the cache dtype (fp32 accumulation either way) except for bf16 under the
+    interpreter, whose tl.dot multiplies bf16's raw uint16 storage: there they go up to fp32.
+    fp32 operands get exact IEEE products so results match the torch path (tf32 would drop ~3
+    decimal digits); the precision is ignored for fp16 / bf16 operands.
+    """
+    if cache_dtype == torch.bfloat16 and interpreting():
+        return tl.float32, "ieee"
+    operand = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+    if cache_dtype not in operand:
+        raise ValueError(f"unsupported KV cache dtype {cache_dtype}")
+    return operand[cache_dtype], "ieee" if cache_dtype == torch.float32 else "tf32"
+
+
+def default_tile(dtype: torch.dtype) -> int:
+    """Key/query tile length: 64 for 16-bit caches, 32 for fp32 so K, V and Q tiles of head_dim
+    128 still fit in shared memory with software pipelining."""
+    return 32 if dtype == torch.float32 else 64
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """Kernels take strides for every dimension but assume the head dimension has stride 1."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """K and V caches [num_blocks, block_size, Hkv, D] must share shape, dtype and strides (the
+    kernels take one set of strides for both; KVStore.layer() gives such a pair)."""
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache "
+            f"{tuple(v_cache.shape)} {v_cache.dtype} differ"
+        )
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need equal strides and a contiguous head dim")

@@ -1,0 +1,276 @@
+"""Triton decode attention over a paged KV cache, split along the context (flash-decoding).
+
+Decode has one query per sequence, so a grid of (sequences x KV heads) alone leaves most of a
+GPU idle for small batches with long contexts. The context of each sequence is therefore cut
+into partitions of `partition_size` keys, one program each; every program writes its partial
+result (output normalised by its own softmax sum, plus the log2-sum-exp of its scores) and a
+second, tiny kernel combines the partitions. With a single partition the first kernel writes
+the final output directly and the reduce is skipped.
+
+A program handles all GROUP query heads that share one KV head, so K/V rows are loaded once per
+group (GQA); the group is padded to 16 rows because tl.dot needs tiles of at least 16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runner.triton_common import (
+    check_cache_pair,
+    default_tile,
+    dot_config,
+    last_dim_contiguous,
+    pow2_at_least,
+)
+
+LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * log2(e))
+DEFAULT_PARTITION_SIZE = 512  # keys per partition; a multiple of every tile size used
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr: tl.tensor,  # [S, Hq, D]: one query per sequence
+    k_cache_ptr: tl.tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr: tl.tensor,  # same layout and strides as k_cache
+    part_out_ptr: tl.tensor,  # [S, Hq, P, D] (float32), or the final [S, Hq, D] output when P == 1
+    part_lse_ptr: tl.tensor,  # [S, Hq, P] float32 log2-sum-exp; unused when not WRITE_LSE
+    context_lens_ptr: tl.tensor,  # [S] int32
+    block_tables_ptr: tl.tensor,  # [S, max_blocks] int32
+    qk_scale: float,  # softmax scale * log2(e)
+    stride_qt: int,
+    stride_qh: int,
+    stride_cb: int,
+    stride_co: int,
+    stride_ch: int,
+    stride_bt: int,
+    stride_os: int,
+    stride_oh: int,
+    stride_op: int,
+    stride_ls: int,
+    stride_lh: int,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # tl.dot operand dtype (see dot_config)
+    DOT_PRECISION: tl.constexpr,
+) -> None:
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+
+    ctx_len = tl.load(context_lens_ptr + seq)
+    part_start = part * PARTITION_SIZE
+    part_end = tl.minimum(ctx_len, part_start + PARTITION_SIZE)  # <= part_start: nothing to do
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    heads = kv_head * GROUP + offs_g  # query heads of this group
+    g_valid = offs_g < GROUP
+    d_valid = offs_d < HEAD_DIM
+    gd_mask = g_valid[:, None] & d_valid[None, :]
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=gd_mask,
+        other=0.0,
+    )  # [GROUP_PAD, D_PAD]
+    q = q.to(DOT_DTYPE)
+
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)  # finite: see triton_prefill.py
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    for start in range(part_start, part_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)  # key positions; all visible to the one query
+        n_valid = offs_n < part_end
+        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        row = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(DOT_DTYPE)
+
+        # [GROUP_PAD, BLOCK_N] scores in the log2 domain
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = v.to(DOT_DTYPE)
+        pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)  # [rows, D_PAD]
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # Partitions past a short sequence's end write nothing. where() rather than `mask & scalar`:
+    # the interpreter turns `tensor & scalar-bool` into an int array that tl.store rejects.
+    has_keys = part_start < ctx_len
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    out_rows = seq.to(tl.int64) * stride_os + heads * stride_oh + part * stride_op
+    tl.store(
+        part_out_ptr + out_rows[:, None] + offs_d[None, :],
+        out.to(part_out_ptr.dtype.element_ty),
+        mask=tl.where(has_keys, gd_mask, False),
+    )
+    if WRITE_LSE:
+        lse = m_i + tl.log2(safe_l)
+        lse_ptr = part_lse_ptr + seq.to(tl.int64) * stride_ls + heads * stride_lh + part
+        tl.store(lse_ptr, lse, mask=tl.where(has_keys, g_valid, False))
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr: tl.tensor,  # [S, Hq, P, D] float32, each partition normalised by its own sum
+    part_lse_ptr: tl.tensor,  # [S, Hq, P] float32 log2-sum-exp of each partition's scores
+    out_ptr: tl.tensor,  # [S, Hq, D]
+    context_lens_ptr: tl.tensor,  # [S] int32
+    stride_ps: int,
+    stride_ph: int,
+    stride_pp: int,
+    stride_ls: int,
+    stride_lh: int,
+    stride_os: int,
+    stride_oh: int,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    P_PAD: tl.constexpr,  # number of partitions rounded up to a power of two
+) -> None:
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    ctx_len = tl.load(context_lens_ptr + seq)
+    num_parts = tl.cdiv(ctx_len, PARTITION_SIZE)  # only these were written for this sequence
+
+    offs_p = tl.arange(0, P_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    p_valid = offs_p < num_parts
+    d_valid = offs_d < HEAD_DIM
+    lse_row = part_lse_ptr + seq.to(tl.int64) * stride_ls + head * stride_lh
+    lse = tl.load(lse_row + offs_p, mask=p_valid, other=float("-inf"))  # [P_PAD]
+    # Partition j holds o_j = sum_j(e^s v) / l_j and lse_j = log2(l_j) (max included), so the
+    # full softmax is sum_j w_j o_j / sum_j w_j with w_j = 2^(lse_j - max lse).
+    weight = tl.exp2(lse - tl.max(lse, axis=0))
+    weight = tl.where(p_valid, weight, 0.0)
+    part_row = part_out_ptr + seq.to(tl.int64) * stride_ps + head * stride_ph
+    parts = tl.load(
+        part_row + offs_p[:, None] * stride_pp + offs_d[None, :],
+        mask=p_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )  # [P_PAD, D_PAD]
+    total = tl.sum(weight, axis=0)
+    total = tl.where(total > 0.0, total, 1.0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / total
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_valid,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+    *,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its whole cached context.
+
+    q [S, Hq, D] (token s belongs to sequence s); k_cache / v_cache [num_blocks, block_size,
+    Hkv, D] already holding the new token; context_lens [S] int32 including it; block_tables
+    [S, max_blocks] int32. `max_context_len` (host int) sets the number of partitions; it is
+    read from the tensor, with a device sync, when not given. `partition_size` must be a
+    power-of-two multiple of 16. Returns [S, Hq, D] in q's dtype.
+    """
+    check_cache_pair(k_cache, v_cache)
+    q = last_dim_contiguous(q)
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if partition_size < 16 or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    block_n = min(block_n or default_tile(k_cache.dtype), partition_size)
+    group = num_q_heads // num_kv_heads
+    num_parts = max(1, triton.cdiv(max_context_len, partition_size))
+    single = num_parts == 1
+    if single:  # the partition kernel writes the final output: view it as [S, Hq, P=1, D]
+        part_out, part_lse = out.unsqueeze(2), out
+    else:
+        part_out = torch.empty(
+            (num_seqs, num_q_heads, num_parts, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            (num_seqs, num_q_heads, num_parts), dtype=torch.float32, device=q.device
+        )
+    d_pad = pow2_at_least(head_dim)
+    dot_dtype, precision = dot_config(k_cache.dtype)
+    _decode_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
+        q,
+        k_cache,
+        v_cache,
+        part_out,
+        part_lse,
+        context_lens,
+        block_tables,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        GROUP_PAD=pow2_at_least(group),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        PARTITION_SIZE=partition_size,
+        BLOCK_N=block_n,
+        WRITE_LSE=not single,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=precision,
+    )
+    if single:
+        return out
+    _decode_reduce_kernel[(num_seqs, num_q_heads)](
+        part_out,
+        part_lse,
+        out,
+        context_lens,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        PARTITION_SIZE=partition_size,
+        P_PAD=triton.next_power_of_2(num_parts),
+    )
+    return out

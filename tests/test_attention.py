@@ -1,0 +1,157 @@
+"""The torch paged-attention path against a naive per-token reference: random shapes,
+GQA ratios, block sizes, cached-prefix lengths and mixed decode/prefill batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runner.attention import GROUP_MAX_QUERY_LEN, AttentionMetadata, paged_attention
+
+
+def naive_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [blocks, B, Hkv, D] with the new tokens already written
+    v_cache: torch.Tensor,
+    query_lens: list[int],
+    context_lens: list[int],
+    tables: list[list[int]],
+    scale: float,
+) -> torch.Tensor:
+    """Token by token, in float64: query i of a sequence sits at C - L + i and sees 0..pos."""
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // hkv
+    out = torch.empty_like(q, dtype=torch.float64)
+    row = 0
+    for q_len, ctx, table in zip(query_lens, context_lens, tables, strict=True):
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx)]
+        keys = k_cache.reshape(-1, hkv, k_cache.shape[-1])[slots].double()  # [C, Hkv, D]
+        vals = v_cache.reshape(-1, hkv, v_cache.shape[-1])[slots].double()
+        keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
+        for i in range(q_len):
+            pos = ctx - q_len + i
+            scores = torch.einsum("hd,chd->hc", q[row].double(), keys[: pos + 1]) * scale
+            out[row] = torch.einsum("hc,chd->hd", scores.softmax(-1), vals[: pos + 1])
+            row += 1
+    return out
+
+
+def run_case(
+    seqs: list[tuple[int, int]],  # (query_len, context_len) per sequence
+    hq: int,
+    hkv: int,
+    block_size: int,
+    head_dim: int = 16,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(paged_attention output, naive output) for one random batch."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    blocks_needed = [-(-ctx // block_size) for _, ctx in seqs]
+    num_blocks = sum(blocks_needed) + 3
+    ids = list(range(1, num_blocks))  # block 0 stays unused, as padding points at it
+    rng.shuffle(ids)
+    tables, taken = [], 0
+    for n in blocks_needed:
+        tables.append(ids[taken : taken + n])
+        taken += n
+    # The cached prefix is random data already in the store; new tokens are written.
+    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim).to(dtype)
+    q_lens = [q for q, _ in seqs]
+    ctxs = [c for _, c in seqs]
+    t = sum(q_lens)
+    q = torch.randn(t, hq, head_dim).to(dtype)
+    k = torch.randn(t, hkv, head_dim).to(dtype)
+    v = torch.randn(t, hkv, head_dim).to(dtype)
+    meta = AttentionMetadata.build(q_lens, ctxs, tables, block_size)
+    scale = head_dim**-0.5
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    # The new K/V must sit at their slots.
+    flat_k = k_cache.view(-1, hkv, head_dim)
+    assert torch.equal(flat_k[meta.slot_mapping], k)
+    assert torch.equal(v_cache.view(-1, hkv, head_dim)[meta.slot_mapping], v)
+    ref = naive_attention(q, k_cache, v_cache, q_lens, ctxs, tables, scale)
+    return out, ref
+
+
+LONG = GROUP_MAX_QUERY_LEN + 7  # a query long enough to run alone
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (4, 2), (8, 1), (6, 3)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_mixed_batch_matches_naive(hq: int, hkv: int, block_size: int) -> None:
+    seqs = [
+        (1, 1),  # first decode step of a 0-token... (a 1-token prompt)
+        (LONG, LONG),  # fresh prefill: SDPA on k/v directly
+        (1, 37),  # decode
+        (LONG, LONG + 21),  # prefill chunk after a cached prefix
+        (5, 5),  # short fresh prefill: grouped with the decodes
+        (3, 40),  # short suffix after a prefix: grouped, padded to the longest short query
+        (1, 16),
+    ]
+    out, ref = run_case(seqs, hq, hkv, block_size, seed=hq * 100 + block_size)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches_match_naive(seed: int) -> None:
+    rng = random.Random(seed)
+    hkv = rng.choice([1, 2, 4])
+    hq = hkv * rng.choice([1, 2, 3])
+    block_size = rng.choice([2, 8, 16])
+    seqs = []
+    for _ in range(rng.randint(1, 6)):
+        q_len = rng.choice([1, 1, 2, rng.randint(1, 40)])
+        seqs.append((q_len, q_len + rng.choice([0, rng.randint(1, 50)])))
+    out, ref = run_case(seqs, hq, hkv, block_size, head_dim=rng.choice([8, 32]), seed=seed)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_only_batch_matches_naive() -> None:
+    seqs = [(1, c) for c in (1, 9, 16, 17, 33, 64)]
+    out, ref = run_case(seqs, hq=6, hkv=2, block_size=8)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_single_fresh_prefill_matches_naive() -> None:
+    out, ref = run_case([(50, 50)], hq=4, hkv=2, block_size=16)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_runs_close_to_reference() -> None:
+    seqs = [(1, 20), (LONG, LONG + 5), (4, 4)]
+    out, ref = run_case(seqs, hq=4, hkv=2, block_size=4, dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_plan_is_reused_across_layers() -> None:
+    meta = AttentionMetadata.build([3, 1], [3, 8], [[1], [2, 3]], block_size=4)
+    caches = [torch.zeros(4, 4, 2, 8) for _ in range(2)]
+    q, k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    paged_attention(q, k, v, caches[0], caches[1], meta, 0.5)
+    plan = meta._torch_plan
+    assert plan is not None
+    paged_attention(q, k, v, caches[0], caches[1], meta, 0.5)
+    assert meta._torch_plan is plan
+
+
+def test_build_rejects_inconsistent_lengths() -> None:
+    with pytest.raises(ValueError):
+        AttentionMetadata.build([5], [4], [[1]], block_size=16)  # query longer than context
+    with pytest.raises(ValueError):
+        AttentionMetadata.build([1], [20], [[1]], block_size=16)  # too few blocks
+    with pytest.raises(ValueError):
+        AttentionMetadata.build([1, 1], [1], [[1]], block_size=16)
+
+
+def test_unknown_backend_is_refused() -> None:
+    meta = AttentionMetadata.build([1], [1], [[0]], block_size=4)
+    x = torch.zeros(1, 1, 4)
+    cache = torch.zeros(1, 4, 1, 4)
+    with pytest.raises(ValueError, match="backend"):
+        paged_attention(x, x, x, cache, cache, meta, 1.0, backend="cuda-magic")

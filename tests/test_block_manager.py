@@ -1,0 +1,353 @@
+"""BlockManager: one test per rule of the prefix cache (what the scheduler relies on)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+import kvcache.hashing
+from kvcache import BlockManager, namespace_root
+
+B = 16
+ROOT = namespace_root("model")
+
+
+def seq(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def prefill(bm: BlockManager, rid: int, tokens: Sequence[int], root: int = ROOT) -> int:
+    """Admit, compute and commit the whole prompt; return the cached token count."""
+    cached = bm.allocate(rid, tokens, root).num_cached_tokens
+    bm.commit(rid, tokens, len(tokens))
+    bm.check_integrity()
+    return cached
+
+
+def run_once(bm: BlockManager, rid: int, tokens: Sequence[int], root: int = ROOT) -> int:
+    cached = prefill(bm, rid, tokens, root)
+    bm.free(rid)
+    bm.check_integrity()
+    return cached
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 6])
+@pytest.mark.parametrize("delta", [-1, 0, 1])
+def test_same_prompt_twice_reuses_full_blocks_but_computes_one_token(k: int, delta: int) -> None:
+    n = k * B + delta
+    bm = BlockManager(64, B)
+    tokens = seq(1000, n)
+    assert run_once(bm, 1, tokens) == 0
+    expected = ((n - 1) // B) * B  # full blocks, minus the last one if nothing would be left
+    assert bm.cached_prefix_length(tokens, ROOT) == expected
+    assert run_once(bm, 2, tokens) == expected
+
+
+def test_hundred_tokens_then_extended_prompt_hits_96() -> None:
+    bm = BlockManager(64, B)
+    first = seq(1, 100)
+    run_once(bm, 1, first)
+    assert run_once(bm, 2, first + seq(500, 20)) == 96
+
+
+def test_exact_32_tokens_twice_hits_16() -> None:
+    bm = BlockManager(64, B)
+    run_once(bm, 1, seq(1, 32))
+    assert run_once(bm, 2, seq(1, 32)) == 16
+
+
+def test_peek_is_pure_and_matches_allocate() -> None:
+    bm = BlockManager(64, B)
+    run_once(bm, 1, seq(1, 64))
+    before = bm.stats
+    assert bm.cached_prefix_length(seq(1, 70), ROOT) == 64
+    assert bm.blocks_needed(seq(1, 70), ROOT) == 1
+    assert bm.can_allocate(seq(1, 70), ROOT)
+    assert bm.stats == before
+    alloc = bm.allocate(2, seq(1, 70), ROOT)
+    assert alloc.num_cached_tokens == 64 and len(alloc.block_table) == 5
+
+
+def test_block_table_grows_and_is_returned_as_a_copy() -> None:
+    bm = BlockManager(8, B)
+    table = bm.allocate(1, seq(1, 20), ROOT).block_table
+    assert len(table) == 2
+    table.append(99)
+    assert bm.block_table(1) == table[:2]
+    assert len(bm.append_slots(1, 33)) == 3
+    assert len(bm.append_slots(1, 30)) == 3  # never shrinks
+    bm.check_integrity()
+
+
+def test_allocate_fails_cleanly_when_short() -> None:
+    bm = BlockManager(4, B)
+    bm.allocate(1, seq(1, 40), ROOT)  # 3 blocks
+    assert not bm.can_allocate(seq(100, 40), ROOT)
+    before = bm.stats
+    with pytest.raises(ValueError):
+        bm.allocate(2, seq(100, 40), ROOT)
+    assert bm.stats == before and 2 not in bm
+    assert not bm.can_append(1, 5 * B) and bm.can_append(1, 4 * B)
+    with pytest.raises(ValueError):
+        bm.append_slots(1, 5 * B)
+    bm.check_integrity()
+
+
+def test_bad_requests_are_rejected() -> None:
+    bm = BlockManager(8, B)
+    with pytest.raises(ValueError):
+        bm.allocate(1, [], ROOT)
+    bm.allocate(1, seq(1, 20), ROOT)
+    with pytest.raises(ValueError):
+        bm.allocate(1, seq(1, 20), ROOT)
+    with pytest.raises(ValueError):
+        bm.commit(1, seq(1, 20), 21)
+    with pytest.raises(ValueError):
+        bm.commit(1, seq(1, 48), 48)  # beyond the 2-block table
+
+
+def test_different_namespaces_never_share() -> None:
+    bm = BlockManager(64, B)
+    tokens = seq(1, 64)
+    run_once(bm, 1, tokens, namespace_root("model"))
+    assert run_once(bm, 2, tokens, namespace_root("model", "salt")) == 0
+    assert run_once(bm, 3, tokens, namespace_root("other-model")) == 0
+    assert run_once(bm, 4, tokens, namespace_root("model", "salt")) == 48
+
+
+def test_forced_collision_misses_and_identical_content_still_hits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kvcache.hashing, "xxh3_64_intdigest", lambda data, seed=0: 7)
+    bm = BlockManager(64, B)
+    a, b = seq(1, 48), seq(500, 48)
+    table_a = bm.allocate(1, a, ROOT).block_table
+    bm.commit(1, a, len(a))
+    bm.free(1)
+    assert bm.cached_prefix_length(b, ROOT) == 0  # every hash equal, tokens differ
+    assert prefill(bm, 2, b) == 0
+    assert set(bm.block_table(2)).isdisjoint(table_a)  # nothing of a's reused
+    bm.free(2)
+    bm.check_integrity()
+    assert run_once(bm, 3, a) == 32  # identical content: a legitimate hit
+    assert run_once(bm, 4, a[:16] + b[16:]) == 16  # first block equal, second collides
+
+
+def test_commit_after_collision_keeps_later_blocks_private(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kvcache.hashing, "xxh3_64_intdigest", lambda data, seed=0: 7)
+    bm = BlockManager(64, B)
+    run_once(bm, 1, seq(1, 17))
+    prefill(bm, 2, seq(500, 33))  # block 0 collides with the cached one: stays private
+    bm.free(2)
+    assert bm.stats.blocks_cached == 1  # only request 1's block
+    bm.check_integrity()
+
+
+def test_eviction_takes_lru_leaves_first_from_a_tiny_pool() -> None:
+    bm = BlockManager(6, 4)
+    a, b = seq(1, 8), seq(100, 8)
+    for rid, tokens in ((1, a), (2, b)):
+        run_once(bm, rid, tokens + [0])  # 2 cached blocks each, the partial one is freed
+    assert bm.stats.blocks_cached == 4 and bm.stats.blocks_free == 2
+
+    def cached() -> tuple[int, int]:
+        return bm.cached_prefix_length(a + [0], ROOT), bm.cached_prefix_length(b + [0], ROOT)
+
+    bm.allocate(10, seq(1000, 12), ROOT)  # 2 free blocks, then evicts a's leaf (oldest leaf)
+    assert bm.stats.evicted_blocks == 1 and cached() == (4, 8)
+    bm.allocate(11, seq(2000, 4), ROOT)  # a's first block is now the oldest leaf
+    assert cached() == (0, 8)
+    bm.allocate(12, seq(3000, 4), ROOT)  # b's leaf before b's (older) parent
+    assert cached() == (0, 4)
+    bm.check_integrity()
+
+
+def test_reuse_refreshes_lru_order() -> None:
+    bm = BlockManager(4, 4)
+    a, b = seq(1, 4), seq(100, 4)
+    run_once(bm, 1, a + [0])
+    run_once(bm, 2, b + [0])
+    assert run_once(bm, 3, a + [0]) == 4  # touches a: b is now least recently used
+    bm.allocate(10, seq(1000, 12), ROOT)  # 2 free + 1 eviction
+    assert bm.cached_prefix_length(a + [0], ROOT) == 4
+    assert bm.cached_prefix_length(b + [0], ROOT) == 0
+
+
+def test_finishing_a_request_counts_as_its_last_use() -> None:
+    bm = BlockManager(4, 4)
+    a, b = seq(1, 4), seq(100, 4)
+    prefill(bm, 1, a + [0])  # a's block is touched now ...
+    run_once(bm, 2, b + [0])
+    bm.free(1)  # ... and again when request 1 finishes, after b's
+    bm.allocate(10, seq(1000, 12), ROOT)  # 2 free + 1 eviction: b is least recently used
+    assert bm.cached_prefix_length(a + [0], ROOT) == 4
+    assert bm.cached_prefix_length(b + [0], ROOT) == 0
+
+
+def test_matched_path_is_locked_before_evicting_for_fresh_blocks() -> None:
+    bm = BlockManager(4, 4)
+    a, b = seq(1, 8), seq(100, 8)
+    run_once(bm, 1, a)  # a's two blocks are the least recently used leaves
+    run_once(bm, 2, b)
+    assert bm.stats.blocks_cached == 4 and bm.stats.blocks_free == 0
+    alloc = bm.allocate(3, a + [0], ROOT)  # matches a, needs one fresh block: evicts b's leaf
+    assert alloc.num_cached_tokens == 8
+    assert bm.cached_prefix_length(b + [0], ROOT) == 4
+    bm.check_integrity()
+
+
+def test_locking_cached_blocks_counts_against_availability() -> None:
+    bm = BlockManager(4, 4)
+    a = seq(1, 8)
+    run_once(bm, 1, a)
+    run_once(bm, 2, seq(100, 8))
+    longer = a + seq(500, 9)  # 5 blocks: 2 matched (taken out of the reclaimable 4) + 3 fresh
+    assert bm.num_available_blocks() == 4 and bm.blocks_needed(longer, ROOT) == 3
+    assert not bm.can_allocate(longer, ROOT)
+    with pytest.raises(ValueError):
+        bm.allocate(3, longer, ROOT)
+    bm.check_integrity()
+
+
+def test_collided_block_is_inserted_once_the_colliding_node_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kvcache.hashing, "xxh3_64_intdigest", lambda data, seed=0: 7)
+    bm = BlockManager(3, 4)
+    run_once(bm, 1, seq(1, 4))  # cached: one block, hash 7
+    prefill(bm, 2, seq(100, 5))  # collides, stays private; takes the 2 free blocks
+    bm.append_slots(2, 9)  # needs a third block: evicts request 1's
+    bm.commit(2, seq(100, 9), 8)
+    bm.free(2)
+    assert bm.cached_prefix_length(seq(100, 9), ROOT) == 8
+    assert bm.cached_prefix_length(seq(1, 5), ROOT) == 0
+    bm.check_integrity()
+
+
+def test_referenced_blocks_are_never_evicted() -> None:
+    bm = BlockManager(6, 4)
+    shared = seq(1, 8)
+    run_once(bm, 1, shared + [0])
+    held = bm.allocate(2, shared + [50], ROOT)  # holds the two cached blocks
+    assert held.num_cached_tokens == 8
+    assert bm.num_available_blocks() == 3
+    big = bm.allocate(3, seq(1000, 12), ROOT).block_table
+    assert set(big).isdisjoint(held.block_table)
+    assert not bm.can_allocate(seq(2000, 4), ROOT)
+    with pytest.raises(ValueError):
+        bm.allocate(4, seq(2000, 4), ROOT)
+    assert bm.block_table(2) == held.block_table
+    bm.free(2)
+    assert bm.cached_prefix_length(shared + [0], ROOT) == 8
+    bm.check_integrity()
+
+
+def test_duplicate_block_stays_private_and_returns_to_free_list() -> None:
+    bm = BlockManager(16, B)
+    tokens = seq(1, 33)
+    t1 = bm.allocate(1, tokens, ROOT).block_table
+    t2 = bm.allocate(2, tokens, ROOT).block_table  # both miss: computed twice
+    bm.commit(1, tokens, 33)
+    bm.commit(2, tokens, 33)
+    assert bm.stats.blocks_in_use == 6  # 2x3 table blocks; request 2 pins request 1's nodes
+    bm.free(1)
+    bm.check_integrity()
+    bm.free(2)
+    bm.check_integrity()
+    assert bm.stats.blocks_cached == 2  # request 1's copies only
+    assert bm.stats.blocks_free == 14
+    assert bm.allocate(3, tokens, ROOT).block_table[:2] == t1[:2] != t2[:2]
+
+
+def test_chain_continues_below_a_duplicate_even_if_its_owner_left() -> None:
+    bm = BlockManager(8, 4)
+    prompt = seq(1, 5)
+    bm.allocate(1, prompt, ROOT)
+    bm.allocate(2, prompt, ROOT)
+    bm.commit(1, prompt, 5)
+    bm.commit(2, prompt, 5)  # block 0 duplicates request 1's: stays private, node is pinned
+    bm.free(1)
+    answer = prompt + seq(50, 4)
+    bm.append_slots(2, len(answer))
+    bm.commit(2, answer, 8)  # block 1 inserted below request 1's node
+    bm.check_integrity()
+    filler = seq(1000, 4 * bm.num_available_blocks())
+    bm.allocate(3, filler, ROOT)  # evicts every cached block it can
+    assert bm.cached_prefix_length(answer + [0], ROOT) == 8  # the pinned chain survived
+    bm.free(2)
+    bm.check_integrity()
+    assert bm.cached_prefix_length(answer + [0], ROOT) == 8
+
+
+def test_multi_turn_reuses_answer_blocks_committed_during_decode() -> None:
+    bm = BlockManager(32, B)
+    prompt = seq(1, 40)
+    tokens = list(prompt)
+    bm.allocate(1, tokens, ROOT)
+    bm.commit(1, tokens, len(tokens))
+    for step in range(30):  # decode: the sampled token's KV is written on the next step
+        tokens.append(5000 + step)
+        bm.append_slots(1, len(tokens))
+        bm.commit(1, tokens, len(tokens) - 1)
+        bm.check_integrity()
+    bm.free(1)
+    turn2 = tokens + seq(9000, 10)
+    # 69 computed tokens => 4 full blocks (64 tokens), 2 of them from the answer.
+    assert run_once(bm, 2, turn2) == 64
+
+
+def test_readmission_is_counted_apart() -> None:
+    bm = BlockManager(32, B)
+    run_once(bm, 1, seq(1, 40))
+    prompt = seq(1, 40) + seq(100, 10)
+    prefill(bm, 2, prompt)
+    assert (bm.stats.query_tokens, bm.stats.hit_tokens) == (90, 32)
+    bm.free(2)  # preempted
+    bm.allocate(2, prompt + [7, 8], ROOT, readmission=True)
+    stats = bm.stats
+    assert (stats.query_tokens, stats.hit_tokens) == (90, 32)
+    assert (stats.readmit_query_tokens, stats.readmit_hit_tokens) == (52, 48)
+    assert stats.hit_rate == pytest.approx(32 / 90)
+
+
+def test_stats_reflect_the_pool_now() -> None:
+    bm = BlockManager(10, B)
+    assert bm.stats.hit_rate == 0.0
+    bm.allocate(1, seq(1, 40), ROOT)
+    bm.commit(1, seq(1, 40), 40)
+    s = bm.stats
+    assert (s.blocks_in_use, s.blocks_cached, s.blocks_free) == (3, 0, 7)
+    bm.free(1)
+    s = bm.stats
+    assert (s.blocks_in_use, s.blocks_cached, s.blocks_free) == (0, 2, 8)
+    assert s.as_dict()["blocks_cached"] == 2 and "hit_rate" in s.as_dict()
+    assert bm.num_available_blocks() == 10
+
+
+def test_prefix_caching_disabled_never_matches_or_inserts() -> None:
+    bm = BlockManager(16, B, enable_prefix_caching=False)
+    tokens = seq(1, 64)
+    assert run_once(bm, 1, tokens) == 0
+    assert run_once(bm, 2, tokens) == 0
+    assert bm.cached_prefix_length(tokens, ROOT) == 0
+    assert bm.stats.blocks_cached == 0 and bm.stats.blocks_free == 16
+    assert bm.stats.query_tokens == 128 and bm.stats.hit_tokens == 0
+
+
+def test_check_integrity_catches_a_wrong_ref_count() -> None:
+    bm = BlockManager(8, B)
+    prefill(bm, 1, seq(1, 20))
+    bm._pool._ref[bm.block_table(1)[1]] += 1
+    with pytest.raises(AssertionError, match="holders"):
+        bm.check_integrity()
+
+
+def test_check_integrity_catches_an_evictable_block_that_is_held() -> None:
+    bm = BlockManager(8, B)
+    prefill(bm, 1, seq(1, 20))
+    block = bm.block_table(1)[0]
+    bm._pool._lru[999] = block
+    bm._pool._lru_tick[block] = 999
+    with pytest.raises(AssertionError, match="LRU"):
+        bm.check_integrity()

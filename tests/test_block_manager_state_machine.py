@@ -1,0 +1,191 @@
+"""Random admit / prefill / decode / commit / preempt / free sequences against a reference model.
+
+The model keeps each live request's tokens and computed count, and the set of (root, prefix)
+pairs ever committed at a block boundary. After every step ``check_integrity()`` runs and:
+* a cache hit is a prefix some request committed earlier, under the same root;
+* while nothing has been evicted (and hashes are real) the hit is exactly the longest committed
+  prefix, capped so one token is computed;
+* block tables hold ceil(tokens / B) blocks; a block in two live tables is a tree block at the
+  same index of both, and both requests agree on every token up to the end of that block;
+* the pool's three states always add up to ``num_blocks``.
+Small pools, two namespaces and a tiny alphabet with shared stems make hits, duplicates,
+evictions and refusals common. A second machine forces every hash to collide; a third runs with
+prefix caching off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import kvcache.hashing
+from kvcache import BlockManager, namespace_root
+
+B = 4
+ROOTS = [namespace_root("m"), namespace_root("m", "salt")]
+STEMS = [[], [1, 2, 3, 1], [1, 2, 3, 1, 2, 2, 0, 1], [1, 2, 3, 1, 0, 0, 0, 0, 2]]
+token = st.integers(0, 3)
+
+
+@dataclass
+class Live:
+    tokens: list[int]
+    root: int
+    computed: int  # tokens whose KV is in the cache (committed or matched)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    caching = True
+    exact_hits = True  # with real hashes and no evictions, hits equal the longest committed prefix
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(num_blocks=10, block_size=B, enable_prefix_caching=self.caching)
+        self.live: dict[int, Live] = {}
+        self.committed: set[tuple[int, tuple[int, ...]]] = set()
+        self.next_id = 0
+        self.first_admissions = 0
+
+    def _expected_hit_bounds(self, tokens: list[int], root: int) -> int:
+        """Longest committed prefix of ``tokens`` (in tokens), capped as allocate caps it."""
+        longest = 0
+        for k in range(1, (len(tokens) - 1) // B + 1):
+            if (root, tuple(tokens[: k * B])) in self.committed:
+                longest = k * B
+        return longest
+
+    def _admit(self, rid: int, tokens: list[int], root: int, readmission: bool) -> bool:
+        bm = self.bm
+        peek = bm.cached_prefix_length(tokens, root)
+        evicted_before = bm.stats.evicted_blocks
+        if not bm.can_allocate(tokens, root):
+            with pytest.raises(ValueError):
+                bm.allocate(rid, tokens, root, readmission=readmission)
+            return False
+        alloc = bm.allocate(rid, tokens, root, readmission=readmission)
+        cached = alloc.num_cached_tokens
+        assert cached == peek
+        assert cached % B == 0 and 0 <= cached < len(tokens)
+        assert len(alloc.block_table) == -(-len(tokens) // B)
+        if not self.caching:
+            assert cached == 0
+        if cached:
+            assert (root, tuple(tokens[:cached])) in self.committed, "hit on an uncommitted prefix"
+        if self.caching and self.exact_hits and evicted_before == 0:
+            assert cached == self._expected_hit_bounds(tokens, root)
+        self.live[rid] = Live(list(tokens), root, cached)
+        return True
+
+    @rule(root=st.sampled_from(ROOTS), stem=st.sampled_from(STEMS), tail=st.lists(token, max_size=9))
+    def admit(self, root: int, stem: list[int], tail: list[int]) -> None:
+        tokens = (stem + tail) or [0]
+        before = self.bm.stats.readmit_query_tokens
+        if self._admit(self.next_id, tokens, root, readmission=False):
+            self.first_admissions += len(tokens)
+        assert self.bm.stats.readmit_query_tokens == before
+        self.next_id += 1
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), chunk=st.integers(1, 9))
+    def prefill_chunk(self, data: st.DataObject, chunk: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        req = self.live[rid]
+        req.computed = min(len(req.tokens), req.computed + chunk)
+        self._commit(rid, req)
+
+    @precondition(lambda self: any(r.computed >= len(r.tokens) - 1 for r in self.live.values()))
+    @rule(data=st.data(), new=token)
+    def decode(self, data: st.DataObject, new: int) -> None:
+        """One step computes the last token and samples a new one (its KV comes next step)."""
+        done = sorted(rid for rid, r in self.live.items() if r.computed >= len(r.tokens) - 1)
+        rid = data.draw(st.sampled_from(done))
+        req = self.live[rid]
+        if not self.bm.can_append(rid, len(req.tokens) + 1):
+            with pytest.raises(ValueError):
+                self.bm.append_slots(rid, len(req.tokens) + 1)
+            return
+        req.tokens.append(new)
+        assert len(self.bm.append_slots(rid, len(req.tokens))) == -(-len(req.tokens) // B)
+        req.computed = len(req.tokens) - 1
+        self._commit(rid, req)
+
+    def _commit(self, rid: int, req: Live) -> None:
+        self.bm.commit(rid, req.tokens, req.computed)
+        if self.caching:
+            for k in range(1, req.computed // B + 1):
+                self.committed.add((req.root, tuple(req.tokens[: k * B])))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        self.bm.free(rid)
+        del self.live[rid]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def preempt_and_readmit(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        req = self.live.pop(rid)
+        self.bm.free(rid)
+        before = self.bm.stats
+        if self._admit(rid, req.tokens, req.root, readmission=True):
+            after = self.bm.stats
+            assert (after.query_tokens, after.hit_tokens) == (before.query_tokens, before.hit_tokens)
+            assert after.readmit_query_tokens == before.readmit_query_tokens + len(req.tokens)
+
+    @invariant()
+    def integrity(self) -> None:
+        bm = self.bm
+        bm.check_integrity()
+        stats = bm.stats
+        assert stats.blocks_in_use + stats.blocks_cached + stats.blocks_free == bm.num_blocks
+        assert stats.query_tokens == self.first_admissions
+        assert stats.hit_tokens <= stats.query_tokens
+        owner: dict[int, tuple[int, int]] = {}  # block -> (request, index)
+        for rid, req in self.live.items():
+            table = bm.block_table(rid)
+            assert len(table) == -(-len(req.tokens) // B)
+            for i, block in enumerate(table):
+                if block in owner:
+                    other, j = owner[block]
+                    theirs = self.live[other]
+                    assert i == j, "a shared block sits at different positions"
+                    assert theirs.root == req.root, "a block shared across namespaces"
+                    end = (i + 1) * B
+                    assert theirs.tokens[:end] == req.tokens[:end], "shared block, other prefix"
+                owner[block] = (rid, i)
+
+
+class CollidingHashMachine(BlockManagerMachine):
+    """Every block hash is the same constant: only token/parent compares keep reuse correct."""
+
+    exact_hits = False  # collisions legitimately block inserts
+
+    def __init__(self) -> None:
+        self._patch = mock.patch.object(kvcache.hashing, "xxh3_64_intdigest", lambda d, seed=0: 5)
+        self._patch.start()
+        super().__init__()
+
+    def teardown(self) -> None:
+        self._patch.stop()
+
+
+class NoCachingMachine(BlockManagerMachine):
+    caching = False
+
+
+FAST = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[*HealthCheck]
+)
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = FAST
+TestCollidingHashMachine = CollidingHashMachine.TestCase
+TestCollidingHashMachine.settings = settings(FAST, max_examples=80)
+TestNoCachingMachine = NoCachingMachine.TestCase
+TestNoCachingMachine.settings = settings(FAST, max_examples=30)

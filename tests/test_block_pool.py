@@ -1,0 +1,115 @@
+"""Block pool: every block is free, cached or in use; LRU pops the oldest tick first."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache.block_pool import BlockPool
+
+
+def states(pool: BlockPool) -> tuple[int, int, int]:
+    return pool.num_free, pool.num_cached, pool.num_in_use
+
+
+def test_fresh_pool_hands_out_every_block_once() -> None:
+    pool = BlockPool(3)
+    taken = [pool.take_free() for _ in range(3)]
+    assert sorted(taken) == [0, 1, 2] and all(pool.ref(b) == 1 for b in taken)
+    with pytest.raises(ValueError):
+        pool.take_free()
+    pool.check_integrity()
+
+
+def test_private_block_returns_to_free_list_and_tree_block_stays_cached() -> None:
+    pool = BlockPool(4)
+    private, node = pool.take_free(), pool.take_free()
+    pool.mark_cached(node)
+    assert states(pool) == (2, 0, 2)
+    assert pool.release(private) and pool.release(node)
+    assert states(pool) == (3, 1, 0)
+    assert pool.is_cached_node(node) and not pool.is_cached_node(private)
+    pool.check_integrity()
+
+
+def test_release_reports_zero_only_at_last_holder() -> None:
+    pool = BlockPool(2)
+    block = pool.take_free()
+    pool.mark_cached(block)
+    pool.acquire(block)
+    assert not pool.release(block)
+    assert pool.release(block)
+    with pytest.raises(ValueError):
+        pool.release(block)
+
+
+def test_only_tree_blocks_outside_the_lru_can_be_shared() -> None:
+    pool = BlockPool(2)
+    block = pool.take_free()
+    with pytest.raises(ValueError):
+        pool.acquire(block)  # private: never shared
+    pool.mark_cached(block)
+    pool.release(block)
+    pool.lru_add(block, pool.next_tick())
+    with pytest.raises(ValueError):
+        pool.acquire(block)  # still evictable: must leave the LRU first
+    pool.lru_discard(block)
+    pool.acquire(block)
+    assert states(pool) == (1, 0, 1)
+    pool.check_integrity()
+
+
+def test_lru_pops_oldest_tick_not_insertion_order() -> None:
+    pool = BlockPool(3)
+    blocks = [pool.take_free() for _ in range(3)]
+    for b in blocks:
+        pool.mark_cached(b)
+        pool.release(b)
+    ticks = {0: 30, 1: 10, 2: 20}
+    for b in blocks:
+        pool.lru_add(b, ticks[b])
+    assert [pool.lru_pop() for _ in range(3)] == [1, 2, 0]
+    with pytest.raises(ValueError):
+        pool.lru_pop()
+
+
+def test_referenced_block_cannot_become_evictable() -> None:
+    pool = BlockPool(1)
+    block = pool.take_free()
+    pool.mark_cached(block)
+    with pytest.raises(ValueError):
+        pool.lru_add(block, 1)
+
+
+def test_evict_moves_cached_block_to_free_list() -> None:
+    pool = BlockPool(1)
+    block = pool.take_free()
+    pool.mark_cached(block)
+    pool.release(block)
+    pool.lru_add(block, 1)
+    with pytest.raises(ValueError):
+        pool.evict(block)  # still in the LRU
+    assert pool.lru_pop() == block
+    pool.evict(block)
+    assert states(pool) == (1, 0, 0) and not pool.is_cached_node(block)
+    pool.check_integrity()
+
+
+def test_ticks_are_monotonic() -> None:
+    pool = BlockPool(1)
+    assert pool.next_tick() < pool.next_tick()
+
+
+def test_check_integrity_catches_a_wrong_count() -> None:
+    pool = BlockPool(2)
+    pool.take_free()
+    pool._num_cached += 1  # corrupt the bookkeeping
+    with pytest.raises(AssertionError, match="cached count"):
+        pool.check_integrity()
+
+
+def test_check_integrity_catches_a_referenced_block_on_free_list() -> None:
+    pool = BlockPool(2)
+    block = pool.take_free()
+    pool._free.append(block)
+    with pytest.raises(AssertionError, match="free list"):
+        pool.check_integrity()

@@ -1,0 +1,163 @@
+"""`kvcache generate` end to end on a tiny model: bad lines fail alone, results stream to the
+output file, --resume finishes a killed run without duplicates, and reports read the metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from cli import main
+
+
+def write_lines(path: Path, lines: list[bytes]) -> Path:
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def good(i: int, n: int = 12) -> bytes:
+    return json.dumps(
+        {"id": f"r{i}", "prompt_token_ids": [3 + (i * 7 + k) % 200 for k in range(n)]}
+    ).encode()
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_bad_lines_fail_alone(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    lines = [
+        good(0),
+        b"{not json",
+        json.dumps({"id": "noprompt"}).encode(),
+        json.dumps({"id": "empty", "prompt_token_ids": []}).encode(),
+        json.dumps({"id": "field", "prompt_token_ids": [5, 6], "colour": "red"}).encode(),
+        json.dumps({"id": "temp", "prompt_token_ids": [5, 6], "temperature": -1}).encode(),
+        json.dumps({"id": "topp", "prompt_token_ids": [5, 6], "top_p": 1.5}).encode(),
+        json.dumps({"id": "vocab", "prompt_token_ids": [5, 10**6]}).encode(),
+        json.dumps({"id": "long", "prompt_token_ids": [5] * 600}).encode(),
+        json.dumps({"id": "maxtok", "prompt_token_ids": [5, 6], "max_tokens": 0}).encode(),
+        json.dumps({"id": "stop", "prompt_token_ids": [5, 6], "stop": 3}).encode(),
+        b"\xff\xfe not utf-8",
+        good(1),
+        good(0).replace(b'"r0"', b'"r2"')[:-10],  # truncated line
+        good(3),
+    ]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(
+        main,
+        ["generate", str(src), "-o", str(out), "--model", str(tiny_llama_dir), "--max-tokens", "4"],
+    )
+    assert result.exit_code == 1, result.output
+    recs = records(out)
+    assert len(recs) == len(lines)
+    done = {r["id"]: r for r in recs if "error" not in r}
+    assert sorted(done) == ["r0", "r1", "r3"]
+    assert all(len(r["token_ids"]) == 4 and r["finish_reason"] == "length" for r in done.values())
+    errors = {r["line"]: r["error"] for r in recs if "error" in r}
+    assert "not valid JSON" in errors[2]
+    assert "exactly one of prompt" in errors[3]
+    assert "non-empty" in errors[4]
+    assert "colour" in errors[5]
+    assert "temperature" in errors[6]
+    assert "top_p" in errors[7]
+    assert "vocabulary" in errors[8]
+    assert "context" in errors[9]
+    assert "max_tokens" in errors[10]
+    assert "stop" in errors[11]
+    assert "UTF-8" in errors[12]
+    assert "not valid JSON" in errors[14]
+    assert all(e.startswith(f"line {n}:") for n, e in errors.items())
+
+
+def test_resume_cuts_torn_line_and_skips_done(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good(i) for i in range(6)])
+    out = tmp_path / "out.jsonl"
+    args = [
+        "generate",
+        str(src),
+        "-o",
+        str(out),
+        "--model",
+        str(tiny_llama_dir),
+        "--max-tokens",
+        "3",
+    ]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    full = records(out)
+    # Keep two whole records and half of a third, as a crash mid-write would.
+    text = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(text[:2]) + text[2][:15])
+    result = CliRunner().invoke(main, [*args, "--resume"])
+    assert result.exit_code == 0, result.output
+    again = records(out)
+    assert sorted(r["id"] for r in again) == [f"r{i}" for i in range(6)]
+    by_id = {r["id"]: r["token_ids"] for r in full}
+    assert all(r["token_ids"] == by_id[r["id"]] for r in again)
+
+
+def test_sigkill_then_resume_keeps_every_id_once(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    n = 40
+    src = write_lines(tmp_path / "in.jsonl", [good(i, 30) for i in range(n)])
+    out = tmp_path / "out.jsonl"
+    cmd = [
+        sys.executable,
+        "-m",
+        "cli",
+        "generate",
+        str(src),
+        "-o",
+        str(out),
+        "--model",
+        str(tiny_llama_dir),
+        "--max-tokens",
+        "40",
+        "--max-num-batched-tokens",
+        "64",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = out.read_text().count("\n")
+    assert 3 <= partial < n, "the kill should land mid-run"
+    subprocess.run([*cmd, "--resume"], env=env, check=True, stderr=subprocess.DEVNULL)
+    recs = records(out)
+    assert sorted(r["id"] for r in recs) == sorted(f"r{i}" for i in range(n))
+
+
+def test_metrics_and_report(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good(i, 40) for i in range(5)])
+    metrics = tmp_path / "m.json"
+    runner = CliRunner()
+    result = runner.invoke(
+        main,
+        [
+            "generate",
+            str(src),
+            "-o",
+            str(tmp_path / "o.jsonl"),
+            "--model",
+            str(tiny_llama_dir),
+            "--metrics",
+            str(metrics),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(metrics.read_text())
+    assert len(data["requests"]) == 5 and data["steps"]
+    html = tmp_path / "r.html"
+    result = runner.invoke(main, ["report", str(metrics), "--html", str(html)])
+    assert result.exit_code == 0, result.output
+    assert "hit rate" in result.output.lower()
+    assert html.stat().st_size > 1000
