@@ -136,8 +136,7 @@ class BlockManager:
         for node in nodes:  # lock before taking fresh blocks, so eviction cannot take them
             self._hold(node)
         table = [node.block_id for node in nodes]
-        num_fresh = self._blocks_for(len(token_ids)) - len(nodes)
-        table.extend(self._take_block() for _ in range(num_fresh))
+        table.extend(self._take_blocks(self._blocks_for(len(token_ids)) - len(nodes)))
         self._requests[request_id] = _Request(root, table, nodes)
         cached = len(nodes) * self.block_size
         if readmission:
@@ -155,7 +154,8 @@ class BlockManager:
         missing = self._blocks_for(num_tokens) - len(request.table)
         if missing > self.num_available_blocks():
             raise ValueError(f"request {request_id}: {missing} blocks needed (ask can_append)")
-        request.table.extend(self._take_block() for _ in range(missing))
+        if missing > 0:
+            request.table.extend(self._take_blocks(missing))
         return list(request.table)
 
     def commit(self, request_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -213,24 +213,28 @@ class BlockManager:
         self._pool.acquire(node.block_id)
         node.tick = self._pool.next_tick()
 
-    def _take_block(self) -> int:
-        """A fresh block with ref 1, evicting the LRU leaf first if the free list is empty."""
-        if not self._pool.num_free:
-            self._evict_one()
-        return self._pool.take_free()
+    def _take_blocks(self, n: int) -> list[int]:
+        """``n`` fresh blocks with ref 1, evicting LRU leaves first when the free list is short.
+        The caller has checked availability."""
+        short = n - self._pool.num_free
+        if short > 0:
+            self._evict(short)
+        return self._pool.take(n)
 
-    def _evict_one(self) -> None:
-        """Evict the least recently used ref-0 leaf; its parent may become an evictable leaf."""
-        pool = self._pool
-        block = pool.lru_pop()
-        node = self._tree.node_of(block)
-        assert node is not None, f"LRU block {block} has no tree node"
-        self._tree.remove_leaf(node)
-        pool.evict(block)
-        self._stats.evicted_blocks += 1
-        parent = node.parent
-        if parent is not None and not parent.children and pool.ref(parent.block_id) == 0:
-            pool.lru_add(parent.block_id, parent.tick)
+    def _evict(self, n: int) -> None:
+        """Evict ``n`` least recently used ref-0 leaves, one at a time: a parent left childless
+        (and unheld) becomes an evictable leaf itself, so it may go next, never before."""
+        pool, tree = self._pool, self._tree
+        for _ in range(n):
+            block = pool.lru_pop()
+            node = tree.node_of(block)
+            assert node is not None, f"LRU block {block} has no tree node"
+            tree.remove_leaf(node)
+            pool.evict(block)
+            parent = node.parent
+            if parent is not None and not parent.children and pool.ref(parent.block_id) == 0:
+                pool.lru_add(parent.block_id, parent.tick)
+        self._stats.evicted_blocks += n
 
     # -- checks --------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -8,13 +8,14 @@ Every block id is in exactly one state at any time:
 
 The pool does not know the tree's shape. The manager tells it which blocks are tree nodes
 (``mark_cached`` / ``evict``) and which cached blocks may be evicted *now* (``lru_add``: ref-0
-leaves only). The LRU is a ``SortedDict`` keyed by a monotonic access tick, so adding, removing
-and popping the least recently used block are all O(log n).
+leaves only). The LRU is a ``SortedList`` of ints ``tick * num_blocks + block``, ordered by a
+monotonic access tick, so adding, removing and popping the least recently used block are all
+O(log n).
 """
 
 from __future__ import annotations
 
-from sortedcontainers import SortedDict
+from sortedcontainers import SortedList
 
 
 class BlockPool:
@@ -29,8 +30,9 @@ class BlockPool:
         # Popped from the end: block 0 is handed out first, which keeps tests readable.
         self._free = list(range(num_blocks - 1, -1, -1))
         self._num_cached = 0  # blocks with ref 0 that are tree nodes
-        self._lru: SortedDict = SortedDict()  # tick -> block, ref-0 tree leaves only
-        self._lru_tick: dict[int, int] = {}  # block -> its tick in _lru
+        # Evictable blocks (ref-0 tree leaves only) as keys tick * num_blocks + block.
+        self._lru: SortedList = SortedList()
+        self._lru_key: dict[int, int] = {}  # block -> its key in _lru
         self._tick = 0
 
     # -- counts (pure) -------------------------------------------------------------------------
@@ -64,21 +66,27 @@ class BlockPool:
         return self._tick
 
     # -- ref counts ----------------------------------------------------------------------------
-    def take_free(self) -> int:
-        """Pop a free block and give it ref 1. Mutates the free list. Raises ValueError if empty
-        (the manager evicts first)."""
-        if not self._free:
-            raise ValueError("no free block (evict first)")
-        block = self._free.pop()
-        self._ref[block] = 1
-        return block
+    def take(self, n: int) -> list[int]:
+        """Pop ``n`` free blocks, each with ref 1. Mutates the free list. Raises ValueError,
+        taking nothing, when fewer than ``n`` are free (the manager evicts first)."""
+        free = self._free
+        if n > len(free):
+            raise ValueError(f"{n} blocks wanted, {len(free)} free (evict first)")
+        if n <= 0:
+            return []
+        taken = free[-n:][::-1]  # popped from the end, one after the other
+        del free[-n:]
+        ref = self._ref
+        for block in taken:
+            ref[block] = 1
+        return taken
 
     def acquire(self, block: int) -> None:
         """ref += 1 on a cached or in-use tree block. The caller must have taken it out of the
         LRU first (``lru_discard``): a referenced block is never evictable."""
         if not self._is_node[block]:
             raise ValueError(f"block {block} is not a tree node; only cached blocks are shared")
-        if block in self._lru_tick:
+        if block in self._lru_key:
             raise ValueError(f"block {block} is still in the LRU")
         if self._ref[block] == 0:
             self._num_cached -= 1
@@ -108,7 +116,7 @@ class BlockPool:
     def evict(self, block: int) -> None:
         """A cached block whose node left the tree: back to the free list. The caller popped it
         from the LRU already. Mutates flags, counts and the free list."""
-        if self._ref[block] or not self._is_node[block] or block in self._lru_tick:
+        if self._ref[block] or not self._is_node[block] or block in self._lru_key:
             raise ValueError(f"block {block} is not an evictable cached block")
         self._is_node[block] = False
         self._num_cached -= 1
@@ -117,25 +125,30 @@ class BlockPool:
     # -- LRU of evictable blocks ---------------------------------------------------------------
     def lru_add(self, block: int, tick: int) -> None:
         """Make a cached ref-0 leaf evictable, ordered by ``tick``. Mutates the LRU."""
-        if self._ref[block] or not self._is_node[block] or block in self._lru_tick:
+        if self._ref[block] or not self._is_node[block] or block in self._lru_key:
             raise ValueError(f"block {block} cannot become evictable")
-        self._lru[tick] = block
-        self._lru_tick[block] = tick
+        key = tick * self.num_blocks + block
+        self._lru.add(key)
+        self._lru_key[block] = key
 
     def lru_discard(self, block: int) -> None:
         """Take ``block`` out of the LRU if it is there. Mutates the LRU."""
-        tick = self._lru_tick.pop(block, None)
-        if tick is not None:
-            del self._lru[tick]
+        key = self._lru_key.pop(block, None)
+        if key is not None:
+            self._lru.remove(key)
 
     def lru_pop(self) -> int:
         """Remove and return the least recently used evictable block. Raises ValueError when
         nothing is evictable. Mutates the LRU (the block stays cached until ``evict``)."""
         if not self._lru:
             raise ValueError("no evictable block")
-        _, block = self._lru.popitem(0)
-        del self._lru_tick[block]
+        block: int = self._lru.pop(0) % self.num_blocks
+        del self._lru_key[block]
         return block
+
+    def lru_blocks(self) -> dict[int, int]:
+        """block -> tick for every evictable block (for integrity checks). Pure copy."""
+        return {block: key // self.num_blocks for block, key in self._lru_key.items()}
 
     def check_integrity(self) -> None:
         """Assert the pool's own invariants (raises AssertionError naming the broken one):
@@ -143,7 +156,7 @@ class BlockPool:
         1. the free list has no duplicates and holds exactly the blocks with ref 0 that are not
            tree nodes; no ref count is negative;
         2. ``num_cached`` equals the number of tree blocks with ref 0;
-        3. the LRU holds only ref-0 tree blocks, and its two maps mirror each other.
+        3. the LRU holds only ref-0 tree blocks, each once, and mirrors its key map.
         """
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
@@ -155,12 +168,9 @@ class BlockPool:
             )
             cached += ref == 0 and is_node
         assert cached == self._num_cached, f"cached count {self._num_cached} != actual {cached}"
-        assert len(self._lru) == len(self._lru_tick), "LRU maps differ in size"
-        for tick, block in self._lru.items():
-            assert self._lru_tick.get(block) == tick, f"LRU maps disagree on block {block}"
+        assert len(self._lru) == len(self._lru_key), "LRU and its key map differ in size"
+        for key in self._lru:
+            block = key % self.num_blocks
+            assert self._lru_key.get(block) == key, f"LRU and key map disagree on block {block}"
             assert self._ref[block] == 0 and self._is_node[block], f"LRU block {block} not cached"
-            assert tick <= self._tick, f"LRU tick {tick} from the future"
-
-    def lru_blocks(self) -> dict[int, int]:
-        """block -> tick for every evictable block (for integrity checks). Pure copy."""
-        return dict(self._lru_tick)
+            assert key // self.num_blocks <= self._tick, f"LRU block {block}: tick from the future"

@@ -23,6 +23,7 @@ from runner.requests import RequestValidator
 from runner.sampling import SamplingParams, sample
 from runner.scheduler import Scheduler
 from runner.sequence import Sequence
+from runner.stopping import StopChecker
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -75,7 +76,8 @@ class LLM:
             pool_tokens=num_blocks * self.config.block_size,
             block_size=self.config.block_size,
         )
-        self.eos_ids = _eos_ids(text_cfg, self.tokenizer)
+        self.stopper = StopChecker(text_cfg, self.tokenizer, self.max_model_len)
+        self.eos_ids = self.stopper.eos_ids
         self.recorder = MetricsRecorder()
         self._seq_ids = itertools.count()
         self._rng = torch.Generator(device=device).manual_seed(seed)
@@ -169,7 +171,7 @@ class LLM:
             now = time.perf_counter()
             for seq, token in zip(samplers, tokens, strict=True):
                 seq.record_token(token, now)
-                reason = self._finish_reason(seq, token)
+                reason = self.stopper.finish_reason(seq, token)
                 if reason is not None:
                     seq.finish_time = now
                     self.scheduler.finish(seq, reason)
@@ -187,31 +189,8 @@ class LLM:
         )
         return finished
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if params.stop_token_ids and token in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token in self.eos_ids:
-            return "stop"
-        if params.stop_strings and self.tokenizer is not None:
-            text = self._decode(seq.output_token_ids)
-            cut = _first_stop(text, params.stop_strings)
-            if cut is not None:
-                seq.stop_text_cut = cut
-                return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
-
     def _output(self, seq: Sequence) -> RequestOutput:
-        text = self._decode(seq.output_token_ids)
-        if seq.stop_text_cut is not None:
-            text = text[: seq.stop_text_cut]
+        text = self.stopper.output_text(seq)
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt_text,
@@ -330,20 +309,3 @@ class LLM:
         return self.recorder.to_dict(
             header, self.block_manager.stats, self.scheduler.num_preemptions
         )
-
-
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _eos_ids(config: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    eos = getattr(config, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, list | tuple):
-        ids.update(int(e) for e in eos)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Sequence
 
 import pytest
@@ -347,7 +349,16 @@ def test_check_integrity_catches_an_evictable_block_that_is_held() -> None:
     bm = BlockManager(8, B)
     prefill(bm, 1, seq(1, 20))
     block = bm.block_table(1)[0]
-    bm._pool._lru[999] = block
-    bm._pool._lru_tick[block] = 999
+    bm._pool._lru.add(999 * bm.num_blocks + block)  # what lru_add would store, minus its checks
+    bm._pool._lru_key[block] = 999 * bm.num_blocks + block
     with pytest.raises(AssertionError, match="LRU"):
         bm.check_integrity()
+
+
+def test_core_imports_without_torch_or_the_store() -> None:
+    code = (
+        "import sys, kvcache, kvcache.microbench; "
+        "assert 'torch' not in sys.modules and 'kvcache.store' not in sys.modules, "
+        "sorted(m for m in sys.modules if m.startswith(('torch', 'kvcache', 'runner')))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

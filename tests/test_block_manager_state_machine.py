@@ -51,7 +51,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.first_admissions = 0
 
-    def _expected_hit_bounds(self, tokens: list[int], root: int) -> int:
+    def _longest_committed(self, tokens: list[int], root: int) -> int:
         """Longest committed prefix of ``tokens`` (in tokens), capped as allocate caps it."""
         longest = 0
         for k in range(1, (len(tokens) - 1) // B + 1):
@@ -77,11 +77,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if cached:
             assert (root, tuple(tokens[:cached])) in self.committed, "hit on an uncommitted prefix"
         if self.caching and self.exact_hits and evicted_before == 0:
-            assert cached == self._expected_hit_bounds(tokens, root)
+            assert cached == self._longest_committed(tokens, root)
         self.live[rid] = Live(list(tokens), root, cached)
         return True
 
-    @rule(root=st.sampled_from(ROOTS), stem=st.sampled_from(STEMS), tail=st.lists(token, max_size=9))
+    @rule(
+        root=st.sampled_from(ROOTS), stem=st.sampled_from(STEMS), tail=st.lists(token, max_size=9)
+    )
     def admit(self, root: int, stem: list[int], tail: list[int]) -> None:
         tokens = (stem + tail) or [0]
         before = self.bm.stats.readmit_query_tokens
@@ -136,7 +138,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         before = self.bm.stats
         if self._admit(rid, req.tokens, req.root, readmission=True):
             after = self.bm.stats
-            assert (after.query_tokens, after.hit_tokens) == (before.query_tokens, before.hit_tokens)
+            assert (after.query_tokens, after.hit_tokens) == (
+                before.query_tokens,
+                before.hit_tokens,
+            )
             assert after.readmit_query_tokens == before.readmit_query_tokens + len(req.tokens)
 
     @invariant()

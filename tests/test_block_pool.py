@@ -11,18 +11,31 @@ def states(pool: BlockPool) -> tuple[int, int, int]:
     return pool.num_free, pool.num_cached, pool.num_in_use
 
 
+def one(pool: BlockPool) -> int:
+    (block,) = pool.take(1)
+    return block
+
+
 def test_fresh_pool_hands_out_every_block_once() -> None:
     pool = BlockPool(3)
-    taken = [pool.take_free() for _ in range(3)]
-    assert sorted(taken) == [0, 1, 2] and all(pool.ref(b) == 1 for b in taken)
+    assert pool.take(0) == []
+    taken = pool.take(2) + pool.take(1)
+    assert taken == [0, 1, 2] and all(pool.ref(b) == 1 for b in taken)
     with pytest.raises(ValueError):
-        pool.take_free()
+        pool.take(1)
     pool.check_integrity()
+
+
+def test_take_is_all_or_nothing() -> None:
+    pool = BlockPool(2)
+    with pytest.raises(ValueError):
+        pool.take(3)
+    assert states(pool) == (2, 0, 0)
 
 
 def test_private_block_returns_to_free_list_and_tree_block_stays_cached() -> None:
     pool = BlockPool(4)
-    private, node = pool.take_free(), pool.take_free()
+    private, node = one(pool), one(pool)
     pool.mark_cached(node)
     assert states(pool) == (2, 0, 2)
     assert pool.release(private) and pool.release(node)
@@ -33,7 +46,7 @@ def test_private_block_returns_to_free_list_and_tree_block_stays_cached() -> Non
 
 def test_release_reports_zero_only_at_last_holder() -> None:
     pool = BlockPool(2)
-    block = pool.take_free()
+    block = one(pool)
     pool.mark_cached(block)
     pool.acquire(block)
     assert not pool.release(block)
@@ -44,7 +57,7 @@ def test_release_reports_zero_only_at_last_holder() -> None:
 
 def test_only_tree_blocks_outside_the_lru_can_be_shared() -> None:
     pool = BlockPool(2)
-    block = pool.take_free()
+    block = one(pool)
     with pytest.raises(ValueError):
         pool.acquire(block)  # private: never shared
     pool.mark_cached(block)
@@ -60,7 +73,7 @@ def test_only_tree_blocks_outside_the_lru_can_be_shared() -> None:
 
 def test_lru_pops_oldest_tick_not_insertion_order() -> None:
     pool = BlockPool(3)
-    blocks = [pool.take_free() for _ in range(3)]
+    blocks = [one(pool) for _ in range(3)]
     for b in blocks:
         pool.mark_cached(b)
         pool.release(b)
@@ -74,7 +87,7 @@ def test_lru_pops_oldest_tick_not_insertion_order() -> None:
 
 def test_referenced_block_cannot_become_evictable() -> None:
     pool = BlockPool(1)
-    block = pool.take_free()
+    block = one(pool)
     pool.mark_cached(block)
     with pytest.raises(ValueError):
         pool.lru_add(block, 1)
@@ -82,7 +95,7 @@ def test_referenced_block_cannot_become_evictable() -> None:
 
 def test_evict_moves_cached_block_to_free_list() -> None:
     pool = BlockPool(1)
-    block = pool.take_free()
+    block = one(pool)
     pool.mark_cached(block)
     pool.release(block)
     pool.lru_add(block, 1)
@@ -101,7 +114,7 @@ def test_ticks_are_monotonic() -> None:
 
 def test_check_integrity_catches_a_wrong_count() -> None:
     pool = BlockPool(2)
-    pool.take_free()
+    one(pool)
     pool._num_cached += 1  # corrupt the bookkeeping
     with pytest.raises(AssertionError, match="cached count"):
         pool.check_integrity()
@@ -109,7 +122,7 @@ def test_check_integrity_catches_a_wrong_count() -> None:
 
 def test_check_integrity_catches_a_referenced_block_on_free_list() -> None:
     pool = BlockPool(2)
-    block = pool.take_free()
+    block = one(pool)
     pool._free.append(block)
     with pytest.raises(AssertionError, match="free list"):
         pool.check_integrity()
