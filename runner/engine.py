@@ -278,6 +278,9 @@ class LLM:
         for output in self._drain(bar):
             results[order[ids[output.request_id]]] = output
         bar.close()
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"engine stopped with prompts {missing} unfinished")
         return [r for r in results if r is not None]
 
     def _drain(self, bar: tqdm) -> Iterable[RequestOutput]:

@@ -143,6 +143,7 @@ class Scheduler:
             seq = self._pick_next(inflight)
             if seq is None or not self.bm.can_allocate(seq.token_ids, seq.root):
                 break
+            self.waiting.remove(seq)
             self._admit(seq, out)
             budget -= self._schedule_prefill_chunk(seq, budget, out)
             inflight.update(self._prompt_hashes(seq))
@@ -158,8 +159,7 @@ class Scheduler:
                 if reserved + need > self.bm.num_available_blocks():
                     break
                 reserved += need
-                self.waiting.popleft()
-                self._admit(seq, out)
+                self._admit(self.waiting.popleft(), out)
         budget = self.config.max_num_batched_tokens
         prefilling = [s for s in self.running if s.in_prefill]
         for seq in prefilling:
@@ -214,7 +214,7 @@ class Scheduler:
         return inflight
 
     def _pick_next(self, inflight: set[int]) -> Sequence | None:
-        """Choose the next request to admit and take it out of the waiting queue.
+        """Choose the next request to admit (it stays queued until it is admitted).
 
         The oldest request goes first once it has waited `max_wait_steps`, so nothing starves.
         Otherwise the one with the longest cached prefix goes first; a request whose prefix is
@@ -225,7 +225,6 @@ class Scheduler:
             not self.config.enable_prefix_caching
             or self.step_count - oldest.wait_since_step >= self.config.max_wait_steps
         ):
-            self.waiting.popleft()
             return oldest
         best: Sequence | None = None
         best_len = -1
@@ -237,8 +236,6 @@ class Scheduler:
                 continue
             if cached > best_len:
                 best, best_len = seq, cached
-        if best is not None:
-            self.waiting.remove(best)
         return best
 
     def _shares_inflight(self, seq: Sequence, inflight: set[int]) -> int:
