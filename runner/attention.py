@@ -247,6 +247,8 @@ def torch_paged_attention(
             res = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=item.mask, scale=scale, enable_gqa=hq != hkv
             )
+        if len(plan.singles) == 1 and plan.group is None and item.end - item.start == num_tokens:
+            return res[0].transpose(0, 1)  # [T, Hq, D] view; the caller's reshape copies once
         out[item.start : item.end] = res[0].transpose(0, 1)  # [L, Hq, D]
 
     g = plan.group

@@ -11,17 +11,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvcache import BlockManager, block_hashes, namespace_root
-from kvcache.store import KVStore
+from kvcache import block_hashes, namespace_root
 from runner.config import EngineConfig
-from runner.loader import load_model
-from runner.memory import kv_pool_blocks
+from runner.engine_setup import build_engine_parts
 from runner.metrics import MetricsRecorder
-from runner.model_runner import ModelRunner
 from runner.outputs import RequestOutput
 from runner.requests import RequestValidator
 from runner.sampling import SamplingParams, sample
-from runner.scheduler import Scheduler
+from runner.scheduler import Scheduler, SchedulerOutput
 from runner.sequence import Sequence
 from runner.stopping import StopChecker
 
@@ -34,42 +31,17 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, seed: int = 0, **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
-        device = torch.device(self.config.device)
-        dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
-        loaded = load_model(model, device=str(device), dtype=dtype)
+        parts = build_engine_parts(self.config)
+        loaded = parts.loaded
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.config
         self.fingerprint = loaded.fingerprint
         self.model_path = loaded.path
-        self.device = device
+        self.device = device = parts.device
+        self.max_model_len = parts.max_model_len
+        self.kv, self.block_manager, self.runner = parts.kv, parts.block_manager, parts.runner
         text_cfg = self.hf_config
-        self.max_model_len = int(text_cfg.max_position_embeddings)
-        head_dim = getattr(text_cfg, "head_dim", None) or (
-            text_cfg.hidden_size // text_cfg.num_attention_heads
-        )
-        model_dtype = next(self.model.parameters()).dtype
-        num_blocks = kv_pool_blocks(
-            self.config,
-            num_layers=text_cfg.num_hidden_layers,
-            num_kv_heads=text_cfg.num_key_value_heads,
-            head_dim=head_dim,
-            dtype=model_dtype,
-            max_model_len=self.max_model_len,
-            device=device,
-        )
-        self.kv = KVStore(
-            text_cfg.num_hidden_layers,
-            num_blocks,
-            self.config.block_size,
-            text_cfg.num_key_value_heads,
-            head_dim,
-            model_dtype,
-            device,
-        )
-        self.block_manager = BlockManager(
-            num_blocks, self.config.block_size, self.config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv, self.block_manager, device)
+        num_blocks = self.block_manager.num_blocks
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
         self.validator = RequestValidator(
             vocab_size=int(text_cfg.vocab_size),
             max_model_len=self.max_model_len,
@@ -83,15 +55,9 @@ class LLM:
         self._rng = torch.Generator(device=device).manual_seed(seed)
         self._roots: dict[str | None, int] = {}
         self._live: dict[int, Sequence] = {}
+        self._live_ids: set[str] = set()
 
     # ------------------------------------------------------------------ requests
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
-            return list(self.tokenizer(prompt).input_ids)
-        return list(prompt)
-
     def apply_chat_template(self, messages: Messages) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: pass prompt text instead")
@@ -111,17 +77,14 @@ class LLM:
         add_special_tokens: bool = True,
     ) -> Sequence:
         """Validate and queue one request; raises ValueError naming the problem."""
-        params = params or SamplingParams()
-        text = prompt if isinstance(prompt, str) else None
-        if isinstance(prompt, str) and not add_special_tokens:
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
-            token_ids = list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
-        else:
-            token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        if isinstance(prompt, str) and not prompt.strip():
-            raise ValueError("prompt is empty")
+        params = params if params is not None else SamplingParams()
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if request_id is not None and request_id in self._live_ids:
+            raise ValueError(f"request id {request_id!r} is already running")
+        token_ids = self._prompt_ids(prompt, add_special_tokens)
         self.validator.check(token_ids, params)
+        text = prompt if isinstance(prompt, str) else None
         seq_id = next(self._seq_ids)
         root = self._root(cache_salt)
         generator = None
@@ -143,7 +106,24 @@ class LLM:
         self.recorder.add_request(seq, f"{first[0]:016x}" if first else "")
         self.scheduler.add(seq)
         self._live[seq_id] = seq
+        self._live_ids.add(seq.request_id)
         return seq
+
+    def _prompt_ids(self, prompt: object, add_special_tokens: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
+            encoded = self.tokenizer(prompt, add_special_tokens=add_special_tokens)
+            return list(encoded.input_ids)
+        if isinstance(prompt, list | tuple):
+            return list(prompt)
+        raise ValueError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
+
+    def _forget(self, seq: Sequence) -> None:
+        del self._live[seq.seq_id]
+        self._live_ids.discard(seq.request_id)
 
     def _root(self, cache_salt: str | None) -> int:
         if cache_salt not in self._roots:
@@ -160,13 +140,13 @@ class LLM:
         out = self.scheduler.schedule()
         finished: list[RequestOutput] = []
         if not out.is_empty:
-            logits = self.runner.run(out.scheduled)
             samplers = [item.seq for item in out.scheduled if item.sample]
-            tokens = (
-                sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
-                if samplers
-                else []
-            )
+            try:
+                logits = self.runner.run(out.scheduled)
+                params = [s.params for s in samplers]
+                tokens = sample(logits, params, [s.generator for s in samplers]) if samplers else []
+            except Exception as err:  # noqa: BLE001 - one step's failure must not wedge the engine
+                return self._fail_step(out, err)
             self.scheduler.commit(out)
             now = time.perf_counter()
             for seq, token in zip(samplers, tokens, strict=True):
@@ -176,7 +156,7 @@ class LLM:
                     seq.finish_time = now
                     self.scheduler.finish(seq, reason)
                     finished.append(self._output(seq))
-                    del self._live[seq.seq_id]
+                    self._forget(seq)
         live = list(self.scheduler.waiting)
         self.recorder.on_step(
             self.scheduler.step_count,
@@ -188,6 +168,20 @@ class LLM:
             self.block_manager.stats,
         )
         return finished
+
+    def _fail_step(self, out: SchedulerOutput, err: Exception) -> list[RequestOutput]:
+        """The model or sampler raised: drop this step's requests (freeing their blocks) and
+        hand them back as errors, so the rest of the queue goes on."""
+        failed = []
+        for item in out.scheduled:
+            seq = item.seq
+            self.scheduler.abort(seq)
+            seq.finish_reason = "error"
+            output = self._output(seq)
+            output.error = f"{type(err).__name__}: {err}"
+            failed.append(output)
+            self._forget(seq)
+        return failed
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text = self.stopper.output_text(seq)
@@ -224,7 +218,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in input order."""
         if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+            isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
         return self._generate_all(list(prompts), params, use_tqdm, cache_salt, chat=False)
@@ -267,11 +261,13 @@ class LLM:
                 )
                 seqs.append(seq)
                 order[seq.seq_id] = i
-        except ValueError as err:
+        except Exception as err:
             for seq in seqs:
                 self.scheduler.abort(seq)
-                del self._live[seq.seq_id]
-            raise ValueError(f"prompt {len(seqs)}: {err}") from err
+                self._forget(seq)
+            if isinstance(err, ValueError):
+                raise ValueError(f"prompt {len(seqs)}: {err}") from err
+            raise
         results: list[RequestOutput | None] = [None] * len(prompts)
         ids = {seq.request_id: seq.seq_id for seq in seqs}
         bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate")

@@ -80,7 +80,10 @@ def resolve_model_dir(model: str | Path | None) -> Path:
         return convert_gguf(default_gguf_path())
     path = Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"model path not found: {path}")
+        raise ValueError(
+            f"model path not found: {path} (a local HF folder or .gguf file is expected; "
+            "nothing is downloaded from a model hub)"
+        )
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return convert_gguf(path)

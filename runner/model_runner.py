@@ -3,6 +3,8 @@ returns the logits of the rows that sample."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvcache import BlockManager
@@ -10,6 +12,9 @@ from kvcache.store import KVStore
 from runner.attention import AttentionMetadata
 from runner.model import CausalLM
 from runner.scheduler import ScheduledSeq
+
+if TYPE_CHECKING:
+    from runner.cuda_graphs import DecodeGraphs
 
 
 class ModelRunner:
@@ -21,7 +26,9 @@ class ModelRunner:
         kv: KVStore,
         block_manager: BlockManager,
         device: torch.device,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
+        self.graphs = graphs  # CUDA graphs of decode steps, captured at start-up
         self.model = model
         self.kv = kv
         self.bm = block_manager
@@ -83,6 +90,17 @@ class ModelRunner:
         """One forward pass; returns float32 logits [N, vocab], one row per item that samples,
         in batch order. Only those rows go through the LM head."""
         input_ids, positions, meta = self.prepare(batch)
+        if (
+            self.graphs is not None
+            and meta.decode_only
+            and self.graphs.can_run(len(batch), int(meta.block_tables.shape[1]))
+        ):
+            logits = self.graphs.run(input_ids, positions, meta)  # [B, vocab]
+            if all(item.sample for item in batch):
+                return logits
+            # A one-token prefill chunk that does not sample can share a decode step.
+            keep = [i for i, item in enumerate(batch) if item.sample]
+            return logits.index_select(0, torch.tensor(keep, device=logits.device))
         hidden = self.model(input_ids, positions, meta, self.kv)  # [T, H]
         ends = torch.cumsum(torch.tensor(meta.query_lens), 0) - 1
         rows = [int(ends[i]) for i, item in enumerate(batch) if item.sample]

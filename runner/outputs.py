@@ -17,8 +17,9 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     num_cached_tokens: int
-    finish_reason: str | None  # "stop" | "length"
+    finish_reason: str | None  # "stop" | "length" | "error"
     metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # why the request failed, when finish_reason is "error"
 
     def to_record(self) -> dict[str, Any]:
         """A JSON-ready dict, the shape `kvcache generate` writes per line."""
@@ -31,4 +32,5 @@ class RequestOutput:
             "output_tokens": len(self.token_ids),
             "finish_reason": self.finish_reason,
             **self.metrics,
+            **({"error": self.error} if self.error else {}),
         }

@@ -19,6 +19,7 @@ class RequestValidator:
         """Raise ValueError naming the problem; returns quietly when the request can run."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
         if not token_ids:
             raise ValueError("prompt is empty")
         for position, token in enumerate(token_ids):

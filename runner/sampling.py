@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+_GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -28,6 +31,11 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field out of range. The engine calls this again
+        when a request is added, since a dataclass can be changed after construction."""
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
@@ -41,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
+            if self.seed >= 2**63:
+                raise ValueError(f"seed must be < 2**63, got {self.seed}")
         if self.stop is None:
             self.stop_strings = ()
         elif isinstance(self.stop, str):
@@ -63,7 +73,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float32: treat it as the greedy limit.
+        return self.temperature < _GREEDY_BELOW
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -76,6 +87,8 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 def _check_number(name: str, value: object) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
 
 
 def sample(
@@ -112,6 +125,7 @@ def _sample_row(
         # it already reaches top_p (so the top token always stays).
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop = mass_before >= p.top_p
+        drop[0] = False  # the most likely token always survives, however small top_p is
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)

@@ -52,9 +52,12 @@ class Scheduler:
     finished member holds its slot until every member finishes.
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, max_model_len: int
+    ) -> None:
         self.config = config
         self.bm = block_manager
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.held: list[Sequence] = []  # static mode: finished but still in the batch
@@ -115,6 +118,12 @@ class Scheduler:
             self._schedule_static(out)
         else:
             self._schedule_continuous(out)
+        if out.is_empty and self.waiting and not self.running:
+            # Every block is free or evictable now, so the head of the queue can never run.
+            raise RuntimeError(
+                f"request {self.waiting[0].request_id!r} does not fit in an empty KV pool of "
+                f"{self.bm.num_blocks} blocks"
+            )
         return out
 
     def commit(self, out: SchedulerOutput) -> None:
@@ -154,7 +163,7 @@ class Scheduler:
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
                 # Reserve room for the whole answer: a static batch never preempts.
-                total = seq.num_tokens + seq.params.max_tokens
+                total = min(seq.num_tokens + seq.params.max_tokens, self.max_model_len)
                 need = -(-total // self.bm.block_size)
                 if reserved + need > self.bm.num_available_blocks():
                     break

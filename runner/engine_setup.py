@@ -1,0 +1,91 @@
+"""Building an engine's parts: the model, the KV pool sized for the device, the runner."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from kvcache import BlockManager
+from kvcache.store import KVStore
+from runner.config import EngineConfig
+from runner.loader import LoadedModel, load_model
+from runner.memory import kv_pool_blocks
+from runner.model_runner import ModelRunner
+
+
+class EngineParts(NamedTuple):
+    loaded: LoadedModel
+    device: torch.device
+    max_model_len: int
+    kv: KVStore
+    block_manager: BlockManager
+    runner: ModelRunner
+
+
+def head_dim_of(config: Any) -> int:
+    return int(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    """Load the model, choose its attention backend, size and allocate the KV pool (once: it
+    never grows), and on CUDA capture decode graphs."""
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+    dtype = getattr(torch, config.dtype) if config.dtype else None
+    loaded = load_model(config.model, device=str(device), dtype=dtype)
+    model, hf = loaded.model, loaded.config
+    if config.attention_backend is not None:
+        model.attention_backend = config.attention_backend
+    elif device.type == "cuda":
+        model.attention_backend = "triton"
+    max_model_len = int(hf.max_position_embeddings)
+    model_dtype = next(model.parameters()).dtype
+    activation = 0
+    if (
+        device.type == "cuda"
+        and config.num_kv_blocks is None
+        and config.kv_cache_memory_bytes is None
+    ):
+        from runner.gpu_memory import profile_activation_bytes
+
+        # Without chunking a whole prompt can exceed the token budget in one step.
+        step = config.max_num_batched_tokens + (
+            0 if config.enable_chunked_prefill else max_model_len
+        )
+        activation = profile_activation_bytes(
+            model, step, max_model_len, config.block_size, device, config.max_num_seqs
+        )
+    num_blocks = kv_pool_blocks(
+        config,
+        num_layers=hf.num_hidden_layers,
+        num_kv_heads=hf.num_key_value_heads,
+        head_dim=head_dim_of(hf),
+        dtype=model_dtype,
+        max_model_len=max_model_len,
+        device=device,
+        activation_bytes=activation,
+    )
+    kv = KVStore(
+        hf.num_hidden_layers,
+        num_blocks,
+        config.block_size,
+        hf.num_key_value_heads,
+        head_dim_of(hf),
+        model_dtype,
+        device,
+    )
+    block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    graphs = None
+    if device.type == "cuda" and not config.enforce_eager and model.attention_backend == "triton":
+        from runner.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(
+            model, kv, config.block_size, config.max_num_seqs, max_model_len, device
+        )
+        graphs.capture()
+    runner = ModelRunner(model, kv, block_manager, device, graphs=graphs)
+    return EngineParts(loaded, device, max_model_len, kv, block_manager, runner)

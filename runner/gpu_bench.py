@@ -1,0 +1,315 @@
+"""GPU throughput of the engine against transformers' continuous batching, on random weights.
+
+`python -m runner.gpu_bench --out FILE` builds a randomly initialised model of a real shape from
+its config (no download), saves it in bf16 and runs one workload through `kvcache.LLM` and
+through transformers' `generate_batch` machinery in the same process. The workload mirrors
+nano-vllm's published benchmark: 256 sequences, prompt and output lengths drawn uniformly from
+100..1024 (seeded), prompt token ids from 0..10000, EOS ignored, Qwen3-0.6B shape. A small
+greedy-equality check against transformers' unbatched `generate` runs first on a tiny model.
+Results are printed and written as JSON after each phase, so a run cut short by a timeout still
+leaves what it measured. `--device cpu --quick` runs everything at toy sizes in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner.bench_peers import load_hf_model, run_reference
+from runner.workloads import BenchRequest
+
+# Everything is built locally; the GPU machine has no network, where a hub look-up only hangs.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# name: (transformers class, hidden, intermediate, layers, heads, kv heads, head_dim, vocab,
+# tied embeddings, rope theta, rms eps, max positions). Max positions 4096 is nano-vllm's
+# max_model_len: it bounds the engine's per-sequence block table and decode-graph grid. "tiny"
+# serves --quick and the greedy check.
+SHAPES: dict[str, tuple[Any, ...]] = {
+    "smollm2-135m": ("LlamaForCausalLM", 576, 1536, 30, 9, 3, 64, 49152, True, 1e5, 1e-5, 4096),
+    "qwen3-0.6b": ("Qwen3ForCausalLM", 1024, 3072, 28, 16, 8, 128, 151936, True, 1e6, 1e-6, 4096),
+    "tiny": ("Qwen3ForCausalLM", 64, 128, 2, 4, 2, 32, 320, False, 1e6, 1e-6, 512),
+}
+EOS_ID = 2
+
+
+def vocab_size(shape: str) -> int:
+    return int(SHAPES[shape][7])
+
+
+def build_random_model(shape: str, folder: Path, dtype: torch.dtype, device: str) -> Path:
+    """Save a seeded random model of `shape` (HF format, `dtype`) into `folder`.
+
+    Weights are initialised on `device` (seconds on a GPU for 0.6B parameters, minutes on 2 CPU
+    cores), then saved; the engine and transformers both load that folder."""
+    import transformers
+
+    cls_name, hidden, inter, layers, heads, kv_heads, head_dim, vocab, tied, theta, eps, max_pos = (
+        SHAPES[shape]
+    )
+    cls = getattr(transformers, cls_name)
+    config = cls.config_class(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        rope_theta=theta,
+        rms_norm_eps=eps,
+        max_position_embeddings=max_pos,
+        # tiny: a big init and random norms give peaked logits (greedy ties would make token
+        # equality a coin toss).
+        initializer_range=0.1 if shape == "tiny" else 0.02,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls(config).to(dtype).eval()
+    if shape == "tiny":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    del model
+    return folder
+
+
+def make_workload(
+    num_seqs: int,
+    min_len: int,
+    max_input_len: int,
+    max_output_len: int,
+    token_range: tuple[int, int],
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """nano-vllm's bench.py workload: prompt lengths uniform in [min_len, max_input_len], ids
+    uniform in token_range (inclusive), then output lengths uniform in [min_len,
+    max_output_len], all from one seeded stream (prompts drawn first, as there)."""
+    rng = random.Random(seed)
+    lo, hi = token_range
+    prompts = [
+        [rng.randint(lo, hi) for _ in range(rng.randint(min_len, max_input_len))]
+        for _ in range(num_seqs)
+    ]
+    outs = [rng.randint(min_len, max_output_len) for _ in range(num_seqs)]
+    return [BenchRequest(str(i), p, n) for i, (p, n) in enumerate(zip(prompts, outs, strict=True))]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _release(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def run_kvcache(
+    path: Path, requests: list[BenchRequest], device: str, options: dict[str, Any]
+) -> dict[str, Any]:
+    """Throughput of kvcache.LLM on the workload, EOS ignored, greedy; start-up excluded."""
+    from kvcache import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(str(path), device=device, **options)
+    startup = time.perf_counter() - start
+    warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate([[5, 6, 7, 8, 9]] * 2, warm, cache_salt="warmup")
+    params = [
+        SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests
+    ]
+    _sync(device)
+    start = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in requests], params)
+    _sync(device)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    result = {
+        "wall_s": wall,
+        "startup_s": startup,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / wall,
+        "num_kv_blocks": llm.block_manager.num_blocks,
+        "attention_backend": llm.model.attention_backend,
+        # Set by the model runner once DecodeGraphs is wired in (None: eager decode).
+        "cuda_graphs": getattr(llm.runner, "graphs", None) is not None,
+    }
+    del llm, outs
+    _release(device)
+    return result
+
+
+@torch.inference_mode()
+def run_hf_continuous(model: Any, requests: list[BenchRequest], device: str) -> dict[str, Any]:
+    """transformers' continuous batching (the manager behind `generate_batch`), EOS disabled
+    (-1), each request with its own max_new_tokens. The clock starts after the manager's
+    warm-up (its CUDA-graph capture), as ours starts after the engine's start-up."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    # On a GPU its cache and batch sizes are inferred from free memory (its best setting); on the
+    # CPU that inference sizes the cache from host RAM (seconds of page faults), so cap it.
+    cb = None
+    if not device.startswith("cuda"):
+        cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)
+    config = GenerationConfig(
+        max_new_tokens=max(r.max_tokens for r in requests),
+        do_sample=False,
+        eos_token_id=-1,
+        pad_token_id=0,
+    )
+    results: dict[str, Any] = {}
+    with model.continuous_batching_context_manager(
+        generation_config=config,
+        continuous_batching_config=cb,
+        block=True,
+        timeout=5,
+        warmup=device.startswith("cuda"),  # it pre-captures CUDA graphs; nothing to do on CPU
+    ) as manager:
+        _sync(device)
+        start = time.perf_counter()
+        for req in requests:
+            manager.add_request(
+                req.prompt_token_ids, request_id=req.request_id, max_new_tokens=req.max_tokens
+            )
+        while len(results) < len(requests):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching worker stopped early")
+        wall = time.perf_counter() - start
+    tokens = sum(len(res.generated_tokens) for res in results.values())
+    return {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall}
+
+
+def check_greedy(folder: Path, device: str, num_prompts: int = 4) -> dict[str, Any]:
+    """Greedy outputs of the engine (float32) equal transformers' unbatched generate."""
+    from kvcache import LLM, SamplingParams
+
+    requests = make_workload(num_prompts, 3, 40, 16, (3, vocab_size("tiny") - 1), 1)
+    from transformers import AutoModelForCausalLM
+
+    hf: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf = hf.to(device).eval()
+    refs = run_reference(hf, requests, {EOS_ID}, device)
+    del hf
+    backend = "triton" if device.startswith("cuda") else None
+    llm = LLM(str(folder), device=device, dtype="float32", attention_backend=backend)
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0) for r in requests]
+    outs = llm.generate([r.prompt_token_ids for r in requests], params)
+    got = [o.token_ids for o in outs]
+    del llm
+    _release(device)
+    bad = [i for i, (a, b) in enumerate(zip(got, refs, strict=True)) if a != b]
+    return {"prompts": len(requests), "equal": not bad, "mismatched_prompts": bad}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True, help="JSON file for the results")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="tiny model and workload (smoke test)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--skip-hf", action="store_true", help="engine only (no ratio)")
+    p.add_argument("--skip-check", action="store_true", help="no greedy-equality check")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.shape, args.num_seqs, args.min_len = "tiny", 4, 4
+        args.max_input_len, args.max_output_len = 24, 12
+        args.max_num_seqs, args.max_num_batched_tokens = 8, 64
+    return args
+
+
+def _env(device: str) -> dict[str, Any]:
+    import transformers
+    import triton
+
+    env = {"torch": torch.__version__, "triton": triton.__version__}
+    env["transformers"] = transformers.__version__
+    env["device"] = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    return env
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = args.device
+    report: dict[str, Any] = {
+        "env": _env(device),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+
+    def save(stage: str) -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"[{stage}] {json.dumps(report.get(stage), default=str)}", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="kvcache_gpu_bench_") as tmp:
+        if not args.skip_check:
+            tiny = build_random_model("tiny", Path(tmp) / "tiny", torch.float32, "cpu")
+            report["correctness"] = check_greedy(tiny, device)
+            save("correctness")
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        folder = build_random_model(args.shape, Path(tmp) / args.shape, dtype, device)
+        vocab = vocab_size(args.shape)
+        requests = make_workload(
+            args.num_seqs,
+            args.min_len,
+            args.max_input_len,
+            args.max_output_len,
+            (0, min(10000, vocab - 1)),
+            args.seed,
+        )
+        report["workload"] = {
+            "shape": args.shape,
+            "num_seqs": len(requests),
+            "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+            "output_tokens": sum(r.max_tokens for r in requests),
+        }
+        save("workload")
+        options = {
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "attention_backend": "triton" if device.startswith("cuda") else None,
+        }
+        report["kvcache"] = run_kvcache(folder, requests, device, options)
+        save("kvcache")
+        if not args.skip_hf:
+            hf = load_hf_model(folder, device)
+            report["hf_generate_batch"] = run_hf_continuous(hf, requests, device)
+            save("hf_generate_batch")
+            del hf
+            _release(device)
+            ratio = report["kvcache"]["output_tok_s"] / report["hf_generate_batch"]["output_tok_s"]
+            report["ratio"] = {"kvcache_over_hf": ratio, "target": 5.0, "meets": ratio >= 5.0}
+            save("ratio")
+    return report
+
+
+if __name__ == "__main__":
+    main()
