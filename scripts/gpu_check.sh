@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# GPU check of the CUDA runner: the CUDA tests, then the throughput bench against transformers'
+# continuous batching. Every stage runs under `timeout` (SIGINT first, so pytest still prints its
+# summary and Python a traceback of where it stuck), so the whole check ends within ~8 minutes
+# whatever hangs. Everything, the bench JSON included, lands in one file.
+#
+# usage: scripts/gpu_check.sh [RESULT_FILE]     default: $OUT/gpu_check.txt (else /tmp/...)
+# knobs: GPU_CHECK_TESTS_S (default 180), GPU_CHECK_BENCH_S (default 240),
+#        GPU_CHECK_BENCH_ARGS (extra runner.gpu_bench flags, e.g. "--num-seqs 128")
+set -u
+cd "$(dirname "$0")/.."
+RESULT="${1:-${OUT:-/tmp}/gpu_check.txt}"
+mkdir -p "$(dirname "$RESULT")"
+BENCH_JSON="$(dirname "$RESULT")/gpu_bench.json"
+TESTS_S="${GPU_CHECK_TESTS_S:-180}"
+BENCH_S="${GPU_CHECK_BENCH_S:-240}"
+# The GPU machine has no network: never wait on a hub look-up.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PY="${PYTHON:-python}"
+START=$(date +%s)
+
+section() { printf '\n== %s  (t=%ss)\n' "$1" "$(($(date +%s) - START))"; }
+verdict() {  # name, exit code
+  case "$2" in
+    0) echo "-- $1: OK" ;;
+    124 | 137) echo "-- $1: TIMED OUT (exit $2)" ;;
+    *) echo "-- $1: FAILED (exit $2)" ;;
+  esac
+}
+
+{
+  section "environment"
+  date -u
+  git rev-parse --short HEAD 2>/dev/null || true
+  timeout 20 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version \
+    --format=csv 2>&1 || echo "nvidia-smi unavailable"
+  timeout 60 "$PY" -c 'import torch, triton, transformers
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+print("triton", triton.__version__, "transformers", transformers.__version__)
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")'
+
+  section "tests (limit ${TESTS_S}s)"
+  timeout -s INT -k 15 "$TESTS_S" "$PY" -m pytest -v --tb=short -rs -p no:cacheprovider --durations=10 \
+    tests/test_cuda.py tests/test_triton_attention.py tests/test_engine_equivalence.py
+  verdict "tests" $?
+
+  section "bench (limit ${BENCH_S}s)"
+  rm -f "$BENCH_JSON"
+  # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of flags on purpose
+  timeout -s INT -k 15 "$BENCH_S" "$PY" -m runner.gpu_bench --out "$BENCH_JSON" ${GPU_CHECK_BENCH_ARGS:-}
+  verdict "bench" $?
+
+  section "bench results (JSON; partial if the bench was cut short)"
+  cat "$BENCH_JSON" 2>/dev/null || echo "(no bench JSON written)"
+  section "done"
+} >"$RESULT" 2>&1
+
+echo "gpu check results: $RESULT"
