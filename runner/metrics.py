@@ -83,6 +83,7 @@ class MetricsRecorder:
             else seq.first_token_time - seq.arrival_time,
             "itl_s": [b - a for a, b in zip(times, times[1:], strict=False)],
             "num_preemptions": seq.num_preemptions,
+            "arrival_step": seq.arrival_step,
         }
 
     def to_dict(

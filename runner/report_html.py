@@ -79,6 +79,17 @@ def state_matrix(metrics: dict[str, Any], max_rows: int = MAX_TIMELINE_ROWS) -> 
             row = int(idx)
             if row < n_req:
                 grid[row, col] = codes.get(state, 0)
+    # The engine leaves out "waiting before first admission": it is every step from the
+    # request's arrival up to the first step that shows it.
+    step_numbers = np.array([int(step.get("step", col)) for col, step in enumerate(steps)])
+    for row, req in enumerate(metrics["requests"][:n_req]):
+        arrival = req.get("arrival_step")
+        if arrival is None:
+            continue
+        seen = np.flatnonzero(grid[row])
+        first = int(seen[0]) if seen.size else len(steps)
+        span = (step_numbers[:first] > int(arrival)) & (grid[row, :first] == 0)
+        grid[row, :first][span] = codes["waiting"]
     return grid
 
 

@@ -3,6 +3,7 @@ GQA ratios, block sizes, cached-prefix lengths and mixed decode/prefill batches.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -155,3 +156,22 @@ def test_unknown_backend_is_refused() -> None:
     cache = torch.zeros(1, 4, 1, 4)
     with pytest.raises(ValueError, match="backend"):
         paged_attention(x, x, x, cache, cache, meta, 1.0, backend="cuda-magic")
+
+
+def test_triton_backend_dispatches_with_the_same_contract() -> None:
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("the triton backend needs CUDA or TRITON_INTERPRET=1")
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    seqs = [(1, 9), (LONG, LONG + 5), (3, 3)]
+    tables = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    meta_args = ([q for q, _ in seqs], [c for _, c in seqs], tables, 4)
+    t = sum(q for q, _ in seqs)
+    q, k, v = (torch.randn(t, h, 16, device=device) for h in (4, 2, 2))
+    outs = []
+    for backend in ("torch", "triton"):
+        caches = [torch.zeros(12, 4, 2, 16, device=device) for _ in range(2)]
+        meta = AttentionMetadata.build(*meta_args, device=device)
+        outs.append(paged_attention(q, k, v, *caches, meta, 0.25, backend=backend))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
