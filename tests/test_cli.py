@@ -104,7 +104,7 @@ def test_resume_cuts_torn_line_and_skips_done(tiny_llama_dir: Path, tmp_path: Pa
 
 
 def test_sigkill_then_resume_keeps_every_id_once(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    n = 40
+    n = 150
     src = write_lines(tmp_path / "in.jsonl", [good(i, 30) for i in range(n)])
     out = tmp_path / "out.jsonl"
     cmd = [
