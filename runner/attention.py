@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from runner.cascade import SharedPrefix, cascade_decode, find_shared_prefix
+
 # Sequences whose query is at most this long are batched into one padded SDPA; longer
 # ones run alone (padding them to the longest query would waste work).
 GROUP_MAX_QUERY_LEN = 16
@@ -133,6 +135,7 @@ class _Group:
     out_rows: torch.Tensor | slice | None  # rows of out for the valid queries
     valid: torch.Tensor | None  # [S * L] bool, None when nothing is padded
     mask: torch.Tensor  # [S, 1, L, nb * B] bool
+    shared: SharedPrefix | None = None  # decode batches whose rows share leading blocks
 
 
 @dataclass
@@ -189,6 +192,10 @@ def _build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) 
         keys = torch.arange(nb * block_size, device=device).view(1, 1, 1, -1)
         padded = not all(valid)
         out_rows = [r for r, ok in zip(q_rows, valid, strict=True) if ok]
+        shared = None
+        if max_l == 1:
+            tables = blocks.view(n, nb)
+            shared = find_shared_prefix(tables, ctxs, block_size, device)
         group = _Group(
             num_seqs=n,
             max_query_len=max_l,
@@ -198,6 +205,7 @@ def _build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) 
             out_rows=_as_index(out_rows, device),
             valid=torch.tensor(valid, device=device) if padded else None,
             mask=keys <= pos,  # [S, 1, L, K]; pads beyond a context sit after its last query
+            shared=shared,
         )
     return _Plan(block_size, singles, group)
 
@@ -253,16 +261,21 @@ def torch_paged_attention(
 
     g = plan.group
     if g is not None:
-        ks = _gather(k_cache, g.blocks, g.num_seqs)  # [S, Hkv, K, D]
-        vs = _gather(v_cache, g.blocks, g.num_seqs)
         qg = q[g.q_rows]  # [S * L, Hq, D]
-        if g.max_query_len == 1:
+        if g.shared is not None:
+            qs = qg.reshape(g.num_seqs, hkv, hq // hkv, d)  # [S, Hkv, G, D]
+            res = cascade_decode(qs, k_cache, v_cache, g.shared, scale).reshape(g.num_seqs, hq, d)
+        elif g.max_query_len == 1:
+            ks = _gather(k_cache, g.blocks, g.num_seqs)  # [S, Hkv, K, D]
+            vs = _gather(v_cache, g.blocks, g.num_seqs)
             # GQA without repeating K/V: the G query heads sharing a KV head become
             # G "query rows" of that head (q head h uses kv head h // G).
             qs = qg.reshape(g.num_seqs, hkv, hq // hkv, d)  # [S, Hkv, G, D]
             res = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, scale=scale)
             res = res.reshape(g.num_seqs, hq, d)  # [S, Hq, D]
         else:
+            ks = _gather(k_cache, g.blocks, g.num_seqs)  # [S, Hkv, K, D]
+            vs = _gather(v_cache, g.blocks, g.num_seqs)
             qs = qg.reshape(g.num_seqs, g.max_query_len, hq, d).transpose(1, 2)  # [S, Hq, L, D]
             res = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=g.mask, scale=scale, enable_gqa=hq != hkv

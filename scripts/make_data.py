@@ -208,7 +208,7 @@ def shared_system_prompt(rng: random.Random, count: Counter) -> list[dict]:
     )
     body = take_tokens(doc_of("re"), 660 - count(head), count)
     system = head + body + "\n\n"
-    return numbered("ssp", [f"{system}Question: {q}\nAnswer:" for q in REGEX_QUESTIONS], 48)
+    return numbered("ssp", [f"{system}Question: {q}\nAnswer:" for q in REGEX_QUESTIONS], 32)
 
 
 def few_shot(rng: random.Random, count: Counter) -> list[dict]:

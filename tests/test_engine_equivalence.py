@@ -20,7 +20,7 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "cache-on": {},
     "cache-off": {"enable_prefix_caching": False},
     "small-chunks": {"max_num_batched_tokens": 7},
-    "tiny-pool": {"num_kv_blocks": 24, "block_size": 4},
+    "tiny-pool": {"num_kv_blocks": 40, "block_size": 4},
     "static": {"batching": "static"},
 }
 
@@ -28,9 +28,9 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
 def make_prompts(vocab: int, seed: int) -> list[list[int]]:
     """Prompts that share prefixes of several lengths (so the cache hits), plus loners."""
     rng = random.Random(seed)
-    system = [rng.randrange(3, vocab) for _ in range(37)]
+    system = [rng.randrange(3, vocab) for _ in range(70)]
     prompts = [system + [rng.randrange(3, vocab) for _ in range(n)] for n in (1, 5, 16, 23)]
-    prompts.append(system[:16])  # exactly one block of the shared prefix
+    prompts.append(system[:64])  # exactly four blocks of the shared prefix
     prompts.append(prompts[2] + [rng.randrange(3, vocab) for _ in range(9)])  # extends another
     prompts += [[rng.randrange(3, vocab) for _ in range(n)] for n in (3, 31)]
     return prompts
@@ -121,3 +121,24 @@ def test_num_cached_tokens_is_exact(tiny_llama_dir: Path) -> None:
     assert llm.generate([more], params)[0].num_cached_tokens == 96
     # A prompt that is entirely cached still computes its last token.
     assert llm.generate([first[:32]], params)[0].num_cached_tokens == 16
+
+
+def test_shared_prefix_decode_matches_hf(arch_case: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose prompts all share a long prefix decodes through the cascade path, and
+    still equals transformers token for token."""
+    import runner.attention as attention
+
+    path, prompts, _, _ = arch_case
+    shared = [p for p in prompts if p[:64] == prompts[0][:64] and len(p) > 64]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        refs = [hf_greedy(hf, p, 12, None) for p in shared]
+    calls = []
+    original = attention.cascade_decode
+    monkeypatch.setattr(
+        attention, "cascade_decode", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    llm = LLM(str(path))
+    outs = llm.generate(shared, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    assert calls, "the shared-prefix decode path was not taken"
