@@ -144,6 +144,13 @@ def report(metrics_path: str, html_path: str | None) -> None:
 @click.option("--max-tokens", type=int, default=None, help="Override the workload's max_tokens.")
 @click.option("--limit", type=int, default=None, help="Use only the first N requests.")
 @click.option("--device", default="cpu", show_default=True)
+@click.option(
+    "--max-num-batched-tokens",
+    type=int,
+    default=None,
+    help="Token budget per step for the engine systems.",
+)
+@click.option("--no-check", is_flag=True, help="Skip the unbatched transformers reference.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def bench(
     workload: str,
@@ -152,9 +159,13 @@ def bench(
     max_tokens: int | None,
     limit: int | None,
     device: str,
+    max_num_batched_tokens: int | None,
+    no_check: bool,
     json_path: str | None,
 ) -> None:
-    """Run a workload through several systems in one process and print one table."""
+    """Run a workload through several systems in one process and print one table.
+
+    Systems: engine, engine-nocache, engine-static, engine-nochunk, hf-static, hf-cb."""
     if workload == "core":
         from kvcache.microbench import main as core_main
 
@@ -170,6 +181,10 @@ def bench(
         max_tokens=max_tokens,
         limit=limit,
         device=device,
+        check=not no_check,
+        engine_options={"max_num_batched_tokens": max_num_batched_tokens}
+        if max_num_batched_tokens
+        else None,
     )
     click.echo(result["table"])
     if json_path:

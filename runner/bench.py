@@ -17,6 +17,7 @@ from runner.bench_peers import (
     run_reference,
 )
 from runner.engine import LLM
+from runner.outputs import RequestOutput
 from runner.sampling import SamplingParams
 from runner.workloads import BenchRequest, load_workload
 
@@ -51,9 +52,8 @@ def run_engine(
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2, temperature=0), cache_salt="w")
     first_step = len(llm.recorder.steps)
     before = llm.block_manager.stats.as_dict()
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0) for r in requests]
     start = time.perf_counter()
-    outs = llm.generate([r.prompt_token_ids for r in requests], params)
+    outs = _run_with_arrivals(llm, requests)
     wall = time.perf_counter() - start
     steps = llm.recorder.steps[first_step:]
     after = llm.block_manager.stats.as_dict()
@@ -69,8 +69,35 @@ def run_engine(
         "preemptions": llm.scheduler.num_preemptions,
         "kv_pool_mib": llm.kv.tensor.numel() * llm.kv.tensor.element_size() / 2**20,
     }
+    # Inter-token latency of the requests present from the start (the running decodes).
+    itl = [
+        x
+        for o, r in zip(outs, requests, strict=True)
+        if not r.arrive_after_steps
+        for x in o.metrics.get("itl_s", [])
+    ]
+    extra["itl_p50_ms"] = _ms(_percentile(itl, 0.5))
+    extra["itl_p99_ms"] = _ms(_percentile(itl, 0.99))
     outputs = [list(o.token_ids) for o in outs]
     return PeerResult(outputs, wall, prefill, ttft), llm, extra
+
+
+def _run_with_arrivals(llm: LLM, requests: list[BenchRequest]) -> list[RequestOutput]:
+    """Submit each request at its arrival step and run to the end; outputs in input order."""
+    pending = sorted(range(len(requests)), key=lambda i: requests[i].arrive_after_steps)
+    done: dict[str, RequestOutput] = {}
+    steps = 0
+    while pending or llm.has_unfinished():
+        while pending and requests[pending[0]].arrive_after_steps <= steps:
+            req = requests[pending.pop(0)]
+            params = SamplingParams(
+                max_tokens=req.max_tokens, temperature=0, ignore_eos=req.ignore_eos
+            )
+            llm.add_request(req.prompt_token_ids, params, request_id=req.request_id)
+        for out in llm.step():
+            done[out.request_id] = out
+        steps += 1
+    return [done[r.request_id] for r in requests]
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -94,6 +121,7 @@ def run_bench(
     limit: int | None = None,
     device: str = "cpu",
     check: bool = True,
+    engine_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Returns {"rows": [...], "table": str}; ratios are against hf-static of this run."""
     unknown = [s for s in systems if s not in ENGINE_SYSTEMS and s not in ("hf-static", "hf-cb")]
@@ -118,7 +146,8 @@ def run_bench(
     for system in systems:
         extra: dict[str, Any] = {}
         if system in ENGINE_SYSTEMS:
-            result, llm, extra = run_engine(model, requests, device, ENGINE_SYSTEMS[system])
+            options = {**(engine_options or {}), **ENGINE_SYSTEMS[system]}
+            result, llm, extra = run_engine(model, requests, device, options)
             if extra["prefill_only_s"] > 0:
                 flops = 2 * matmul_params * extra["prefill_only_tokens"]
                 extra["prefill_mfu"] = flops / extra["prefill_only_s"] / (peak * 1e9)
@@ -182,6 +211,8 @@ def format_table(rows: list[dict[str, Any]], peak: float, rss_mib: float) -> str
             _fmt(r.get("hit_rate"), "{:.1%}"),
             _fmt(r["ttft_p50_ms"], "{:.0f}"),
             _fmt(r["ttft_p99_ms"], "{:.0f}"),
+            _fmt(r.get("itl_p50_ms"), "{:.0f}"),
+            _fmt(r.get("itl_p99_ms"), "{:.0f}"),
             _fmt(r.get("prefill_mfu"), "{:.0%}"),
             _fmt(r["matches_reference"], "{}"),
         ]

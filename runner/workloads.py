@@ -13,6 +13,9 @@ class BenchRequest(NamedTuple):
     request_id: str
     prompt_token_ids: list[int]
     max_tokens: int
+    # Engine steps to wait before submitting (a prompt that arrives among running decodes).
+    arrive_after_steps: int = 0
+    ignore_eos: bool = False
 
 
 def workload_path(name: str) -> Path:
@@ -46,7 +49,16 @@ def load_workload(
             else:
                 ids = list(tokenizer(obj["prompt"]).input_ids)
             new_tokens = max_tokens or int(obj.get("max_tokens", 32))
-            requests.append(BenchRequest(str(obj.get("id", line_no)), ids, new_tokens))
+            delay = int(obj.get("arrive_after_steps", 0))
+            requests.append(
+                BenchRequest(
+                    str(obj.get("id", line_no)),
+                    ids,
+                    new_tokens,
+                    delay,
+                    bool(obj.get("ignore_eos", False)),
+                )
+            )
             if limit is not None and len(requests) >= limit:
                 break
     return requests

@@ -293,13 +293,17 @@ def mixed_lengths(rng: random.Random, count: Counter) -> list[dict]:
 
 
 def long_prompt(rng: random.Random, count: Counter) -> list[dict]:
-    reqs = numbered("short", short_prompts(8, rng), 64)
+    # ignore_eos: the short requests keep decoding, so their inter-token latency is measured
+    # while the long prefill runs.
+    reqs = [{**r, "ignore_eos": True} for r in numbered("short", short_prompts(8, rng), 64)]
     lic = license_texts()
     text = lic.get("GPL-3") or "\n\n".join(doc_of(m) for m in ["pdb", "re", "statistics"])
     tail = "\n\nSummarize the text above in three sentences."
     long_text = take_tokens(text, 2000 - count(tail), count) + tail
-    # Last in the file: the short requests are already decoding when its prefill arrives.
-    return reqs + [{"id": "long", "prompt": long_text, "max_tokens": 64}]
+    # arrive_after_steps (read by the bench only): the long prompt arrives once the short
+    # requests are decoding.
+    long_req = {"id": "long", "prompt": long_text, "max_tokens": 64, "arrive_after_steps": 8}
+    return reqs + [long_req]
 
 
 # Each builder writes data/<its name>.jsonl.

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Every workload of the README's bench table, each system measured side by side in one
+# process. Writes docs/bench/<workload>.txt (the table) and .json (the rows).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=docs/bench
+mkdir -p "$out"
+run() {  # run NAME ARGS...
+  local name=$1; shift
+  kvcache bench "$@" --json "$out/$name.json" 2>/dev/null | tee "$out/$name.txt"
+}
+run shared_system_prompt --workload shared_system_prompt \
+  --systems engine,engine-nocache,engine-static,hf-static,hf-cb
+run no_sharing --workload no_sharing --systems engine,engine-nocache,hf-static
+run mixed_lengths --workload mixed_lengths --systems engine,engine-static,hf-static
+run few_shot --workload few_shot --systems engine,engine-nocache,hf-static
+run multi_turn --workload multi_turn --systems engine,engine-nocache,hf-static
+run long_prompt --workload long_prompt --systems engine,engine-nochunk \
+  --max-num-batched-tokens 64 --no-check
+kvcache bench --workload core | tee "$out/core.txt"
