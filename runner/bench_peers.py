@@ -108,24 +108,11 @@ def run_hf_cb(
     )
     cb_config = ContinuousBatchingConfig(allow_block_sharing=block_sharing)
     start = time.perf_counter()
-    results: dict[str, Any] = {}
     # The manager takes a max_new_tokens per request, which generate_batch does not.
     with model.continuous_batching_context_manager(
         generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
     ) as manager:
-        for req in requests:
-            manager.add_request(
-                req.prompt_token_ids,
-                request_id=req.request_id,
-                max_new_tokens=req.max_tokens,
-                record_timestamps=True,
-            )
-        while len(results) < len(requests):
-            result = manager.get_result(timeout=1)
-            if result is not None and result.is_finished():
-                results[result.request_id] = result
-            elif result is None and not manager.is_running():
-                raise RuntimeError("transformers' generate_batch worker stopped early")
+        results = submit_and_collect(manager, requests, record_timestamps=True)
     wall = time.perf_counter() - start
     ordered = [results[r.request_id] for r in requests]
     outputs = [
@@ -138,3 +125,25 @@ def run_hf_cb(
             ttft.append(res.timestamps[0] - res.created_time)
     prefill = sum(len(r.prompt_token_ids) for r in requests)
     return PeerResult(outputs, wall, prefill, ttft)
+
+
+def submit_and_collect(
+    manager: Any, requests: list[BenchRequest], record_timestamps: bool = False
+) -> dict[str, Any]:
+    """Add every request to a transformers continuous-batching manager (each with its own
+    max_new_tokens) and wait for all of them; results by request id."""
+    for req in requests:
+        manager.add_request(
+            req.prompt_token_ids,
+            request_id=req.request_id,
+            max_new_tokens=req.max_tokens,
+            record_timestamps=record_timestamps,
+        )
+    results: dict[str, Any] = {}
+    while len(results) < len(requests):
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            results[result.request_id] = result
+        elif result is None and not manager.is_running():
+            raise RuntimeError("transformers' continuous batching worker stopped early")
+    return results

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from runner.bench_peers import load_hf_model, run_reference
+from runner.bench_peers import load_hf_model, run_reference, submit_and_collect
 from runner.workloads import BenchRequest
 
 # Everything is built locally; the GPU machine has no network, where a hub look-up only hangs.
@@ -176,7 +176,6 @@ def run_hf_continuous(model: Any, requests: list[BenchRequest], device: str) -> 
         eos_token_id=-1,
         pad_token_id=0,
     )
-    results: dict[str, Any] = {}
     with model.continuous_batching_context_manager(
         generation_config=config,
         continuous_batching_config=cb,
@@ -186,16 +185,7 @@ def run_hf_continuous(model: Any, requests: list[BenchRequest], device: str) -> 
     ) as manager:
         _sync(device)
         start = time.perf_counter()
-        for req in requests:
-            manager.add_request(
-                req.prompt_token_ids, request_id=req.request_id, max_new_tokens=req.max_tokens
-            )
-        while len(results) < len(requests):
-            result = manager.get_result(timeout=1)
-            if result is not None and result.is_finished():
-                results[result.request_id] = result
-            elif result is None and not manager.is_running():
-                raise RuntimeError("transformers' continuous batching worker stopped early")
+        results = submit_and_collect(manager, requests)
         wall = time.perf_counter() - start
     tokens = sum(len(res.generated_tokens) for res in results.values())
     return {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall}

@@ -18,7 +18,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Plain `pytest` from a checkout works without `pip install -e .`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
@@ -142,3 +142,13 @@ def default_model_dir() -> Path:
     from runner.loader import resolve_model_dir
 
     return resolve_model_dir(None)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for the test session: on a busy 2-core machine torch's default of
+    two spinning OpenMP threads makes each tiny matmul ~100x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +20,6 @@ from kvcache import LLM, SamplingParams, block_hashes, namespace_root
 from kvcache.radix_tree import InsertResult, RadixTree
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: on a busy 2-core machine torch's default of two spinning OpenMP
-    threads makes each tiny matmul ~100x slower. Restored after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tokens(seed: int, n: int) -> list[int]:

@@ -16,21 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from kvcache import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: on a busy 2-core machine torch's default of two spinning OpenMP
-    threads makes each tiny matmul ~100x slower. Restored after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class Hang(AssertionError):
