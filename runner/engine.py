@@ -56,6 +56,7 @@ class LLM:
         self._roots: dict[str | None, int] = {}
         self._live: dict[int, Sequence] = {}
         self._live_ids: set[str] = set()
+        self._finished_seqs: dict[str, Sequence] = {}  # finished this step, for the recorder
 
     # ------------------------------------------------------------------ requests
     def apply_chat_template(self, messages: Messages) -> str:
@@ -156,6 +157,7 @@ class LLM:
                     seq.finish_time = now
                     self.scheduler.finish(seq, reason)
                     finished.append(self._output(seq))
+                    self._finished_seqs[seq.request_id] = seq
                     self._forget(seq)
         live = list(self.scheduler.waiting)
         self.recorder.on_step(
@@ -167,6 +169,8 @@ class LLM:
             time.perf_counter() - t_start,
             self.block_manager.stats,
         )
+        for output in finished:
+            self.recorder.on_finish(self._finished_seqs.pop(output.request_id))
         return finished
 
     def _fail_step(self, out: SchedulerOutput, err: Exception) -> list[RequestOutput]:

@@ -17,7 +17,9 @@ class MetricsRecorder:
         self.record_steps = record_steps
         self.t0 = time.perf_counter()
         self.steps: list[dict[str, Any]] = []
-        self.requests: list[Sequence] = []
+        # A live request is its Sequence; a finished one shrinks to its report row, so a
+        # long-lived engine keeps no token lists or generators of finished requests.
+        self.requests: list[Sequence | dict[str, Any]] = []
         self.index: dict[int, int] = {}  # seq_id -> request index in the report
         self.prefix_keys: dict[int, str] = {}
 
@@ -25,6 +27,13 @@ class MetricsRecorder:
         self.index[seq.seq_id] = len(self.requests)
         self.requests.append(seq)
         self.prefix_keys[seq.seq_id] = prefix_key
+
+    def on_finish(self, seq: Sequence) -> None:
+        """Replace a finished request by its report row."""
+        position = self.index.get(seq.seq_id)
+        if position is not None:
+            self.requests[position] = self.report_row(seq)
+            self.prefix_keys.pop(seq.seq_id, None)
 
     def on_step(
         self,
@@ -40,8 +49,11 @@ class MetricsRecorder:
             return
         admitted = {s.seq_id for s in out.admitted}
         states: dict[str, str] = {}
+        # A request waiting for its first admission is not stored per step (the report derives
+        # it from arrival_step), so a big batch costs O(steps + requests), not their product.
         for seq in live:
-            states[str(self.index[seq.seq_id])] = "preempted" if seq.num_preemptions else "waiting"
+            if seq.num_preemptions:
+                states[str(self.index[seq.seq_id])] = "preempted"
         for seq in held:
             states[str(self.index[seq.seq_id])] = "held"
         for item in out.scheduled:
@@ -86,26 +98,25 @@ class MetricsRecorder:
             "arrival_step": seq.arrival_step,
         }
 
+    def report_row(self, seq: Sequence) -> dict[str, Any]:
+        row = self.request_record(seq)
+        row.update(
+            {
+                "id": seq.request_id,
+                "prompt_tokens": seq.num_prompt_tokens,
+                "cached_tokens": seq.num_cached_tokens,
+                "output_tokens": len(seq.output_token_ids),
+                "finish_reason": seq.finish_reason if seq.status is SeqStatus.FINISHED else None,
+                "prefix_key": self.prefix_keys.get(seq.seq_id, ""),
+                "prefix_preview": (seq.prompt_text or "")[:60],
+            }
+        )
+        return row
+
     def to_dict(
         self, header: dict[str, Any], stats: CacheStats, preemptions: int
     ) -> dict[str, Any]:
-        requests = []
-        for seq in self.requests:
-            rec = self.request_record(seq)
-            rec.update(
-                {
-                    "id": seq.request_id,
-                    "prompt_tokens": seq.num_prompt_tokens,
-                    "cached_tokens": seq.num_cached_tokens,
-                    "output_tokens": len(seq.output_token_ids),
-                    "finish_reason": seq.finish_reason
-                    if seq.status is SeqStatus.FINISHED
-                    else None,
-                    "prefix_key": self.prefix_keys.get(seq.seq_id, ""),
-                    "prefix_preview": (seq.prompt_text or "")[:60],
-                }
-            )
-            requests.append(rec)
+        requests = [r if isinstance(r, dict) else self.report_row(r) for r in self.requests]
         return {
             "version": 1,
             **header,
