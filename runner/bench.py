@@ -197,6 +197,8 @@ def format_table(rows: list[dict[str, Any]], peak: float, rss_mib: float) -> str
         "hit rate",
         "TTFT p50 ms",
         "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
         "prefill MFU",
         "match",
     ]
