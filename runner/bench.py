@@ -10,7 +10,7 @@ import torch
 
 from runner.bench_peers import (
     PeerResult,
-    cut_at_eos,
+    cut_output,
     load_hf_model,
     run_hf_cb,
     run_hf_static,
@@ -156,10 +156,7 @@ def run_bench(
             result = run_hf_static(hf_model, requests, eos_ids, device, batch_size=len(requests))
         else:
             result = run_hf_cb(hf_model, requests, eos_ids)
-        outputs = [
-            cut_at_eos(o, eos_ids, r.max_tokens)
-            for o, r in zip(result.outputs, requests, strict=True)
-        ]
+        outputs = [cut_output(o, eos_ids, r) for o, r in zip(result.outputs, requests, strict=True)]
         out_tokens = sum(len(o) for o in outputs)
         rows.append(
             {

@@ -29,6 +29,21 @@ def load_hf_model(path: Path, device: str) -> Any:
     return model
 
 
+# transformers stops at no token when told to stop at -1 (it warns); used for ignore_eos.
+NO_STOP = [-1]
+
+
+def stop_ids(requests: list[BenchRequest], eos_ids: set[int]) -> list[int]:
+    """EOS ids for a batch: none when every request ignores EOS."""
+    return NO_STOP if all(r.ignore_eos for r in requests) else sorted(eos_ids)
+
+
+def cut_output(tokens: list[int], eos_ids: set[int], req: BenchRequest) -> list[int]:
+    return (
+        tokens[: req.max_tokens] if req.ignore_eos else cut_at_eos(tokens, eos_ids, req.max_tokens)
+    )
+
+
 def cut_at_eos(tokens: list[int], eos_ids: set[int], max_tokens: int) -> list[int]:
     out: list[int] = []
     for token in tokens[:max_tokens]:
@@ -51,10 +66,10 @@ def run_reference(
             attention_mask=torch.ones_like(ids),
             max_new_tokens=req.max_tokens,
             do_sample=False,
-            eos_token_id=sorted(eos_ids),
+            eos_token_id=stop_ids([req], eos_ids),
             pad_token_id=min(eos_ids),
         )
-        outputs.append(cut_at_eos(gen[0, ids.shape[1] :].tolist(), eos_ids, req.max_tokens))
+        outputs.append(cut_output(gen[0, ids.shape[1] :].tolist(), eos_ids, req))
     return outputs
 
 
@@ -84,11 +99,11 @@ def run_hf_static(
             attention_mask=mask.to(device),
             max_new_tokens=max(r.max_tokens for r in batch),
             do_sample=False,
-            eos_token_id=sorted(eos_ids),
+            eos_token_id=stop_ids(batch, eos_ids),
             pad_token_id=pad,
         )
         for row, req in enumerate(batch):
-            outputs.append(cut_at_eos(gen[row, width:].tolist(), eos_ids, req.max_tokens))
+            outputs.append(cut_output(gen[row, width:].tolist(), eos_ids, req))
     return PeerResult(outputs, time.perf_counter() - start, prefill, ttft)
 
 
@@ -103,7 +118,7 @@ def run_hf_cb(
     config = GenerationConfig(
         max_new_tokens=max(r.max_tokens for r in requests),
         do_sample=False,
-        eos_token_id=sorted(eos_ids),
+        eos_token_id=stop_ids(requests, eos_ids),
         pad_token_id=min(eos_ids),
     )
     cb_config = ContinuousBatchingConfig(allow_block_sharing=block_sharing)
@@ -116,7 +131,7 @@ def run_hf_cb(
     wall = time.perf_counter() - start
     ordered = [results[r.request_id] for r in requests]
     outputs = [
-        cut_at_eos(list(res.generated_tokens), eos_ids, req.max_tokens)
+        cut_output(list(res.generated_tokens), eos_ids, req)
         for res, req in zip(ordered, requests, strict=False)
     ]
     ttft = []

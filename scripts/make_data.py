@@ -287,7 +287,8 @@ def mixed_lengths(rng: random.Random, count: Counter) -> list[dict]:
     lo, hi = rng.sample(range(len(prompts)), 2)
     lengths[lo], lengths[hi] = 8, 256  # both ends of the range are always present
     return [
-        {"id": f"mixed-{i:02d}", "prompt": p, "max_tokens": m}
+        # ignore_eos: every answer runs to its max_tokens, so the lengths really are mixed.
+        {"id": f"mixed-{i:02d}", "prompt": p, "max_tokens": m, "ignore_eos": True}
         for i, (p, m) in enumerate(zip(prompts, lengths, strict=True))
     ]
 
