@@ -150,6 +150,12 @@ def report(metrics_path: str, html_path: str | None) -> None:
     default=None,
     help="Token budget per step for the engine systems.",
 )
+@click.option(
+    "--max-num-seqs",
+    type=int,
+    default=None,
+    help="Batch size cap for the engine systems and hf-static's batches.",
+)
 @click.option("--no-check", is_flag=True, help="Skip the unbatched transformers reference.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def bench(
@@ -160,6 +166,7 @@ def bench(
     limit: int | None,
     device: str,
     max_num_batched_tokens: int | None,
+    max_num_seqs: int | None,
     no_check: bool,
     json_path: str | None,
 ) -> None:
@@ -182,9 +189,14 @@ def bench(
         limit=limit,
         device=device,
         check=not no_check,
-        engine_options={"max_num_batched_tokens": max_num_batched_tokens}
-        if max_num_batched_tokens
-        else None,
+        engine_options={
+            k: v
+            for k, v in (
+                ("max_num_batched_tokens", max_num_batched_tokens),
+                ("max_num_seqs", max_num_seqs),
+            )
+            if v
+        },
     )
     click.echo(result["table"])
     if json_path:

@@ -153,7 +153,8 @@ def run_bench(
                 extra["prefill_mfu"] = flops / extra["prefill_only_s"] / (peak * 1e9)
             del llm
         elif system == "hf-static":
-            result = run_hf_static(hf_model, requests, eos_ids, device, batch_size=len(requests))
+            batch = (engine_options or {}).get("max_num_seqs") or len(requests)
+            result = run_hf_static(hf_model, requests, eos_ids, device, batch_size=batch)
         else:
             result = run_hf_cb(hf_model, requests, eos_ids)
         outputs = [cut_output(o, eos_ids, r) for o, r in zip(result.outputs, requests, strict=True)]
