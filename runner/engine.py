@@ -16,7 +16,7 @@ from runner.config import EngineConfig
 from runner.engine_setup import build_engine_parts
 from runner.metrics import MetricsRecorder
 from runner.outputs import RequestOutput
-from runner.requests import RequestValidator
+from runner.requests import RequestValidator, prompt_token_ids
 from runner.sampling import SamplingParams, sample
 from runner.scheduler import Scheduler, SchedulerOutput
 from runner.sequence import Sequence
@@ -83,7 +83,7 @@ class LLM:
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if request_id is not None and request_id in self._live_ids:
             raise ValueError(f"request id {request_id!r} is already running")
-        token_ids = self._prompt_ids(prompt, add_special_tokens)
+        token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
         self.validator.check(token_ids, params)
         text = prompt if isinstance(prompt, str) else None
         seq_id = next(self._seq_ids)
@@ -109,18 +109,6 @@ class LLM:
         self._live[seq_id] = seq
         self._live_ids.add(seq.request_id)
         return seq
-
-    def _prompt_ids(self, prompt: object, add_special_tokens: bool) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
-            encoded = self.tokenizer(prompt, add_special_tokens=add_special_tokens)
-            return list(encoded.input_ids)
-        if isinstance(prompt, list | tuple):
-            return list(prompt)
-        raise ValueError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
 
     def _forget(self, seq: Sequence) -> None:
         del self._live[seq.seq_id]

@@ -56,3 +56,16 @@ class RequestValidator:
             for key in ("role", "content"):
                 if not isinstance(message.get(key), str):
                     raise ValueError(f"messages[{i}] needs a string {key!r}")
+
+
+def prompt_token_ids(prompt: object, tokenizer: Any, add_special_tokens: bool) -> list[int]:
+    """Token ids of a text prompt (through the tokenizer) or of a list/tuple of ids."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("prompt is empty")
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
+        return list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+    if isinstance(prompt, list | tuple):
+        return list(prompt)
+    raise ValueError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
