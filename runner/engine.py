@@ -54,9 +54,7 @@ class LLM:
         self._seq_ids = itertools.count()
         self._rng = torch.Generator(device=device).manual_seed(seed)
         self._roots: dict[str | None, int] = {}
-        self._live: dict[int, Sequence] = {}
-        self._live_ids: set[str] = set()
-        self._finished_seqs: dict[str, Sequence] = {}  # finished this step, for the recorder
+        self._live: dict[str, Sequence] = {}  # by request id: queued or running requests
 
     # ------------------------------------------------------------------ requests
     def apply_chat_template(self, messages: Messages) -> str:
@@ -81,7 +79,7 @@ class LLM:
         params = params if params is not None else SamplingParams()
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        if request_id is not None and request_id in self._live_ids:
+        if request_id is not None and request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
         self.validator.check(token_ids, params)
@@ -106,13 +104,11 @@ class LLM:
         first = block_hashes(token_ids[: self.config.block_size], self.config.block_size, root)
         self.recorder.add_request(seq, f"{first[0]:016x}" if first else "")
         self.scheduler.add(seq)
-        self._live[seq_id] = seq
-        self._live_ids.add(seq.request_id)
+        self._live[seq.request_id] = seq
         return seq
 
     def _forget(self, seq: Sequence) -> None:
-        del self._live[seq.seq_id]
-        self._live_ids.discard(seq.request_id)
+        del self._live[seq.request_id]
 
     def _root(self, cache_salt: str | None) -> int:
         if cache_salt not in self._roots:
@@ -128,6 +124,7 @@ class LLM:
         t_start = time.perf_counter()
         out = self.scheduler.schedule()
         finished: list[RequestOutput] = []
+        done: list[Sequence] = []
         if not out.is_empty:
             samplers = [item.seq for item in out.scheduled if item.sample]
             try:
@@ -145,7 +142,7 @@ class LLM:
                     seq.finish_time = now
                     self.scheduler.finish(seq, reason)
                     finished.append(self._output(seq))
-                    self._finished_seqs[seq.request_id] = seq
+                    done.append(seq)
                     self._forget(seq)
         live = list(self.scheduler.waiting)
         self.recorder.on_step(
@@ -157,8 +154,8 @@ class LLM:
             time.perf_counter() - t_start,
             self.block_manager.stats,
         )
-        for output in finished:
-            self.recorder.on_finish(self._finished_seqs.pop(output.request_id))
+        for seq in done:  # after on_step, which still shows them in this step's states
+            self.recorder.on_finish(seq)
         return finished
 
     def _fail_step(self, out: SchedulerOutput, err: Exception) -> list[RequestOutput]:
