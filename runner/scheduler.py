@@ -211,7 +211,14 @@ class Scheduler:
         out.admitted.append(seq)
 
     def _prompt_hashes(self, seq: Sequence) -> list[int]:
-        return block_hashes(seq.token_ids, self.bm.block_size, seq.root)
+        """Full-block hashes of the sequence's tokens. Admission asks for them every step while
+        a request waits or prefills; they change only when its token count does, so they are
+        kept on the sequence for that count."""
+        cached = seq.block_hash_cache
+        if cached is None or cached[0] != seq.num_tokens:
+            hashes = block_hashes(seq.token_ids, self.bm.block_size, seq.root)
+            cached = seq.block_hash_cache = (seq.num_tokens, hashes)
+        return cached[1]
 
     def _inflight_prefix_hashes(self) -> set[int]:
         """Hashes of full blocks that running prefills are computing but have not cached yet."""

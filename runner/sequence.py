@@ -46,6 +46,8 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     admitted: bool = False  # admitted at least once (later admissions are re-admissions)
+    # (num_tokens, full-block hashes of token_ids) as of that count; the scheduler's memo.
+    block_hash_cache: tuple[int, list[int]] | None = field(default=None, repr=False)
 
     @property
     def token_ids(self) -> list[int]:
