@@ -32,6 +32,8 @@ class EngineConfig:
     # A waiting request older than this many steps is admitted before cache-aware reordering.
     max_wait_steps: int = 64
     enforce_eager: bool = False
+    # CPU only: pack float32 weights once into oneDNN's layout (runner/cpu_linear.py).
+    prepack_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

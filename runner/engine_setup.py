@@ -42,6 +42,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         model.attention_backend = config.attention_backend
     elif device.type == "cuda":
         model.attention_backend = "triton"
+    if device.type == "cpu" and config.prepack_weights:
+        model.prepack_for_cpu()
     max_model_len = int(hf.max_position_embeddings)
     model_dtype = next(model.parameters()).dtype
     activation = 0

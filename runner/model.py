@@ -159,7 +159,7 @@ class CausalLM(nn.Module):
             DecoderLayer(config, self.architecture) for _ in range(self.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
+        self.lm_head: nn.Module | None = (
             None
             if self.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -203,8 +203,34 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (only the rows that need sampling) -> logits [N, vocab] float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
+
+    def prepack_for_cpu(self) -> int:
+        """Pack every projection and the LM head for oneDNN (see runner/cpu_linear.py).
+        A tied head gets its own packed copy; the embedding keeps the plain one for lookups.
+        Call after loading the weights. Returns how many matrices were packed."""
+        from runner.cpu_linear import PackedLinear, prepack_linears
+
+        packed = prepack_linears(self)
+        weight = self.embed_tokens.weight
+        if packed and self.lm_head is None and weight.dtype == torch.float32:
+            self.lm_head = PackedLinear(weight, None)
+            packed += 1
+        return packed
+
+    def num_matmul_params(self) -> int:
+        """Weights that take part in a token's matrix products: projections and the head."""
+        from runner.cpu_linear import PackedLinear
+
+        total = sum(
+            m.in_features * m.out_features
+            for m in self.modules()
+            if isinstance(m, nn.Linear | PackedLinear)
+        )
+        return total + (self.vocab_size * self.hidden_size if self.lm_head is None else 0)
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into our (fused) parameters; converts dtype/device.
@@ -241,7 +267,7 @@ class CausalLM(nn.Module):
         name = hf_name.removeprefix("model.")
         if name.endswith("rotary_emb.inv_freq"):
             return None
-        if name == "lm_head.weight" and self.lm_head is None:
+        if name == "lm_head.weight" and self.tie_word_embeddings:
             return None  # tied: the embedding is the head
         for hf, ours, part in (
             (".self_attn.q_proj.", ".self_attn.qkv_proj.", 0),

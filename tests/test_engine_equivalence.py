@@ -22,6 +22,7 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "small-chunks": {"max_num_batched_tokens": 7},
     "tiny-pool": {"num_kv_blocks": 40, "block_size": 4},
     "static": {"batching": "static"},
+    "unpacked-weights": {"prepack_weights": False},
 }
 
 
