@@ -2,9 +2,9 @@
 
 When every sequence of a decode batch starts with the same KV blocks (a shared system prompt,
 few-shot examples), gathering those blocks once per sequence is most of the attention cost on
-the CPU. Here the shared blocks are read once and attended by all queries together, each
-sequence's own suffix blocks are attended apart, and the two partial softmaxes are merged
-exactly through their log-sum-exp.
+the CPU. Here the shared blocks are read once and scored by all queries together in one
+product, each sequence's own suffix blocks are scored apart, and one softmax over both parts'
+scores makes the result exact.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ class SharedPrefix(NamedTuple):
     blocks: torch.Tensor  # [P] int64: block ids every sequence starts with
     suffix_blocks: torch.Tensor  # [S * Ns] int64: each sequence's blocks after the prefix
     suffix_mask: torch.Tensor  # [S, 1, 1, Ns * B] bool: suffix keys inside the context
+    # The prefix blocks as a range of the pool when their ids are consecutive (the usual case:
+    # one prompt's blocks come off the free list together), so they are read in place.
+    block_range: slice | None = None
 
 
 def find_shared_prefix(
@@ -40,19 +43,23 @@ def find_shared_prefix(
     suffix = tables[:, shared:]
     keys = shared * block_size + torch.arange(suffix.shape[1] * block_size, device=device)
     ctx = torch.tensor(context_lens, device=device).view(-1, 1, 1, 1)
+    prefix = tables[0, :shared]
+    first = int(prefix[0])
+    consecutive = bool((prefix == torch.arange(first, first + shared)).all())
     return SharedPrefix(
-        blocks=tables[0, :shared].to(device),
+        blocks=prefix.to(device),
         suffix_blocks=suffix.reshape(-1).to(device),
         suffix_mask=keys.view(1, 1, 1, -1) < ctx,
+        block_range=slice(first, first + shared) if consecutive else None,
     )
 
 
-def _partial(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax-weighted values and log-sum-exp of `scores` [..., K] over `v` [..., K, D]."""
-    peak = scores.amax(dim=-1, keepdim=True)
-    weights = torch.exp(scores - peak)
-    total = weights.sum(dim=-1, keepdim=True)
-    return (weights @ v) / total, peak + torch.log(total)
+def _prefix_kv(cache: torch.Tensor, plan: SharedPrefix) -> torch.Tensor:
+    """The shared prefix's keys or values as [P * B, Hkv, D], a view when the blocks are a
+    range of the pool, else one gathered copy."""
+    _, _, hkv, d = cache.shape
+    part = cache[plan.block_range] if plan.block_range else cache.index_select(0, plan.blocks)
+    return part.reshape(-1, hkv, d)
 
 
 def cascade_decode(
@@ -63,25 +70,29 @@ def cascade_decode(
     scale: float,
 ) -> torch.Tensor:
     """q [S, Hkv, G, D] (G query heads per KV head); caches [blocks, B, Hkv, D].
-    Returns [S, Hkv, G, D], equal to attention over prefix + suffix keys."""
+    Returns [S, Hkv, G, D], equal to attention over prefix + suffix keys.
+
+    Both parts' scores go through one softmax over [prefix | suffix] keys; the weighted
+    values of the two parts are then summed, which is exactly attention over all keys."""
     num_seqs, hkv, group, d = q.shape
-    qf = q.float()
+    qf = q.float() * scale
     # Prefix: all S*G queries of a KV head against one copy of the shared keys.
-    kp = k_cache.index_select(0, plan.blocks).view(-1, hkv, d).transpose(0, 1).float()  # [Hkv,P,D]
-    vp = v_cache.index_select(0, plan.blocks).view(-1, hkv, d).transpose(0, 1).float()
+    kp = _prefix_kv(k_cache, plan).float()  # [P, Hkv, D]
+    vp = _prefix_kv(v_cache, plan).float()
+    num_prefix = kp.shape[0]
     qp = qf.permute(1, 0, 2, 3).reshape(hkv, num_seqs * group, d)  # [Hkv, S*G, D]
-    out_p, lse_p = _partial((qp @ kp.transpose(1, 2)) * scale, vp)  # [Hkv, S*G, D], [.., 1]
-    out_p = out_p.view(hkv, num_seqs, group, d).transpose(0, 1)  # [S, Hkv, G, D]
-    lse_p = lse_p.view(hkv, num_seqs, group, 1).transpose(0, 1)
+    scores_p = torch.bmm(qp, kp.permute(1, 2, 0))  # [Hkv, S*G, P]
+    scores_p = scores_p.view(hkv, num_seqs, group, num_prefix).transpose(0, 1)  # [S,Hkv,G,P]
     # Suffix: each sequence against its own blocks after the prefix.
-    ks = k_cache.index_select(0, plan.suffix_blocks).view(num_seqs, -1, hkv, d)
-    vs = v_cache.index_select(0, plan.suffix_blocks).view(num_seqs, -1, hkv, d)
-    ks = ks.transpose(1, 2).float()  # [S, Hkv, Ks, D]
-    vs = vs.transpose(1, 2).float()
-    scores = (qf @ ks.transpose(-1, -2)) * scale  # [S, Hkv, G, Ks]
-    scores = scores.masked_fill(~plan.suffix_mask, float("-inf"))
-    out_s, lse_s = _partial(scores, vs)
-    # Merge the two normalised parts by their share of the total softmax mass.
-    lse = torch.logaddexp(lse_p, lse_s)
-    merged = out_p * torch.exp(lse_p - lse) + out_s * torch.exp(lse_s - lse)
-    return merged.to(q.dtype)
+    ks = k_cache.index_select(0, plan.suffix_blocks).view(num_seqs, -1, hkv, d).float()
+    vs = v_cache.index_select(0, plan.suffix_blocks).view(num_seqs, -1, hkv, d).float()
+    scores_s = torch.matmul(qf, ks.permute(0, 2, 3, 1))  # [S, Hkv, G, Ks]
+    scores_s.masked_fill_(~plan.suffix_mask, float("-inf"))
+    probs = torch.softmax(torch.cat((scores_p, scores_s), dim=-1), dim=-1)
+    probs_p, probs_s = probs.split([num_prefix, scores_s.shape[-1]], dim=-1)
+    out_p = torch.bmm(
+        probs_p.transpose(0, 1).reshape(hkv, num_seqs * group, num_prefix), vp.transpose(0, 1)
+    )  # [Hkv, S*G, D]
+    out = torch.matmul(probs_s, vs.transpose(1, 2))  # [S, Hkv, G, D]
+    out += out_p.view(hkv, num_seqs, group, d).transpose(0, 1)
+    return out.to(q.dtype)
