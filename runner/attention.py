@@ -11,7 +11,10 @@ shared by all layers):
   use k/v directly with is_causal, else they gather their blocks and use a causal mask
   shifted by the prefix length;
 - short queries (decodes, short suffixes) run as one padded batch: their blocks are
-  gathered with one index_select and masked by context length.
+  gathered with one index_select and masked by context length;
+- when every sequence of that batch starts with the same blocks, the shared prefix is read
+  once for all of them (runner/cascade.py). Longer queries gain nothing from it: they
+  multiply the prefix keys by every query row anyway, so SDPA alone is as fast.
 """
 
 from __future__ import annotations
@@ -22,11 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runner.cascade import SharedPrefix, cascade_decode, find_shared_prefix
-
-# Sequences whose query is at most this long are batched into one padded SDPA; longer
-# ones run alone (padding them to the longest query would waste work).
-GROUP_MAX_QUERY_LEN = 16
+from runner.attention_plan import build_plan
+from runner.cascade import cascade_attention
 
 
 @dataclass
@@ -112,104 +112,6 @@ def paged_attention(
     raise ValueError(f"unknown attention backend {backend!r}; expected 'torch' or 'triton'")
 
 
-@dataclass
-class _Single:
-    """One long query run alone."""
-
-    start: int
-    end: int
-    blocks: torch.Tensor | None  # [nb] int64 block ids; None: no cached prefix, use k/v
-    context_len: int
-    mask: torch.Tensor | None  # [L, C] bool, True = attend
-
-
-@dataclass
-class _Group:
-    """Short queries run as one padded batch of S sequences, each padded to L queries."""
-
-    num_seqs: int
-    max_query_len: int
-    num_keys: int  # nb * B
-    blocks: torch.Tensor  # [S * nb] int64
-    q_rows: torch.Tensor | slice  # [S * L] rows of q (padding repeats a valid row)
-    out_rows: torch.Tensor | slice | None  # rows of out for the valid queries
-    valid: torch.Tensor | None  # [S * L] bool, None when nothing is padded
-    mask: torch.Tensor  # [S, 1, L, nb * B] bool
-    shared: SharedPrefix | None = None  # decode batches whose rows share leading blocks
-
-
-@dataclass
-class _Plan:
-    block_size: int
-    singles: list[_Single]
-    group: _Group | None
-
-
-def _as_index(rows: list[int], device: torch.device) -> torch.Tensor | slice:
-    """A slice when rows are consecutive (a view instead of a gather), else a tensor."""
-    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return torch.tensor(rows, dtype=torch.int64, device=device)
-
-
-def _build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
-    singles: list[_Single] = []
-    grouped: list[int] = []
-    start = 0
-    starts: list[int] = []
-    for s, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host, strict=True)):
-        starts.append(start)
-        if q_len > GROUP_MAX_QUERY_LEN:
-            if ctx == q_len:
-                singles.append(_Single(start, start + q_len, None, ctx, None))
-            else:
-                nb = -(-ctx // block_size)
-                blocks = meta.block_tables[s, :nb].to(torch.int64)
-                pos_q = torch.arange(ctx - q_len, ctx, device=device)  # [L] query positions
-                mask = torch.arange(ctx, device=device)[None, :] <= pos_q[:, None]  # [L, C]
-                singles.append(_Single(start, start + q_len, blocks, ctx, mask))
-        elif q_len > 0:
-            grouped.append(s)
-        start += q_len
-    group = None
-    if grouped:
-        lens = [meta.query_lens[s] for s in grouped]
-        ctxs = [meta.context_lens_host[s] for s in grouped]
-        n, max_l = len(grouped), max(lens)
-        nb = -(-max(ctxs) // block_size)
-        idx = torch.tensor(grouped, dtype=torch.int64, device=meta.block_tables.device)
-        blocks = meta.block_tables.index_select(0, idx)[:, :nb].reshape(-1).to(device, torch.int64)
-        q_rows: list[int] = []  # padded query i of seq s reads row start + min(i, L - 1)
-        q_pos: list[int] = []  # its position, so its mask row is a real causal row
-        valid: list[bool] = []
-        for s, q_len, ctx in zip(grouped, lens, ctxs, strict=True):
-            for i in range(max_l):
-                j = min(i, q_len - 1)
-                q_rows.append(starts[s] + j)
-                q_pos.append(ctx - q_len + j)
-                valid.append(i < q_len)
-        pos = torch.tensor(q_pos, dtype=torch.int64, device=device).view(n, 1, max_l, 1)
-        keys = torch.arange(nb * block_size, device=device).view(1, 1, 1, -1)
-        padded = not all(valid)
-        out_rows = [r for r, ok in zip(q_rows, valid, strict=True) if ok]
-        shared = None
-        if max_l == 1:
-            tables = blocks.view(n, nb)
-            shared = find_shared_prefix(tables, ctxs, block_size, device)
-        group = _Group(
-            num_seqs=n,
-            max_query_len=max_l,
-            num_keys=nb * block_size,
-            blocks=blocks,
-            q_rows=_as_index(q_rows, device) if padded else _as_index(out_rows, device),
-            out_rows=_as_index(out_rows, device),
-            valid=torch.tensor(valid, device=device) if padded else None,
-            mask=keys <= pos,  # [S, 1, L, K]; pads beyond a context sit after its last query
-            shared=shared,
-        )
-    return _Plan(block_size, singles, group)
-
-
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """cache [blocks, B, Hkv, D] -> [S, Hkv, nb * B, D] for `blocks` [S * nb]."""
     _, block_size, hkv, d = cache.shape
@@ -238,7 +140,7 @@ def torch_paged_attention(
 
     plan = meta._torch_plan
     if plan is None or plan.block_size != block_size:
-        plan = meta._torch_plan = _build_plan(meta, block_size, q.device)
+        plan = meta._torch_plan = build_plan(meta, block_size, q.device)
 
     out = q.new_empty((num_tokens, hq, d))
     for item in plan.singles:
@@ -263,8 +165,10 @@ def torch_paged_attention(
     if g is not None:
         qg = q[g.q_rows]  # [S * L, Hq, D]
         if g.shared is not None:
-            qs = qg.reshape(g.num_seqs, hkv, hq // hkv, d)  # [S, Hkv, G, D]
-            res = cascade_decode(qs, k_cache, v_cache, g.shared, scale).reshape(g.num_seqs, hq, d)
+            qs = qg.reshape(g.num_seqs, g.max_query_len, hq, d)
+            res = cascade_attention(qs, k_cache, v_cache, g.shared, scale).reshape(-1, hq, d)
+            if g.valid is not None:
+                res = res[g.valid]
         elif g.max_query_len == 1:
             ks = _gather(k_cache, g.blocks, g.num_seqs)  # [S, Hkv, K, D]
             vs = _gather(v_cache, g.blocks, g.num_seqs)

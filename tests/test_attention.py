@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Any
 
 import pytest
 import torch
 
-from runner.attention import GROUP_MAX_QUERY_LEN, AttentionMetadata, paged_attention
+from runner.attention import AttentionMetadata, paged_attention
+from runner.attention_plan import GROUP_MAX_QUERY_LEN
+from runner.cascade import MIN_SHARED_TOKENS
 
 
 def naive_attention(
@@ -39,6 +42,9 @@ def naive_attention(
     return out
 
 
+CAPTURED_PLANS: list[Any] = []  # the plan of the last run_case, for tests that check the path
+
+
 def run_case(
     seqs: list[tuple[int, int]],  # (query_len, context_len) per sequence
     hq: int,
@@ -47,17 +53,24 @@ def run_case(
     head_dim: int = 16,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    shared_blocks: int = 0,
+    consecutive_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(paged_attention output, naive output) for one random batch."""
+    """(paged_attention output, naive output) for one random batch. With `shared_blocks`, every
+    table starts with the same blocks (a cached prompt the sequences share)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    blocks_needed = [-(-ctx // block_size) for _, ctx in seqs]
-    num_blocks = sum(blocks_needed) + 3
+    blocks_needed = [-(-ctx // block_size) - shared_blocks for _, ctx in seqs]
+    num_blocks = sum(blocks_needed) + shared_blocks + 3
     ids = list(range(1, num_blocks))  # block 0 stays unused, as padding points at it
     rng.shuffle(ids)
-    tables, taken = [], 0
+    if consecutive_prefix:
+        run = range(2, 2 + shared_blocks)  # the prefix as one range of the pool, in order
+        ids = list(run) + [b for b in ids if b not in run]
+    prefix, taken = ids[:shared_blocks], shared_blocks
+    tables = []
     for n in blocks_needed:
-        tables.append(ids[taken : taken + n])
+        tables.append(prefix + ids[taken : taken + n])
         taken += n
     # The cached prefix is random data already in the store; new tokens are written.
     k_cache = torch.randn(num_blocks, block_size, hkv, head_dim).to(dtype)
@@ -71,6 +84,7 @@ def run_case(
     meta = AttentionMetadata.build(q_lens, ctxs, tables, block_size)
     scale = head_dim**-0.5
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    CAPTURED_PLANS.append(meta._torch_plan)
     # The new K/V must sit at their slots.
     flat_k = k_cache.view(-1, hkv, head_dim)
     assert torch.equal(flat_k[meta.slot_mapping], k)
@@ -109,6 +123,32 @@ def test_random_batches_match_naive(seed: int) -> None:
         q_len = rng.choice([1, 1, 2, rng.randint(1, 40)])
         seqs.append((q_len, q_len + rng.choice([0, rng.randint(1, 50)])))
     out, ref = run_case(seqs, hq, hkv, block_size, head_dim=rng.choice([8, 32]), seed=seed)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize(("hq", "hkv", "block_size"), [(6, 2, 8), (4, 4, 4), (8, 1, 16)])
+def test_shared_prefix_batch_matches_naive(
+    hq: int, hkv: int, block_size: int, consecutive: bool
+) -> None:
+    """Decodes and short suffixes after one shared cached prompt go through the cascade path
+    together and stay exact; a long suffix runs alone."""
+    shared = -(-MIN_SHARED_TOKENS // block_size) + 1
+    p = shared * block_size
+    seqs = [(1, p + 1), (5, p + 5), (LONG, p + LONG), (1, p + 42), (16, p + 20), (3, p + 32)]
+    out, ref = run_case(
+        seqs,
+        hq,
+        hkv,
+        block_size,
+        seed=hq + block_size,
+        shared_blocks=shared,
+        consecutive_prefix=consecutive,
+    )
+    meta_plan = CAPTURED_PLANS.pop()
+    assert len(meta_plan.singles) == 1 and meta_plan.group is not None
+    assert meta_plan.group.shared is not None
+    assert (meta_plan.group.shared.block_range is not None) == consecutive
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 

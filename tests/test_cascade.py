@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runner.cascade import MIN_SHARED_TOKENS, cascade_decode, find_shared_prefix
+from runner.cascade import MIN_SHARED_TOKENS, cascade_attention, find_shared_prefix
 
 
 def reference(
@@ -25,6 +25,12 @@ def reference(
         v = v_cache[tables[s]].reshape(-1, hkv, d)[:ctx].transpose(0, 1)
         out.append(F.scaled_dot_product_attention(q[s], k, v, scale=scale))  # [Hkv, G, D]
     return torch.stack(out)
+
+
+def decode_mask(tables: torch.Tensor, ctxs: list[int], block_size: int = 16) -> torch.Tensor:
+    """[S, 1, 1, nb * B] keys each sequence's one decode query sees (its whole context)."""
+    keys = torch.arange(tables.shape[1] * block_size).view(1, 1, 1, -1)
+    return keys < torch.tensor(ctxs).view(-1, 1, 1, 1)
 
 
 @pytest.mark.parametrize("block_size,group,shared_blocks", [(16, 3, 5), (8, 1, 9), (4, 4, 20)])
@@ -46,10 +52,15 @@ def test_cascade_matches_plain_attention(block_size: int, group: int, shared_blo
             for _ in ctxs
         ]
     )
-    plan = find_shared_prefix(tables, ctxs, block_size, torch.device("cpu"))
+    plan = find_shared_prefix(
+        tables, [c - 1 for c in ctxs], decode_mask(tables, ctxs, block_size), block_size
+    )
     assert plan is not None and plan.blocks.numel() == shared_blocks
     q = torch.randn(len(ctxs), hkv, group, d, generator=gen)
-    got = cascade_decode(q, k_cache, v_cache, plan, scale=d**-0.5)
+    # One query row per sequence: [S, 1, Hq, D] with query head h on KV head h // G.
+    got = cascade_attention(
+        q.reshape(len(ctxs), 1, hkv * group, d), k_cache, v_cache, plan, scale=d**-0.5
+    ).view(len(ctxs), hkv, group, d)
     torch.testing.assert_close(
         got, reference(q, k_cache, v_cache, tables, ctxs, d**-0.5), atol=1e-5, rtol=1e-5
     )
@@ -58,10 +69,12 @@ def test_cascade_matches_plain_attention(block_size: int, group: int, shared_blo
 def test_no_plan_without_a_long_shared_prefix() -> None:
     tables = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 10, 11]])
     few = (MIN_SHARED_TOKENS // 16) - 1
-    assert find_shared_prefix(tables, [96, 96], 16, torch.device("cpu")) is None or few >= 3
+    assert (
+        find_shared_prefix(tables, [95, 95], decode_mask(tables, [96, 96]), 16) is None or few >= 3
+    )
     distinct = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 2, 3, 4, 5, 6]])
-    assert find_shared_prefix(distinct, [96, 96], 16, torch.device("cpu")) is None
+    assert find_shared_prefix(distinct, [95, 95], decode_mask(distinct, [96, 96]), 16) is None
     # A prefix as long as a whole context leaves that sequence no suffix key: capped.
     same = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]])
-    plan = find_shared_prefix(same, [96, 96], 16, torch.device("cpu"))
+    plan = find_shared_prefix(same, [95, 95], decode_mask(same, [96, 96]), 16)
     assert plan is not None and plan.blocks.numel() == 5

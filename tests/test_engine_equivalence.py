@@ -135,9 +135,9 @@ def test_shared_prefix_decode_matches_hf(arch_case: Any, monkeypatch: pytest.Mon
     with torch.inference_mode():
         refs = [hf_greedy(hf, p, 12, None) for p in shared]
     calls = []
-    original = attention.cascade_decode
+    original = attention.cascade_attention
     monkeypatch.setattr(
-        attention, "cascade_decode", lambda *a, **k: calls.append(1) or original(*a, **k)
+        attention, "cascade_attention", lambda *a, **k: calls.append(1) or original(*a, **k)
     )
     llm = LLM(str(path))
     outs = llm.generate(shared, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))

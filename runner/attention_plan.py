@@ -1,0 +1,135 @@
+"""The per-step plan of the torch attention path: which sequences run alone and which run as
+one padded group (and whether that group reads a shared prefix once).
+
+Built once per step from the AttentionMetadata and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from runner.cascade import SharedPrefix, find_shared_prefix
+
+if TYPE_CHECKING:
+    from runner.attention import AttentionMetadata
+
+# Sequences whose query is at most this long are batched into one padded SDPA; longer
+# ones run alone (padding them to the longest query would waste work).
+GROUP_MAX_QUERY_LEN = 16
+
+
+@dataclass
+class Single:
+    """One long query run alone."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor | None  # [nb] int64 block ids; None: no cached prefix, use k/v
+    context_len: int
+    mask: torch.Tensor | None  # [L, C] bool, True = attend
+
+
+@dataclass
+class Group:
+    """Short queries run as one padded batch of S sequences, each padded to L queries."""
+
+    num_seqs: int
+    max_query_len: int
+    num_keys: int  # nb * B
+    blocks: torch.Tensor  # [S * nb] int64
+    q_rows: torch.Tensor | slice  # [S * L] rows of q (padding repeats a valid row)
+    out_rows: torch.Tensor | slice | None  # rows of out for the valid queries
+    valid: torch.Tensor | None  # [S * L] bool, None when nothing is padded
+    mask: torch.Tensor  # [S, 1, L, nb * B] bool
+    shared: SharedPrefix | None = None  # set when all rows share leading blocks
+
+
+@dataclass
+class Plan:
+    block_size: int
+    singles: list[Single]
+    group: Group | None
+
+
+def as_index(rows: list[int], device: torch.device) -> torch.Tensor | slice:
+    """A slice when rows are consecutive (a view instead of a gather), else a tensor."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> Plan:
+    singles: list[Single] = []
+    grouped: list[int] = []
+    starts: list[int] = []
+    start = 0
+    for s, q_len in enumerate(meta.query_lens):
+        starts.append(start)
+        if q_len > GROUP_MAX_QUERY_LEN:
+            singles.append(_single_plan(meta, s, start, block_size, device))
+        elif q_len:
+            grouped.append(s)
+        start += q_len
+    group = _build_group(meta, grouped, starts, block_size, device) if grouped else None
+    return Plan(block_size, singles, group)
+
+
+def _single_plan(
+    meta: AttentionMetadata, s: int, start: int, block_size: int, device: torch.device
+) -> Single:
+    """Sequence s runs alone: plain causal SDPA on its new k/v, or over its gathered blocks
+    with the causal mask shifted by its cached prefix."""
+    q_len, ctx = meta.query_lens[s], meta.context_lens_host[s]
+    if ctx == q_len:
+        return Single(start, start + q_len, None, ctx, None)
+    nb = -(-ctx // block_size)
+    blocks = meta.block_tables[s, :nb].to(torch.int64)
+    pos_q = torch.arange(ctx - q_len, ctx, device=device)  # [L] query positions
+    mask = torch.arange(ctx, device=device)[None, :] <= pos_q[:, None]  # [L, C]
+    return Single(start, start + q_len, blocks, ctx, mask)
+
+
+def _build_group(
+    meta: AttentionMetadata,
+    members: list[int],
+    starts: list[int],
+    block_size: int,
+    device: torch.device,
+) -> Group:
+    """Sequences `members` as one batch padded to the longest query, with the shared-prefix
+    plan when they all start with the same blocks."""
+    lens = [meta.query_lens[s] for s in members]
+    ctxs = [meta.context_lens_host[s] for s in members]
+    n, max_l = len(members), max(lens)
+    nb = -(-max(ctxs) // block_size)
+    idx = torch.tensor(members, dtype=torch.int64, device=meta.block_tables.device)
+    blocks = meta.block_tables.index_select(0, idx)[:, :nb].reshape(-1).to(device, torch.int64)
+    q_rows: list[int] = []  # padded query i of seq s reads row start + min(i, L - 1)
+    q_pos: list[int] = []  # its position, so its mask row is a real causal row
+    valid: list[bool] = []
+    for s, q_len, ctx in zip(members, lens, ctxs, strict=True):
+        for i in range(max_l):
+            j = min(i, q_len - 1)
+            q_rows.append(starts[s] + j)
+            q_pos.append(ctx - q_len + j)
+            valid.append(i < q_len)
+    pos = torch.tensor(q_pos, dtype=torch.int64, device=device).view(n, 1, max_l, 1)
+    keys = torch.arange(nb * block_size, device=device).view(1, 1, 1, -1)
+    mask = keys <= pos  # [S, 1, L, K]; pads beyond a context sit after its last query
+    padded = not all(valid)
+    out_rows = [r for r, ok in zip(q_rows, valid, strict=True) if ok]
+    first_pos = [ctx - q_len for q_len, ctx in zip(lens, ctxs, strict=True)]
+    return Group(
+        num_seqs=n,
+        max_query_len=max_l,
+        num_keys=nb * block_size,
+        blocks=blocks,
+        q_rows=as_index(q_rows, device) if padded else as_index(out_rows, device),
+        out_rows=as_index(out_rows, device),
+        valid=torch.tensor(valid, device=device) if padded else None,
+        mask=mask,
+        shared=find_shared_prefix(blocks.view(n, nb), first_pos, mask, block_size),
+    )
