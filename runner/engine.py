@@ -19,7 +19,7 @@ from runner.outputs import RequestOutput
 from runner.requests import RequestValidator, prompt_token_ids
 from runner.sampling import SamplingParams, sample
 from runner.scheduler import Scheduler, SchedulerOutput
-from runner.sequence import Sequence
+from runner.sequence import SeqStatus, Sequence
 from runner.stopping import StopChecker
 
 Prompt = str | list[int]
@@ -165,11 +165,12 @@ class LLM:
         for item in out.scheduled:
             seq = item.seq
             self.scheduler.abort(seq)
-            seq.finish_reason = "error"
+            seq.finish_reason, seq.status = "error", SeqStatus.FINISHED
             output = self._output(seq)
             output.error = f"{type(err).__name__}: {err}"
             failed.append(output)
             self._forget(seq)
+            self.recorder.on_finish(seq)  # its report row says "error", like its output
         return failed
 
     def _output(self, seq: Sequence) -> RequestOutput:

@@ -485,3 +485,24 @@ def test_seeded_request_survives_preemption(
     # Each other seeded request equals its own solo run as well.
     for seq, p, s in zip(seqs, short, params, strict=True):
         assert seq.output_token_ids == LLM(str(tiny_llama_dir)).generate([p], s)[0].token_ids
+
+
+def test_a_failed_step_reports_error_in_output_and_metrics(
+    llm: LLM, good_prompts: list[list[int]], good_refs: list[list[int]], monkeypatch: Any
+) -> None:
+    """The model raising inside one step fails that step's requests only: their outputs and
+    their metrics rows both say "error", and the next batch runs normally."""
+    run = llm.runner.run
+
+    def fail_once(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(llm.runner, "run", run)
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(llm.runner, "run", fail_once)
+    outs = llm.generate(good_prompts, GREEDY)
+    failed = [o for o in outs if o.finish_reason == "error"]
+    assert failed and all("device fell over" in (o.error or "") for o in failed)
+    rows = {r["id"]: r for r in llm.metrics()["requests"]}
+    assert all(rows[o.request_id]["finish_reason"] == "error" for o in failed)
+    assert [o.token_ids for o in llm.generate(good_prompts, GREEDY)] == good_refs
+    assert_idle_and_sound(llm)
