@@ -12,7 +12,7 @@ run() {  # run NAME ARGS...
 run shared_system_prompt --workload shared_system_prompt \
   --systems engine,engine-nocache,engine-static,hf-static,hf-cb
 run no_sharing --workload no_sharing --systems engine,engine-nocache,hf-static
-run mixed_lengths --workload mixed_lengths --systems engine,engine-static,hf-static
+run mixed_lengths --workload mixed_lengths --systems engine,engine-static,hf-static --no-check
 run mixed_lengths_batch8 --workload mixed_lengths --systems engine,engine-static,hf-static \
   --max-num-seqs 8 --no-check
 run few_shot --workload few_shot --systems engine,engine-nocache,hf-static
