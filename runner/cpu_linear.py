@@ -57,10 +57,6 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
-def pack_linear(linear: nn.Linear) -> PackedLinear:
-    return PackedLinear(linear.weight, linear.bias)
-
-
 def prepack_linears(module: nn.Module) -> int:
     """Replace every float32 CPU nn.Linear under `module` by a PackedLinear, in place.
     Returns how many were packed; 0 when oneDNN is not available (nothing changes)."""
@@ -75,7 +71,7 @@ def prepack_linears(module: nn.Module) -> int:
         and child.weight.dtype in PACKED_DTYPES
     ]
     for parent, name, child in targets:
-        setattr(parent, name, pack_linear(child))
+        setattr(parent, name, PackedLinear(child.weight, child.bias))
     return len(targets)
 
 

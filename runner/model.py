@@ -17,6 +17,7 @@ from torch import nn
 
 from kvcache.store import KVStore
 from runner.attention import AttentionMetadata, paged_attention
+from runner.cpu_linear import PACKED_DTYPES, PackedLinear, prepack_linears
 from runner.layers import RMSNorm, apply_rope, rope_cos_sin
 
 # HF architecture name -> (q/k/v bias, o_proj bias, q/k norm); None = read attention_bias.
@@ -212,19 +213,15 @@ class CausalLM(nn.Module):
         """Pack every projection and the LM head for oneDNN (see runner/cpu_linear.py).
         A tied head gets its own packed copy; the embedding keeps the plain one for lookups.
         Call after loading the weights. Returns how many matrices were packed."""
-        from runner.cpu_linear import PackedLinear, prepack_linears
-
         packed = prepack_linears(self)
         weight = self.embed_tokens.weight
-        if packed and self.lm_head is None and weight.dtype == torch.float32:
+        if packed and self.lm_head is None and weight.dtype in PACKED_DTYPES:
             self.lm_head = PackedLinear(weight, None)
             packed += 1
         return packed
 
     def num_matmul_params(self) -> int:
         """Weights that take part in a token's matrix products: projections and the head."""
-        from runner.cpu_linear import PackedLinear
-
         total = sum(
             m.in_features * m.out_features
             for m in self.modules()

@@ -42,9 +42,6 @@ def naive_attention(
     return out
 
 
-CAPTURED_PLANS: list[Any] = []  # the plan of the last run_case, for tests that check the path
-
-
 def run_case(
     seqs: list[tuple[int, int]],  # (query_len, context_len) per sequence
     hq: int,
@@ -55,9 +52,11 @@ def run_case(
     dtype: torch.dtype = torch.float32,
     shared_blocks: int = 0,
     consecutive_prefix: bool = False,
+    plans: list[Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(paged_attention output, naive output) for one random batch. With `shared_blocks`, every
-    table starts with the same blocks (a cached prompt the sequences share)."""
+    table starts with the same blocks (a cached prompt the sequences share). The step's attention
+    plan is appended to `plans` when given, for tests that check which path ran."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     blocks_needed = [-(-ctx // block_size) - shared_blocks for _, ctx in seqs]
@@ -84,7 +83,8 @@ def run_case(
     meta = AttentionMetadata.build(q_lens, ctxs, tables, block_size)
     scale = head_dim**-0.5
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
-    CAPTURED_PLANS.append(meta._torch_plan)
+    if plans is not None:
+        plans.append(meta._torch_plan)
     # The new K/V must sit at their slots.
     flat_k = k_cache.view(-1, hkv, head_dim)
     assert torch.equal(flat_k[meta.slot_mapping], k)
@@ -136,6 +136,7 @@ def test_shared_prefix_batch_matches_naive(
     shared = -(-MIN_SHARED_TOKENS // block_size) + 1
     p = shared * block_size
     seqs = [(1, p + 1), (5, p + 5), (LONG, p + LONG), (1, p + 42), (16, p + 20), (3, p + 32)]
+    plans: list[Any] = []
     out, ref = run_case(
         seqs,
         hq,
@@ -144,11 +145,12 @@ def test_shared_prefix_batch_matches_naive(
         seed=hq + block_size,
         shared_blocks=shared,
         consecutive_prefix=consecutive,
+        plans=plans,
     )
-    meta_plan = CAPTURED_PLANS.pop()
-    assert len(meta_plan.singles) == 1 and meta_plan.group is not None
-    assert meta_plan.group.shared is not None
-    assert (meta_plan.group.shared.block_range is not None) == consecutive
+    (plan,) = plans
+    assert len(plan.singles) == 1 and plan.group is not None
+    assert plan.group.shared is not None
+    assert (plan.group.shared.block_range is not None) == consecutive
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
