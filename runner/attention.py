@@ -13,8 +13,8 @@ shared by all layers):
 - short queries (decodes, short suffixes) run as one padded batch: their blocks are
   gathered with one index_select and masked by context length;
 - when every sequence of that batch starts with the same blocks, the shared prefix is read
-  once for all of them (runner/cascade.py). Longer queries gain nothing from it: they
-  multiply the prefix keys by every query row anyway, so SDPA alone is as fast.
+  once for all of them (runner/cascade.py, CPU only), and queries up to
+  CASCADE_MAX_QUERY_LEN join the batch.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def torch_paged_attention(
 
     plan = meta._torch_plan
     if plan is None or plan.block_size != block_size:
-        plan = meta._torch_plan = build_plan(meta, block_size, q.device)
+        plan = meta._torch_plan = build_plan(meta, block_size, q.device, q.dtype)
 
     out = q.new_empty((num_tokens, hq, d))
     for item in plan.singles:
@@ -165,10 +165,9 @@ def torch_paged_attention(
     if g is not None:
         qg = q[g.q_rows]  # [S * L, Hq, D]
         if g.shared is not None:
-            qs = qg.reshape(g.num_seqs, g.max_query_len, hq, d)
-            res = cascade_attention(qs, k_cache, v_cache, g.shared, scale).reshape(-1, hq, d)
-            if g.valid is not None:
-                res = res[g.valid]
+            qs = qg.view(g.num_seqs, g.max_query_len, hq, d)
+            real = qg if g.valid is None else q[g.out_rows]  # [R, Hq, D]
+            res = cascade_attention(real, qs, g.valid, k_cache, v_cache, g.shared, scale)
         elif g.max_query_len == 1:
             ks = _gather(k_cache, g.blocks, g.num_seqs)  # [S, Hkv, K, D]
             vs = _gather(v_cache, g.blocks, g.num_seqs)

@@ -1,5 +1,5 @@
 """The per-step plan of the torch attention path: which sequences run alone and which run as
-one padded group (and whether that group reads a shared prefix once).
+one padded group (and whether that group reads a shared prefix once: runner/cascade.py).
 
 Built once per step from the AttentionMetadata and reused by every layer.
 """
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runner.cascade import SharedPrefix, find_shared_prefix
+from runner.cascade import SharedPrefix, count_shared_blocks, shared_prefix
 
 if TYPE_CHECKING:
     from runner.attention import AttentionMetadata
@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 # Sequences whose query is at most this long are batched into one padded SDPA; longer
 # ones run alone (padding them to the longest query would waste work).
 GROUP_MAX_QUERY_LEN = 16
+# Queries up to this long join the group when all its sequences share a cached prefix: the
+# prefix is then scored for all rows in one call, without padding, so longer suffixes gain too.
+CASCADE_MAX_QUERY_LEN = 64
 
 
 @dataclass
@@ -29,7 +32,7 @@ class Single:
     end: int
     blocks: torch.Tensor | None  # [nb] int64 block ids; None: no cached prefix, use k/v
     context_len: int
-    mask: torch.Tensor | None  # [L, C] bool, True = attend
+    mask: torch.Tensor | None  # [L, C] additive, in the query dtype: 0 = attend, -inf = not
 
 
 @dataclass
@@ -43,7 +46,7 @@ class Group:
     q_rows: torch.Tensor | slice  # [S * L] rows of q (padding repeats a valid row)
     out_rows: torch.Tensor | slice | None  # rows of out for the valid queries
     valid: torch.Tensor | None  # [S * L] bool, None when nothing is padded
-    mask: torch.Tensor  # [S, 1, L, nb * B] bool
+    mask: torch.Tensor  # [S, 1, L, nb * B] additive, in the query dtype: 0 = attend, -inf = not
     shared: SharedPrefix | None = None  # set when all rows share leading blocks
 
 
@@ -61,24 +64,48 @@ def as_index(rows: list[int], device: torch.device) -> torch.Tensor | slice:
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
-def build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> Plan:
-    singles: list[Single] = []
-    grouped: list[int] = []
+def build_plan(
+    meta: AttentionMetadata, block_size: int, device: torch.device, dtype: torch.dtype
+) -> Plan:
     starts: list[int] = []
     start = 0
-    for s, q_len in enumerate(meta.query_lens):
+    for q_len in meta.query_lens:
         starts.append(start)
-        if q_len > GROUP_MAX_QUERY_LEN:
-            singles.append(_single_plan(meta, s, start, block_size, device))
-        elif q_len:
-            grouped.append(s)
         start += q_len
-    group = _build_group(meta, grouped, starts, block_size, device) if grouped else None
+    short = [s for s, q_len in enumerate(meta.query_lens) if 0 < q_len <= CASCADE_MAX_QUERY_LEN]
+    shared = _shared_blocks(meta, short, block_size) if device.type == "cpu" else 0
+    grouped = short if shared else [s for s in short if meta.query_lens[s] <= GROUP_MAX_QUERY_LEN]
+    group = (
+        _build_group(meta, grouped, starts, block_size, device, dtype, shared) if grouped else None
+    )
+    in_group = set(grouped)
+    singles = [
+        _single_plan(meta, s, starts[s], block_size, device, dtype)
+        for s, q_len in enumerate(meta.query_lens)
+        if q_len and s not in in_group
+    ]
     return Plan(block_size, singles, group)
 
 
+def _shared_blocks(meta: AttentionMetadata, members: list[int], block_size: int) -> int:
+    """Leading blocks all `members` share before their first queries (0 if too few); the
+    cascade runs on the CPU flash kernel, hence only there."""
+    if len(members) < 2:
+        return 0
+    nb = -(-min(meta.context_lens_host[s] for s in members) // block_size)
+    idx = torch.tensor(members, dtype=torch.int64, device=meta.block_tables.device)
+    tables = meta.block_tables.index_select(0, idx)[:, :nb].cpu()
+    first = [meta.context_lens_host[s] - meta.query_lens[s] for s in members]
+    return count_shared_blocks(tables, first, block_size)
+
+
 def _single_plan(
-    meta: AttentionMetadata, s: int, start: int, block_size: int, device: torch.device
+    meta: AttentionMetadata,
+    s: int,
+    start: int,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> Single:
     """Sequence s runs alone: plain causal SDPA on its new k/v, or over its gathered blocks
     with the causal mask shifted by its cached prefix."""
@@ -88,8 +115,10 @@ def _single_plan(
     nb = -(-ctx // block_size)
     blocks = meta.block_tables[s, :nb].to(torch.int64)
     pos_q = torch.arange(ctx - q_len, ctx, device=device)  # [L] query positions
-    mask = torch.arange(ctx, device=device)[None, :] <= pos_q[:, None]  # [L, C]
-    return Single(start, start + q_len, blocks, ctx, mask)
+    visible = torch.arange(ctx, device=device)[None, :] <= pos_q[:, None]  # [L, C]
+    # Additive rather than boolean: SDPA would convert a boolean mask in every layer.
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    return Single(start, start + q_len, blocks, ctx, mask.masked_fill_(~visible, float("-inf")))
 
 
 def _build_group(
@@ -98,9 +127,11 @@ def _build_group(
     starts: list[int],
     block_size: int,
     device: torch.device,
+    dtype: torch.dtype,
+    shared: int,
 ) -> Group:
     """Sequences `members` as one batch padded to the longest query, with the shared-prefix
-    plan when they all start with the same blocks."""
+    plan when they all start with the same `shared` blocks (0: they do not)."""
     lens = [meta.query_lens[s] for s in members]
     ctxs = [meta.context_lens_host[s] for s in members]
     n, max_l = len(members), max(lens)
@@ -118,10 +149,10 @@ def _build_group(
             valid.append(i < q_len)
     pos = torch.tensor(q_pos, dtype=torch.int64, device=device).view(n, 1, max_l, 1)
     keys = torch.arange(nb * block_size, device=device).view(1, 1, 1, -1)
-    mask = keys <= pos  # [S, 1, L, K]; pads beyond a context sit after its last query
+    visible = keys <= pos  # [S, 1, L, K]; pads beyond a context sit after its last query
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
     padded = not all(valid)
     out_rows = [r for r, ok in zip(q_rows, valid, strict=True) if ok]
-    first_pos = [ctx - q_len for q_len, ctx in zip(lens, ctxs, strict=True)]
     return Group(
         num_seqs=n,
         max_query_len=max_l,
@@ -130,6 +161,10 @@ def _build_group(
         q_rows=as_index(q_rows, device) if padded else as_index(out_rows, device),
         out_rows=as_index(out_rows, device),
         valid=torch.tensor(valid, device=device) if padded else None,
-        mask=mask,
-        shared=find_shared_prefix(blocks.view(n, nb), first_pos, mask, block_size),
+        mask=mask.masked_fill_(~visible, float("-inf")),
+        shared=(
+            shared_prefix(blocks.view(n, nb), shared, visible, block_size, dtype)
+            if shared
+            else None
+        ),
     )

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runner.attention import AttentionMetadata, paged_attention
-from runner.attention_plan import GROUP_MAX_QUERY_LEN
+from runner.attention_plan import CASCADE_MAX_QUERY_LEN, GROUP_MAX_QUERY_LEN
 from runner.cascade import MIN_SHARED_TOKENS
 
 
@@ -131,11 +131,13 @@ def test_random_batches_match_naive(seed: int) -> None:
 def test_shared_prefix_batch_matches_naive(
     hq: int, hkv: int, block_size: int, consecutive: bool
 ) -> None:
-    """Decodes and short suffixes after one shared cached prompt go through the cascade path
-    together and stay exact; a long suffix runs alone."""
+    """Decodes and suffixes up to CASCADE_MAX_QUERY_LEN after one shared cached prompt go
+    through the cascade path together and stay exact; a longer suffix runs alone."""
     shared = -(-MIN_SHARED_TOKENS // block_size) + 1
     p = shared * block_size
-    seqs = [(1, p + 1), (5, p + 5), (LONG, p + LONG), (1, p + 42), (16, p + 20), (3, p + 32)]
+    longest = CASCADE_MAX_QUERY_LEN + 5
+    seqs = [(1, p + 1), (5, p + 5), (LONG, p + LONG), (1, p + 42), (longest, p + longest)]
+    seqs += [(16, p + 20), (3, p + 32), (CASCADE_MAX_QUERY_LEN, p + CASCADE_MAX_QUERY_LEN)]
     plans: list[Any] = []
     out, ref = run_case(
         seqs,
@@ -148,8 +150,8 @@ def test_shared_prefix_batch_matches_naive(
         plans=plans,
     )
     (plan,) = plans
-    assert len(plan.singles) == 1 and plan.group is not None
-    assert plan.group.shared is not None
+    assert len(plan.singles) == 1 and plan.singles[0].end - plan.singles[0].start == longest
+    assert plan.group is not None and plan.group.shared is not None
     assert (plan.group.shared.block_range is not None) == consecutive
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -217,3 +219,22 @@ def test_triton_backend_dispatches_with_the_same_contract() -> None:
         meta = AttentionMetadata.build(*meta_args, device=device)
         outs.append(paged_attention(q, k, v, *caches, meta, 0.25, backend=backend))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+
+
+def test_shared_prefix_bfloat16_runs_close_to_reference() -> None:
+    shared = -(-MIN_SHARED_TOKENS // 8) + 1
+    p = shared * 8
+    seqs = [(1, p + 3), (LONG, p + LONG), (2, p + 9)]
+    plans: list[Any] = []
+    out, ref = run_case(
+        seqs,
+        6,
+        2,
+        8,
+        dtype=torch.bfloat16,
+        shared_blocks=shared,
+        consecutive_prefix=True,
+        plans=plans,
+    )
+    assert plans[0].group.shared is not None and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)

@@ -1,4 +1,4 @@
-"""Shared-prefix (cascade) decode attention equals plain attention over the gathered context."""
+"""Shared-prefix (cascade) attention equals plain attention over the gathered context."""
 
 from __future__ import annotations
 
@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runner.cascade import MIN_SHARED_TOKENS, cascade_attention, find_shared_prefix
+from runner.cascade import (
+    MIN_SHARED_TOKENS,
+    cascade_attention,
+    count_shared_blocks,
+    shared_prefix,
+)
 
 
 def reference(
@@ -52,29 +57,28 @@ def test_cascade_matches_plain_attention(block_size: int, group: int, shared_blo
             for _ in ctxs
         ]
     )
-    plan = find_shared_prefix(
-        tables, [c - 1 for c in ctxs], decode_mask(tables, ctxs, block_size), block_size
-    )
-    assert plan is not None and plan.blocks.numel() == shared_blocks
+    shared = count_shared_blocks(tables, [c - 1 for c in ctxs], block_size)
+    assert shared == shared_blocks
+    mask = decode_mask(tables, ctxs, block_size)
+    plan = shared_prefix(tables, shared, mask, block_size, torch.float32)
     q = torch.randn(len(ctxs), hkv, group, d, generator=gen)
-    # One query row per sequence: [S, 1, Hq, D] with query head h on KV head h // G.
-    got = cascade_attention(
-        q.reshape(len(ctxs), 1, hkv * group, d), k_cache, v_cache, plan, scale=d**-0.5
-    ).view(len(ctxs), hkv, group, d)
+    # One query row per sequence: [S, Hq, D] with query head h on KV head h // G.
+    rows = q.reshape(len(ctxs), hkv * group, d)
+    got = cascade_attention(rows, rows[:, None], None, k_cache, v_cache, plan, scale=d**-0.5).view(
+        len(ctxs), hkv, group, d
+    )
     torch.testing.assert_close(
         got, reference(q, k_cache, v_cache, tables, ctxs, d**-0.5), atol=1e-5, rtol=1e-5
     )
 
 
 def test_no_plan_without_a_long_shared_prefix() -> None:
+    assert MIN_SHARED_TOKENS > 3 * 16
     tables = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 10, 11]])
-    few = (MIN_SHARED_TOKENS // 16) - 1
-    assert (
-        find_shared_prefix(tables, [95, 95], decode_mask(tables, [96, 96]), 16) is None or few >= 3
-    )
+    assert count_shared_blocks(tables, [95, 95], 16) == 0  # 48 shared tokens: too few
     distinct = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 2, 3, 4, 5, 6]])
-    assert find_shared_prefix(distinct, [95, 95], decode_mask(distinct, [96, 96]), 16) is None
+    assert count_shared_blocks(distinct, [95, 95], 16) == 0
     # A prefix as long as a whole context leaves that sequence no suffix key: capped.
     same = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]])
-    plan = find_shared_prefix(same, [95, 95], decode_mask(same, [96, 96]), 16)
-    assert plan is not None and plan.blocks.numel() == 5
+    assert count_shared_blocks(same, [95, 95], 16) == 5
+    assert count_shared_blocks(same, [95, 70], 16) == 4  # before the earliest first query
