@@ -75,19 +75,22 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 def rope_cos_sin(
     config: Any, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_positions, head_dim // 2] in `dtype`, indexed by position."""
+    """cos, sin tables [max_positions, head_dim] in `dtype`, indexed by position: cos repeated
+    over both halves, sin negated over the first (so apply_rope needs no negation)."""
     inv_freq, scale = rope_inv_freq(config, head_dim)
     positions = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2], same products as HF
     cos = (freqs.cos() * scale).to(device=device, dtype=dtype)
     sin = (freqs.sin() * scale).to(device=device, dtype=dtype)
-    return cos, sin
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [T, H, D]; cos/sin [T, D/2] (already gathered by position)."""
+    """Rotate-half RoPE. x [T, H, D]; cos/sin [T, D] from rope_cos_sin, gathered by position.
+
+    HF computes x * cat(c, c) + cat(-x2, x1) * cat(s, s); here the second product is
+    cat(x2, x1) * cat(-s, s), the same numbers, with one operation fewer."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
-    # HF: x * cat(c, c) + rotate_half(x) * cat(s, s) with rotate_half(x) = cat(-x2, x1).
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    out = x * cos[:, None, :]
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return out.add_(rotated.mul_(sin[:, None, :]))

@@ -86,13 +86,17 @@ class Attention(nn.Module):
         backend: str,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: norm per head, before RoPE
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            # Qwen3: norm per head, before RoPE
+            q = apply_rope(self.q_norm(q.view(t, self.num_heads, self.head_dim)), cos, sin)
+            k = apply_rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        else:
+            # q and k heads side by side rotate in one pass: [T, Hq + Hkv, D], then split.
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, backend)  # [T, Hq, D]
         out: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
         return out
@@ -194,7 +198,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, H]; writes K/V of all T tokens."""
         h = self.embed_tokens(input_ids)  # [T, H]
-        cos = self.rope_cos.index_select(0, positions)  # [T, D/2]
+        cos = self.rope_cos.index_select(0, positions)  # [T, D]
         sin = self.rope_sin.index_select(0, positions)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer(i)
