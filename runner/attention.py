@@ -145,7 +145,11 @@ def torch_paged_attention(
     out = q.new_empty((num_tokens, hq, d))
     for item in plan.singles:
         qs = q[item.start : item.end].transpose(0, 1)[None]  # [1, Hq, L, D]
-        if item.blocks is None:
+        if item.cached is not None:
+            rows = q[item.start : item.end]  # [L, Hq, D]
+            res = cascade_attention(rows, rows[None], None, k_cache, v_cache, item.cached, scale)
+            res = res.transpose(0, 1)[None]  # [1, Hq, L, D] view, like SDPA's result
+        elif item.blocks is None:
             ks = k[item.start : item.end].transpose(0, 1)[None]  # [1, Hkv, L, D]
             vs = v[item.start : item.end].transpose(0, 1)[None]
             res = F.scaled_dot_product_attention(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runner.cascade import SharedPrefix, count_shared_blocks, shared_prefix
+from runner.cascade import MIN_SHARED_TOKENS, SharedPrefix, count_shared_blocks, shared_prefix
 
 if TYPE_CHECKING:
     from runner.attention import AttentionMetadata
@@ -33,6 +33,9 @@ class Single:
     blocks: torch.Tensor | None  # [nb] int64 block ids; None: no cached prefix, use k/v
     context_len: int
     mask: torch.Tensor | None  # [L, C] additive, in the query dtype: 0 = attend, -inf = not
+    # Set when the cached context starts with a run of consecutive blocks (a prompt's blocks,
+    # allocated together): that run is read in place, only the later blocks are gathered.
+    cached: SharedPrefix | None = None
 
 
 @dataclass
@@ -87,6 +90,15 @@ def build_plan(
     return Plan(block_size, singles, group)
 
 
+def consecutive_run(blocks: torch.Tensor, limit: int) -> int:
+    """How many of the first `limit` ids in `blocks` [nb] count up one by one from the first."""
+    head = blocks[: max(0, limit)].cpu()
+    if head.numel() == 0:
+        return 0
+    steps = head == head[0] + torch.arange(head.numel())
+    return int(steps.to(torch.int64).cumprod(0).sum())
+
+
 def _shared_blocks(meta: AttentionMetadata, members: list[int], block_size: int) -> int:
     """Leading blocks all `members` share before their first queries (0 if too few); the
     cascade runs on the CPU flash kernel, hence only there."""
@@ -108,13 +120,20 @@ def _single_plan(
     dtype: torch.dtype,
 ) -> Single:
     """Sequence s runs alone: plain causal SDPA on its new k/v, or over its gathered blocks
-    with the causal mask shifted by its cached prefix."""
+    with the causal mask shifted by its cached prefix, or split into a prefix read in place and
+    its later blocks (see Single.cached)."""
     q_len, ctx = meta.query_lens[s], meta.context_lens_host[s]
     if ctx == q_len:
         return Single(start, start + q_len, None, ctx, None)
     nb = -(-ctx // block_size)
     blocks = meta.block_tables[s, :nb].to(torch.int64)
     pos_q = torch.arange(ctx - q_len, ctx, device=device)  # [L] query positions
+    in_place = consecutive_run(blocks, (ctx - q_len) // block_size) if device.type == "cpu" else 0
+    if in_place * block_size >= MIN_SHARED_TOKENS:
+        keys = torch.arange(nb * block_size, device=device)[None, None, None, :]
+        visible_all = keys <= pos_q[None, None, :, None]  # [1, 1, L, nb * B]
+        cached = shared_prefix(blocks[None], in_place, visible_all, block_size, dtype)
+        return Single(start, start + q_len, None, ctx, None, cached)
     visible = torch.arange(ctx, device=device)[None, :] <= pos_q[:, None]  # [L, C]
     # Additive rather than boolean: SDPA would convert a boolean mask in every layer.
     mask = torch.zeros(visible.shape, dtype=dtype, device=device)

@@ -238,3 +238,24 @@ def test_shared_prefix_bfloat16_runs_close_to_reference() -> None:
     )
     assert plans[0].group.shared is not None and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_long_query_after_a_cached_prompt_matches_naive(block_size: int, consecutive: bool) -> None:
+    """A chunk too long for the group reads its cached prompt in place when that prompt's
+    blocks are consecutive (split into prefix and later keys), else gathers them all; both
+    stay exact, with a partly filled block between the prefix and the chunk."""
+    shared = -(-MIN_SHARED_TOKENS // block_size) + 2
+    p = shared * block_size
+    longest = CASCADE_MAX_QUERY_LEN + 9
+    seqs = [(longest, p + 3 + longest)]
+    plans: list[Any] = []
+    out, ref = run_case(
+        seqs, 6, 2, block_size, shared_blocks=shared, consecutive_prefix=consecutive, plans=plans
+    )
+    (single,) = plans[0].singles
+    assert (single.cached is not None) == consecutive
+    if consecutive:
+        assert single.cached.block_range == slice(2, 2 + shared)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
