@@ -122,12 +122,6 @@ def test_identical_config_other_weights_has_another_namespace(
     assert llm_a.fingerprint != LLM(str(tiny_llama_dir)).fingerprint
 
 
-@pytest.mark.xfail(
-    reason="fingerprint hashes the folder path, config.json and weight file *sizes*, not the "
-    "weight bytes: weights rewritten in place with the same size keep the fingerprint. "
-    "Harmless while every LLM owns its pool; a hazard once a cache outlives a load.",
-    strict=False,
-)
 def test_weights_rewritten_in_place_change_the_fingerprint(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
