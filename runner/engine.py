@@ -17,7 +17,7 @@ from runner.engine_setup import build_engine_parts
 from runner.metrics import MetricsRecorder
 from runner.outputs import RequestOutput
 from runner.requests import RequestValidator, prompt_token_ids
-from runner.sampling import SamplingParams, sample
+from runner.sampling import SamplingParams, request_generator, sample
 from runner.scheduler import Scheduler, SchedulerOutput
 from runner.sequence import SeqStatus, Sequence
 from runner.stopping import StopChecker
@@ -47,6 +47,7 @@ class LLM:
             max_model_len=self.max_model_len,
             pool_tokens=num_blocks * self.config.block_size,
             block_size=self.config.block_size,
+            has_tokenizer=self.tokenizer is not None,
         )
         self.stopper = StopChecker(text_cfg, self.tokenizer, self.max_model_len)
         self.eos_ids = self.stopper.eos_ids
@@ -86,12 +87,7 @@ class LLM:
         text = prompt if isinstance(prompt, str) else None
         seq_id = next(self._seq_ids)
         root = self._root(cache_salt)
-        generator = None
-        if not params.greedy:
-            seed = params.seed
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+        generator = request_generator(params, self._rng, self.device)
         seq = Sequence(
             seq_id=seq_id,
             request_id=request_id if request_id is not None else str(seq_id),

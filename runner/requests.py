@@ -14,12 +14,18 @@ class RequestValidator:
     max_model_len: int
     pool_tokens: int  # KV slots in the whole pool
     block_size: int
+    has_tokenizer: bool = True
 
     def check(self, token_ids: list[Any], params: Any) -> None:
         """Raise ValueError naming the problem; returns quietly when the request can run."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.stop_strings and not self.has_tokenizer:
+            raise ValueError(
+                "stop strings need a tokenizer to read the text, and this model has none: "
+                "use stop_token_ids instead"
+            )
         if not token_ids:
             raise ValueError("prompt is empty")
         for position, token in enumerate(token_ids):

@@ -91,6 +91,19 @@ def _check_number(name: str, value: object) -> None:
         raise ValueError(f"{name} must be finite, got {value!r}")
 
 
+def request_generator(
+    params: SamplingParams, engine_rng: torch.Generator, device: torch.device
+) -> torch.Generator | None:
+    """The request's own random stream (None when greedy): seeded by `params.seed`, else by a
+    draw from the engine's generator, so a seeded request samples the same in any batch."""
+    if params.greedy:
+        return None
+    seed = params.seed
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,), generator=engine_rng))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],

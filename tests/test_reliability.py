@@ -186,12 +186,24 @@ BAD_PARAMS: dict[str, tuple[dict[str, Any], str]] = {
 
 @pytest.mark.parametrize("case", list(BAD_PARAMS))
 def test_bad_sampling_params_are_one_clear_value_error(case: str) -> None:
-    """Caught where they are made, naming the field. (BUG today: temperature=nan passes, and
-    the request then raises RuntimeError inside `step`; seed=2**64 passes and fails later in
-    torch with 'Overflow when unpacking long long', which does not name the field.)"""
+    """Caught where they are made, naming the field (temperature=nan, seed=2**64 included, which
+    would otherwise fail later inside a step or in torch)."""
     fields, message = BAD_PARAMS[case]
     with pytest.raises(ValueError, match=message):
         SamplingParams(**fields)
+
+
+def test_stop_strings_on_a_model_without_tokenizer_are_refused(
+    llm: LLM, good_prompts: list[list[int]]
+) -> None:
+    """Without a tokenizer no text exists to search: refused, not silently ignored."""
+    assert llm.tokenizer is None
+    params = SamplingParams(max_tokens=4, temperature=0, stop=["\n"])
+    with pytest.raises(ValueError, match="stop strings need a tokenizer.*stop_token_ids"):
+        llm.add_request(good_prompts[0], params)
+    assert_idle_and_sound(llm)
+    by_token = SamplingParams(max_tokens=4, temperature=0, stop_token_ids=[7])
+    assert len(llm.generate([good_prompts[0]], by_token)) == 1
 
 
 @pytest.mark.parametrize(
