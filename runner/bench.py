@@ -18,6 +18,7 @@ from runner.bench_peers import (
 )
 from runner.cpu_linear import PackedLinear, prepacking_available
 from runner.engine import LLM
+from runner.matmul_timer import MatmulTimer
 from runner.outputs import RequestOutput
 from runner.sampling import SamplingParams
 from runner.workloads import BenchRequest, load_workload
@@ -59,9 +60,13 @@ def run_engine(
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2, temperature=0), cache_salt="w")
     first_step = len(llm.recorder.steps)
     before = llm.block_manager.stats.as_dict()
+    timer = MatmulTimer(llm.model) if device == "cpu" else None
+    matmul_s: dict[int, float] = {}  # recorder step index -> seconds inside products
     start = time.perf_counter()
-    outs = _run_with_arrivals(llm, requests)
+    outs = _run_with_arrivals(llm, requests, timer, matmul_s)
     wall = time.perf_counter() - start
+    if timer is not None:
+        timer.close()
     steps = llm.recorder.steps[first_step:]
     after = llm.block_manager.stats.as_dict()
     query = after["query_tokens"] - before["query_tokens"]
@@ -76,6 +81,15 @@ def run_engine(
         "preemptions": llm.scheduler.num_preemptions,
         "kv_pool_mib": llm.kv.tensor.numel() * llm.kv.tensor.element_size() / 2**20,
     }
+    decode = [
+        i
+        for i, s in enumerate(llm.recorder.steps)
+        if i >= first_step and s["num_prefill_tokens"] == 0 and s["num_decode_tokens"]
+    ]
+    decode_s = sum(llm.recorder.steps[i]["duration_s"] for i in decode)
+    if timer is not None and decode_s > 0:
+        inside = sum(matmul_s.get(i, 0.0) for i in decode)
+        extra["decode_outside_matmul"] = 1 - inside / decode_s
     # Inter-token latency of the requests present from the start (the running decodes).
     itl = [
         x
@@ -89,8 +103,14 @@ def run_engine(
     return PeerResult(outputs, wall, prefill, ttft), llm, extra
 
 
-def _run_with_arrivals(llm: LLM, requests: list[BenchRequest]) -> list[RequestOutput]:
-    """Submit each request at its arrival step and run to the end; outputs in input order."""
+def _run_with_arrivals(
+    llm: LLM,
+    requests: list[BenchRequest],
+    timer: MatmulTimer | None = None,
+    matmul_s: dict[int, float] | None = None,
+) -> list[RequestOutput]:
+    """Submit each request at its arrival step and run to the end; outputs in input order.
+    With a timer, `matmul_s` gets each recorded step's seconds inside matrix products."""
     pending = sorted(range(len(requests)), key=lambda i: requests[i].arrive_after_steps)
     done: dict[str, RequestOutput] = {}
     steps = 0
@@ -101,8 +121,12 @@ def _run_with_arrivals(llm: LLM, requests: list[BenchRequest]) -> list[RequestOu
                 max_tokens=req.max_tokens, temperature=0, ignore_eos=req.ignore_eos
             )
             llm.add_request(req.prompt_token_ids, params, request_id=req.request_id)
+        before = timer.total_s if timer is not None else 0.0
+        recorded = len(llm.recorder.steps)
         for out in llm.step():
             done[out.request_id] = out
+        if timer is not None and matmul_s is not None and len(llm.recorder.steps) > recorded:
+            matmul_s[len(llm.recorder.steps) - 1] = timer.total_s - before
         steps += 1
     return [done[r.request_id] for r in requests]
 
@@ -203,6 +227,7 @@ def format_table(rows: list[dict[str, Any]], peak: float, rss_mib: float) -> str
         "ITL p50 ms",
         "ITL p99 ms",
         "prefill MFU",
+        "decode outside matmul",
         "match",
     ]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
@@ -219,6 +244,7 @@ def format_table(rows: list[dict[str, Any]], peak: float, rss_mib: float) -> str
             _fmt(r.get("itl_p50_ms"), "{:.0f}"),
             _fmt(r.get("itl_p99_ms"), "{:.0f}"),
             _fmt(r.get("prefill_mfu"), "{:.0%}"),
+            _fmt(r.get("decode_outside_matmul"), "{:.0%}"),
             _fmt(r["matches_reference"], "{}"),
         ]
         lines.append(" | ".join(cells))

@@ -1,0 +1,55 @@
+"""`kvcache bench` end to end on a tiny model: every column is filled from a real run, the
+engine's greedy outputs are checked against transformers', and the decode share outside the
+matrix products comes from timing the products themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runner.bench import run_bench
+from runner.matmul_timer import MatmulTimer
+
+
+@pytest.mark.parametrize("prepack", [True, False], ids=["packed", "unpacked"])
+def test_bench_rows_on_a_tiny_model(tiny_llama_tok_dir: Path, prepack: bool) -> None:
+    result = run_bench(
+        "mixed_lengths",
+        ["engine", "engine-nocache", "hf-static"],
+        model=str(tiny_llama_tok_dir),
+        max_tokens=6,
+        limit=4,
+        engine_options={"prepack_weights": prepack},
+    )
+    rows = {r["system"]: r for r in result["rows"]}
+    assert set(rows) == {"engine", "engine-nocache", "hf-static"}
+    for name in ("engine", "engine-nocache"):
+        row = rows[name]
+        assert row["matches_reference"] is True
+        assert row["output_tokens"] == 4 * 6  # mixed_lengths ignores EOS
+        assert 0.0 < row["decode_outside_matmul"] < 1.0
+        assert row["prefill_mfu"] > 0
+    assert rows["hf-static"]["vs_hf_static"] == pytest.approx(1.0)
+    assert "decode outside matmul" in result["table"].splitlines()[0]
+
+
+@pytest.mark.parametrize("prepack", [True, False], ids=["packed", "unpacked-tied-head"])
+def test_matmul_timer_times_every_product_and_detaches(
+    tiny_llama_dir: Path, prepack: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcache import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama_dir), prepack_weights=prepack)
+    stops: list[int] = []
+    original = MatmulTimer._stop
+    monkeypatch.setattr(MatmulTimer, "_stop", lambda self, *a: stops.append(1) or original(self))
+    timer = MatmulTimer(llm.model)
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    llm.generate([[5, 6, 7]], greedy)  # two forward passes: the prompt, then one decode
+    products_per_pass = 4 * llm.model.num_layers + 1  # qkv, o, gate/up, down; then the head
+    assert len(stops) == 2 * products_per_pass and timer.total_s > 0
+    timer.close()
+    llm.generate([[5, 6, 7]], greedy)
+    assert len(stops) == 2 * products_per_pass  # closed: no hook left behind
+    assert "compute_logits" not in vars(llm.model)
