@@ -27,7 +27,7 @@ from kvcache.store import KVStore  # noqa: E402
 from runner.attention import AttentionMetadata  # noqa: E402
 from runner.config import EngineConfig  # noqa: E402
 from runner.cuda_graphs import DecodeGraphs, graph_batch_sizes, greedy_on_device  # noqa: E402
-from runner.gpu_bench import make_workload  # noqa: E402
+from runner.gpu_bench_workload import make_workload  # noqa: E402
 from runner.gpu_memory import profile_activation_bytes, profile_sequence_lengths  # noqa: E402
 from runner.loader import load_model  # noqa: E402
 from runner.memory import kv_pool_blocks  # noqa: E402

@@ -1,16 +1,15 @@
-"""The soak (scripts/soak.py): a mixed stream of requests through one LLM with a small pool.
+"""The soak (runner/soak.py; command line scripts/soak.py): a mixed stream of requests through
+one LLM with a small pool.
 
 The default run does 300 requests in-process (~2 s); `pytest -m soak` runs the script itself
 for 10,000 requests (~30 s on one CPU thread) and holds it to every check, memory included."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 from kvcache import BlockManager
 from runner.scheduler import Scheduler
+from runner.soak import run_soak
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
 
@@ -30,18 +30,8 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def soak() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvcache_soak", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_short_soak_holds_every_check(soak: ModuleType, tiny_llama_dir: Path) -> None:
-    rep = soak.run_soak(str(tiny_llama_dir), 300, chunk=100, max_rss_growth=None)
+def test_short_soak_holds_every_check(tiny_llama_dir: Path) -> None:
+    rep = run_soak(str(tiny_llama_dir), 300, chunk=100, max_rss_growth=None)
     assert rep.failures == [], rep.table()
     assert rep.finished == 300 and rep.blocks_in_use == 0
     assert set(rep.kinds) == {"canary", "repeat", "shared", "turn", "unique"}
@@ -52,9 +42,7 @@ def test_short_soak_holds_every_check(soak: ModuleType, tiny_llama_dir: Path) ->
     assert rep.greedy_prompts_compared > 0 and rep.canary_copies >= 6
 
 
-def test_soak_catches_a_leaked_block(
-    soak: ModuleType, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_soak_catches_a_leaked_block(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The harness can fail: a scheduler that forgets to free one finished request is caught."""
     real_finish = Scheduler.finish
 
@@ -65,13 +53,13 @@ def test_soak_catches_a_leaked_block(
         vars(self.bm).pop("free", None)
 
     monkeypatch.setattr(Scheduler, "finish", leaky_finish)
-    rep = soak.run_soak(str(tiny_llama_dir), 60, chunk=20, max_rss_growth=None)
+    rep = run_soak(str(tiny_llama_dir), 60, chunk=20, max_rss_growth=None)
     assert rep.blocks_in_use > 0
     assert any("leak" in failure for failure in rep.failures), rep.failures
 
 
 def test_soak_catches_wrong_hit_accounting(
-    soak: ModuleType, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """... and a hit counter that drifts from what the model was actually spared."""
     real_allocate = BlockManager.allocate
@@ -82,7 +70,7 @@ def test_soak_catches_wrong_hit_accounting(
         return result
 
     monkeypatch.setattr(BlockManager, "allocate", overcounting)
-    rep = soak.run_soak(str(tiny_llama_dir), 40, chunk=20, max_rss_growth=None)
+    rep = run_soak(str(tiny_llama_dir), 40, chunk=20, max_rss_growth=None)
     assert any("hit" in failure for failure in rep.failures), rep.failures
 
 

@@ -1,0 +1,110 @@
+"""The soak driver: a mixed stream of requests through one LLM with a small KV pool, the engine
+loop driven by hand so the block manager can be checked after every step. What is checked is
+listed in scripts/soak.py (the command line); the checks live in runner/soak_checks.py."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import OrderedDict
+from typing import Any
+
+import psutil
+
+from runner.engine import LLM
+from runner.soak_checks import FirstAdmissionCounter, SoakReport, check_consistency, final_checks
+from runner.soak_workload import Request, Workload
+
+
+def _rss_mb() -> float:
+    gc.collect()  # so garbage waiting for a collection is not counted as growth
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def run_soak(
+    model: str,
+    requests: int = 10_000,
+    *,
+    num_kv_blocks: int = 64,
+    block_size: int = 4,
+    inflight: int = 32,
+    seed: int = 0,
+    chunk: int = 1000,
+    check_every: int = 1,
+    max_rss_growth: float | None = 0.10,
+    record_steps: bool = True,
+    batching: str = "continuous",
+    max_num_batched_tokens: int = 2048,
+) -> SoakReport:
+    """Run `requests` requests (at most `inflight` live) and return the report; a failed check
+    is a line in `report.failures`, never an exception."""
+    max_prompt = num_kv_blocks * block_size // 2 - 8
+    llm = LLM(
+        model,
+        num_kv_blocks=num_kv_blocks,
+        block_size=block_size,
+        seed=seed,
+        batching=batching,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    llm.recorder.record_steps = record_steps
+    counter = FirstAdmissionCounter(llm.scheduler)
+    workload = Workload(seed, max_prompt=min(max_prompt, 80))
+    rep = SoakReport(requests=requests, num_blocks=num_kv_blocks)
+    live: dict[str, tuple[Request, Any]] = {}
+    # Bounded: check_consistency keeps only the most recent prompts.
+    greedy: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+    canary_out: dict[int, list[int]] = {}
+    tally = {"cached": 0, "wrong_start": 0, "seen": 0}
+    submitted = 0
+    start = time.perf_counter()
+
+    def fail(message: str) -> None:
+        if len(rep.failures) < 20:
+            rep.failures.append(message)
+
+    while rep.finished < requests:
+        while submitted < requests and (inflight <= 0 or len(live) < inflight):
+            req = workload.next(submitted)
+            rep.kinds[req.kind] = rep.kinds.get(req.kind, 0) + 1
+            try:
+                seq = llm.add_request(req.prompt, req.params, cache_salt=req.salt)
+            except ValueError as err:
+                fail(f"request {submitted} refused: {err}")
+                return rep
+            rep.prompt_tokens += len(req.prompt)
+            live[seq.request_id] = (req, seq)
+            submitted += 1
+        if not llm.has_unfinished():
+            fail(f"{len(live)} requests live but the engine has nothing to run: lost requests")
+            break
+        outputs = llm.step()
+        rep.steps += 1
+        if check_every and rep.steps % check_every == 0:
+            try:
+                llm.block_manager.check_integrity()
+            except AssertionError as err:
+                fail(f"step {rep.steps}: integrity: {err}")
+                break
+        for out in outputs:
+            if out.request_id not in live:
+                fail(f"request {out.request_id} finished twice or was never submitted")
+                continue
+            req, seq = live.pop(out.request_id)
+            rep.finished += 1
+            if out.finish_reason not in ("stop", "length") or not out.token_ids:
+                fail(f"request {out.request_id}: reason {out.finish_reason!r}, {out.token_ids}")
+            rep.output_tokens += len(out.token_ids)
+            tally["cached"] += out.num_cached_tokens
+            rep.miss_tokens += counter.misses(seq, tally)
+            workload.feedback(req.prompt, out.token_ids, req.salt)
+            check_consistency(req, out.token_ids, greedy, tally, canary_out, workload, fail)
+            if rep.finished % chunk == 0:
+                rep.rss_mb.append(_rss_mb())
+    rep.seconds = time.perf_counter() - start
+    rep.greedy_prompts_compared = tally["seen"]
+    rep.canary_copies = rep.kinds.get("canary", 0)
+    final_checks(llm, rep, tally, fail)
+    if max_rss_growth is not None and len(rep.rss_mb) >= 2 and rep.rss_growth > max_rss_growth:
+        fail(f"RSS grew {rep.rss_growth:.1%} (> {max_rss_growth:.0%}): {rep.rss_mb}")
+    return rep
