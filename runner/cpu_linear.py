@@ -14,6 +14,7 @@ The packed weight is an opaque oneDNN tensor: the module keeps it instead of the
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -23,6 +24,21 @@ from torch import nn
 # Only float32 is packed: it is the dtype whose greedy output is proven equal to transformers'
 # on the CPU, and oneDNN's bf16 path needs CPU features a machine may lack.
 PACKED_DTYPES = (torch.float32,)
+
+
+# oneDNN and torch's ideep layer each keep the primitives they build, one per input shape, in an
+# LRU of 1,024 entries by default; an entry of a packed product holds about 0.6 MB, so a server
+# that meets many batch sizes grew by ~1 GB before the LRUs evicted anything (the soak saw +17%
+# RSS over 10,000 requests). A step touches five weight shapes, so 64 entries keep a dozen
+# batch sizes warm; a miss rebuilds a primitive in well under a millisecond.
+PRIMITIVE_CACHE_ENTRIES = "64"
+
+
+def bound_primitive_caches() -> None:
+    """Cap both caches unless the user set them. They read these variables on their first use,
+    so this must run before the process's first oneDNN product (later it changes nothing)."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", PRIMITIVE_CACHE_ENTRIES)
+    os.environ.setdefault("LRU_CACHE_CAPACITY", PRIMITIVE_CACHE_ENTRIES)
 
 
 def prepacking_available() -> bool:
@@ -43,6 +59,7 @@ class PackedLinear(nn.Module):
                 f"PackedLinear needs a CPU float32 weight, got {weight.dtype} on {weight.device}"
             )
         self.out_features, self.in_features = weight.shape
+        bound_primitive_caches()
         # Not a parameter or buffer: an opaque oneDNN tensor has no storage to save or move.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.bias = None if bias is None else bias.detach().clone()
