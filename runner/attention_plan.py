@@ -22,6 +22,8 @@ GROUP_MAX_QUERY_LEN = 16
 # Queries up to this long join the group when all its sequences share a cached prefix: the
 # prefix is then scored for all rows in one call, without padding, so longer suffixes gain too.
 CASCADE_MAX_QUERY_LEN = 64
+# At most this many long-context decodes leave a padded group to run alone (each costs a call).
+MAX_CONTEXT_OUTLIERS = 4
 
 
 @dataclass
@@ -78,6 +80,8 @@ def build_plan(
     short = [s for s, q_len in enumerate(meta.query_lens) if 0 < q_len <= CASCADE_MAX_QUERY_LEN]
     shared = _shared_blocks(meta, short, block_size) if device.type == "cpu" else 0
     grouped = short if shared else [s for s in short if meta.query_lens[s] <= GROUP_MAX_QUERY_LEN]
+    if not shared:
+        grouped = _without_outlying_contexts(grouped, meta.context_lens_host)
     group = (
         _build_group(meta, grouped, starts, block_size, device, dtype, shared) if grouped else None
     )
@@ -88,6 +92,20 @@ def build_plan(
         if q_len and s not in in_group
     ]
     return Plan(block_size, singles, group)
+
+
+def _without_outlying_contexts(members: list[int], context_lens: list[int]) -> list[int]:
+    """The group pads every member to the longest context, so one long conversation among
+    short ones would have them all gather and score its length. The longest members leave (to
+    run alone, reading only their own keys) while padding would more than double the work."""
+    kept = sorted(members, key=lambda s: context_lens[s])
+    alone = 0
+    while len(kept) > 1 and alone < MAX_CONTEXT_OUTLIERS:
+        if context_lens[kept[-1]] * len(kept) <= 2 * sum(context_lens[s] for s in kept):
+            break
+        kept.pop()
+        alone += 1
+    return sorted(kept)
 
 
 def consecutive_run(blocks: torch.Tensor, limit: int) -> int:

@@ -259,3 +259,18 @@ def test_long_query_after_a_cached_prompt_matches_naive(block_size: int, consecu
     if consecutive:
         assert single.cached.block_range == slice(2, 2 + shared)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_long_context_among_short_decodes_runs_alone() -> None:
+    """Padding eight ~40-token decodes to one 600-token context would multiply their work: the
+    long one leaves the group (exactly, like any single), contexts of similar length stay."""
+    seqs = [(1, 600)] + [(1, 30 + 3 * i) for i in range(8)]
+    plans: list[Any] = []
+    out, ref = run_case(seqs, 6, 2, 8, seed=5, plans=plans)
+    (plan,) = plans
+    assert [(s.start, s.end) for s in plan.singles] == [(0, 1)]
+    assert plan.group is not None and plan.group.num_seqs == 8
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    plans.clear()
+    run_case([(1, 100 + 20 * i) for i in range(6)], 6, 2, 8, plans=plans)
+    assert not plans[0].singles and plans[0].group.num_seqs == 6
