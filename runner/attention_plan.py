@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runner.cascade import MIN_SHARED_TOKENS, SharedPrefix, count_shared_blocks, shared_prefix
+from runner.cascade import (
+    MIN_SHARED_TOKENS,
+    SharedPrefix,
+    cascade_supported,
+    count_shared_blocks,
+    shared_prefix,
+)
 
 if TYPE_CHECKING:
     from runner.attention import AttentionMetadata
@@ -78,7 +84,8 @@ def build_plan(
         starts.append(start)
         start += q_len
     short = [s for s, q_len in enumerate(meta.query_lens) if 0 < q_len <= CASCADE_MAX_QUERY_LEN]
-    shared = _shared_blocks(meta, short, block_size) if device.type == "cpu" else 0
+    split = cascade_supported(device)
+    shared = _shared_blocks(meta, short, block_size) if split else 0
     grouped = short if shared else [s for s in short if meta.query_lens[s] <= GROUP_MAX_QUERY_LEN]
     if not shared:
         grouped = _without_outlying_contexts(grouped, meta.context_lens_host)
@@ -87,7 +94,7 @@ def build_plan(
     )
     in_group = set(grouped)
     singles = [
-        _single_plan(meta, s, starts[s], block_size, device, dtype)
+        _single_plan(meta, s, starts[s], block_size, device, dtype, split)
         for s, q_len in enumerate(meta.query_lens)
         if q_len and s not in in_group
     ]
@@ -118,8 +125,7 @@ def consecutive_run(blocks: torch.Tensor, limit: int) -> int:
 
 
 def _shared_blocks(meta: AttentionMetadata, members: list[int], block_size: int) -> int:
-    """Leading blocks all `members` share before their first queries (0 if too few); the
-    cascade runs on the CPU flash kernel, hence only there."""
+    """Leading blocks all `members` share before their first queries (0 if too few)."""
     if len(members) < 2:
         return 0
     nb = -(-min(meta.context_lens_host[s] for s in members) // block_size)
@@ -136,6 +142,7 @@ def _single_plan(
     block_size: int,
     device: torch.device,
     dtype: torch.dtype,
+    split: bool,
 ) -> Single:
     """Sequence s runs alone: plain causal SDPA on its new k/v, or over its gathered blocks
     with the causal mask shifted by its cached prefix, or split into a prefix read in place and
@@ -146,7 +153,7 @@ def _single_plan(
     nb = -(-ctx // block_size)
     blocks = meta.block_tables[s, :nb].to(torch.int64)
     pos_q = torch.arange(ctx - q_len, ctx, device=device)  # [L] query positions
-    in_place = consecutive_run(blocks, (ctx - q_len) // block_size) if device.type == "cpu" else 0
+    in_place = consecutive_run(blocks, (ctx - q_len) // block_size) if split else 0
     if in_place * block_size >= MIN_SHARED_TOKENS:
         keys = torch.arange(nb * block_size, device=device)[None, None, None, :]
         visible_all = keys <= pos_q[None, None, :, None]  # [1, 1, L, nb * B]

@@ -32,6 +32,14 @@ class SharedPrefix(NamedTuple):
     block_range: slice | None = None
 
 
+def cascade_supported(device: torch.device) -> bool:
+    """The split needs torch's CPU flash kernel with its log-sum-exp (an aten op of torch 2.3
+    and later); elsewhere the plan gathers the whole context instead."""
+    return device.type == "cpu" and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"
+    )
+
+
 def count_shared_blocks(tables: torch.Tensor, first_query_pos: list[int], block_size: int) -> int:
     """How many leading blocks every row of `tables` [S, nb] has in common and that lie wholly
     before every sequence's first query; 0 when that is under MIN_SHARED_TOKENS tokens."""

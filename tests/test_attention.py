@@ -274,3 +274,22 @@ def test_a_long_context_among_short_decodes_runs_alone() -> None:
     plans.clear()
     run_case([(1, 100 + 20 * i) for i in range(6)], 6, 2, 8, plans=plans)
     assert not plans[0].singles and plans[0].group.num_seqs == 6
+
+
+def test_without_the_flash_kernel_shared_prefixes_are_gathered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where torch lacks the CPU flash op (or off the CPU) nothing is split: the same batch is
+    planned as a plain padded group plus a gathered single, and stays exact."""
+    import runner.attention_plan as attention_plan
+
+    monkeypatch.setattr(attention_plan, "cascade_supported", lambda device: False)
+    shared = -(-MIN_SHARED_TOKENS // 8) + 1
+    p = shared * 8
+    seqs = [(1, p + 3), (2, p + 9), (LONG, p + LONG)]
+    plans: list[Any] = []
+    out, ref = run_case(seqs, 6, 2, 8, shared_blocks=shared, consecutive_prefix=True, plans=plans)
+    (plan,) = plans
+    assert plan.group is not None and plan.group.shared is None
+    assert [s.cached for s in plan.singles] == [None]
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
