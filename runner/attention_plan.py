@@ -28,8 +28,10 @@ GROUP_MAX_QUERY_LEN = 16
 # Queries up to this long join the group when all its sequences share a cached prefix: the
 # prefix is then scored for all rows in one call, without padding, so longer suffixes gain too.
 CASCADE_MAX_QUERY_LEN = 64
-# At most this many long-context decodes leave a padded group to run alone (each costs a call).
+# At most this many long-context decodes leave a padded group to run alone (each costs a call),
+# and only those reading at least MIN_OUTLIER_KEYS keys (below that, padding is cheaper).
 MAX_CONTEXT_OUTLIERS = 4
+MIN_OUTLIER_KEYS = 256
 
 
 @dataclass
@@ -87,8 +89,9 @@ def build_plan(
     split = cascade_supported(device)
     shared = _shared_blocks(meta, short, block_size) if split else 0
     grouped = short if shared else [s for s in short if meta.query_lens[s] <= GROUP_MAX_QUERY_LEN]
-    if not shared:
-        grouped = _without_outlying_contexts(grouped, meta.context_lens_host)
+    # Keys each member pads to: its whole context, or in a cascade what follows the prefix.
+    keys = [ctx - shared * block_size for ctx in meta.context_lens_host]
+    grouped = _without_outlying_contexts(grouped, keys)
     group = (
         _build_group(meta, grouped, starts, block_size, device, dtype, shared) if grouped else None
     )
@@ -101,14 +104,15 @@ def build_plan(
     return Plan(block_size, singles, group)
 
 
-def _without_outlying_contexts(members: list[int], context_lens: list[int]) -> list[int]:
-    """The group pads every member to the longest context, so one long conversation among
-    short ones would have them all gather and score its length. The longest members leave (to
-    run alone, reading only their own keys) while padding would more than double the work."""
-    kept = sorted(members, key=lambda s: context_lens[s])
+def _without_outlying_contexts(members: list[int], keys: list[int]) -> list[int]:
+    """The group pads every member to the most keys any of them reads, so one long
+    conversation among short ones would have them all gather and score its length. The longest
+    members leave (to run alone, reading only their own keys) while padding would more than
+    double the work and the outlier is long enough for that to outweigh a call of its own."""
+    kept = sorted(members, key=lambda s: keys[s])
     alone = 0
-    while len(kept) > 1 and alone < MAX_CONTEXT_OUTLIERS:
-        if context_lens[kept[-1]] * len(kept) <= 2 * sum(context_lens[s] for s in kept):
+    while len(kept) > 1 and alone < MAX_CONTEXT_OUTLIERS and keys[kept[-1]] >= MIN_OUTLIER_KEYS:
+        if keys[kept[-1]] * len(kept) <= 2 * sum(keys[s] for s in kept):
             break
         kept.pop()
         alone += 1

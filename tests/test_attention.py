@@ -293,3 +293,20 @@ def test_without_the_flash_kernel_shared_prefixes_are_gathered(
     assert plan.group is not None and plan.group.shared is None
     assert [s.cached for s in plan.singles] == [None]
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_long_suffix_after_a_shared_prefix_runs_alone() -> None:
+    """In a cascade only the keys after the shared prefix are padded: a decode 400 tokens past
+    the prefix leaves the group (and still reads the prefix in place), one 100 tokens past it
+    stays, since padding that little costs less than a call of its own."""
+    shared = -(-MIN_SHARED_TOKENS // 8) + 1
+    p = shared * 8
+    seqs = [(1, p + 400), (1, p + 100)] + [(1, p + 3 + i) for i in range(6)]
+    plans: list[Any] = []
+    out, ref = run_case(seqs, 6, 2, 8, shared_blocks=shared, consecutive_prefix=True, plans=plans)
+    (plan,) = plans
+    assert [(s.start, s.end) for s in plan.singles] == [(0, 1)]
+    assert plan.singles[0].cached is not None
+    assert plan.group is not None and plan.group.shared is not None
+    assert plan.group.num_seqs == 7
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
