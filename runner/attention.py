@@ -9,7 +9,8 @@ Torch path strategy (no per-token Python loops; the plan is built once per step 
 shared by all layers):
 - long queries (prefill chunks) run one SDPA per sequence; with no cached prefix they
   use k/v directly with is_causal, else they gather their blocks and use a causal mask
-  shifted by the prefix length;
+  shifted by the prefix length (on the CPU, a cached prefix of consecutive blocks is read in
+  place instead, through the same split as the cascade below);
 - short queries (decodes, short suffixes) run as one padded batch: their blocks are
   gathered with one index_select and masked by context length;
 - when every sequence of that batch starts with the same blocks, the shared prefix is read

@@ -82,13 +82,13 @@ def run_engine(
         "kv_pool_mib": llm.kv.tensor.numel() * llm.kv.tensor.element_size() / 2**20,
     }
     decode = [
-        i
-        for i, s in enumerate(llm.recorder.steps)
-        if i >= first_step and s["num_prefill_tokens"] == 0 and s["num_decode_tokens"]
+        (i, s)
+        for i, s in enumerate(steps, start=first_step)
+        if s["num_prefill_tokens"] == 0 and s["num_decode_tokens"]
     ]
-    decode_s = sum(llm.recorder.steps[i]["duration_s"] for i in decode)
+    decode_s = sum(s["duration_s"] for _, s in decode)
     if timer is not None and decode_s > 0:
-        inside = sum(matmul_s.get(i, 0.0) for i in decode)
+        inside = sum(matmul_s.get(i, 0.0) for i, _ in decode)
         extra["decode_outside_matmul"] = 1 - inside / decode_s
     # Inter-token latency of the requests present from the start (the running decodes).
     itl = [
@@ -104,10 +104,7 @@ def run_engine(
 
 
 def _run_with_arrivals(
-    llm: LLM,
-    requests: list[BenchRequest],
-    timer: MatmulTimer | None = None,
-    matmul_s: dict[int, float] | None = None,
+    llm: LLM, requests: list[BenchRequest], timer: MatmulTimer | None, matmul_s: dict[int, float]
 ) -> list[RequestOutput]:
     """Submit each request at its arrival step and run to the end; outputs in input order.
     With a timer, `matmul_s` gets each recorded step's seconds inside matrix products."""
@@ -125,7 +122,7 @@ def _run_with_arrivals(
         recorded = len(llm.recorder.steps)
         for out in llm.step():
             done[out.request_id] = out
-        if timer is not None and matmul_s is not None and len(llm.recorder.steps) > recorded:
+        if timer is not None and len(llm.recorder.steps) > recorded:
             matmul_s[len(llm.recorder.steps) - 1] = timer.total_s - before
         steps += 1
     return [done[r.request_id] for r in requests]
