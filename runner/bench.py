@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import resource
 import time
 from typing import Any
@@ -16,7 +17,8 @@ from runner.bench_peers import (
     run_hf_static,
     run_reference,
 )
-from runner.cpu_linear import PackedLinear, prepacking_available
+from runner.cpu_kernel import load_panel_gemm
+from runner.cpu_linear import PackedLinear, onednn_available
 from runner.engine import LLM
 from runner.matmul_timer import MatmulTimer
 from runner.outputs import RequestOutput
@@ -33,13 +35,15 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
 
 def matmul_peak_gflops(device: str, size: int = 1024, repeats: int = 8) -> float:
     """A float32 matrix-product peak measured now, the denominator of model-FLOP utilisation:
-    the faster of a plain product and, on the CPU, the oneDNN-packed one the engine uses."""
+    the fastest of a plain product and, on the CPU, each packed one the engine can use."""
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
     products = [lambda: torch.mm(a, b)]
-    if device == "cpu" and prepacking_available():
-        packed = PackedLinear(b, None)
-        products.append(lambda: packed(a))
+    if device == "cpu":
+        packings = [PackedLinear(b, None, panel_kernel=False)] if onednn_available() else []
+        if load_panel_gemm() is not None:
+            packings.append(PackedLinear(b, None))
+        products.extend(functools.partial(packed, a) for packed in packings)
     best = float("inf")
     for product in products:
         product()

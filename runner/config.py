@@ -32,8 +32,10 @@ class EngineConfig:
     # A waiting request older than this many steps is admitted before cache-aware reordering.
     max_wait_steps: int = 64
     enforce_eager: bool = False
-    # CPU only: pack float32 weights once into oneDNN's layout (runner/cpu_linear.py).
+    # CPU only: pack float32 weights once (runner/cpu_linear.py), for the panel kernel built
+    # with the system C compiler where it can be (panel_kernel), else for oneDNN.
     prepack_weights: bool = True
+    panel_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -1,15 +1,20 @@
-"""Prepacked CPU matrix products through oneDNN.
+"""Prepacked CPU matrix products: each float32 weight is packed once at load time.
 
 A plain `F.linear` on the CPU hands the weight to the BLAS in its stored layout, and the BLAS
 repacks it into cache-friendly panels on every call. For a decode step, whose activations are
-a handful of rows, that repacking costs as much as the product itself: a 16-row product over
-SmolLM2's weights ran at about 8 GB/s of weight reads on a machine that streams 38 GB/s.
-Packing each weight once at load time into oneDNN's blocked layout removes the repacking, which
-makes decode-shaped products about 1.9x faster and prefill-shaped ones about 1.2x
-(`python -m runner.cpu_linear` prints the comparison on the machine at hand).
+a handful of rows, that repacking costs as much as the product itself. Packing once removes it.
 
-The packed weight is an opaque oneDNN tensor: the module keeps it instead of the plain weight
-(no second copy) and the model only ever calls forward().
+Two packings, the first that this machine can run:
+- the panel kernel (runner/cpu_kernel.py): weights as 16-column panels read front to back,
+  built with the system C compiler. It streams a decode step's weights at close to the
+  machine's memory bandwidth (about 1.3-1.9x oneDNN's packed product for 1-32 rows on the
+  2-core EPYC this was tuned on) and matches oneDNN for prefill-sized batches;
+- oneDNN's blocked layout through torch's mkldnn operators, about 1.9x `F.linear` for decode
+  and 1.2x for prefill.
+`python -m runner.cpu_linear` prints the comparison on the machine at hand.
+
+The packed weight replaces the plain one in the module (no second copy); the model only ever
+calls forward().
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from runner.cpu_kernel import PanelGemm, load_panel_gemm
 
 # Only float32 is packed: it is the dtype whose greedy output is proven equal to transformers'
 # on the CPU, and oneDNN's bf16 path needs CPU features a machine may lack.
@@ -42,6 +49,11 @@ def bound_primitive_caches() -> None:
 
 
 def prepacking_available() -> bool:
+    """Whether weights can be packed here: the panel kernel builds, or torch has oneDNN."""
+    return load_panel_gemm() is not None or onednn_available()
+
+
+def onednn_available() -> bool:
     """Whether this torch build has oneDNN and the packed-linear operators."""
     if not torch.backends.mkldnn.is_available():
         return False
@@ -50,34 +62,51 @@ def prepacking_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W.T + b with W packed once into oneDNN's layout. x [..., in] float32."""
+    """y = x @ W.T + b with W packed once. x [..., in] float32.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    `panel_kernel=False` packs for oneDNN even where the panel kernel runs (comparisons, tests).
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, panel_kernel: bool = True
+    ) -> None:
         super().__init__()
         if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
             raise ValueError(
                 f"PackedLinear needs a CPU float32 weight, got {weight.dtype} on {weight.device}"
             )
         self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach().contiguous().clone()
+        self._kernel: PanelGemm | None = load_panel_gemm() if panel_kernel else None
+        # Not a parameter or buffer: the model never saves, moves or trains a packed weight.
+        if self._kernel is not None:
+            self.packed = self._kernel.pack(weight.detach())
+            return
+        if not onednn_available():
+            raise RuntimeError("no packed product here: the panel kernel and oneDNN are missing")
         bound_primitive_caches()
-        # Not a parameter or buffer: an opaque oneDNN tensor has no storage to save or move.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self.bias = None if bias is None else bias.detach().clone()
+
+    @property
+    def backend(self) -> str:
+        return "panel" if self._kernel is not None else "onednn"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None:
+            return self._kernel.matmul(x, self.packed, self.bias, self.out_features)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, self.packed, self.bias, "none", [], ""
         )
         return out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.backend}"
 
 
-def prepack_linears(module: nn.Module) -> int:
+def prepack_linears(module: nn.Module, panel_kernel: bool = True) -> int:
     """Replace every float32 CPU nn.Linear under `module` by a PackedLinear, in place.
-    Returns how many were packed; 0 when oneDNN is not available (nothing changes)."""
-    if not prepacking_available():
+    Returns how many were packed; 0 when nothing can pack here (nothing changes)."""
+    if not (prepacking_available() if panel_kernel else onednn_available()):
         return 0
     targets = [
         (parent, name, child)
@@ -88,26 +117,31 @@ def prepack_linears(module: nn.Module) -> int:
         and child.weight.dtype in PACKED_DTYPES
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child.weight, child.bias))
+        setattr(parent, name, PackedLinear(child.weight, child.bias, panel_kernel))
     return len(targets)
 
 
 def _compare(rows: int, out_features: int = 1536, in_features: int = 576, reps: int = 20) -> str:
     weight = torch.randn(out_features, in_features)
-    packed = PackedLinear(weight, None)
     x = torch.randn(rows, in_features)
+    products = {"F.linear": lambda: F.linear(x, weight)}
+    if onednn_available():
+        onednn = PackedLinear(weight, None, panel_kernel=False)
+        products["oneDNN"] = lambda: onednn(x)
+    if load_panel_gemm() is not None:
+        panel = PackedLinear(weight, None)
+        products["panel"] = lambda: panel(x)
     timings = []
-    for fn in (lambda: F.linear(x, weight), lambda: packed(x)):
-        fn()
+    for name, product in products.items():
+        product()
         start = time.perf_counter()
         for _ in range(reps):
-            fn()
-        timings.append((time.perf_counter() - start) / reps)
-    return f"rows {rows:4d}: F.linear {timings[0] * 1e6:8.1f} us, packed {timings[1] * 1e6:8.1f} us"
+            product()
+        timings.append(f"{name} {(time.perf_counter() - start) / reps * 1e6:8.1f} us")
+    return f"rows {rows:4d}: " + ", ".join(timings)
 
 
 if __name__ == "__main__":
-    print(f"oneDNN packed linear available: {prepacking_available()}")
-    if prepacking_available():
-        for n in (1, 16, 64, 512):
-            print(_compare(n))
+    print(f"panel kernel: {load_panel_gemm() is not None}, oneDNN: {onednn_available()}")
+    for n in (1, 16, 64, 512):
+        print(_compare(n))

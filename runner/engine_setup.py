@@ -43,7 +43,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     elif device.type == "cuda":
         model.attention_backend = "triton"
     if device.type == "cpu" and config.prepack_weights:
-        model.prepack_for_cpu()
+        model.prepack_for_cpu(config.panel_kernel)
     max_model_len = int(hf.max_position_embeddings)
     model_dtype = next(model.parameters()).dtype
     activation = 0

@@ -213,14 +213,15 @@ class CausalLM(nn.Module):
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()
 
-    def prepack_for_cpu(self) -> int:
-        """Pack every projection and the LM head for oneDNN (see runner/cpu_linear.py).
-        A tied head gets its own packed copy; the embedding keeps the plain one for lookups.
-        Call after loading the weights. Returns how many matrices were packed."""
-        packed = prepack_linears(self)
+    def prepack_for_cpu(self, panel_kernel: bool = True) -> int:
+        """Pack every projection and the LM head once (see runner/cpu_linear.py), for the panel
+        kernel where it builds, else for oneDNN. A tied head gets its own packed copy; the
+        embedding keeps the plain one for lookups. Call after loading the weights. Returns how
+        many matrices were packed."""
+        packed = prepack_linears(self, panel_kernel)
         weight = self.embed_tokens.weight
         if packed and self.lm_head is None and weight.dtype in PACKED_DTYPES:
-            self.lm_head = PackedLinear(weight, None)
+            self.lm_head = PackedLinear(weight, None, panel_kernel)
             packed += 1
         return packed
 

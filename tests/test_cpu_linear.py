@@ -1,5 +1,5 @@
-"""oneDNN-prepacked weights: the packed product equals F.linear, and a packed model computes the
-same logits as the plain one (the engine-level greedy equality runs in
+"""Prepacked weights (panel kernel or oneDNN): the packed product equals F.linear, and a packed
+model computes the same logits as the plain one (the engine-level greedy equality runs in
 test_engine_equivalence.py, packed by default and unpacked as a variant)."""
 
 from __future__ import annotations
@@ -15,11 +15,18 @@ from torch import nn
 
 from kvcache.store import KVStore
 from runner.attention import AttentionMetadata
-from runner.cpu_linear import PackedLinear, prepack_linears, prepacking_available
+from runner.cpu_linear import (
+    PackedLinear,
+    onednn_available,
+    prepack_linears,
+    prepacking_available,
+)
 from runner.loader import load_model
 from runner.model import CausalLM
 
-pytestmark = pytest.mark.skipif(not prepacking_available(), reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(
+    not prepacking_available(), reason="neither the panel kernel nor oneDNN runs here"
+)
 
 
 @settings(max_examples=25, deadline=None)
@@ -29,15 +36,19 @@ pytestmark = pytest.mark.skipif(not prepacking_available(), reason="torch built 
     out_features=st.integers(1, 96),
     bias=st.booleans(),
     seed=st.integers(0, 2**16),
+    panel=st.booleans(),
 )
 def test_packed_linear_equals_f_linear(
-    rows: int, in_features: int, out_features: int, bias: bool, seed: int
+    rows: int, in_features: int, out_features: int, bias: bool, seed: int, panel: bool
 ) -> None:
+    """Either packing: the panel kernel where it builds, and oneDNN (its fallback)."""
+    if not panel and not onednn_available():
+        pytest.skip("torch built without oneDNN")
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
     x = torch.randn(rows, in_features, generator=gen)
-    packed = PackedLinear(weight, b)
+    packed = PackedLinear(weight, b, panel_kernel=panel)
     torch.testing.assert_close(packed(x), F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
 
 

@@ -1,0 +1,145 @@
+"""The panel kernel (runner/csrc/panel_gemm.c): equal to F.linear for any shape, bias and row
+count (one tile, several, a partial last panel, the row chunks of a large batch), the same
+result for a row whatever shares its call, and a clean fallback to oneDNN where it cannot be
+built."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runner import cpu_kernel
+from runner.cpu_kernel import PanelGemm, load_panel_gemm
+from runner.cpu_linear import PackedLinear, onednn_available
+
+needs_kernel = pytest.mark.skipif(
+    load_panel_gemm() is None, reason="the panel kernel cannot be built on this machine"
+)
+
+
+@pytest.fixture
+def kernel() -> PanelGemm:
+    loaded = load_panel_gemm()
+    assert loaded is not None
+    return loaded
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 70),
+    in_features=st.integers(1, 130),
+    out_features=st.integers(1, 130),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_panel_product_equals_f_linear(
+    rows: int, in_features: int, out_features: int, bias: bool, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    kernel = load_panel_gemm()
+    assert kernel is not None
+    out = kernel.matmul(x, kernel.pack(weight), b, out_features)
+    torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_pack_pads_the_last_panel_with_zeros(kernel: PanelGemm) -> None:
+    weight = torch.randn(20, 7)  # 20 columns: one full panel of 16 and one of 4
+    packed = kernel.pack(weight)
+    assert packed.shape == (2, 7, 16)
+    assert torch.equal(packed[0], weight[:16].t())
+    assert torch.equal(packed[1, :, :4], weight[16:].t())
+    assert not packed[1, :, 4:].any()
+
+
+@needs_kernel
+def test_large_batches_run_in_row_chunks(kernel: PanelGemm) -> None:
+    # 300 rows of 2,048 floats exceed the 2 MB a pass over the weights keeps in cache, so the
+    # kernel makes two passes; both must land in the right rows.
+    weight = torch.randn(40, 2048)
+    x = torch.randn(300, 2048)
+    out = kernel.matmul(x, kernel.pack(weight), None, 40)
+    torch.testing.assert_close(out, F.linear(x, weight), atol=2e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_a_row_gets_the_same_bits_in_any_batch(kernel: PanelGemm) -> None:
+    weight = torch.randn(96, 576)
+    packed = kernel.pack(weight)
+    x = torch.randn(37, 576)  # two full tiles of 16 and a partial one
+    batch = kernel.matmul(x, packed, None, 96)
+    for row in (0, 15, 16, 36):
+        alone = kernel.matmul(x[row : row + 1], packed, None, 96)
+        assert torch.equal(batch[row : row + 1], alone)
+
+
+@needs_kernel
+def test_shapes_strides_and_empty_inputs(kernel: PanelGemm) -> None:
+    weight = torch.randn(24, 32)
+    packed = kernel.pack(weight)
+    x = torch.randn(32, 3, 5).permute(1, 2, 0)  # [3, 5, 32], not contiguous
+    torch.testing.assert_close(kernel.matmul(x, packed, None, 24), F.linear(x, weight))
+    assert kernel.matmul(torch.randn(0, 32), packed, None, 24).shape == (0, 24)
+    bias = torch.randn(24)
+    empty_sum = kernel.matmul(torch.randn(2, 0), kernel.pack(torch.randn(24, 0)), bias, 24)
+    assert torch.equal(empty_sum, bias.expand(2, 24))
+    with pytest.raises(TypeError, match="float32"):
+        kernel.matmul(x.double(), packed, None, 24)
+
+
+@needs_kernel
+def test_packed_linear_uses_the_kernel_unless_told_not_to() -> None:
+    weight = torch.randn(8, 8)
+    assert PackedLinear(weight, None).backend == "panel"
+    if onednn_available():
+        assert PackedLinear(weight, None, panel_kernel=False).backend == "onednn"
+
+
+@pytest.fixture
+def fresh_loader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """load_panel_gemm() with an empty cache directory, and the process's loader restored."""
+    monkeypatch.setenv("KVCACHE_CACHE_DIR", str(tmp_path))
+    load_panel_gemm.cache_clear()
+    yield
+    load_panel_gemm.cache_clear()
+
+
+@needs_kernel
+def test_the_library_is_built_once_and_then_reused(fresh_loader: None, tmp_path: Path) -> None:
+    assert load_panel_gemm() is not None
+    built = list((tmp_path / "kernels").glob("panel_gemm-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    load_panel_gemm.cache_clear()
+    assert load_panel_gemm() is not None
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("compiler", ["no-such-compiler", "false"])
+def test_without_a_working_compiler_products_fall_back_to_onednn(
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch, compiler: str
+) -> None:
+    monkeypatch.setenv("CC", compiler)  # missing, or one that fails every build
+    assert load_panel_gemm() is None
+    if onednn_available():
+        weight = torch.randn(8, 8)
+        layer = PackedLinear(weight, None)
+        assert layer.backend == "onednn"
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(layer(x), F.linear(x, weight))
+
+
+def test_each_cpu_gets_its_own_build() -> None:
+    # A cache directory shared between machines must not hand one CPU another's instructions.
+    assert cpu_kernel._cpu_fingerprint()
+    assert cpu_kernel.library_path("flags: avx512f") != cpu_kernel.library_path("flags: avx2")
