@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from runner.attention_plan import build_plan
 from runner.cascade import cascade_attention
+from runner.cpu_kernel import load_cpu_kernels
 
 
 @dataclass
@@ -105,12 +106,49 @@ def paged_attention(
     """q [T, Hq, D], k/v [T, Hkv, D]; caches [blocks, B, Hkv, D]. Returns [T, Hq, D]."""
     if backend == "torch":
         return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    if backend == "cpu":
+        return cpu_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     if backend == "triton":
         from runner.triton_attention import triton_paged_attention
 
         out: torch.Tensor = triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
         return out
-    raise ValueError(f"unknown attention backend {backend!r}; expected 'torch' or 'triton'")
+    raise ValueError(f"unknown attention backend {backend!r}; expected 'torch', 'cpu' or 'triton'")
+
+
+def cpu_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The torch path, with decode-only steps in the C kernel (runner/csrc/decode_attention.c):
+    it reads every sequence's blocks in place, with no gather, padding or split to plan."""
+    kernels = load_cpu_kernels()
+    if not (meta.decode_only and kernels is not None and kernels.decode_supported(q, k_cache)):
+        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    _write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return kernels.decode_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+    )
+
+
+def _write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Store the new tokens' K/V [T, Hkv, D] at their flat slots of the caches."""
+    if slots.dtype != torch.int64:
+        slots = slots.long()
+    hkv, d = k.shape[1:]
+    k_cache.view(-1, hkv, d).index_copy_(0, slots, k)
+    v_cache.view(-1, hkv, d).index_copy_(0, slots, v)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -132,12 +170,8 @@ def torch_paged_attention(
     num_tokens, hq, d = q.shape
     hkv = k.shape[1]
     block_size = k_cache.shape[1]
-    slots = meta.slot_mapping
-    if slots.dtype != torch.int64:
-        slots = slots.long()
     # Write first, so every read below sees the new tokens through the block table.
-    k_cache.view(-1, hkv, d).index_copy_(0, slots, k)
-    v_cache.view(-1, hkv, d).index_copy_(0, slots, v)
+    _write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     plan = meta._torch_plan
     if plan is None or plan.block_size != block_size:

@@ -17,7 +17,7 @@ from runner.bench_peers import (
     run_hf_static,
     run_reference,
 )
-from runner.cpu_kernel import load_panel_gemm
+from runner.cpu_kernel import load_cpu_kernels
 from runner.cpu_linear import PackedLinear, onednn_available
 from runner.engine import LLM
 from runner.matmul_timer import MatmulTimer
@@ -41,7 +41,7 @@ def matmul_peak_gflops(device: str, size: int = 1024, repeats: int = 8) -> float
     products = [lambda: torch.mm(a, b)]
     if device == "cpu":
         packings = [PackedLinear(b, None, panel_kernel=False)] if onednn_available() else []
-        if load_panel_gemm() is not None:
+        if load_cpu_kernels() is not None:
             packings.append(PackedLinear(b, None))
         products.extend(functools.partial(packed, a) for packed in packings)
     best = float("inf")

@@ -32,10 +32,11 @@ class EngineConfig:
     # A waiting request older than this many steps is admitted before cache-aware reordering.
     max_wait_steps: int = 64
     enforce_eager: bool = False
-    # CPU only: pack float32 weights once (runner/cpu_linear.py), for the panel kernel built
-    # with the system C compiler where it can be (panel_kernel), else for oneDNN.
+    # CPU only: pack float32 weights once (runner/cpu_linear.py).
     prepack_weights: bool = True
-    panel_kernel: bool = True
+    # CPU only: the C kernels built with the system compiler where they can be (products on
+    # packed weights, decode attention; runner/cpu_kernel.py); else oneDNN and torch's SDPA.
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -58,9 +59,10 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.attention_backend not in (None, "torch", "triton"):
+        if self.attention_backend not in (None, "torch", "cpu", "triton"):
             raise ValueError(
-                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
+                "attention_backend must be 'torch', 'cpu' or 'triton', "
+                f"got {self.attention_backend!r}"
             )
         if self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")

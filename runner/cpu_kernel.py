@@ -1,12 +1,13 @@
-"""Builds and loads the panel matrix-product kernel (runner/csrc/panel_gemm.c) for the CPU.
+"""Builds and loads the CPU kernels in runner/csrc: the panel matrix product (panel_gemm.c)
+and decode attention over the paged cache (decode_attention.c).
 
-The kernel is plain C compiled once per machine with the system C compiler (`$CC`, else `cc`)
+They are plain C compiled once per machine with the system C compiler (`$CC`, else `cc`)
 and `-march=native`, cached under the kvcache cache directory by a hash of its source, flags
 and the CPU's feature flags (a cache shared between machines never hands one CPU another's
-instructions). It is loaded with ctypes after torch, so its OpenMP threads are torch's own.
+instructions). The library is loaded with ctypes after torch, so its OpenMP threads are torch's.
 
-Where there is no compiler, no AVX-512 or the build fails, `load_panel_gemm()` returns None
-and the caller keeps oneDNN's product; nothing else changes.
+Where there is no compiler, no AVX-512 or the build fails, `load_cpu_kernels()` returns None
+and callers keep torch's own paths (oneDNN products, SDPA attention); nothing else changes.
 """
 
 from __future__ import annotations
@@ -28,18 +29,25 @@ from runner.gguf import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.c"
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("panel_gemm.c", "decode_attention.c")
+)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-LANES = 16  # output columns per panel; the library reports its own and must agree
+LANES = 16  # floats per vector: panel width, and the unit of a head size
+# decode_attention's limits (decode_attention.c): head size, query heads per KV head, block.
+MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 256, 8, 256
 
 
-class PanelGemm:
-    """The loaded kernel: pack a weight once, then multiply float32 rows by it."""
+class CpuKernels:
+    """The loaded library: products against packed weights, and decode attention."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._gemm = library.panel_gemm
         self._gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
         self._gemm.restype = None
+        self._decode = library.decode_attention
+        self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 6 + [ctypes.c_float]
+        self._decode.restype = ctypes.c_int
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -75,6 +83,64 @@ class PanelGemm:
         )
         return out.view(*x.shape[:-1], n)
 
+    @staticmethod
+    def decode_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether decode_attention takes these shapes: CPU float32, head size a multiple of
+        16 up to 256, at most 8 query heads per KV head, blocks of at most 256 tokens."""
+        _, hq, d = q.shape
+        _, block_size, hkv, _ = k_cache.shape
+        return (
+            q.dtype == k_cache.dtype == torch.float32
+            and q.device.type == k_cache.device.type == "cpu"
+            and d % LANES == 0
+            and d <= MAX_HEAD_DIM
+            and hq % hkv == 0
+            and hq // hkv <= MAX_GROUP
+            and block_size <= MAX_BLOCK
+        )
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query token per sequence: q [S, Hq, D]; caches [blocks, B, Hkv, D]; block_tables
+        [S, max_blocks] int32; context_lens [S] int32. Returns [S, Hq, D], sequence s attending
+        to its first context_lens[s] tokens through its table. Check decode_supported first."""
+        num_seqs, hq, d = q.shape
+        _, block_size, hkv, _ = k_cache.shape
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("decode_attention reads the caches in place: they must be contiguous")
+        q = q.contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        out = torch.empty_like(q)
+        status = self._decode(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            lens.data_ptr(),
+            out.data_ptr(),
+            num_seqs,
+            hq,
+            hkv,
+            d,
+            block_size,
+            tables.shape[1],
+            scale,
+        )
+        if status != 0:
+            raise ValueError(
+                f"decode_attention cannot take q {tuple(q.shape)}, cache block "
+                f"{tuple(k_cache.shape[1:])}"
+            )
+        return out
+
 
 def _cpu_fingerprint() -> str:
     """The CPU's feature flags (what -march=native compiles for), or its model where the flags
@@ -89,8 +155,9 @@ def _cpu_fingerprint() -> str:
 def library_path(cpu: str) -> Path:
     """Where the build for a CPU with fingerprint `cpu` is cached: one file per source, flags
     and CPU."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + cpu.encode())
-    return cache_root() / "kernels" / f"panel_gemm-{digest.hexdigest()[:16]}.so"
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + cpu.encode())
+    return cache_root() / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
 def _build(compiler: str, target: Path) -> None:
@@ -101,7 +168,7 @@ def _build(compiler: str, target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp],
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -114,14 +181,14 @@ def _build(compiler: str, target: Path) -> None:
 
 
 @functools.cache
-def load_panel_gemm() -> PanelGemm | None:
-    """The kernel, built on first use; None where it cannot run here (reason logged)."""
+def load_cpu_kernels() -> CpuKernels | None:
+    """The kernels, built on first use; None where they cannot run here (reason logged)."""
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        log.info("panel kernel skipped: the CPU has no AVX-512")
+        log.info("CPU kernels skipped: the CPU has no AVX-512")
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.warning("panel kernel skipped: no C compiler (set CC); using oneDNN products")
+        log.warning("CPU kernels skipped: no C compiler (set CC); using torch's own paths")
         return None
     target = library_path(_cpu_fingerprint())
     try:
@@ -130,9 +197,9 @@ def load_panel_gemm() -> PanelGemm | None:
         library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
-        log.warning("panel kernel unavailable (%s); using oneDNN products", detail)
+        log.warning("CPU kernels unavailable (%s); using torch's own paths", detail)
         return None
     if library.panel_gemm_lanes() != LANES:
-        log.warning("panel kernel at %s packs differently; using oneDNN products", target)
+        log.warning("CPU kernels at %s pack differently; using torch's own paths", target)
         return None
-    return PanelGemm(library)
+    return CpuKernels(library)

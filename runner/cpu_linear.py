@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.cpu_kernel import PanelGemm, load_panel_gemm
+from runner.cpu_kernel import CpuKernels, load_cpu_kernels
 
 # Only float32 is packed: it is the dtype whose greedy output is proven equal to transformers'
 # on the CPU, and oneDNN's bf16 path needs CPU features a machine may lack.
@@ -50,7 +50,7 @@ def bound_primitive_caches() -> None:
 
 def prepacking_available() -> bool:
     """Whether weights can be packed here: the panel kernel builds, or torch has oneDNN."""
-    return load_panel_gemm() is not None or onednn_available()
+    return load_cpu_kernels() is not None or onednn_available()
 
 
 def onednn_available() -> bool:
@@ -77,7 +77,7 @@ class PackedLinear(nn.Module):
             )
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().contiguous().clone()
-        self._kernel: PanelGemm | None = load_panel_gemm() if panel_kernel else None
+        self._kernel: CpuKernels | None = load_cpu_kernels() if panel_kernel else None
         # Not a parameter or buffer: the model never saves, moves or trains a packed weight.
         if self._kernel is not None:
             self.packed = self._kernel.pack(weight.detach())
@@ -128,7 +128,7 @@ def _compare(rows: int, out_features: int = 1536, in_features: int = 576, reps: 
     if onednn_available():
         onednn = PackedLinear(weight, None, panel_kernel=False)
         products["oneDNN"] = lambda: onednn(x)
-    if load_panel_gemm() is not None:
+    if load_cpu_kernels() is not None:
         panel = PackedLinear(weight, None)
         products["panel"] = lambda: panel(x)
     timings = []
@@ -142,6 +142,6 @@ def _compare(rows: int, out_features: int = 1536, in_features: int = 576, reps: 
 
 
 if __name__ == "__main__":
-    print(f"panel kernel: {load_panel_gemm() is not None}, oneDNN: {onednn_available()}")
+    print(f"panel kernel: {load_cpu_kernels() is not None}, oneDNN: {onednn_available()}")
     for n in (1, 16, 64, 512):
         print(_compare(n))

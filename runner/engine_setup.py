@@ -42,8 +42,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         model.attention_backend = config.attention_backend
     elif device.type == "cuda":
         model.attention_backend = "triton"
+    elif config.cpu_kernels:
+        model.attention_backend = "cpu"  # the torch path wherever the kernel cannot run
     if device.type == "cpu" and config.prepack_weights:
-        model.prepack_for_cpu(config.panel_kernel)
+        model.prepack_for_cpu(config.cpu_kernels)
     max_model_len = int(hf.max_position_embeddings)
     model_dtype = next(model.parameters()).dtype
     activation = 0

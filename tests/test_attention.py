@@ -1,5 +1,6 @@
-"""The torch paged-attention path against a naive per-token reference: random shapes,
-GQA ratios, block sizes, cached-prefix lengths and mixed decode/prefill batches."""
+"""The torch paged-attention path, and the CPU backend's decode kernel, against a naive
+per-token reference: random shapes, GQA ratios, block sizes, cached-prefix lengths and mixed
+decode/prefill batches."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runner.attention import AttentionMetadata, paged_attention
 from runner.attention_plan import CASCADE_MAX_QUERY_LEN, GROUP_MAX_QUERY_LEN
 from runner.cascade import MIN_SHARED_TOKENS
+from runner.cpu_kernel import load_cpu_kernels
 
 
 def naive_attention(
@@ -53,6 +57,7 @@ def run_case(
     shared_blocks: int = 0,
     consecutive_prefix: bool = False,
     plans: list[Any] | None = None,
+    backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(paged_attention output, naive output) for one random batch. With `shared_blocks`, every
     table starts with the same blocks (a cached prompt the sequences share). The step's attention
@@ -82,7 +87,7 @@ def run_case(
     v = torch.randn(t, hkv, head_dim).to(dtype)
     meta = AttentionMetadata.build(q_lens, ctxs, tables, block_size)
     scale = head_dim**-0.5
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale, backend)
     if plans is not None:
         plans.append(meta._torch_plan)
     # The new K/V must sit at their slots.
@@ -310,3 +315,65 @@ def test_a_long_suffix_after_a_shared_prefix_runs_alone() -> None:
     assert plan.group is not None and plan.group.shared is not None
     assert plan.group.num_seqs == 7
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+needs_cpu_kernels = pytest.mark.skipif(
+    load_cpu_kernels() is None, reason="the CPU kernels cannot be built on this machine"
+)
+
+
+@needs_cpu_kernels
+@settings(max_examples=30, deadline=None)
+@given(
+    contexts=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+    hkv=st.integers(1, 3),
+    group=st.integers(1, 8),
+    head_dim=st.sampled_from([16, 32, 64, 128]),
+    block_size=st.sampled_from([1, 2, 8, 16, 32]),
+    shared_blocks=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_cpu_decode_kernel_matches_naive(
+    contexts: list[int],
+    hkv: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    shared_blocks: int,
+    seed: int,
+) -> None:
+    # Sequences that share leading blocks (a prompt) read them in place like any other block.
+    shared = min(shared_blocks, (min(contexts) - 1) // block_size)
+    seqs = [(1, ctx) for ctx in contexts]
+    plans: list[Any] = []
+    out, ref = run_case(
+        seqs,
+        hkv * group,
+        hkv,
+        block_size,
+        head_dim=head_dim,
+        seed=seed,
+        shared_blocks=shared,
+        plans=plans,
+        backend="cpu",
+    )
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert plans[0] is None  # the kernel ran: the torch path plans every step it takes
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize(
+    ("seqs", "hq", "hkv", "head_dim"),
+    [
+        ([(1, 9), (LONG, LONG + 5), (3, 12)], 4, 2, 16),  # not decode-only: the torch path
+        ([(1, 9), (1, 30)], 4, 2, 8),  # head size not a multiple of 16
+        ([(1, 9), (1, 30)], 9, 1, 16),  # 9 query heads on one KV head: over the kernel's 8
+    ],
+)
+def test_cpu_backend_falls_back_to_torch_outside_the_kernel(
+    seqs: list[tuple[int, int]], hq: int, hkv: int, head_dim: int
+) -> None:
+    plans: list[Any] = []
+    out, ref = run_case(seqs, hq, hkv, 4, head_dim=head_dim, plans=plans, backend="cpu")
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert plans[0] is not None  # the torch path planned the step: the kernel did not run

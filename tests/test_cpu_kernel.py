@@ -15,17 +15,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runner import cpu_kernel
-from runner.cpu_kernel import PanelGemm, load_panel_gemm
+from runner.cpu_kernel import CpuKernels, load_cpu_kernels
 from runner.cpu_linear import PackedLinear, onednn_available
 
 needs_kernel = pytest.mark.skipif(
-    load_panel_gemm() is None, reason="the panel kernel cannot be built on this machine"
+    load_cpu_kernels() is None, reason="the CPU kernels cannot be built on this machine"
 )
 
 
 @pytest.fixture
-def kernel() -> PanelGemm:
-    loaded = load_panel_gemm()
+def kernel() -> CpuKernels:
+    loaded = load_cpu_kernels()
     assert loaded is not None
     return loaded
 
@@ -46,14 +46,14 @@ def test_panel_product_equals_f_linear(
     weight = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
     x = torch.randn(rows, in_features, generator=gen)
-    kernel = load_panel_gemm()
+    kernel = load_cpu_kernels()
     assert kernel is not None
     out = kernel.matmul(x, kernel.pack(weight), b, out_features)
     torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
 
 
 @needs_kernel
-def test_pack_pads_the_last_panel_with_zeros(kernel: PanelGemm) -> None:
+def test_pack_pads_the_last_panel_with_zeros(kernel: CpuKernels) -> None:
     weight = torch.randn(20, 7)  # 20 columns: one full panel of 16 and one of 4
     packed = kernel.pack(weight)
     assert packed.shape == (2, 7, 16)
@@ -63,7 +63,7 @@ def test_pack_pads_the_last_panel_with_zeros(kernel: PanelGemm) -> None:
 
 
 @needs_kernel
-def test_large_batches_run_in_row_chunks(kernel: PanelGemm) -> None:
+def test_large_batches_run_in_row_chunks(kernel: CpuKernels) -> None:
     # 300 rows of 2,048 floats exceed the 2 MB a pass over the weights keeps in cache, so the
     # kernel makes two passes; both must land in the right rows.
     weight = torch.randn(40, 2048)
@@ -73,7 +73,7 @@ def test_large_batches_run_in_row_chunks(kernel: PanelGemm) -> None:
 
 
 @needs_kernel
-def test_a_row_gets_the_same_bits_in_any_batch(kernel: PanelGemm) -> None:
+def test_a_row_gets_the_same_bits_in_any_batch(kernel: CpuKernels) -> None:
     weight = torch.randn(96, 576)
     packed = kernel.pack(weight)
     x = torch.randn(37, 576)  # two full tiles of 16 and a partial one
@@ -84,7 +84,7 @@ def test_a_row_gets_the_same_bits_in_any_batch(kernel: PanelGemm) -> None:
 
 
 @needs_kernel
-def test_shapes_strides_and_empty_inputs(kernel: PanelGemm) -> None:
+def test_shapes_strides_and_empty_inputs(kernel: CpuKernels) -> None:
     weight = torch.randn(24, 32)
     packed = kernel.pack(weight)
     x = torch.randn(32, 3, 5).permute(1, 2, 0)  # [3, 5, 32], not contiguous
@@ -107,21 +107,21 @@ def test_packed_linear_uses_the_kernel_unless_told_not_to() -> None:
 
 @pytest.fixture
 def fresh_loader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """load_panel_gemm() with an empty cache directory, and the process's loader restored."""
+    """load_cpu_kernels() with an empty cache directory, and the process's loader restored."""
     monkeypatch.setenv("KVCACHE_CACHE_DIR", str(tmp_path))
-    load_panel_gemm.cache_clear()
+    load_cpu_kernels.cache_clear()
     yield
-    load_panel_gemm.cache_clear()
+    load_cpu_kernels.cache_clear()
 
 
 @needs_kernel
 def test_the_library_is_built_once_and_then_reused(fresh_loader: None, tmp_path: Path) -> None:
-    assert load_panel_gemm() is not None
-    built = list((tmp_path / "kernels").glob("panel_gemm-*.so"))
+    assert load_cpu_kernels() is not None
+    built = list((tmp_path / "kernels").glob("cpu_kernels-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    load_panel_gemm.cache_clear()
-    assert load_panel_gemm() is not None
+    load_cpu_kernels.cache_clear()
+    assert load_cpu_kernels() is not None
     assert built[0].stat().st_mtime_ns == stamp
 
 
@@ -130,7 +130,7 @@ def test_without_a_working_compiler_products_fall_back_to_onednn(
     fresh_loader: None, monkeypatch: pytest.MonkeyPatch, compiler: str
 ) -> None:
     monkeypatch.setenv("CC", compiler)  # missing, or one that fails every build
-    assert load_panel_gemm() is None
+    assert load_cpu_kernels() is None
     if onednn_available():
         weight = torch.randn(8, 8)
         layer = PackedLinear(weight, None)

@@ -23,6 +23,7 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "tiny-pool": {"num_kv_blocks": 40, "block_size": 4},
     "static": {"batching": "static"},
     "unpacked-weights": {"prepack_weights": False},
+    "no-cpu-kernels": {"cpu_kernels": False},  # oneDNN products, torch attention throughout
 }
 
 
@@ -125,8 +126,9 @@ def test_num_cached_tokens_is_exact(tiny_llama_dir: Path) -> None:
 
 
 def test_shared_prefix_decode_matches_hf(arch_case: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch whose prompts all share a long prefix decodes through the cascade path, and
-    still equals transformers token for token."""
+    """A batch whose prompts all share a long prefix decodes through the cascade path (the
+    torch attention path's; the CPU backend's decode kernel would take these steps), and still
+    equals transformers token for token."""
     import runner.attention as attention
 
     path, prompts, _, _ = arch_case
@@ -139,7 +141,7 @@ def test_shared_prefix_decode_matches_hf(arch_case: Any, monkeypatch: pytest.Mon
     monkeypatch.setattr(
         attention, "cascade_attention", lambda *a, **k: calls.append(1) or original(*a, **k)
     )
-    llm = LLM(str(path))
+    llm = LLM(str(path), attention_backend="torch")
     outs = llm.generate(shared, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs
     assert calls, "the shared-prefix decode path was not taken"

@@ -1,0 +1,157 @@
+/* Decode attention over a paged KV cache, for the CPU: one query token per sequence.
+ *
+ * q [S, Hq, D]; caches [blocks, B, Hkv, D]; block_tables [S, max_blocks] int32; context_lens
+ * [S] int32; out [S, Hq, D]; all float32 and contiguous. Sequence s attends to its first
+ * context_lens[s] tokens, read in place through its block table: no gather, no padding, and
+ * blocks that several sequences share (a system prompt) stay in cache for all of them.
+ *
+ * One task per (sequence, KV head) computes the G = Hq / Hkv query heads of that KV head
+ * together, so each key and value row is loaded once for G heads (GQA). The softmax is the
+ * streaming one: per block, scores, then a running max and sum, and the accumulator rescaled
+ * when the max moves, so the result is exact softmax(q k^T * scale) v up to float rounding.
+ *
+ * AVX-512 intrinsics; built with -march=native by runner/cpu_kernel.py, on AVX-512 machines
+ * only. D must be a multiple of 16 up to 256, G at most 8 and B at most 256 (the loader checks).
+ */
+#include <immintrin.h>
+#include <math.h> /* INFINITY */
+
+enum { LANES = 16, MAX_GROUP = 8, MAX_VECS = 16, MAX_BLOCK = 256 };
+
+/* e^x for x <= 0 to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so the
+ * reduction is exact), e^r by its Taylor series to degree 7 (error below 1e-8), times 2^n. */
+static inline __m512 exp_nonpositive(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* e^-87 is below every normal sum */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The task body; G and VECS (= D / 16) are constants in each instance, so q and the
+ * accumulators live in registers. */
+static inline __attribute__((always_inline)) void attend(
+    const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+    const int *restrict table, long context, float *restrict out,
+    long hkv, long head, long block_size, float scale, const int G, const int VECS)
+{
+    const long d = (long)VECS * LANES;
+    const long row_stride = hkv * d; /* floats from one token's row to the next in a block */
+    __m512 qv[MAX_GROUP][MAX_VECS], acc[MAX_GROUP][MAX_VECS];
+    float running_max[MAX_GROUP], running_sum[MAX_GROUP];
+    float scores[MAX_GROUP][MAX_BLOCK] __attribute__((aligned(64)));
+    for (int g = 0; g < G; g++) {
+        for (int v = 0; v < VECS; v++) {
+            qv[g][v] = _mm512_mul_ps(_mm512_loadu_ps(q + g * d + v * LANES), _mm512_set1_ps(scale));
+            acc[g][v] = _mm512_setzero_ps();
+        }
+        running_max[g] = -INFINITY;
+        running_sum[g] = 0.0f;
+    }
+    for (long first = 0; first < context; first += block_size) {
+        long n = context - first < block_size ? context - first : block_size;
+        long offset = ((long)table[first / block_size] * block_size * hkv + head) * d;
+        const float *keys = k_cache + offset, *values = v_cache + offset;
+        for (long t = 0; t < n; t++) {
+            const float *key = keys + t * row_stride;
+            for (int g = 0; g < G; g++) {
+                __m512 dot = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(key));
+                for (int v = 1; v < VECS; v++)
+                    dot = _mm512_fmadd_ps(qv[g][v], _mm512_loadu_ps(key + v * LANES), dot);
+                scores[g][t] = _mm512_reduce_add_ps(dot);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float block_max = scores[g][0];
+            for (long t = 1; t < n; t++)
+                block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
+            float new_max = block_max > running_max[g] ? block_max : running_max[g];
+            if (new_max > running_max[g]) { /* rescale what came before to the new max */
+                /* the vector exp: a libm call here would spill every register */
+                float shrink = _mm512_cvtss_f32(
+                    exp_nonpositive(_mm512_set1_ps(running_max[g] - new_max)));
+                running_sum[g] *= shrink;
+                for (int v = 0; v < VECS; v++)
+                    acc[g][v] = _mm512_mul_ps(acc[g][v], _mm512_set1_ps(shrink));
+                running_max[g] = new_max;
+            }
+            __m512 total = _mm512_setzero_ps();
+            for (long t = 0; t < n; t += LANES) {
+                __mmask16 live = n - t >= LANES ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+                __m512 s = _mm512_maskz_loadu_ps(live, scores[g] + t);
+                __m512 p = _mm512_maskz_mov_ps(live, exp_nonpositive(
+                    _mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+                _mm512_mask_storeu_ps(scores[g] + t, live, p);
+                total = _mm512_add_ps(total, p);
+            }
+            running_sum[g] += _mm512_reduce_add_ps(total);
+        }
+        for (long t = 0; t < n; t++) {
+            const float *value = values + t * row_stride;
+            for (int v = 0; v < VECS; v++) {
+                __m512 vv = _mm512_loadu_ps(value + v * LANES);
+                for (int g = 0; g < G; g++)
+                    acc[g][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g][t]), vv, acc[g][v]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        __m512 inv = _mm512_set1_ps(1.0f / running_sum[g]);
+        for (int v = 0; v < VECS; v++)
+            _mm512_storeu_ps(out + g * d + v * LANES, _mm512_mul_ps(acc[g][v], inv));
+    }
+}
+
+#define ATTEND(G, V) \
+    attend(qs, k_cache, v_cache, table, context, os, hkv, head, block_size, scale, G, V)
+#define GROUP_CASES(V)                                                              \
+    switch (group) {                                                                \
+    case 1: ATTEND(1, V); break; case 2: ATTEND(2, V); break;                      \
+    case 3: ATTEND(3, V); break; case 4: ATTEND(4, V); break;                      \
+    case 5: ATTEND(5, V); break; case 6: ATTEND(6, V); break;                      \
+    case 7: ATTEND(7, V); break; case 8: ATTEND(8, V); break;                      \
+    }
+
+/* Returns 0, or -1 when the shapes are outside what the kernel handles (nothing written). */
+int decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                     const int *block_tables, const int *context_lens, float *out,
+                     long num_seqs, long hq, long hkv, long d, long block_size,
+                     long max_blocks, float scale)
+{
+    long group = hkv > 0 ? hq / hkv : 0;
+    if (group < 1 || group > MAX_GROUP || group * hkv != hq || d % LANES || d > MAX_VECS * LANES
+        || block_size < 1 || block_size > MAX_BLOCK)
+        return -1;
+    /* Head-major: consecutive tasks read the same KV head's rows, so a prefix the sequences
+     * share stays in each core's cache; dynamic, since contexts differ in length. */
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (long head = 0; head < hkv; head++) {
+        for (long s = 0; s < num_seqs; s++) {
+            const float *qs = q + (s * hq + head * group) * d;
+            float *os = out + (s * hq + head * group) * d;
+            const int *table = block_tables + s * max_blocks;
+            long context = context_lens[s];
+            if (context <= 0) { /* nothing to attend to: a zero row, never a division by 0 */
+                for (long i = 0; i < group * d; i++)
+                    os[i] = 0.0f;
+                continue;
+            }
+            switch (d / LANES) {
+            case 4: GROUP_CASES(4); break;
+            case 8: GROUP_CASES(8); break;
+            default: GROUP_CASES(d / LANES); break;
+            }
+        }
+    }
+    return 0;
+}
