@@ -43,7 +43,7 @@ class CpuKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._gemm = library.panel_gemm
-        self._gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+        self._gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
         self._gemm.restype = None
         self._decode = library.decode_attention
         self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 6 + [ctypes.c_float]
@@ -71,16 +71,14 @@ class CpuKernels:
         if k == 0 or m == 0:  # an empty sum: nothing for the kernel to do
             out = torch.zeros((m, n), dtype=torch.float32)
             return (out if bias is None else out + bias).view(*x.shape[:-1], n)
-        out = torch.empty((m, n), dtype=torch.float32)
-        self._gemm(
-            rows.data_ptr(),
-            packed.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            m,
-            k,
-            n,
-        )
+        panels = packed.shape[0]
+        # The kernel writes whole panels: rows of panels * 16 floats, trimmed to n below.
+        out = torch.empty((m, panels * LANES), dtype=torch.float32)
+        self._gemm(rows.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, panels)
+        if panels * LANES != n:
+            out = out[:, :n].contiguous()
+        if bias is not None:
+            out += bias
         return out.view(*x.shape[:-1], n)
 
     @staticmethod

@@ -1,5 +1,5 @@
 """The panel kernel (runner/csrc/panel_gemm.c): equal to F.linear for any shape, bias and row
-count (one tile, several, a partial last panel, the row chunks of a large batch), the same
+count (one tile, several, a partial last tile or panel, a prefill-sized batch), the same
 result for a row whatever shares its call, and a clean fallback to oneDNN where it cannot be
 built."""
 
@@ -63,9 +63,8 @@ def test_pack_pads_the_last_panel_with_zeros(kernel: CpuKernels) -> None:
 
 
 @needs_kernel
-def test_large_batches_run_in_row_chunks(kernel: CpuKernels) -> None:
-    # 300 rows of 2,048 floats exceed the 2 MB a pass over the weights keeps in cache, so the
-    # kernel makes two passes; both must land in the right rows.
+def test_a_large_batch_with_a_partial_last_tile(kernel: CpuKernels) -> None:
+    # 300 rows: 18 tiles of 16, then 12 rows in a pass of their own; all land in their rows.
     weight = torch.randn(40, 2048)
     x = torch.randn(300, 2048)
     out = kernel.matmul(x, kernel.pack(weight), None, 40)

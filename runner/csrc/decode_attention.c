@@ -146,10 +146,10 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
                     os[i] = 0.0f;
                 continue;
             }
-            switch (d / LANES) {
+            switch (d / LANES) { /* head sizes 64 and 128 get constant-size code */
             case 4: GROUP_CASES(4); break;
             case 8: GROUP_CASES(8); break;
-            default: GROUP_CASES(d / LANES); break;
+            default: ATTEND(group, d / LANES); break;
             }
         }
     }

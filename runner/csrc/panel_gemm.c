@@ -8,7 +8,8 @@
  * Each task computes up to 16 rows of x against one panel with 16 vector accumulators (one
  * per row) that stay in registers for the whole K loop: every weight vector loaded feeds up to
  * 16 fused multiply-adds. Each output is one sequential sum over k, so a row's result does not
- * depend on how many other rows share the call (batch-invariant).
+ * depend on how many other rows share the call (batch-invariant). Tried and slower here: x
+ * transposed into row panels, 2-3 panels per task with 8-12 rows, cache-sized row chunks.
  *
  * Built at run time with -march=native (see runner/cpu_kernel.py); the vector type becomes
  * one AVX-512 register, and threads come from the OpenMP runtime torch already loaded.
@@ -22,63 +23,82 @@ enum { LANES = 16, MAX_ROWS = 16 };
  * 1): on the EPYC this was tuned on that beat no prefetch, nearer distances and L1 prefetches
  * by 5-10% at 16 rows. */
 enum { PREFETCH_AHEAD = 1024, PREFETCH_LOCALITY = 1 };
-/* Rows of x handled per pass over the weights: keeps a pass's x (rows * K floats) within
- * about 2 MB of cache when M is large. */
-enum { CHUNK_BYTES = 2 << 20 };
 
+/* rows x panels of y: y[row0 + r, col0 + 16j + c] = sum over k of x[row0 + r, k] *
+ * panel_j[k, c]. Only ever called with panels = 1; written over j because GCC 12 then keeps
+ * the 16 row pointers where the loop reaches them fastest (plainer one-panel forms, or x
+ * passed pre-offset, cost 5-15% on prefill-sized batches: register allocation, not
+ * arithmetic). */
 static inline __attribute__((always_inline)) void panel_tile(
-    const float *restrict x, const float *restrict panel, const float *restrict bias,
-    float *restrict y, long K, long N, long col0, long row0, const int rows)
+    const float *restrict x, const float *restrict panel, float *restrict y, long K, long ldy,
+    long col0, long row0, const int rows, const int panels)
 {
-    vec16 acc[MAX_ROWS];
+    vec16 acc[MAX_ROWS][1];
     for (int r = 0; r < rows; r++)
-        acc[r] = (vec16){0};
+        for (int j = 0; j < panels; j++)
+            acc[r][j] = (vec16){0};
     const float *xr = x + row0 * K;
     for (long k = 0; k < K; k++) {
-        vec16 w;
-        memcpy(&w, panel + k * LANES, sizeof w);
-        __builtin_prefetch(panel + k * LANES + PREFETCH_AHEAD, 0, PREFETCH_LOCALITY);
-        for (int r = 0; r < rows; r++)
-            acc[r] += xr[r * K + k] * w;
-    }
-    long width = N - col0 < LANES ? N - col0 : LANES;
-    if (bias) {
-        vec16 b = {0};
-        memcpy(&b, bias + col0, width * sizeof(float));
-        for (int r = 0; r < rows; r++)
-            acc[r] += b;
-    }
-    for (int r = 0; r < rows; r++)
-        memcpy(y + (row0 + r) * N + col0, &acc[r], width * sizeof(float));
-}
-
-/* The switch turns the row count into a constant, so each case compiles to a loop whose
- * accumulators are all registers. */
-#define TILE_CASE(R) \
-    case R: panel_tile(x, panel, bias, y, K, N, col0, row0, R); break;
-
-void panel_gemm(const float *x, const float *packed, const float *bias, float *y,
-                long M, long K, long N)
-{
-    long panels = (N + LANES - 1) / LANES;
-    long chunk = CHUNK_BYTES / (K * (long)sizeof(float));
-    chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk / MAX_ROWS * MAX_ROWS;
-    for (long first = 0; first < M; first += chunk) {
-        long last = first + chunk < M ? first + chunk : M;
-        #pragma omp parallel for schedule(static)
-        for (long p = 0; p < panels; p++) {
-            const float *panel = packed + p * K * LANES;
-            long col0 = p * LANES;
-            for (long row0 = first; row0 < last; row0 += MAX_ROWS) {
-                switch (last - row0 < MAX_ROWS ? last - row0 : MAX_ROWS) {
-                    TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
-                    TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
-                    TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12)
-                    TILE_CASE(13) TILE_CASE(14) TILE_CASE(15) TILE_CASE(16)
-                }
-            }
+        vec16 w[1];
+        for (int j = 0; j < panels; j++) {
+            memcpy(&w[j], panel + j * K * LANES + k * LANES, sizeof(vec16));
+            __builtin_prefetch(panel + j * K * LANES + k * LANES + PREFETCH_AHEAD, 0,
+                               PREFETCH_LOCALITY);
+        }
+        for (int r = 0; r < rows; r++) {
+            float s = xr[r * K + k];
+            for (int j = 0; j < panels; j++)
+                acc[r][j] += s * w[j];
         }
     }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < panels; j++)
+            memcpy(y + (row0 + r) * ldy + col0 + j * LANES, &acc[r][j], sizeof(vec16));
+}
+
+/* The first M / 16 * 16 rows, in tiles of 16. */
+static void full_tiles(const float *x, const float *packed, float *y, long M, long K,
+                       long panels)
+{
+    const long ldy = panels * LANES;
+    #pragma omp parallel for schedule(static)
+    for (long p = 0; p < panels; p++) {
+        const float *panel = packed + p * K * LANES;
+        for (long row0 = 0; row0 + MAX_ROWS <= M; row0 += MAX_ROWS)
+            panel_tile(x, panel, y, K, ldy, p * LANES, row0, MAX_ROWS, 1);
+    }
+}
+
+#define TILE_CASE(R) \
+    case R: panel_tile(x, packed + p * K * LANES, y, K, ldy, p * LANES, 0, R, 1); break;
+
+/* M < 16 rows, one tile; the switch makes its row count a constant, so the accumulators stay
+ * in registers. */
+static void partial_tile(const float *x, const float *packed, float *y, long M, long K,
+                          long panels)
+{
+    const long ldy = panels * LANES;
+    #pragma omp parallel for schedule(static)
+    for (long p = 0; p < panels; p++) {
+        switch (M) {
+            TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5)
+            TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10)
+            TILE_CASE(11) TILE_CASE(12) TILE_CASE(13) TILE_CASE(14) TILE_CASE(15)
+        }
+    }
+}
+
+/* y [M, panels * 16] = x [M, K] @ W^T for W packed as above: every panel is written whole
+ * (the caller trims columns past N, and adds any bias). Rows past the last multiple of 16 take
+ * a pass of their own over the weights: handled inside the full tiles' loop (one by one, or
+ * by a switch on their count) they cost those tiles 5-10%, more than the extra pass. */
+void panel_gemm(const float *x, const float *packed, float *y, long M, long K, long panels)
+{
+    const long full = M / MAX_ROWS * MAX_ROWS;
+    if (full)
+        full_tiles(x, packed, y, full, K, panels);
+    if (M > full)
+        partial_tile(x + full * K, packed, y + full * panels * LANES, M - full, K, panels);
 }
 
 /* Lets the loader check that the library matches the layout it packs for. */
