@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 from runner.attention_plan import build_plan
 from runner.cascade import cascade_attention
-from runner.cpu_kernel import load_cpu_kernels
 
 
 @dataclass
@@ -42,8 +41,9 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     decode_only: bool  # every query_len == 1
-    # Built by the torch path on first use and reused by every layer of the step.
+    # Built by the torch path / the CPU kernels on first use, reused by every layer of the step.
     _torch_plan: Any = field(default=None, init=False, repr=False, compare=False)
+    _cpu_split: Any = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -107,6 +107,8 @@ def paged_attention(
     if backend == "torch":
         return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     if backend == "cpu":
+        from runner.cpu_attention import cpu_paged_attention
+
         return cpu_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     if backend == "triton":
         from runner.triton_attention import triton_paged_attention
@@ -116,27 +118,7 @@ def paged_attention(
     raise ValueError(f"unknown attention backend {backend!r}; expected 'torch', 'cpu' or 'triton'")
 
 
-def cpu_paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """The torch path, with decode-only steps in the C kernel (runner/csrc/decode_attention.c):
-    it reads every sequence's blocks in place, with no gather, padding or split to plan."""
-    kernels = load_cpu_kernels()
-    if not (meta.decode_only and kernels is not None and kernels.decode_supported(q, k_cache)):
-        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
-    _write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return kernels.decode_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
-    )
-
-
-def _write_kv(
+def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
@@ -171,7 +153,7 @@ def torch_paged_attention(
     hkv = k.shape[1]
     block_size = k_cache.shape[1]
     # Write first, so every read below sees the new tokens through the block table.
-    _write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     plan = meta._torch_plan
     if plan is None or plan.block_size != block_size:

@@ -1,5 +1,6 @@
-"""Builds and loads the CPU kernels in runner/csrc: the panel matrix product (panel_gemm.c)
-and decode attention over the paged cache (decode_attention.c).
+"""Builds and loads the CPU kernels in runner/csrc: the panel matrix product (panel_gemm.c),
+decode attention over the paged cache (decode_attention.c), and RMSNorm and the gated SiLU
+(elementwise.c).
 
 They are plain C compiled once per machine with the system C compiler (`$CC`, else `cc`)
 and `-march=native`, cached under the kvcache cache directory by a hash of its source, flags
@@ -30,7 +31,8 @@ from runner.gguf import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("panel_gemm.c", "decode_attention.c")
+    Path(__file__).parent / "csrc" / name
+    for name in ("panel_gemm.c", "decode_attention.c", "prefill_attention.c", "elementwise.c")
 )
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LANES = 16  # floats per vector: panel width, and the unit of a head size
@@ -48,6 +50,15 @@ class CpuKernels:
         self._decode = library.decode_attention
         self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 6 + [ctypes.c_float]
         self._decode.restype = ctypes.c_int
+        self._prefill = library.prefill_attention
+        self._prefill.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_long] * 6 + [ctypes.c_float]
+        self._prefill.restype = ctypes.c_int
+        self._rms_norm = library.rms_norm
+        self._rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
+        self._rms_norm.restype = None
+        self._silu_and_mul = library.silu_and_mul
+        self._silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
+        self._silu_and_mul.restype = None
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -138,6 +149,88 @@ class CpuKernels:
                 f"{tuple(k_cache.shape[1:])}"
             )
         return out
+
+    @staticmethod
+    def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether prefill_attention takes these shapes: CPU float32, head size a multiple of
+        16 up to 256."""
+        d = q.shape[-1]
+        hq, hkv = q.shape[1], k_cache.shape[2]
+        return (
+            q.dtype == k_cache.dtype == torch.float32
+            and q.device.type == k_cache.device.type == "cpu"
+            and d % LANES == 0
+            and d <= MAX_HEAD_DIM
+            and hq % hkv == 0
+        )
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start: torch.Tensor,
+        query_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """Causal attention for S sequences whose query_lens[s] new tokens are rows
+        query_start[s].. of q [T, Hq, D] and the last positions of their context_lens[s]
+        tokens; each reads its keys in place through its row of block_tables [S, max_blocks].
+        Writes those rows of `out` (like q, contiguous); other rows are left alone. Check
+        prefill_supported first."""
+        _, hq, d = q.shape
+        _, block_size, hkv, _ = k_cache.shape
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
+            raise ValueError("prefill_attention reads caches and writes out in place")
+        q = q.contiguous()
+        ints = [
+            t.to(torch.int32).contiguous()
+            for t in (block_tables, query_start, query_lens, context_lens)
+        ]
+        status = self._prefill(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            *(t.data_ptr() for t in ints),
+            out.data_ptr(),
+            ints[2].shape[0],
+            hq,
+            hkv,
+            d,
+            block_size,
+            ints[0].shape[1],
+            scale,
+        )
+        if status != 0:
+            raise ValueError(f"prefill_attention cannot take q {tuple(q.shape)}")
+
+    @staticmethod
+    def rowwise_supported(x: torch.Tensor, width: int) -> bool:
+        """Whether rms_norm / silu_and_mul take rows of `width` floats of x (CPU float32)."""
+        return x.dtype == torch.float32 and x.device.type == "cpu" and width % LANES == 0
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * (x * rsqrt(mean(x^2) + eps)) over the last dim, as transformers computes
+        it in float32. Check rowwise_supported first."""
+        dim = x.shape[-1]
+        rows = x.reshape(-1, dim).contiguous()
+        out = torch.empty_like(rows)
+        self._rms_norm(
+            rows.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(), rows.shape[0], dim, eps
+        )
+        return out.view(x.shape)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[..., 2I] -> [..., I]: silu(gate) * up for gate_up = [gate | up]. Check
+        rowwise_supported first (with width I)."""
+        width = gate_up.shape[-1] // 2
+        rows = gate_up.reshape(-1, 2 * width).contiguous()
+        out = rows.new_empty((rows.shape[0], width))
+        self._silu_and_mul(rows.data_ptr(), out.data_ptr(), rows.shape[0], width)
+        return out.view(*gate_up.shape[:-1], width)
 
 
 def _cpu_fingerprint() -> str:

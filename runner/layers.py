@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner.cpu_kernel import CpuKernels
+
 # RoPE types whose inverse frequencies are fixed at load time. "dynamic" / "longrope"
 # change with the sequence length, which a KV cache cannot follow (cached keys would
 # carry stale rotations), so they are refused.
@@ -23,8 +25,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # The CPU kernels, once the model is packed for them: one pass instead of five.
+        self.kernels: CpuKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and self.kernels.rowwise_supported(x, x.shape[-1]):
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # One fused kernel; identical math to the branch below in float32.
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)

@@ -17,6 +17,7 @@ from torch import nn
 
 from kvcache.store import KVStore
 from runner.attention import AttentionMetadata, paged_attention
+from runner.cpu_kernel import CpuKernels, load_cpu_kernels
 from runner.cpu_linear import PACKED_DTYPES, PackedLinear, prepack_linears
 from runner.layers import RMSNorm, apply_rope, rope_cos_sin
 
@@ -112,10 +113,17 @@ class MLP(nn.Module):
         self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+        # The CPU kernels, once the model is packed for them: silu and the product in one pass.
+        self.kernels: CpuKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.kernels is not None and self.kernels.rowwise_supported(gate_up, self.intermediate):
+            act = self.kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
+            act = F.silu(gate) * up
+        out: torch.Tensor = self.down_proj(act)
         return out
 
 
@@ -213,15 +221,19 @@ class CausalLM(nn.Module):
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()
 
-    def prepack_for_cpu(self, panel_kernel: bool = True) -> int:
+    def prepack_for_cpu(self, cpu_kernels: bool = True) -> int:
         """Pack every projection and the LM head once (see runner/cpu_linear.py), for the panel
-        kernel where it builds, else for oneDNN. A tied head gets its own packed copy; the
-        embedding keeps the plain one for lookups. Call after loading the weights. Returns how
-        many matrices were packed."""
-        packed = prepack_linears(self, panel_kernel)
+        kernel where it builds (and then run norms and the activation in the CPU kernels too),
+        else for oneDNN. A tied head gets its own packed copy; the embedding keeps the plain one
+        for lookups. Call after loading the weights. Returns how many matrices were packed."""
+        packed = prepack_linears(self, cpu_kernels)
+        kernels = load_cpu_kernels() if cpu_kernels else None
+        for module in self.modules():
+            if isinstance(module, RMSNorm | MLP):
+                module.kernels = kernels
         weight = self.embed_tokens.weight
         if packed and self.lm_head is None and weight.dtype in PACKED_DTYPES:
-            self.lm_head = PackedLinear(weight, None, panel_kernel)
+            self.lm_head = PackedLinear(weight, None, cpu_kernels)
             packed += 1
         return packed
 

@@ -362,18 +362,48 @@ def test_cpu_decode_kernel_matches_naive(
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize(
-    ("seqs", "hq", "hkv", "head_dim"),
-    [
-        ([(1, 9), (LONG, LONG + 5), (3, 12)], 4, 2, 16),  # not decode-only: the torch path
-        ([(1, 9), (1, 30)], 4, 2, 8),  # head size not a multiple of 16
-        ([(1, 9), (1, 30)], 9, 1, 16),  # 9 query heads on one KV head: over the kernel's 8
-    ],
+@settings(max_examples=30, deadline=None)
+@given(
+    seqs=st.lists(
+        st.tuples(st.integers(1, 40), st.integers(0, 40)).map(lambda t: (t[0], t[0] + t[1])),
+        min_size=1,
+        max_size=5,
+    ),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3, 9]),  # 9: over the decode kernel's 8, decodes go along
+    head_dim=st.sampled_from([16, 64, 128]),
+    block_size=st.sampled_from([1, 4, 16, 32]),
+    seed=st.integers(0, 2**16),
 )
-def test_cpu_backend_falls_back_to_torch_outside_the_kernel(
-    seqs: list[tuple[int, int]], hq: int, hkv: int, head_dim: int
+def test_cpu_kernels_match_naive_on_mixed_batches(
+    seqs: list[tuple[int, int]],
+    hkv: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    seed: int,
 ) -> None:
+    """Prefill chunks (fresh, or after a cached prefix) in the prefill kernel, decodes beside
+    them in the decode kernel, one step."""
     plans: list[Any] = []
-    out, ref = run_case(seqs, hq, hkv, 4, head_dim=head_dim, plans=plans, backend="cpu")
+    out, ref = run_case(
+        seqs,
+        hkv * group,
+        hkv,
+        block_size,
+        head_dim=head_dim,
+        seed=seed,
+        plans=plans,
+        backend="cpu",
+    )
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    assert plans[0] is not None  # the torch path planned the step: the kernel did not run
+    assert plans[0] is None  # the kernels ran: the torch path plans every step it takes
+
+
+@needs_cpu_kernels
+def test_cpu_backend_falls_back_to_torch_outside_the_kernels() -> None:
+    plans: list[Any] = []
+    seqs = [(1, 9), (LONG, LONG + 5), (3, 12)]
+    out, ref = run_case(seqs, 4, 2, 4, head_dim=8, plans=plans, backend="cpu")  # head size 8
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert plans[0] is not None  # the torch path planned the step: no kernel ran

@@ -142,3 +142,46 @@ def test_each_cpu_gets_its_own_build() -> None:
     # A cache directory shared between machines must not hand one CPU another's instructions.
     assert cpu_kernel._cpu_fingerprint()
     assert cpu_kernel.library_path("flags: avx512f") != cpu_kernel.library_path("flags: avx2")
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 80),
+    dim=st.sampled_from([16, 64, 576, 2048]),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_rms_norm_equals_transformers_formula(rows: int, dim: int, scale: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, dim, generator=gen) * scale
+    weight = torch.randn(dim, generator=gen)
+    kernel = load_cpu_kernels()
+    assert kernel is not None
+    expected = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(kernel.rms_norm(x, weight, 1e-5), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 80),
+    width=st.sampled_from([16, 48, 1536]),
+    seed=st.integers(0, 2**16),
+)
+def test_silu_and_mul_equals_torch(rows: int, width: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(rows, 2 * width, generator=gen) * 8  # reaches silu's flat tails
+    gate_up[0, :4] = torch.tensor([-200.0, -88.5, 88.5, 200.0])  # past exp's float range
+    kernel = load_cpu_kernels()
+    assert kernel is not None
+    gate, up = gate_up.split(width, dim=-1)
+    expected = F.silu(gate) * up
+    torch.testing.assert_close(kernel.silu_and_mul(gate_up), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_rowwise_kernels_refuse_what_they_cannot_take(kernel: CpuKernels) -> None:
+    assert kernel.rowwise_supported(torch.zeros(2, 32), 32)
+    assert not kernel.rowwise_supported(torch.zeros(2, 24), 24)  # not a multiple of 16
+    assert not kernel.rowwise_supported(torch.zeros(2, 32, dtype=torch.float64), 32)

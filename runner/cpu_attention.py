@@ -1,0 +1,92 @@
+"""The CPU attention backend ("cpu"): the C kernels of runner/csrc on the paged cache, and the
+torch path (runner/attention.py) wherever they cannot run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runner.attention import AttentionMetadata, torch_paged_attention, write_kv
+from runner.cpu_kernel import load_cpu_kernels
+
+
+def cpu_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The C kernels (runner/csrc): decodes in decode_attention.c, longer queries in
+    prefill_attention.c, both reading every sequence's blocks in place with no gather, padding
+    or split to plan. The torch path where the kernels cannot run (no build, a head size they
+    do not take)."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.prefill_supported(q, k_cache):
+        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    split = meta._cpu_split
+    if split is None:
+        split = meta._cpu_split = CpuSplit.of(meta, kernels.decode_supported(q, k_cache))
+    if (
+        split.longer is None
+        and split.decode_rows is not None
+        and split.decode_rows.numel() == q.shape[0]
+    ):
+        return kernels.decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+        )
+    out = torch.empty_like(q)
+    if split.decode_rows is not None:
+        decoded = kernels.decode_attention(
+            q.index_select(0, split.decode_rows),
+            k_cache,
+            v_cache,
+            split.decode_tables,
+            split.decode_context_lens,
+            scale,
+        )
+        out.index_copy_(0, split.decode_rows, decoded)
+    if split.longer is not None:
+        tables, starts, lens, contexts = split.longer
+        kernels.prefill_attention(q, k_cache, v_cache, tables, starts, lens, contexts, out, scale)
+    return out
+
+
+@dataclass
+class CpuSplit:
+    """A step's sequences for the CPU kernels, built once and shared by every layer: the
+    decodes (one new token) for decode_attention, the rest for prefill_attention."""
+
+    decode_rows: torch.Tensor | None  # [Sd] int64: each decode's row of q
+    decode_tables: torch.Tensor | None  # [Sd, max_blocks] int32
+    decode_context_lens: torch.Tensor | None  # [Sd] int32
+    # (block tables, first rows, query lengths, context lengths) of the others, int32
+    longer: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, decode_kernel: bool) -> CpuSplit:
+        lens = torch.tensor(meta.query_lens)
+        is_decode = (lens == 1) if decode_kernel else torch.zeros_like(lens, dtype=torch.bool)
+        decodes = is_decode.nonzero().flatten()
+        others = (~is_decode).nonzero().flatten()
+        starts = meta.query_start_loc[:-1].to(torch.int64)
+        longer = None
+        if others.numel():
+            longer = (
+                meta.block_tables.index_select(0, others).contiguous(),
+                starts.index_select(0, others).to(torch.int32),
+                lens.index_select(0, others).to(torch.int32),
+                meta.context_lens.index_select(0, others).contiguous(),
+            )
+        if not decodes.numel():
+            return cls(None, None, None, longer)
+        return cls(
+            starts.index_select(0, decodes),
+            meta.block_tables.index_select(0, decodes).contiguous(),
+            meta.context_lens.index_select(0, decodes).contiguous(),
+            longer,
+        )

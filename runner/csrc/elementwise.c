@@ -1,0 +1,72 @@
+/* Row-wise work between the products, for the CPU: RMSNorm and the gated SiLU.
+ *
+ * torch runs RMSNorm as five passes over the rows (square, mean, add, rsqrt, two scalings) and
+ * the gated activation as two (silu, multiply), each its own parallel region; in a decode step
+ * of a small model, where a row is 576 floats, those regions cost more than the arithmetic.
+ * Here each is one pass, with the same operations in the same order per element as
+ * transformers' code (float32 throughout), so results differ only in the order of the
+ * sum of squares. Built with the other kernels by runner/cpu_kernel.py (AVX-512 machines).
+ */
+#include <immintrin.h>
+
+/* Below this many floats a call runs on one thread: a decode step's rows are done in a few
+ * microseconds, less than waking the other threads costs. */
+enum { LANES = 16, PARALLEL_FLOATS = 32768 };
+
+/* y[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)); x, y [rows, dim], dim a multiple of 16. */
+void rms_norm(const float *x, const float *w, float *y, long rows, long dim, float eps)
+{
+    #pragma omp parallel for schedule(static) if (rows * dim > PARALLEL_FLOATS)
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *yr = y + r * dim;
+        __m512 squares = _mm512_setzero_ps();
+        for (long i = 0; i < dim; i += LANES) {
+            __m512 v = _mm512_loadu_ps(xr + i);
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        float inv = 1.0f / __builtin_sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps);
+        __m512 scale = _mm512_set1_ps(inv);
+        for (long i = 0; i < dim; i += LANES) {
+            __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(xr + i), scale);
+            _mm512_storeu_ps(yr + i, _mm512_mul_ps(_mm512_loadu_ps(w + i), normed));
+        }
+    }
+}
+
+/* e^x for any float x, to about 1 ulp over the range where it is finite. */
+static inline __m512 exp_any(__m512 x)
+{
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* out[r] = silu(gate) * up, gate_up[r] = [gate (width) | up (width)]; width a multiple of 16.
+ * silu(g) = g / (1 + e^-g), as torch computes it. */
+void silu_and_mul(const float *gate_up, float *out, long rows, long width)
+{
+    #pragma omp parallel for schedule(static) if (rows * width > PARALLEL_FLOATS)
+    for (long r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * width, *up = gate + width;
+        float *o = out + r * width;
+        for (long i = 0; i < width; i += LANES) {
+            __m512 g = _mm512_loadu_ps(gate + i);
+            __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                         exp_any(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+            __m512 silu = _mm512_div_ps(g, denom);
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+        }
+    }
+}
