@@ -36,6 +36,8 @@ SOURCES = tuple(
 )
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LANES = 16  # floats per vector: panel width, and the unit of a head size
+# Rows of x this many floats long (2 KB) alias in the L1 cache (see panel_gemm.c).
+ALIASING_FLOATS = 512
 # decode_attention's limits (decode_attention.c): head size, query heads per KV head, block.
 MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 256, 8, 256
 
@@ -45,7 +47,9 @@ class CpuKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._gemm = library.panel_gemm
-        self._gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+        self._gemm.argtypes = (
+            [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3
+        )
         self._gemm.restype = None
         self._decode = library.decode_attention
         self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 6 + [ctypes.c_float]
@@ -78,14 +82,19 @@ class CpuKernels:
             raise TypeError(f"the panel kernel takes CPU float32 rows, got {x.dtype} on {x.device}")
         k = packed.shape[1]
         m = math.prod(x.shape[:-1])
-        rows = x.reshape(m, k).contiguous()
+        rows = x.reshape(m, k)
+        if k % ALIASING_FLOATS == 0 and m >= LANES:
+            # 16 rows 2 KB apart share one L1 set: read them from a copy 64 bytes wider.
+            rows = torch.empty((m, k + LANES)).narrow(1, 0, k).copy_(rows)
+        elif not (rows.stride(1) == 1 and rows.stride(0) >= k):
+            rows = rows.contiguous()
         if k == 0 or m == 0:  # an empty sum: nothing for the kernel to do
             out = torch.zeros((m, n), dtype=torch.float32)
             return (out if bias is None else out + bias).view(*x.shape[:-1], n)
         panels = packed.shape[0]
         # The kernel writes whole panels: rows of panels * 16 floats, trimmed to n below.
         out = torch.empty((m, panels * LANES), dtype=torch.float32)
-        self._gemm(rows.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, panels)
+        self._gemm(rows.data_ptr(), rows.stride(0), packed.data_ptr(), out.data_ptr(), m, k, panels)
         if panels * LANES != n:
             out = out[:, :n].contiguous()
         if bias is not None:

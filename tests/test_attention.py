@@ -407,3 +407,13 @@ def test_cpu_backend_falls_back_to_torch_outside_the_kernels() -> None:
     out, ref = run_case(seqs, 4, 2, 4, head_dim=8, plans=plans, backend="cpu")  # head size 8
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert plans[0] is not None  # the torch path planned the step: no kernel ran
+
+
+@needs_cpu_kernels
+def test_cpu_prefill_kernel_with_token_rows_4kb_apart() -> None:
+    # 8 KV heads of 128: the prefill kernel reads each chunk of keys from a copy (L1 aliasing).
+    seqs = [(20, 20), (9, 37), (1, 30)]
+    plans: list[Any] = []
+    out, ref = run_case(seqs, 16, 8, 16, head_dim=128, plans=plans, backend="cpu")
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert plans[0] is None

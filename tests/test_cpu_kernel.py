@@ -185,3 +185,20 @@ def test_rowwise_kernels_refuse_what_they_cannot_take(kernel: CpuKernels) -> Non
     assert kernel.rowwise_supported(torch.zeros(2, 32), 32)
     assert not kernel.rowwise_supported(torch.zeros(2, 24), 24)  # not a multiple of 16
     assert not kernel.rowwise_supported(torch.zeros(2, 32, dtype=torch.float64), 32)
+
+
+@needs_kernel
+def test_rows_2kb_apart_and_strided_rows(kernel: CpuKernels) -> None:
+    # 1,024-float rows alias in the L1 cache: the kernel reads them from a padded copy.
+    weight = torch.randn(48, 1024)
+    x = torch.randn(40, 1024)
+    torch.testing.assert_close(
+        kernel.matmul(x, kernel.pack(weight), None, 48), F.linear(x, weight), atol=2e-4, rtol=1e-4
+    )
+    # A view whose rows are further apart than their length is read in place.
+    wide = torch.randn(20, 48)
+    view = wide[:, :32]
+    small = torch.randn(24, 32)
+    torch.testing.assert_close(
+        kernel.matmul(view, kernel.pack(small), None, 24), F.linear(view, small)
+    )

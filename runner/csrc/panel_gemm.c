@@ -9,7 +9,7 @@
  * per row) that stay in registers for the whole K loop: every weight vector loaded feeds up to
  * 16 fused multiply-adds. Each output is one sequential sum over k, so a row's result does not
  * depend on how many other rows share the call (batch-invariant). Tried and slower here: x
- * transposed into row panels, 2-3 panels per task with 8-12 rows, cache-sized row chunks.
+ * transposed into row panels, 2-3 panels per task with 8-12 rows.
  *
  * Built at run time with -march=native (see runner/cpu_kernel.py); the vector type becomes
  * one AVX-512 register, and threads come from the OpenMP runtime torch already loaded.
@@ -23,6 +23,9 @@ enum { LANES = 16, MAX_ROWS = 16 };
  * 1): on the EPYC this was tuned on that beat no prefetch, nearer distances and L1 prefetches
  * by 5-10% at 16 rows. */
 enum { PREFETCH_AHEAD = 1024, PREFETCH_LOCALITY = 1 };
+/* Rows per pass over the weights, at most: a pass's rows of x (about 512 KB) stay within a
+ * core's L2 however long the batch (no cost measured where they fit anyway). */
+enum { CHUNK_BYTES = 1 << 19 };
 
 /* rows x panels of y: y[row0 + r, col0 + 16j + c] = sum over k of x[row0 + r, k] *
  * panel_j[k, c]. Only ever called with panels = 1; written over j because GCC 12 then keeps
@@ -30,14 +33,14 @@ enum { PREFETCH_AHEAD = 1024, PREFETCH_LOCALITY = 1 };
  * passed pre-offset, cost 5-15% on prefill-sized batches: register allocation, not
  * arithmetic). */
 static inline __attribute__((always_inline)) void panel_tile(
-    const float *restrict x, const float *restrict panel, float *restrict y, long K, long ldy,
-    long col0, long row0, const int rows, const int panels)
+    const float *restrict x, const float *restrict panel, float *restrict y, long K, long ldx,
+    long ldy, long col0, long row0, const int rows, const int panels)
 {
     vec16 acc[MAX_ROWS][1];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < panels; j++)
             acc[r][j] = (vec16){0};
-    const float *xr = x + row0 * K;
+    const float *xr = x + row0 * ldx;
     for (long k = 0; k < K; k++) {
         vec16 w[1];
         for (int j = 0; j < panels; j++) {
@@ -46,7 +49,7 @@ static inline __attribute__((always_inline)) void panel_tile(
                                PREFETCH_LOCALITY);
         }
         for (int r = 0; r < rows; r++) {
-            float s = xr[r * K + k];
+            float s = xr[r * ldx + k];
             for (int j = 0; j < panels; j++)
                 acc[r][j] += s * w[j];
         }
@@ -57,7 +60,7 @@ static inline __attribute__((always_inline)) void panel_tile(
 }
 
 /* The first M / 16 * 16 rows, in tiles of 16. */
-static void full_tiles(const float *x, const float *packed, float *y, long M, long K,
+static void full_tiles(const float *x, long ldx, const float *packed, float *y, long M, long K,
                        long panels)
 {
     const long ldy = panels * LANES;
@@ -65,17 +68,17 @@ static void full_tiles(const float *x, const float *packed, float *y, long M, lo
     for (long p = 0; p < panels; p++) {
         const float *panel = packed + p * K * LANES;
         for (long row0 = 0; row0 + MAX_ROWS <= M; row0 += MAX_ROWS)
-            panel_tile(x, panel, y, K, ldy, p * LANES, row0, MAX_ROWS, 1);
+            panel_tile(x, panel, y, K, ldx, ldy, p * LANES, row0, MAX_ROWS, 1);
     }
 }
 
 #define TILE_CASE(R) \
-    case R: panel_tile(x, packed + p * K * LANES, y, K, ldy, p * LANES, 0, R, 1); break;
+    case R: panel_tile(x, packed + p * K * LANES, y, K, ldx, ldy, p * LANES, 0, R, 1); break;
 
 /* M < 16 rows, one tile; the switch makes its row count a constant, so the accumulators stay
  * in registers. */
-static void partial_tile(const float *x, const float *packed, float *y, long M, long K,
-                          long panels)
+static void partial_tile(const float *x, long ldx, const float *packed, float *y, long M,
+                         long K, long panels)
 {
     const long ldy = panels * LANES;
     #pragma omp parallel for schedule(static)
@@ -89,16 +92,25 @@ static void partial_tile(const float *x, const float *packed, float *y, long M, 
 }
 
 /* y [M, panels * 16] = x [M, K] @ W^T for W packed as above: every panel is written whole
- * (the caller trims columns past N, and adds any bias). Rows past the last multiple of 16 take
- * a pass of their own over the weights: handled inside the full tiles' loop (one by one, or
- * by a switch on their count) they cost those tiles 5-10%, more than the extra pass. */
-void panel_gemm(const float *x, const float *packed, float *y, long M, long K, long panels)
+ * (the caller trims columns past N, and adds any bias). Row r of x starts at x + r * ldx:
+ * the caller pads rows whose size is a multiple of 2 KB, since 16 rows that far apart all
+ * fall in one set of the L1 cache and evict each other (half speed at K = 1024 or 2048).
+ * Rows past the last multiple of 16 take a pass of their own over the weights: handled inside
+ * the full tiles' loop (one by one, or by a switch on their count) they cost those tiles
+ * 5-10%, more than the extra pass. */
+void panel_gemm(const float *x, long ldx, const float *packed, float *y, long M, long K,
+                long panels)
 {
     const long full = M / MAX_ROWS * MAX_ROWS;
-    if (full)
-        full_tiles(x, packed, y, full, K, panels);
+    const long ldy = panels * LANES;
+    long chunk = CHUNK_BYTES / (ldx * (long)sizeof(float)) / MAX_ROWS * MAX_ROWS;
+    chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk;
+    for (long first = 0; first < full; first += chunk) {
+        long rows = full - first < chunk ? full - first : chunk;
+        full_tiles(x + first * ldx, ldx, packed, y + first * ldy, rows, K, panels);
+    }
     if (M > full)
-        partial_tile(x + full * K, packed, y + full * panels * LANES, M - full, K, panels);
+        partial_tile(x + full * ldx, ldx, packed, y + full * panels * LANES, M - full, K, panels);
 }
 
 /* Lets the loader check that the library matches the layout it packs for. */
