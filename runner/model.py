@@ -237,14 +237,15 @@ class CausalLM(nn.Module):
             packed += 1
         return packed
 
-    def num_matmul_params(self) -> int:
-        """Weights that take part in a token's matrix products: projections and the head."""
+    def num_matmul_params(self, include_head: bool = True) -> int:
+        """Weights that take part in a token's matrix products: the projections, and the head
+        unless `include_head` is False (a prompt runs it for its last token only)."""
         total = sum(
             m.in_features * m.out_features
-            for m in self.modules()
-            if isinstance(m, nn.Linear | PackedLinear)
+            for name, m in self.named_modules()
+            if isinstance(m, nn.Linear | PackedLinear) and name != "lm_head"
         )
-        return total + (self.vocab_size * self.hidden_size if self.lm_head is None else 0)
+        return total + (self.vocab_size * self.hidden_size if include_head else 0)
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into our (fused) parameters; converts dtype/device.
