@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from runner.attention import AttentionMetadata, torch_paged_attention, write_kv
+from runner.cascade import count_shared_blocks
 from runner.cpu_kernel import load_cpu_kernels
 
 
@@ -30,7 +31,10 @@ def cpu_paged_attention(
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     split = meta._cpu_split
     if split is None:
-        split = meta._cpu_split = CpuSplit.of(meta, kernels.decode_supported(q, k_cache))
+        group = q.shape[1] // k_cache.shape[2]
+        split = meta._cpu_split = CpuSplit.of(
+            meta, kernels.decode_supported(q, k_cache), group, k_cache.shape[1]
+        )
     if (
         split.longer is None
         and split.decode_rows is not None
@@ -56,6 +60,11 @@ def cpu_paged_attention(
     return out
 
 
+# Query rows (sequences x query heads per KV head) from which a decode step scores a shared
+# prefix for all rows together: one 16-lane tile.
+SHARED_PREFIX_MIN_ROWS = 16
+
+
 @dataclass
 class CpuSplit:
     """A step's sequences for the CPU kernels, built once and shared by every layer: the
@@ -66,9 +75,13 @@ class CpuSplit:
     decode_context_lens: torch.Tensor | None  # [Sd] int32
     # (block tables, first rows, query lengths, context lengths) of the others, int32
     longer: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # Leading blocks common to every sequence of a decode-only step, worth scoring together.
+    shared_blocks: int = 0
 
     @classmethod
-    def of(cls, meta: AttentionMetadata, decode_kernel: bool) -> CpuSplit:
+    def of(
+        cls, meta: AttentionMetadata, decode_kernel: bool, group: int, block_size: int
+    ) -> CpuSplit:
         lens = torch.tensor(meta.query_lens)
         is_decode = (lens == 1) if decode_kernel else torch.zeros_like(lens, dtype=torch.bool)
         decodes = is_decode.nonzero().flatten()
@@ -84,9 +97,15 @@ class CpuSplit:
             )
         if not decodes.numel():
             return cls(None, None, None, longer)
+        shared = 0
+        # A shared prefix pays when its rows fill a 16-lane tile (decode_attention.c).
+        if longer is None and len(meta.query_lens) * group >= SHARED_PREFIX_MIN_ROWS:
+            first_query = [ctx - 1 for ctx in meta.context_lens_host]
+            shared = count_shared_blocks(meta.block_tables, first_query, block_size)
         return cls(
             starts.index_select(0, decodes),
             meta.block_tables.index_select(0, decodes).contiguous(),
             meta.context_lens.index_select(0, decodes).contiguous(),
             longer,
+            shared,
         )

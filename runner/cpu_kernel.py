@@ -52,7 +52,7 @@ class CpuKernels:
         )
         self._gemm.restype = None
         self._decode = library.decode_attention
-        self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 6 + [ctypes.c_float]
+        self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 7 + [ctypes.c_float]
         self._decode.restype = ctypes.c_int
         self._prefill = library.prefill_attention
         self._prefill.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_long] * 6 + [ctypes.c_float]
@@ -125,10 +125,13 @@ class CpuKernels:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        shared_blocks: int = 0,
     ) -> torch.Tensor:
         """One query token per sequence: q [S, Hq, D]; caches [blocks, B, Hkv, D]; block_tables
         [S, max_blocks] int32; context_lens [S] int32. Returns [S, Hq, D], sequence s attending
-        to its first context_lens[s] tokens through its table. Check decode_supported first."""
+        to its first context_lens[s] tokens through its table. With `shared_blocks`, every
+        table starts with those same blocks and every context is longer: they are scored for
+        all rows together. Check decode_supported first."""
         num_seqs, hq, d = q.shape
         _, block_size, hkv, _ = k_cache.shape
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -150,6 +153,7 @@ class CpuKernels:
             d,
             block_size,
             tables.shape[1],
+            shared_blocks,
             scale,
         )
         if status != 0:
@@ -255,7 +259,8 @@ def _cpu_fingerprint() -> str:
 def library_path(cpu: str) -> Path:
     """Where the build for a CPU with fingerprint `cpu` is cached: one file per source, flags
     and CPU."""
-    sources = b"".join(path.read_bytes() for path in SOURCES)
+    # Every file of csrc/, headers included: a changed header must rebuild the library.
+    sources = b"".join(path.read_bytes() for path in sorted(SOURCES[0].parent.iterdir()))
     digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + cpu.encode())
     return cache_root() / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 

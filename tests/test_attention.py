@@ -417,3 +417,34 @@ def test_cpu_prefill_kernel_with_token_rows_4kb_apart() -> None:
     out, ref = run_case(seqs, 16, 8, 16, head_dim=128, plans=plans, backend="cpu")
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert plans[0] is None
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize(("hq", "hkv", "block_size"), [(9, 3, 16), (4, 1, 8), (16, 2, 32)])
+def test_cpu_decode_kernel_scores_a_shared_prefix_once(
+    hq: int, hkv: int, block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decodes whose tables start with the same blocks: the prefix is scored for all rows in
+    16-lane tiles, then each sequence carries on through its own keys."""
+    import runner.cpu_attention as cpu_attention
+
+    splits: list[Any] = []
+    original = cpu_attention.CpuSplit.of
+    monkeypatch.setattr(
+        cpu_attention.CpuSplit,
+        "of",
+        lambda *a: splits.append(original(*a)) or splits[-1],
+    )
+    shared = -(-80 // block_size)  # at least 80 tokens, over MIN_SHARED_TOKENS
+    contexts = [shared * block_size + extra for extra in (1, 5, 17, 30, 2, 44, 9)]
+    out, ref = run_case(
+        [(1, c) for c in contexts],
+        hq,
+        hkv,
+        block_size,
+        head_dim=64,
+        shared_blocks=shared,
+        backend="cpu",
+    )
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert splits[0].shared_blocks == shared

@@ -10,40 +10,28 @@
  * streaming one: per block, scores, then a running max and sum, and the accumulator rescaled
  * when the max moves, so the result is exact softmax(q k^T * scale) v up to float rounding.
  *
+ * When all sequences start with the same `shared_blocks` blocks (a system prompt), those keys
+ * are scored first for every row at once, 16 rows per vector lane (attention_tile.h: each key
+ * read once per 16 rows instead of once per G), and each task then carries that softmax state
+ * on through its own later keys.
+ *
  * AVX-512 intrinsics; built with -march=native by runner/cpu_kernel.py, on AVX-512 machines
  * only. D must be a multiple of 16 up to 256, G at most 8 and B at most 256 (the loader checks).
  */
-#include <immintrin.h>
-#include <math.h> /* INFINITY */
+#include <stdlib.h>
+
+#include "attention_tile.h"
 
 enum { LANES = 16, MAX_GROUP = 8, MAX_VECS = 16, MAX_BLOCK = 256 };
-
-/* e^x for x <= 0 to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so the
- * reduction is exact), e^r by its Taylor series to degree 7 (error below 1e-8), times 2^n. */
-static inline __m512 exp_nonpositive(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* e^-87 is below every normal sum */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* The task body; G and VECS (= D / 16) are constants in each instance, so q and the
  * accumulators live in registers. */
 static inline __attribute__((always_inline)) void attend(
     const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
     const int *restrict table, long context, float *restrict out,
-    long hkv, long head, long block_size, float scale, const int G, const int VECS)
+    long hkv, long head, long block_size, float scale, long first_key,
+    const float *start_max, const float *start_sum, const float *start_acc,
+    const int G, const int VECS)
 {
     const long d = (long)VECS * LANES;
     const long row_stride = hkv * d; /* floats from one token's row to the next in a block */
@@ -53,12 +41,13 @@ static inline __attribute__((always_inline)) void attend(
     for (int g = 0; g < G; g++) {
         for (int v = 0; v < VECS; v++) {
             qv[g][v] = _mm512_mul_ps(_mm512_loadu_ps(q + g * d + v * LANES), _mm512_set1_ps(scale));
-            acc[g][v] = _mm512_setzero_ps();
+            acc[g][v] = start_acc ? _mm512_loadu_ps(start_acc + g * d + v * LANES)
+                                  : _mm512_setzero_ps();
         }
-        running_max[g] = -INFINITY;
-        running_sum[g] = 0.0f;
+        running_max[g] = start_acc ? start_max[g] : -INFINITY;
+        running_sum[g] = start_acc ? start_sum[g] : 0.0f;
     }
-    for (long first = 0; first < context; first += block_size) {
+    for (long first = first_key; first < context; first += block_size) {
         long n = context - first < block_size ? context - first : block_size;
         long offset = ((long)table[first / block_size] * block_size * hkv + head) * d;
         const float *keys = k_cache + offset, *values = v_cache + offset;
@@ -112,8 +101,11 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-#define ATTEND(G, V) \
-    attend(qs, k_cache, v_cache, table, context, os, hkv, head, block_size, scale, G, V)
+#define ATTEND(G, V)                                                                    \
+    attend(qs, k_cache, v_cache, table, context, os, hkv, head, block_size, scale, first_key, \
+           start ? start->max + s * hq + head * group : NULL,                            \
+           start ? start->sum + s * hq + head * group : NULL,                            \
+           start ? start->acc + (s * hq + head * group) * d : NULL, G, V)
 #define GROUP_CASES(V)                                                              \
     switch (group) {                                                                \
     case 1: ATTEND(1, V); break; case 2: ATTEND(2, V); break;                      \
@@ -122,16 +114,74 @@ static inline __attribute__((always_inline)) void attend(
     case 7: ATTEND(7, V); break; case 8: ATTEND(8, V); break;                      \
     }
 
-/* Returns 0, or -1 when the shapes are outside what the kernel handles (nothing written). */
+/* The softmax state of every (sequence, query head) over the shared prefix: max, sum, and
+ * the unnormalised output [S, Hq, D]. */
+struct prefix_state {
+    float *max, *sum, *acc;
+};
+
+/* Every row against the first `keys` tokens, which all sequences share (read through
+ * sequence 0's table); 16 rows a task, row i being sequence i / G, query head head * G + i % G. */
+static void score_shared_prefix(const float *q, const float *k_cache, const float *v_cache,
+                                const int *table, long keys, long num_seqs, long hq, long hkv,
+                                long d, long block_size, float scale,
+                                const struct prefix_state *state)
+{
+    const long group = hq / hkv, rows = num_seqs * group;
+    const long tiles = (rows + TILE - 1) / TILE;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (long task = 0; task < hkv * tiles; task++) {
+        const long head = task / tiles, first_row = task % tiles * TILE;
+        float qt[TILE_MAX_DIM][TILE] __attribute__((aligned(64)));
+        int positions[TILE];
+        long slot[TILE]; /* (sequence, query head) of each lane */
+        for (long i = 0; i < TILE; i++) {
+            long row = first_row + i < rows ? first_row + i : rows - 1; /* spare lanes repeat */
+            slot[i] = row / group * hq + head * group + row % group;
+            for (long j = 0; j < d; j++)
+                qt[j][i] = q[slot[i] * d + j] * scale;
+            positions[i] = (int)keys; /* past every shared key: all visible */
+        }
+        const struct paged_keys src = {k_cache, v_cache, table, block_size, hkv * d, head, d};
+        struct tile_state tile;
+        tile_attend(qt, &src, keys, positions, &tile);
+        float max[TILE], sum[TILE];
+        _mm512_storeu_ps(max, tile.running_max);
+        _mm512_storeu_ps(sum, tile.running_sum);
+        for (long i = 0; i < TILE && first_row + i < rows; i++) {
+            state->max[slot[i]] = max[i];
+            state->sum[slot[i]] = sum[i];
+            for (long j = 0; j < d; j++)
+                state->acc[slot[i] * d + j] = tile.acc[j][i];
+        }
+    }
+}
+
+/* Returns 0, or -1 when the shapes are outside what the kernel handles or memory runs out
+ * (nothing written). With shared_blocks > 0, every sequence's table starts with the same
+ * shared_blocks blocks and every context is longer than they are (the caller checks). */
 int decode_attention(const float *q, const float *k_cache, const float *v_cache,
                      const int *block_tables, const int *context_lens, float *out,
                      long num_seqs, long hq, long hkv, long d, long block_size,
-                     long max_blocks, float scale)
+                     long max_blocks, long shared_blocks, float scale)
 {
     long group = hkv > 0 ? hq / hkv : 0;
     if (group < 1 || group > MAX_GROUP || group * hkv != hq || d % LANES || d > MAX_VECS * LANES
-        || block_size < 1 || block_size > MAX_BLOCK)
+        || block_size < 1 || block_size > MAX_BLOCK || shared_blocks < 0)
         return -1;
+    const long first_key = shared_blocks * block_size;
+    struct prefix_state shared = {NULL, NULL, NULL};
+    const struct prefix_state *start = NULL;
+    if (shared_blocks) {
+        shared.max = malloc(num_seqs * hq * (d + 2) * sizeof(float));
+        if (!shared.max)
+            return -1;
+        shared.sum = shared.max + num_seqs * hq;
+        shared.acc = shared.sum + num_seqs * hq;
+        score_shared_prefix(q, k_cache, v_cache, block_tables, first_key, num_seqs, hq, hkv, d,
+                            block_size, scale, &shared);
+        start = &shared;
+    }
     /* Head-major: consecutive tasks read the same KV head's rows, so a prefix the sequences
      * share stays in each core's cache; dynamic, since contexts differ in length. */
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
@@ -153,5 +203,6 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
             }
         }
     }
+    free(shared.max);
     return 0;
 }

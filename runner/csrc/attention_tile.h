@@ -1,0 +1,134 @@
+/* What the attention kernels share: a vector exp, and a tile of 16 query rows (one per vector
+ * lane) walking paged keys 16 at a time (prefill_attention.c, and the shared-prefix part of
+ * decode_attention.c).
+ *
+ * With every lane a query row, a 16 x 16 tile of scores is 16 vectors, one per key: each is a
+ * sum over d of key[d] (broadcast) * q^T[d], so no horizontal sum is ever needed, and the
+ * streaming softmax (running max and sum per row) is plain vector arithmetic. Values go the
+ * same way: out^T[d] += value[d] (broadcast) * p. AVX-512; D a multiple of 16 up to 256.
+ */
+#ifndef KVCACHE_ATTENTION_TILE_H
+#define KVCACHE_ATTENTION_TILE_H
+
+#include <immintrin.h>
+#include <math.h>
+
+enum { TILE = 16, TILE_MAX_DIM = 256 };
+
+/* e^x for x <= 0 to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so the
+ * reduction is exact), e^r by its Taylor series to degree 7 (error below 1e-8), times 2^n.
+ * Below -87 it returns e^-87, negligible beside any softmax sum it joins. */
+static inline __m512 exp_nonpositive(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* A tile's softmax state: per lane (row) the running max and sum, and out^T unnormalised. */
+struct tile_state {
+    __m512 running_max, running_sum;
+    float acc[TILE_MAX_DIM][TILE] __attribute__((aligned(64)));
+};
+
+/* Where a tile reads its keys: token t of the sequence is row t % B of block table[t / B], at
+ * head `head` of rows `row_stride` floats apart. */
+struct paged_keys {
+    const float *k_cache, *v_cache;
+    const int *table;
+    long block_size, row_stride, head, d;
+};
+
+/* Lanes of qt [d][16] (the rows' queries, transposed and scaled) against keys 0 .. key_end - 1;
+ * lane i sees the keys up to positions[i]. Every lane must see key 0. */
+static void tile_attend(const float qt[][TILE], const struct paged_keys *src, long key_end,
+                        const int positions[TILE], struct tile_state *state)
+{
+    const long d = src->d;
+    /* Token rows a multiple of 4 KB apart (Hkv * D = 1024, 2048, ...) put the 16 keys of a
+     * chunk in one L1 set, where they evict each other (96 against 135 GFLOP/s for a copy
+     * first, at 8 KV heads of 128); 2 KB apart they fit the set's 8 ways, and copying costs. */
+    const int aliasing = src->row_stride % 1024 == 0;
+    float key_copy[TILE][TILE_MAX_DIM + TILE] __attribute__((aligned(64)));
+    float value_copy[TILE][TILE_MAX_DIM + TILE] __attribute__((aligned(64)));
+    float probs[TILE][TILE] __attribute__((aligned(64))); /* p per key, lanes = rows */
+    const __m512i position = _mm512_loadu_si512(positions);
+    for (long j = 0; j < d; j++)
+        _mm512_store_ps(state->acc[j], _mm512_setzero_ps());
+    state->running_max = _mm512_set1_ps(-INFINITY);
+    state->running_sum = _mm512_setzero_ps();
+    for (long first = 0; first < key_end; first += TILE) {
+        const float *keys[TILE], *values[TILE];
+        for (long t = 0; t < TILE; t++) {
+            long key = first + t < key_end ? first + t : key_end - 1;
+            long offset = ((long)src->table[key / src->block_size] * src->block_size
+                           + key % src->block_size) * src->row_stride + src->head * d;
+            keys[t] = src->k_cache + offset;
+            values[t] = src->v_cache + offset;
+            if (aliasing) { /* read from copies whose rows are not 4 KB apart */
+                for (long j = 0; j < d; j++) {
+                    key_copy[t][j] = keys[t][j];
+                    value_copy[t][j] = values[t][j];
+                }
+                keys[t] = key_copy[t];
+                values[t] = value_copy[t];
+            }
+        }
+        __m512 s[TILE];
+        for (int t = 0; t < TILE; t++)
+            s[t] = _mm512_setzero_ps();
+        for (long j = 0; j < d; j++) {
+            __m512 qj = _mm512_load_ps(qt[j]);
+            for (int t = 0; t < TILE; t++)
+                s[t] = _mm512_fmadd_ps(_mm512_set1_ps(keys[t][j]), qj, s[t]);
+        }
+        /* key first + t counts for the rows whose position is at or past it (and exists);
+         * the others give it no weight at all */
+        __m512 chunk_max = state->running_max;
+        __mmask16 visible[TILE];
+        for (int t = 0; t < TILE; t++) {
+            long key = first + t;
+            visible[t] = key < key_end
+                ? _mm512_cmpge_epi32_mask(position, _mm512_set1_epi32((int)key)) : 0;
+            chunk_max = _mm512_max_ps(chunk_max,
+                                      _mm512_mask_mov_ps(state->running_max, visible[t], s[t]));
+        }
+        /* every row sees key 0, so chunk_max is finite from the first chunk on */
+        __m512 shrink = exp_nonpositive(_mm512_sub_ps(state->running_max, chunk_max));
+        state->running_max = chunk_max;
+        __m512 sum = _mm512_mul_ps(state->running_sum, shrink);
+        for (int t = 0; t < TILE; t++) {
+            __m512 p = _mm512_maskz_mov_ps(visible[t],
+                                           exp_nonpositive(_mm512_sub_ps(s[t], chunk_max)));
+            sum = _mm512_add_ps(sum, p);
+            _mm512_store_ps(probs[t], p);
+        }
+        state->running_sum = sum;
+        for (long j0 = 0; j0 < d; j0 += TILE) {
+            __m512 part[TILE];
+            for (int j = 0; j < TILE; j++)
+                part[j] = _mm512_mul_ps(_mm512_load_ps(state->acc[j0 + j]), shrink);
+            for (int t = 0; t < TILE; t++) {
+                __m512 p = _mm512_load_ps(probs[t]);
+                const float *value = values[t] + j0;
+                for (int j = 0; j < TILE; j++)
+                    part[j] = _mm512_fmadd_ps(_mm512_set1_ps(value[j]), p, part[j]);
+            }
+            for (int j = 0; j < TILE; j++)
+                _mm512_store_ps(state->acc[j0 + j], part[j]);
+        }
+    }
+}
+
+#endif
