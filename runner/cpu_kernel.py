@@ -55,7 +55,12 @@ class CpuKernels:
         self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 7 + [ctypes.c_float]
         self._decode.restype = ctypes.c_int
         self._prefill = library.prefill_attention
-        self._prefill.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_long] * 6 + [ctypes.c_float]
+        self._prefill.argtypes = (
+            [ctypes.c_void_p, ctypes.c_long]
+            + [ctypes.c_void_p] * 7
+            + [ctypes.c_long] * 6
+            + [ctypes.c_float]
+        )
         self._prefill.restype = ctypes.c_int
         self._rms_norm = library.rms_norm
         self._rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
@@ -198,13 +203,15 @@ class CpuKernels:
         _, block_size, hkv, _ = k_cache.shape
         if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
             raise ValueError("prefill_attention reads caches and writes out in place")
-        q = q.contiguous()
+        if not (q.stride(2) == 1 and q.stride(1) == d and q.stride(0) >= hq * d):
+            q = q.contiguous()  # the kernel takes rows of heads d apart, tokens any distance
         ints = [
             t.to(torch.int32).contiguous()
             for t in (block_tables, query_start, query_lens, context_lens)
         ]
         status = self._prefill(
             q.data_ptr(),
+            q.stride(0),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             *(t.data_ptr() for t in ints),

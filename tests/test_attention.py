@@ -448,3 +448,25 @@ def test_cpu_decode_kernel_scores_a_shared_prefix_once(
     )
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert splits[0].shared_blocks == shared
+
+
+@needs_cpu_kernels
+def test_cpu_kernels_read_q_as_a_view_of_the_fused_projection() -> None:
+    # In the model q is [T, Hq, D] cut from [T, Hq + Hkv, D]: tokens are further apart than
+    # Hq * D, and the kernels read it in place.
+    torch.manual_seed(3)
+    hq, hkv, d, block_size = 6, 2, 32, 8
+    seqs = [(12, 12), (5, 29), (1, 17)]
+    tables = [[1, 2], [3, 4, 5, 6], [7, 8, 9]]
+    meta = AttentionMetadata.build([q for q, _ in seqs], [c for _, c in seqs], tables, block_size)
+    fused = torch.randn(meta.num_tokens, hq + hkv, d)
+    k, v = torch.randn(meta.num_tokens, hkv, d), torch.randn(meta.num_tokens, hkv, d)
+    caches = [torch.randn(10, block_size, hkv, d) for _ in range(2)]
+    outs = []
+    for q in (fused[:, :hq], fused[:, :hq].contiguous()):
+        k_cache, v_cache = (c.clone() for c in caches)
+        step = AttentionMetadata.build(
+            [q for q, _ in seqs], [c for _, c in seqs], tables, block_size
+        )
+        outs.append(paged_attention(q, k, v, k_cache, v_cache, step, d**-0.5, "cpu"))
+    assert torch.equal(outs[0], outs[1])

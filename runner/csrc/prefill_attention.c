@@ -3,7 +3,8 @@
  * q [T, Hq, D]: the new tokens of S sequences, sequence s owning query_lens[s] rows from
  * query_start[s] on, whose positions are the last ones of its context_lens[s] tokens;
  * caches [blocks, B, Hkv, D] already hold the new K/V; block_tables [S, max_blocks] int32;
- * out like q. Each query sees the keys up to its own position, read in place.
+ * out [T, Hq, D] contiguous; q may have wider token rows (q_token_stride floats: q is a view
+ * of the fused q/k projection). Each query sees the keys up to its own position, read in place.
  *
  * One task takes 16 query rows of one sequence and KV head (positions x the G query heads of
  * that KV head), one per vector lane, through the tile of attention_tile.h: scores and values
@@ -15,6 +16,7 @@ enum { LANES = TILE, MAX_DIM = TILE_MAX_DIM };
 
 struct task_shape {
     long hq, hkv, d, block_size, max_blocks;
+    long q_token_stride; /* floats between two tokens' rows of q (heads are d apart) */
     float scale;
 };
 
@@ -34,7 +36,7 @@ static void attend_tile(const float *q, const float *k_cache, const float *v_cac
         /* Lanes past the last row repeat it: same work, result dropped, never an empty row. */
         long row = first_row + (i < rows ? i : rows - 1);
         long query = row / group, qhead = head * group + row % group;
-        const float *src = q + ((q_start + query) * shape->hq + qhead) * d;
+        const float *src = q + (q_start + query) * shape->q_token_stride + qhead * d;
         for (long j = 0; j < d; j++)
             qt[j][i] = src[j] * shape->scale;
         positions[i] = (int)(context - q_len + query);
@@ -56,14 +58,15 @@ static void attend_tile(const float *q, const float *k_cache, const float *v_cac
 }
 
 /* Returns 0, or -1 when the shapes are outside what the kernel handles (nothing written). */
-int prefill_attention(const float *q, const float *k_cache, const float *v_cache,
-                      const int *block_tables, const int *query_start, const int *query_lens,
-                      const int *context_lens, float *out, long num_seqs, long hq, long hkv,
-                      long d, long block_size, long max_blocks, float scale)
+int prefill_attention(const float *q, long q_token_stride, const float *k_cache,
+                      const float *v_cache, const int *block_tables, const int *query_start,
+                      const int *query_lens, const int *context_lens, float *out,
+                      long num_seqs, long hq, long hkv, long d, long block_size,
+                      long max_blocks, float scale)
 {
     if (hkv < 1 || hq % hkv || d % LANES || d > MAX_DIM || block_size < 1)
         return -1;
-    const struct task_shape shape = {hq, hkv, d, block_size, max_blocks, scale};
+    const struct task_shape shape = {hq, hkv, d, block_size, max_blocks, q_token_stride, scale};
     const long group = hq / hkv;
     long tiles_before[num_seqs + 1]; /* tasks are (sequence, KV head, tile of 16 rows) */
     tiles_before[0] = 0;
