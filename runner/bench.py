@@ -17,7 +17,7 @@ from runner.bench_peers import (
     run_hf_static,
     run_reference,
 )
-from runner.cpu_kernel import load_cpu_kernels
+from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.cpu_linear import PackedLinear, onednn_available
 from runner.engine import LLM
 from runner.matmul_timer import MatmulTimer

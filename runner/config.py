@@ -34,8 +34,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # CPU only: pack float32 weights once (runner/cpu_linear.py).
     prepack_weights: bool = True
-    # CPU only: the C kernels built with the system compiler where they can be (products on
-    # packed weights, decode attention; runner/cpu_kernel.py); else oneDNN and torch's SDPA.
+    # CPU only: the C kernels of runner/csrc (products on packed weights, attention, norms),
+    # built with the system compiler where they can be (runner/cpu_kernel_loader.py); else
+    # oneDNN products and torch's attention.
     cpu_kernels: bool = True
 
     def __post_init__(self) -> None:

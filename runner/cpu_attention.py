@@ -9,7 +9,7 @@ import torch
 
 from runner.attention import AttentionMetadata, torch_paged_attention, write_kv
 from runner.cascade import count_shared_blocks
-from runner.cpu_kernel import load_cpu_kernels
+from runner.cpu_kernel_loader import load_cpu_kernels
 
 
 def cpu_paged_attention(

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.cpu_kernel import CpuKernels, load_cpu_kernels
+from runner.cpu_kernel import CpuKernels
+from runner.cpu_kernel_loader import load_cpu_kernels
 
 # Only float32 is packed: it is the dtype whose greedy output is proven equal to transformers'
 # on the CPU, and oneDNN's bf16 path needs CPU features a machine may lack.

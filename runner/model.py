@@ -17,7 +17,8 @@ from torch import nn
 
 from kvcache.store import KVStore
 from runner.attention import AttentionMetadata, paged_attention
-from runner.cpu_kernel import CpuKernels, load_cpu_kernels
+from runner.cpu_kernel import CpuKernels
+from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.cpu_linear import PACKED_DTYPES, PackedLinear, prepack_linears
 from runner.layers import RMSNorm, apply_rope, rope_cos_sin
 

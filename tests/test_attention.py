@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from runner.attention import AttentionMetadata, paged_attention
 from runner.attention_plan import CASCADE_MAX_QUERY_LEN, GROUP_MAX_QUERY_LEN
 from runner.cascade import MIN_SHARED_TOKENS
-from runner.cpu_kernel import load_cpu_kernels
+from runner.cpu_kernel_loader import load_cpu_kernels
 
 
 def naive_attention(

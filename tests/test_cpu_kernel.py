@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runner import cpu_kernel
-from runner.cpu_kernel import CpuKernels, load_cpu_kernels
+from runner import cpu_kernel_loader
+from runner.cpu_kernel import CpuKernels
+from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.cpu_linear import PackedLinear, onednn_available
 
 needs_kernel = pytest.mark.skipif(
@@ -140,8 +141,10 @@ def test_without_a_working_compiler_products_fall_back_to_onednn(
 
 def test_each_cpu_gets_its_own_build() -> None:
     # A cache directory shared between machines must not hand one CPU another's instructions.
-    assert cpu_kernel._cpu_fingerprint()
-    assert cpu_kernel.library_path("flags: avx512f") != cpu_kernel.library_path("flags: avx2")
+    assert cpu_kernel_loader._cpu_fingerprint()
+    assert cpu_kernel_loader.library_path("flags: avx512f") != cpu_kernel_loader.library_path(
+        "flags: avx2"
+    )
 
 
 @needs_kernel

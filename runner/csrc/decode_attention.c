@@ -15,7 +15,7 @@
  * read once per 16 rows instead of once per G), and each task then carries that softmax state
  * on through its own later keys.
  *
- * AVX-512 intrinsics; built with -march=native by runner/cpu_kernel.py, on AVX-512 machines
+ * AVX-512 intrinsics; built with -march=native by runner/cpu_kernel_loader.py, on AVX-512 machines
  * only. D must be a multiple of 16 up to 256, G at most 8 and B at most 256 (the loader checks).
  */
 #include <stdlib.h>

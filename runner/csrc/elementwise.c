@@ -5,7 +5,7 @@
  * of a small model, where a row is 576 floats, those regions cost more than the arithmetic.
  * Here each is one pass, with the same operations in the same order per element as
  * transformers' code (float32 throughout), so results differ only in the order of the
- * sum of squares. Built with the other kernels by runner/cpu_kernel.py (AVX-512 machines).
+ * sum of squares. Built with the other kernels by runner/cpu_kernel_loader.py (AVX-512 machines).
  */
 #include <immintrin.h>
 

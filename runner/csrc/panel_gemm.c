@@ -11,7 +11,7 @@
  * depend on how many other rows share the call (batch-invariant). Tried and slower here: x
  * transposed into row panels, 2-3 panels per task with 8-12 rows.
  *
- * Built at run time with -march=native (see runner/cpu_kernel.py); the vector type becomes
+ * Built at run time with -march=native (see runner/cpu_kernel_loader.py); the vector type becomes
  * one AVX-512 register, and threads come from the OpenMP runtime torch already loaded.
  */
 #include <string.h>
