@@ -84,16 +84,11 @@ class CpuKernels:
 
     @staticmethod
     def decode_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """Whether decode_attention takes these shapes: CPU float32, head size a multiple of
-        16 up to 256, at most 8 query heads per KV head, blocks of at most 256 tokens."""
-        _, hq, d = q.shape
-        _, block_size, hkv, _ = k_cache.shape
+        """Whether decode_attention takes these shapes: what prefill_attention takes, with at
+        most 8 query heads per KV head and blocks of at most 256 tokens."""
+        hq, hkv, block_size = q.shape[1], k_cache.shape[2], k_cache.shape[1]
         return (
-            q.dtype == k_cache.dtype == torch.float32
-            and q.device.type == k_cache.device.type == "cpu"
-            and d % LANES == 0
-            and d <= MAX_HEAD_DIM
-            and hq % hkv == 0
+            CpuKernels.prefill_supported(q, k_cache)
             and hq // hkv <= MAX_GROUP
             and block_size <= MAX_BLOCK
         )

@@ -322,6 +322,17 @@ needs_cpu_kernels = pytest.mark.skipif(
 )
 
 
+def cpu_plan_against_naive(
+    seqs: list[tuple[int, int]], hq: int, hkv: int, block_size: int, **options: Any
+) -> Any:
+    """Run one step on the "cpu" backend, check it against the naive reference, and return the
+    torch path's plan: None when the kernels took the whole step."""
+    plans: list[Any] = []
+    out, ref = run_case(seqs, hq, hkv, block_size, plans=plans, backend="cpu", **options)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    return plans[0]
+
+
 @needs_cpu_kernels
 @settings(max_examples=30, deadline=None)
 @given(
@@ -345,20 +356,10 @@ def test_cpu_decode_kernel_matches_naive(
     # Sequences that share leading blocks (a prompt) read them in place like any other block.
     shared = min(shared_blocks, (min(contexts) - 1) // block_size)
     seqs = [(1, ctx) for ctx in contexts]
-    plans: list[Any] = []
-    out, ref = run_case(
-        seqs,
-        hkv * group,
-        hkv,
-        block_size,
-        head_dim=head_dim,
-        seed=seed,
-        shared_blocks=shared,
-        plans=plans,
-        backend="cpu",
+    plan = cpu_plan_against_naive(
+        seqs, hkv * group, hkv, block_size, head_dim=head_dim, seed=seed, shared_blocks=shared
     )
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    assert plans[0] is None  # the kernel ran: the torch path plans every step it takes
+    assert plan is None  # the kernel ran: the torch path plans every step it takes
 
 
 @needs_cpu_kernels
@@ -385,38 +386,22 @@ def test_cpu_kernels_match_naive_on_mixed_batches(
 ) -> None:
     """Prefill chunks (fresh, or after a cached prefix) in the prefill kernel, decodes beside
     them in the decode kernel, one step."""
-    plans: list[Any] = []
-    out, ref = run_case(
-        seqs,
-        hkv * group,
-        hkv,
-        block_size,
-        head_dim=head_dim,
-        seed=seed,
-        plans=plans,
-        backend="cpu",
-    )
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    assert plans[0] is None  # the kernels ran: the torch path plans every step it takes
+    plan = cpu_plan_against_naive(seqs, hkv * group, hkv, block_size, head_dim=head_dim, seed=seed)
+    assert plan is None  # the kernels ran: the torch path plans every step it takes
 
 
 @needs_cpu_kernels
 def test_cpu_backend_falls_back_to_torch_outside_the_kernels() -> None:
-    plans: list[Any] = []
     seqs = [(1, 9), (LONG, LONG + 5), (3, 12)]
-    out, ref = run_case(seqs, 4, 2, 4, head_dim=8, plans=plans, backend="cpu")  # head size 8
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    assert plans[0] is not None  # the torch path planned the step: no kernel ran
+    plan = cpu_plan_against_naive(seqs, 4, 2, 4, head_dim=8)  # head size 8
+    assert plan is not None  # the torch path planned the step: no kernel ran
 
 
 @needs_cpu_kernels
 def test_cpu_prefill_kernel_with_token_rows_4kb_apart() -> None:
     # 8 KV heads of 128: the prefill kernel reads each chunk of keys from a copy (L1 aliasing).
     seqs = [(20, 20), (9, 37), (1, 30)]
-    plans: list[Any] = []
-    out, ref = run_case(seqs, 16, 8, 16, head_dim=128, plans=plans, backend="cpu")
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    assert plans[0] is None
+    assert cpu_plan_against_naive(seqs, 16, 8, 16, head_dim=128) is None
 
 
 @needs_cpu_kernels
@@ -437,16 +422,8 @@ def test_cpu_decode_kernel_scores_a_shared_prefix_once(
     )
     shared = -(-80 // block_size)  # at least 80 tokens, over MIN_SHARED_TOKENS
     contexts = [shared * block_size + extra for extra in (1, 5, 17, 30, 2, 44, 9)]
-    out, ref = run_case(
-        [(1, c) for c in contexts],
-        hq,
-        hkv,
-        block_size,
-        head_dim=64,
-        shared_blocks=shared,
-        backend="cpu",
-    )
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    seqs = [(1, c) for c in contexts]
+    cpu_plan_against_naive(seqs, hq, hkv, block_size, head_dim=64, shared_blocks=shared)
     assert splits[0].shared_blocks == shared
 
 

@@ -1,4 +1,4 @@
-/* What the attention kernels share: a vector exp, and a tile of 16 query rows (one per vector
+/* What the attention kernels share: a tile of 16 query rows (one per vector
  * lane) walking paged keys 16 at a time (prefill_attention.c, and the shared-prefix part of
  * decode_attention.c).
  *
@@ -13,28 +13,9 @@
 #include <immintrin.h>
 #include <math.h>
 
-enum { TILE = 16, TILE_MAX_DIM = 256 };
+#include "vector_exp.h"
 
-/* e^x for x <= 0 to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so the
- * reduction is exact), e^r by its Taylor series to degree 7 (error below 1e-8), times 2^n.
- * Below -87 it returns e^-87, negligible beside any softmax sum it joins. */
-static inline __m512 exp_nonpositive(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+enum { TILE = 16, TILE_MAX_DIM = 256 };
 
 /* A tile's softmax state: per lane (row) the running max and sum, and out^T unnormalised. */
 struct tile_state {

@@ -9,6 +9,8 @@
  */
 #include <immintrin.h>
 
+#include "vector_exp.h"
+
 /* Below this many floats a call runs on one thread: a decode step's rows are done in a few
  * microseconds, less than waking the other threads costs. */
 enum { LANES = 16, PARALLEL_FLOATS = 32768 };
@@ -32,25 +34,6 @@ void rms_norm(const float *x, const float *w, float *y, long rows, long dim, flo
             _mm512_storeu_ps(yr + i, _mm512_mul_ps(_mm512_loadu_ps(w + i), normed));
         }
     }
-}
-
-/* e^x for any float x, to about 1 ulp over the range where it is finite. */
-static inline __m512 exp_any(__m512 x)
-{
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* out[r] = silu(gate) * up, gate_up[r] = [gate (width) | up (width)]; width a multiple of 16.
