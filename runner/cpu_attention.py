@@ -41,7 +41,7 @@ def cpu_paged_attention(
         and split.decode_rows.numel() == q.shape[0]
     ):
         return kernels.decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, split.shared_blocks
         )
     out = torch.empty_like(q)
     if split.decode_rows is not None:
@@ -52,6 +52,7 @@ def cpu_paged_attention(
             split.decode_tables,
             split.decode_context_lens,
             scale,
+            split.shared_blocks,
         )
         out.index_copy_(0, split.decode_rows, decoded)
     if split.longer is not None:
@@ -75,7 +76,7 @@ class CpuSplit:
     decode_context_lens: torch.Tensor | None  # [Sd] int32
     # (block tables, first rows, query lengths, context lengths) of the others, int32
     longer: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
-    # Leading blocks common to every sequence of a decode-only step, worth scoring together.
+    # Leading blocks common to every decode of the step, worth scoring together.
     shared_blocks: int = 0
 
     @classmethod
@@ -97,14 +98,16 @@ class CpuSplit:
             )
         if not decodes.numel():
             return cls(None, None, None, longer)
+        decode_tables = meta.block_tables.index_select(0, decodes).contiguous()
         shared = 0
         # A shared prefix pays when its rows fill a 16-lane tile (decode_attention.c).
-        if longer is None and len(meta.query_lens) * group >= SHARED_PREFIX_MIN_ROWS:
-            first_query = [ctx - 1 for ctx in meta.context_lens_host]
-            shared = count_shared_blocks(meta.block_tables, first_query, block_size)
+        if decodes.numel() * group >= SHARED_PREFIX_MIN_ROWS:
+            contexts = meta.context_lens_host
+            first_query = [contexts[i] - 1 for i in decodes.tolist()]
+            shared = count_shared_blocks(decode_tables, first_query, block_size)
         return cls(
             starts.index_select(0, decodes),
-            meta.block_tables.index_select(0, decodes).contiguous(),
+            decode_tables,
             meta.context_lens.index_select(0, decodes).contiguous(),
             longer,
             shared,

@@ -409,22 +409,28 @@ def test_cpu_prefill_kernel_with_token_rows_4kb_apart() -> None:
 def test_cpu_decode_kernel_scores_a_shared_prefix_once(
     hq: int, hkv: int, block_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Decodes whose tables start with the same blocks: the prefix is scored for all rows in
-    16-lane tiles, then each sequence carries on through its own keys."""
-    import runner.cpu_attention as cpu_attention
+    """Decodes whose tables start with the same blocks: the kernel is told to score the prefix
+    for all rows in 16-lane tiles, then each sequence carries on through its own keys. Decodes
+    beside a prefill chunk in the same step get the shared pass too."""
+    from runner.cpu_kernel import CpuKernels
 
-    splits: list[Any] = []
-    original = cpu_attention.CpuSplit.of
-    monkeypatch.setattr(
-        cpu_attention.CpuSplit,
-        "of",
-        lambda *a: splits.append(original(*a)) or splits[-1],
-    )
+    passed: list[int] = []
+    original = CpuKernels.decode_attention
+
+    def recording(self: CpuKernels, *args: Any) -> torch.Tensor:
+        passed.append(args[6] if len(args) > 6 else 0)
+        return original(self, *args)
+
+    monkeypatch.setattr(CpuKernels, "decode_attention", recording)
     shared = -(-80 // block_size)  # at least 80 tokens, over MIN_SHARED_TOKENS
     contexts = [shared * block_size + extra for extra in (1, 5, 17, 30, 2, 44, 9)]
-    seqs = [(1, c) for c in contexts]
-    cpu_plan_against_naive(seqs, hq, hkv, block_size, head_dim=64, shared_blocks=shared)
-    assert splits[0].shared_blocks == shared
+    decodes = [(1, c) for c in contexts]
+    cpu_plan_against_naive(decodes, hq, hkv, block_size, head_dim=64, shared_blocks=shared)
+    assert passed == [shared]
+    passed.clear()
+    chunk = (7, shared * block_size + 12)
+    cpu_plan_against_naive([chunk, *decodes], hq, hkv, block_size, shared_blocks=shared)
+    assert passed == [shared]
 
 
 @needs_cpu_kernels
