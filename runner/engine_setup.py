@@ -9,6 +9,7 @@ import torch
 from kvcache import BlockManager
 from kvcache.store import KVStore
 from runner.config import EngineConfig
+from runner.cpu_prepack import prepack_for_cpu
 from runner.loader import LoadedModel, load_model
 from runner.memory import kv_pool_blocks
 from runner.model_runner import ModelRunner
@@ -45,7 +46,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     elif config.cpu_kernels:
         model.attention_backend = "cpu"  # the torch path wherever the kernel cannot run
     if device.type == "cpu" and config.prepack_weights:
-        model.prepack_for_cpu(config.cpu_kernels)
+        prepack_for_cpu(model, config.cpu_kernels)
     max_model_len = int(hf.max_position_embeddings)
     model_dtype = next(model.parameters()).dtype
     activation = 0

@@ -18,8 +18,7 @@ from torch import nn
 from kvcache.store import KVStore
 from runner.attention import AttentionMetadata, paged_attention
 from runner.cpu_kernel import CpuKernels
-from runner.cpu_kernel_loader import load_cpu_kernels
-from runner.cpu_linear import PACKED_DTYPES, PackedLinear, prepack_linears
+from runner.cpu_linear import PackedLinear
 from runner.layers import RMSNorm, apply_rope, rope_cos_sin
 
 # HF architecture name -> (q/k/v bias, o_proj bias, q/k norm); None = read attention_bias.
@@ -221,22 +220,6 @@ class CausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight).float()
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()
-
-    def prepack_for_cpu(self, cpu_kernels: bool = True) -> int:
-        """Pack every projection and the LM head once (see runner/cpu_linear.py), for the panel
-        kernel where it builds (and then run norms and the activation in the CPU kernels too),
-        else for oneDNN. A tied head gets its own packed copy; the embedding keeps the plain one
-        for lookups. Call after loading the weights. Returns how many matrices were packed."""
-        packed = prepack_linears(self, cpu_kernels)
-        kernels = load_cpu_kernels() if cpu_kernels else None
-        for module in self.modules():
-            if isinstance(module, RMSNorm | MLP):
-                module.kernels = kernels
-        weight = self.embed_tokens.weight
-        if packed and self.lm_head is None and weight.dtype in PACKED_DTYPES:
-            self.lm_head = PackedLinear(weight, None, cpu_kernels)
-            packed += 1
-        return packed
 
     def num_matmul_params(self, include_head: bool = True) -> int:
         """Weights that take part in a token's matrix products: the projections, and the head

@@ -21,6 +21,7 @@ from runner.cpu_linear import (
     prepack_linears,
     prepacking_available,
 )
+from runner.cpu_prepack import prepack_for_cpu
 from runner.loader import load_model
 from runner.model import CausalLM
 
@@ -103,7 +104,7 @@ def test_packed_model_computes_the_same_logits(
     params_before = packed.num_matmul_params()
     layers = len(packed.layers)
     # four projections per layer, plus the head (its own copy when tied to the embedding)
-    assert packed.prepack_for_cpu() == 4 * layers + 1
+    assert prepack_for_cpu(packed) == 4 * layers + 1
     assert isinstance(packed.lm_head, PackedLinear)
     assert packed.num_matmul_params() == params_before
     torch.testing.assert_close(
