@@ -24,7 +24,8 @@ def load_hf_model(path: Path, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device)  # type: ignore[arg-type]  # transformers types .to() as a decorator
     model.eval()
     return model
 

@@ -24,7 +24,7 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._gemm = library.panel_gemm
         self._gemm.argtypes = (
-            [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3
+            [ctypes.c_void_p] + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3
         )
         self._gemm.restype = None
         self._decode = library.decode_attention
@@ -32,7 +32,8 @@ class CpuKernels:
         self._decode.restype = ctypes.c_int
         self._prefill = library.prefill_attention
         self._prefill.argtypes = (
-            [ctypes.c_void_p, ctypes.c_long]
+            [ctypes.c_void_p]
+            + [ctypes.c_long]
             + [ctypes.c_void_p] * 7
             + [ctypes.c_long] * 6
             + [ctypes.c_float]

@@ -203,11 +203,14 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in input order."""
+        batch: list[Prompt]
         if isinstance(prompts, str) or (
             isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
-        return self._generate_all(list(prompts), params, use_tqdm, cache_salt, chat=False)
+            batch = [prompts]  # type: ignore[list-item]
+        else:
+            batch = list(prompts)  # type: ignore[arg-type]
+        return self._generate_all(batch, params, use_tqdm, cache_salt, chat=False)
 
     def chat(
         self,
@@ -218,9 +221,12 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
+        batch: list[Messages]
         if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        texts = [self.apply_chat_template(list(c)) for c in conversations]  # type: ignore[arg-type]
+            batch = [conversations]  # type: ignore[list-item]
+        else:
+            batch = list(conversations)  # type: ignore[arg-type]
+        texts: list[Prompt] = [self.apply_chat_template(list(c)) for c in batch]
         return self._generate_all(texts, params, use_tqdm, cache_salt, chat=True)
 
     def _generate_all(

@@ -149,13 +149,13 @@ class Scheduler:
             budget -= self._schedule_prefill_chunk(seq, budget, out)
         inflight = self._inflight_prefix_hashes()
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self._pick_next(inflight)
-            if seq is None or not self.bm.can_allocate(seq.token_ids, seq.root):
+            chosen = self._pick_next(inflight)
+            if chosen is None or not self.bm.can_allocate(chosen.token_ids, chosen.root):
                 break
-            self.waiting.remove(seq)
-            self._admit(seq, out)
-            budget -= self._schedule_prefill_chunk(seq, budget, out)
-            inflight.update(self._prompt_hashes(seq))
+            self.waiting.remove(chosen)
+            self._admit(chosen, out)
+            budget -= self._schedule_prefill_chunk(chosen, budget, out)
+            inflight.update(self._prompt_hashes(chosen))
 
     def _schedule_static(self, out: SchedulerOutput) -> None:
         if not self.running and not self.held:
