@@ -1,6 +1,7 @@
 """The CPU kernels of runner/csrc as Python calls: the panel matrix product (panel_gemm.c),
 decode and prefill attention over the paged cache (decode_attention.c, prefill_attention.c),
-and RMSNorm and the gated SiLU (elementwise.c). runner/cpu_kernel_loader.py builds and loads
+RMSNorm and the gated SiLU (elementwise.c), and all layers of a decode step in one call
+(decode_layers.c, driven by runner/cpu_decode.py). runner/cpu_kernel_loader.py builds and loads
 the library; each method checks shapes and dtypes, then hands raw pointers to C.
 """
 
@@ -45,6 +46,27 @@ class CpuKernels:
         self._silu_and_mul = library.silu_and_mul
         self._silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
         self._silu_and_mul.restype = None
+        # Every layer of a decode step in one call (decode_layers.c; runner/cpu_decode.py).
+        self.decode_layers = library.decode_layers
+        self.decode_layers.argtypes = (
+            [ctypes.c_void_p]
+            + [ctypes.c_long] * 6
+            + [ctypes.c_void_p]
+            + [ctypes.c_long]
+            + [ctypes.c_void_p]
+            + [ctypes.c_long] * 2
+            + [ctypes.c_void_p]
+            + [ctypes.c_long]
+            + [ctypes.c_void_p]
+            + [ctypes.c_long]
+            + [ctypes.c_void_p] * 3
+            + [ctypes.c_float] * 2
+            + [ctypes.c_void_p]
+        )
+        self.decode_layers.restype = ctypes.c_int
+        self.decode_layers_scratch = library.decode_layers_scratch
+        self.decode_layers_scratch.argtypes = [ctypes.c_long] * 6
+        self.decode_layers_scratch.restype = ctypes.c_long
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,13 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("panel_gemm.c", "decode_attention.c", "prefill_attention.c", "elementwise.c")
+    for name in (
+        "panel_gemm.c",
+        "decode_attention.c",
+        "prefill_attention.c",
+        "elementwise.c",
+        "decode_layers.c",
+    )
 )
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 

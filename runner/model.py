@@ -9,7 +9,7 @@ into the fused ones. K/V live in a KVStore and are read through paged_attention(
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,9 @@ from runner.attention import AttentionMetadata, paged_attention
 from runner.cpu_kernel import CpuKernels
 from runner.cpu_linear import PackedLinear
 from runner.layers import RMSNorm, apply_rope, rope_cos_sin
+
+if TYPE_CHECKING:
+    from runner.cpu_decode import CpuDecodeLayers
 
 # HF architecture name -> (q/k/v bias, o_proj bias, q/k norm); None = read attention_bias.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool | None, bool]] = {
@@ -165,8 +168,10 @@ class CausalLM(nn.Module):
         # Mistral's window is ignored: callers must keep contexts within it.
         self.sliding_window: int | None = getattr(config, "sliding_window", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # "torch" or "triton"; the model runner may switch it after loading.
+        # "torch", "cpu" or "triton"; the engine may switch it after loading.
         self.attention_backend = "torch"
+        # Decode steps' layers in one C call, once the model is packed for the CPU kernels.
+        self.cpu_decode: CpuDecodeLayers | None = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, self.architecture) for _ in range(self.num_layers)
@@ -208,9 +213,12 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, H]
         cos = self.rope_cos.index_select(0, positions)  # [T, D]
         sin = self.rope_sin.index_select(0, positions)
-        for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv.layer(i)
-            h = layer(h, cos, sin, meta, k_cache, v_cache, self.attention_backend)
+        if self.cpu_decode is not None and self.cpu_decode.takes(meta, kv, self.attention_backend):
+            h = self.cpu_decode.run(h, cos, sin, meta, kv)
+        else:
+            for i, layer in enumerate(self.layers):
+                k_cache, v_cache = kv.layer(i)
+                h = layer(h, cos, sin, meta, k_cache, v_cache, self.attention_backend)
         out: torch.Tensor = self.norm(h)
         return out
 

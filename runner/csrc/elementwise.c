@@ -15,13 +15,15 @@
  * microseconds, less than waking the other threads costs. */
 enum { LANES = 16, PARALLEL_FLOATS = 32768 };
 
-/* y[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)); x, y [rows, dim], dim a multiple of 16. */
-void rms_norm(const float *x, const float *w, float *y, long rows, long dim, float eps)
+/* y[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)) for rows of dim floats (a multiple of 16),
+ * ldx and ldy floats apart. */
+void rms_norm_rows(const float *x, long ldx, const float *w, float *y, long ldy, long rows,
+                   long dim, float eps)
 {
     #pragma omp parallel for schedule(static) if (rows * dim > PARALLEL_FLOATS)
     for (long r = 0; r < rows; r++) {
-        const float *xr = x + r * dim;
-        float *yr = y + r * dim;
+        const float *xr = x + r * ldx;
+        float *yr = y + r * ldy;
         __m512 squares = _mm512_setzero_ps();
         for (long i = 0; i < dim; i += LANES) {
             __m512 v = _mm512_loadu_ps(xr + i);
@@ -36,14 +38,20 @@ void rms_norm(const float *x, const float *w, float *y, long rows, long dim, flo
     }
 }
 
-/* out[r] = silu(gate) * up, gate_up[r] = [gate (width) | up (width)]; width a multiple of 16.
- * silu(g) = g / (1 + e^-g), as torch computes it. */
-void silu_and_mul(const float *gate_up, float *out, long rows, long width)
+/* x, y [rows, dim], contiguous. */
+void rms_norm(const float *x, const float *w, float *y, long rows, long dim, float eps)
+{
+    rms_norm_rows(x, dim, w, y, dim, rows, dim, eps);
+}
+
+/* out[r] = silu(gate) * up, gate_up[r] = [gate (width) | up (width)]; width a multiple of 16;
+ * rows of out ldo floats apart. silu(g) = g / (1 + e^-g), as torch computes it. */
+void silu_and_mul_rows(const float *gate_up, float *out, long ldo, long rows, long width)
 {
     #pragma omp parallel for schedule(static) if (rows * width > PARALLEL_FLOATS)
     for (long r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * width, *up = gate + width;
-        float *o = out + r * width;
+        float *o = out + r * ldo;
         for (long i = 0; i < width; i += LANES) {
             __m512 g = _mm512_loadu_ps(gate + i);
             __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.0f),
@@ -52,4 +60,10 @@ void silu_and_mul(const float *gate_up, float *out, long rows, long width)
             _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
         }
     }
+}
+
+/* out [rows, width], contiguous. */
+void silu_and_mul(const float *gate_up, float *out, long rows, long width)
+{
+    silu_and_mul_rows(gate_up, out, width, rows, width);
 }

@@ -1,0 +1,178 @@
+"""Every decoder layer of a decode-only step in one call into the C kernels.
+
+A decode step of a small model spends about a quarter of its time between the kernels: some
+fifteen operators a layer, each called from Python on a few rows. `CpuDecodeLayers` hands the
+whole stack of layers to runner/csrc/decode_layers.c instead, which chains the same kernels
+(RMSNorm, panel products, RoPE and the cache write, decode attention, the gated SiLU) in C, in
+the same order, so the hidden states come out bit for bit as the module path computes them.
+
+It covers Llama-shaped models packed for the panel kernel: no biases, no q/k norms, widths
+that are multiples of 16 and the decode kernel's head limits. Anything else, and every step
+with a prompt chunk in it, runs through the modules as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from kvcache.store import KVStore
+from runner.attention import AttentionMetadata
+from runner.cpu_attention import CpuSplit
+from runner.cpu_kernel import LANES, MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM, CpuKernels
+from runner.cpu_linear import PackedLinear
+
+if TYPE_CHECKING:
+    from runner.layers import RMSNorm
+    from runner.model import CausalLM, DecoderLayer
+
+
+class CpuDecodeLayers:
+    """The layers of one packed model, as the pointers decode_layers.c walks. Build with
+    `for_model`; ask `takes` each step."""
+
+    def __init__(self, model: CausalLM, kernels: CpuKernels) -> None:
+        layers = _layers(model)
+        self.kernels = kernels
+        self.hidden = model.hidden_size
+        self.intermediate = layers[0].mlp.intermediate
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            model.num_heads,
+            model.num_kv_heads,
+            model.head_dim,
+        )
+        self.eps = layers[0].input_layernorm.eps
+        self.scale = layers[0].self_attn.scale
+        self.num_layers = len(layers)
+        # Per layer, in decode_layers.c's order: input norm, qkv, o, post norm, gate_up, down.
+        # The tensors stay owned by the model; the array only points at them.
+        tensors: list[torch.Tensor] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors += [
+                layer.input_layernorm.weight,
+                _packed(attn.qkv_proj),
+                _packed(attn.o_proj),
+                layer.post_attention_layernorm.weight,
+                _packed(mlp.gate_up_proj),
+                _packed(mlp.down_proj),
+            ]
+        self._weights = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+        self._scratch = torch.empty(0)
+
+    @classmethod
+    def for_model(cls, model: CausalLM, kernels: CpuKernels | None) -> CpuDecodeLayers | None:
+        """The layers in C where the model fits decode_layers.c, else None."""
+        if kernels is None or not model.layers:
+            return None
+        group = model.num_heads // model.num_kv_heads
+        if not (
+            model.hidden_size % LANES == 0
+            and model.head_dim % LANES == 0
+            and model.head_dim <= MAX_HEAD_DIM
+            and group <= MAX_GROUP
+        ):
+            return None
+        layers = _layers(model)
+        eps = {norm.eps for layer in layers for norm in _norms(layer)}
+        if len(eps) != 1 or not all(_fits(layer) for layer in layers):
+            return None
+        return cls(model, kernels)
+
+    def takes(self, meta: AttentionMetadata, kv: KVStore, backend: str) -> bool:
+        """Whether this step can run here: decodes only, the CPU kernels' attention, a float32
+        store on the CPU with blocks the decode kernel takes."""
+        tensor = kv.tensor
+        return (
+            meta.decode_only
+            and backend == "cpu"
+            and tensor.dtype == torch.float32
+            and tensor.device.type == "cpu"
+            and tensor.is_contiguous()
+            and kv.block_size <= MAX_BLOCK
+        )
+
+    def run(
+        self,
+        h: torch.Tensor,  # [S, H] embeddings of the step's tokens
+        cos: torch.Tensor,  # [S, D] by position
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVStore,
+    ) -> torch.Tensor:
+        """Hidden states after the last layer, [S, H] (before the final norm); writes every
+        layer's K/V of the S tokens. Check `takes` first."""
+        rows = h.shape[0]
+        block_size = kv.block_size
+        split = meta._cpu_split
+        if split is None:
+            group = self.num_heads // self.num_kv_heads
+            split = meta._cpu_split = CpuSplit.of(meta, True, group, block_size)
+        assert split.decode_tables is not None and split.decode_context_lens is not None
+        h = h.contiguous().clone()  # updated in place by every layer
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        shape = (rows, self.hidden, self.intermediate, self.num_heads, self.num_kv_heads)
+        need = self.kernels.decode_layers_scratch(*shape, self.head_dim)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        status = self.kernels.decode_layers(
+            h.data_ptr(),
+            *shape,
+            self.head_dim,
+            self._weights,
+            self.num_layers,
+            kv.tensor.data_ptr(),
+            kv.tensor[0, 0].numel(),  # floats of one layer's keys (or values)
+            block_size,
+            split.decode_tables.data_ptr(),
+            split.decode_tables.shape[1],
+            split.decode_context_lens.data_ptr(),
+            split.shared_blocks,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            self.eps,
+            self.scale,
+            self._scratch.data_ptr(),
+        )
+        if status != 0:
+            raise RuntimeError("decode_layers: the attention kernel refused the step")
+        return h
+
+
+def _layers(model: CausalLM) -> list[DecoderLayer]:
+    return [cast("DecoderLayer", layer) for layer in model.layers]
+
+
+def _norms(layer: DecoderLayer) -> list[RMSNorm]:
+    return [layer.input_layernorm, layer.post_attention_layernorm]
+
+
+def _packed(product: torch.nn.Module) -> torch.Tensor:
+    return cast(PackedLinear, product).packed
+
+
+def _fits(layer: DecoderLayer) -> bool:
+    """A Llama-shaped layer packed for the panel kernel, every product's width a whole number
+    of panels (decode_layers.c reads the outputs unpadded)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    products: list[torch.nn.Module] = [
+        attn.qkv_proj,
+        attn.o_proj,
+        mlp.gate_up_proj,
+        mlp.down_proj,
+    ]
+    return (
+        attn.q_norm is None
+        and all(
+            isinstance(p, PackedLinear)
+            and p.backend == "panel"
+            and p.bias is None
+            and p.out_features % LANES == 0
+            for p in products
+        )
+        and all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in _norms(layer))
+    )

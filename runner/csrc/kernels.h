@@ -1,0 +1,21 @@
+/* The kernels that decode_layers.c chains together, defined in the other files of this
+ * directory (one shared library; see runner/cpu_kernel_loader.py). */
+#ifndef KVCACHE_KERNELS_H
+#define KVCACHE_KERNELS_H
+
+/* panel_gemm.c: y [M, panels * 16] = x [M, K] (rows ldx apart) @ packed panels. */
+void panel_gemm(const float *x, long ldx, const float *packed, float *y, long M, long K,
+                long panels);
+
+/* decode_attention.c: one query token per sequence over the paged cache; 0 or -1. */
+int decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                     const int *block_tables, const int *context_lens, float *out,
+                     long num_seqs, long hq, long hkv, long d, long block_size,
+                     long max_blocks, long shared_blocks, float scale);
+
+/* elementwise.c: RMSNorm and the gated SiLU over strided rows. */
+void rms_norm_rows(const float *x, long ldx, const float *w, float *y, long ldy, long rows,
+                   long dim, float eps);
+void silu_and_mul_rows(const float *gate_up, float *out, long ldo, long rows, long width);
+
+#endif
