@@ -103,6 +103,8 @@ class DecodeGraphs:
         self.logits = torch.zeros((self.max_bs, model.vocab_size), dtype=torch.float32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.captured = False
+        # Steps run through run(): lets tests and the bench tell "captured" from "used".
+        self.num_replays = 0
 
     def _meta(self, bs: int) -> AttentionMetadata:
         """Metadata over the first bs static rows, with the fixed (max_model_len) decode grid."""
@@ -185,4 +187,5 @@ class DecodeGraphs:
             self.graphs[size].replay()
         else:
             self._step(size)
+        self.num_replays += 1
         return self.logits[:bs]

@@ -100,7 +100,7 @@ def request_generator(
         return None
     seed = params.seed
     if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,), generator=engine_rng))
+        seed = int(torch.randint(0, 2**62, (1,), generator=engine_rng, device=engine_rng.device))
     return torch.Generator(device=device).manual_seed(seed)
 
 

@@ -6,7 +6,8 @@
 #
 # usage: scripts/gpu_check.sh [RESULT_FILE]     default: $OUT/gpu_check.txt (else /tmp/...)
 # knobs: GPU_CHECK_TESTS_S (default 180), GPU_CHECK_BENCH_S (default 240),
-#        GPU_CHECK_BENCH_ARGS (extra runner.gpu_bench flags, e.g. "--num-seqs 128")
+#        GPU_CHECK_BENCH_ARGS (extra runner.gpu_bench flags, e.g. "--num-seqs 128"),
+#        PYTHON (default: python3, else python)
 set -u
 cd "$(dirname "$0")/.."
 RESULT="${1:-${OUT:-/tmp}/gpu_check.txt}"
@@ -16,7 +17,9 @@ TESTS_S="${GPU_CHECK_TESTS_S:-180}"
 BENCH_S="${GPU_CHECK_BENCH_S:-240}"
 # The GPU machine has no network: never wait on a hub look-up.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-PY="${PYTHON:-python}"
+# The GPU image's interpreter (the one with CUDA torch) is `python3`; a bare `python` may be
+# missing there or be another interpreter.
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
 START=$(date +%s)
 
 section() { printf '\n== %s  (t=%ss)\n' "$1" "$(($(date +%s) - START))"; }

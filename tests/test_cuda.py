@@ -8,6 +8,7 @@ interpreter, and the bench runs end to end at toy sizes.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import subprocess
@@ -35,6 +36,10 @@ from runner.triton_common import interpreting  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+# A fixed pool for the tiny models. Left to size itself, each CUDA engine takes
+# gpu_memory_utilization of the whole GPU (~125 GiB on an H200), so a second engine built while
+# the first is alive finds no room at all ("no room for the KV cache").
+POOL = {"num_kv_blocks": 512}
 DEVICES = [
     pytest.param(
         "cpu",
@@ -82,6 +87,9 @@ def test_profile_activation_bytes_is_zero_off_cuda(tiny_llama_dir: Path) -> None
     assert profile_activation_bytes(model, 64, 512, 16, "cpu") == 0
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="on a GPU machine scripts/gpu_check.sh runs the real bench"
+)
 def test_gpu_bench_quick_cpu(tmp_path: Path) -> None:
     """`python -m runner.gpu_bench --device cpu --quick` runs end to end and writes its JSON."""
     out = tmp_path / "bench.json"
@@ -177,9 +185,13 @@ def test_engine_greedy_cuda_float32_matches_hf(
     for eager in (True, False):
         llm = LLM(
             str(path), device="cuda", dtype="float32", attention_backend="triton",
-            enforce_eager=eager,
+            enforce_eager=eager, **POOL,
         )  # fmt: skip
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == refs, f"eager={eager}"
+        graphs = llm.runner.graphs
+        assert (graphs is None) == eager  # and the decode steps went through the graphs:
+        assert eager or (graphs is not None and graphs.num_replays > 0)
+        del llm, graphs
 
 
 @cuda
@@ -189,7 +201,7 @@ def test_engine_greedy_cuda_bf16_near_hf(make_tiny_model: Callable[..., Path]) -
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_model("qwen3")
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", attention_backend="triton")
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", **POOL)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     hf: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     hf = hf.to("cuda").eval()
@@ -206,14 +218,31 @@ def test_engine_greedy_cuda_bf16_near_hf(make_tiny_model: Callable[..., Path]) -
 @cuda
 def test_engine_uses_decode_graphs(make_tiny_model: Callable[..., Path]) -> None:
     """Once wired, a CUDA engine with Triton attention captures decode graphs by default."""
-    llm = LLM(str(make_tiny_model("llama")), device="cuda", attention_backend="triton")
+    llm = LLM(str(make_tiny_model("llama")), device="cuda", attention_backend="triton", **POOL)
     assert isinstance(getattr(llm.runner, "graphs", None), DecodeGraphs)
+
+
+@cuda
+def test_engine_samples_on_cuda(make_tiny_model: Callable[..., Path]) -> None:
+    """Sampled requests on CUDA: unseeded ones draw their seed from the engine's (CUDA)
+    generator, every filter runs on the device, and a seeded request repeats itself alone."""
+    path = make_tiny_model("qwen3")
+    llm = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton", **POOL)
+    free = SamplingParams(
+        max_tokens=8, temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, ignore_eos=True
+    )
+    seeded = SamplingParams(max_tokens=8, temperature=0.8, seed=7, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:3] + [PROMPTS[0]], [free, free, free, seeded])
+    for out in outs:
+        assert len(out.token_ids) == 8 and all(0 <= t < 320 for t in out.token_ids)
+    assert llm.generate([PROMPTS[0]], seeded)[0].token_ids == outs[3].token_ids
 
 
 @cuda
 def test_kv_pool_sized_from_free_memory(make_tiny_model: Callable[..., Path]) -> None:
     """The pool takes gpu_memory_utilization of the GPU, less what is in use and what a full
     step's activations peak at; an engine sized so runs a batch within that share."""
+    gc.collect()  # engines of earlier tests hold pools: they must be gone before "used" is read
     torch.cuda.empty_cache()
     path = make_tiny_model("llama")
     model = load_model(path, device="cuda").model
