@@ -36,7 +36,7 @@ class LLM:
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.config
         self.fingerprint = loaded.fingerprint
         self.model_path = loaded.path
-        self.device = device = parts.device
+        self.device = parts.device
         self.max_model_len = parts.max_model_len
         self.kv, self.block_manager, self.runner = parts.kv, parts.block_manager, parts.runner
         text_cfg = self.hf_config
@@ -53,7 +53,7 @@ class LLM:
         self.eos_ids = self.stopper.eos_ids
         self.recorder = MetricsRecorder()
         self._seq_ids = itertools.count()
-        self._rng = torch.Generator(device=device).manual_seed(seed)
+        self._rng = torch.Generator().manual_seed(seed)  # seeds requests' streams (CPU)
         self._roots: dict[str | None, int] = {}
         self._live: dict[str, Sequence] = {}  # by request id: queued or running requests
 
@@ -87,7 +87,7 @@ class LLM:
         text = prompt if isinstance(prompt, str) else None
         seq_id = next(self._seq_ids)
         root = self._root(cache_salt)
-        generator = request_generator(params, self._rng, self.device)
+        generator = request_generator(params, self._rng)
         seq = Sequence(
             seq_id=seq_id,
             request_id=request_id if request_id is not None else str(seq_id),

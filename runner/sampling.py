@@ -92,16 +92,18 @@ def _check_number(name: str, value: object) -> None:
 
 
 def request_generator(
-    params: SamplingParams, engine_rng: torch.Generator, device: torch.device
+    params: SamplingParams, engine_rng: torch.Generator
 ) -> torch.Generator | None:
     """The request's own random stream (None when greedy): seeded by `params.seed`, else by a
-    draw from the engine's generator, so a seeded request samples the same in any batch."""
+    draw from the engine's generator, so a seeded request samples the same in any batch. It
+    lives on the CPU whatever the model's device: it gives one number a step, and drawing it
+    there needs no device launch per request."""
     if params.greedy:
         return None
     seed = params.seed
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,), generator=engine_rng, device=engine_rng.device))
-    return torch.Generator(device=device).manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
 
 
 def sample(
@@ -111,35 +113,86 @@ def sample(
 ) -> list[int]:
     """Pick one token per row of `logits` [N, vocab] (float32).
 
-    Greedy rows are one batched argmax. Sampled rows are drawn one by one with their own
-    generator: a per-request stream is what makes a seeded request reproducible whatever else
-    shares its batch. The result comes back to the host in one transfer.
+    Greedy rows are one batched argmax. Sampled rows are filtered together (filtered_probs) and
+    drawn together by inverse CDF (draw), each from one uniform number of its own generator: a
+    per-request stream is what makes a seeded request reproducible whatever else shares its
+    batch. The result comes back to the host in one transfer.
     """
     tokens = torch.argmax(logits, dim=-1)  # [N]
-    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
-            continue
-        tokens[row] = _sample_row(logits[row], p, gen)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        probs = filtered_probs(logits.index_select(0, index), [params[i] for i in rows])
+        uniforms = torch.cat([torch.rand(1, generator=generators[i]) for i in rows])
+        tokens.index_copy_(0, index, draw(probs, uniforms.to(logits.device)))
     return [int(t) for t in tokens.tolist()]
 
 
-def _sample_row(
-    logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p filters, then one draw. `logits` is [vocab]."""
-    scaled = logits / p.temperature
-    if 0 < p.top_k < scaled.numel():
-        kth = torch.topk(scaled, p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+# Nucleus (top-p) search widths: the k most likely tokens are enough for most rows; a row whose
+# nucleus is wider tries the next width, and a full sort is the last resort.
+NUCLEUS_WIDTHS = (64, 1024)
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Unnormalised probabilities [n, vocab] after each row's temperature, then top-k, top-p
+    and min-p, as vLLM defines them: top-k keeps the tokens whose logit reaches the k-th
+    largest, top-p the most likely tokens until their mass reaches p (the top token always;
+    tokens tied with the last one too), min-p those with at least min_p x the top probability.
+    """
+    n, vocab = logits.shape
+    dev = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=dev)
+    scaled = logits.float() / temperature[:, None]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        top = torch.topk(scaled, max(ks), dim=-1).values  # [n, max k], descending
+        kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
+        kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=dev)[:, None], -math.inf)
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
     probs = torch.softmax(scaled, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest set whose mass reaches top_p: drop a token once the mass *before*
-        # it already reaches top_p (so the top token always stays).
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop = mass_before >= p.top_p
-        drop[0] = False  # the most likely token always survives, however small top_p is
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        probs = probs.masked_fill(probs < _nucleus_floor(probs, top_p)[:, None], 0.0)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def _nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the probability of the least likely token of the nucleus [n] (0 where top_p is
+    1): in descending order, a token is in while the mass before it is under top_p."""
+    n, vocab = probs.shape
+    floor = torch.zeros(n, device=probs.device)
+    pending = (top_p < 1.0).nonzero()[:, 0]
+    for width in (*[w for w in NUCLEUS_WIDTHS if w < vocab], vocab):
+        if not pending.numel():
+            break
+        rows, p = probs.index_select(0, pending), top_p.index_select(0, pending)[:, None]
+        if width < vocab:
+            top = torch.topk(rows, width, dim=-1).values
+        else:
+            top = torch.sort(rows, dim=-1, descending=True).values
+        mass = torch.cumsum(top, dim=-1)
+        # The top token is always in, even where p is below float32's range and reads as 0.
+        inside = ((mass - top) < p).sum(dim=-1).clamp(min=1)
+        # Every one of the `width` tokens in, with their mass short of p: the nucleus may reach
+        # past them, so the row tries the next width.
+        settled = (inside < width) | (mass[:, -1] >= p[:, 0]) | (width == vocab)
+        last = top[settled].gather(1, (inside[settled] - 1)[:, None])[:, 0]
+        floor[pending[settled]] = last
+        pending = pending[~settled]
+    return floor
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of unnormalised `probs` [n, vocab] by inverse CDF: row i takes the
+    token whose interval of the cumulative mass holds uniforms[i] (in [0, 1)) x the row's total,
+    so token t comes with probability probs[t] / total and a token of mass 0 never does."""
+    cdf = torch.cumsum(probs, dim=-1)  # [n, vocab], non-decreasing
+    target = uniforms[:, None] * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True)[:, 0]
+    # Rounding can put the target at the very top of the mass: the last token with any mass.
+    last = probs.shape[1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+    return torch.minimum(picked, last)
