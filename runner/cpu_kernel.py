@@ -1,7 +1,7 @@
 """The CPU kernels of runner/csrc as Python calls: the panel matrix product (panel_gemm.c),
 decode and prefill attention over the paged cache (decode_attention.c, prefill_attention.c),
-RMSNorm and the gated SiLU (elementwise.c), and all layers of a decode step in one call
-(decode_layers.c, driven by runner/cpu_decode.py). runner/cpu_kernel_loader.py builds and loads
+RMSNorm and the gated SiLU (elementwise.c), and all layers of a step in one call (layers.c,
+driven by runner/cpu_layers.py). runner/cpu_kernel_loader.py builds and loads
 the library; each method checks shapes and dtypes, then hands raw pointers to C.
 """
 
@@ -17,6 +17,26 @@ LANES = 16  # floats per vector: panel width, and the unit of a head size
 ALIASING_FLOATS = 512
 # decode_attention's limits (decode_attention.c): head size, query heads per KV head, block.
 MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 256, 8, 256
+
+
+class StepSplit(ctypes.Structure):
+    """layers.c's struct step_split: a step's decodes and longer queries, as pointers into the
+    tensors of runner/cpu_attention.py's CpuSplit (which must outlive the call)."""
+
+    _fields_ = [
+        ("num_decodes", ctypes.c_long),
+        ("decode_rows", ctypes.c_void_p),
+        ("decode_tables", ctypes.c_void_p),
+        ("decode_max_blocks", ctypes.c_long),
+        ("decode_lens", ctypes.c_void_p),
+        ("shared_blocks", ctypes.c_long),
+        ("num_longer", ctypes.c_long),
+        ("longer_tables", ctypes.c_void_p),
+        ("longer_max_blocks", ctypes.c_long),
+        ("longer_starts", ctypes.c_void_p),
+        ("longer_lens", ctypes.c_void_p),
+        ("longer_contexts", ctypes.c_void_p),
+    ]
 
 
 class CpuKernels:
@@ -46,27 +66,25 @@ class CpuKernels:
         self._silu_and_mul = library.silu_and_mul
         self._silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
         self._silu_and_mul.restype = None
-        # Every layer of a decode step in one call (decode_layers.c; runner/cpu_decode.py).
-        self.decode_layers = library.decode_layers
-        self.decode_layers.argtypes = (
+        # Every layer of a step in one call (layers.c; runner/cpu_layers.py).
+        self.run_layers = library.run_layers
+        self.run_layers.argtypes = (
             [ctypes.c_void_p]
             + [ctypes.c_long] * 6
             + [ctypes.c_void_p]
             + [ctypes.c_long]
             + [ctypes.c_void_p]
             + [ctypes.c_long] * 2
-            + [ctypes.c_void_p]
-            + [ctypes.c_long]
-            + [ctypes.c_void_p]
-            + [ctypes.c_long]
+            + [ctypes.POINTER(StepSplit)]
             + [ctypes.c_void_p] * 3
             + [ctypes.c_float] * 2
             + [ctypes.c_void_p]
+            + [ctypes.POINTER(ctypes.c_double)]
         )
-        self.decode_layers.restype = ctypes.c_int
-        self.decode_layers_scratch = library.decode_layers_scratch
-        self.decode_layers_scratch.argtypes = [ctypes.c_long] * 6
-        self.decode_layers_scratch.restype = ctypes.c_long
+        self.run_layers.restype = ctypes.c_int
+        self.layers_scratch = library.layers_scratch
+        self.layers_scratch.argtypes = [ctypes.c_long] * 6
+        self.layers_scratch.restype = ctypes.c_long
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ SOURCES = tuple(
         "decode_attention.c",
         "prefill_attention.c",
         "elementwise.c",
-        "decode_layers.c",
+        "layers.c",
     )
 )
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")

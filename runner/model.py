@@ -22,7 +22,7 @@ from runner.cpu_linear import PackedLinear
 from runner.layers import RMSNorm, apply_rope, rope_cos_sin
 
 if TYPE_CHECKING:
-    from runner.cpu_decode import CpuDecodeLayers
+    from runner.cpu_layers import CpuLayers
 
 # HF architecture name -> (q/k/v bias, o_proj bias, q/k norm); None = read attention_bias.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool | None, bool]] = {
@@ -170,8 +170,8 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # "torch", "cpu" or "triton"; the engine may switch it after loading.
         self.attention_backend = "torch"
-        # Decode steps' layers in one C call, once the model is packed for the CPU kernels.
-        self.cpu_decode: CpuDecodeLayers | None = None
+        # A step's layers in one C call, once the model is packed for the CPU kernels.
+        self.cpu_layers: CpuLayers | None = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, self.architecture) for _ in range(self.num_layers)
@@ -213,8 +213,8 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, H]
         cos = self.rope_cos.index_select(0, positions)  # [T, D]
         sin = self.rope_sin.index_select(0, positions)
-        if self.cpu_decode is not None and self.cpu_decode.takes(meta, kv, self.attention_backend):
-            h = self.cpu_decode.run(h, cos, sin, meta, kv)
+        if self.cpu_layers is not None and self.cpu_layers.takes(kv, self.attention_backend):
+            h = self.cpu_layers.run(h, cos, sin, meta, kv)
         else:
             for i, layer in enumerate(self.layers):
                 k_cache, v_cache = kv.layer(i)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from runner.bench import run_bench
+from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.matmul_timer import MatmulTimer
 
 
@@ -34,21 +35,30 @@ def test_bench_rows_on_a_tiny_model(tiny_llama_tok_dir: Path, prepack: bool) -> 
     assert "decode outside matmul" in result["table"].splitlines()[0]
 
 
-@pytest.mark.parametrize("prepack", [True, False], ids=["packed", "unpacked-tied-head"])
+@pytest.mark.parametrize(
+    "options",
+    [{"cpu_kernels": False}, {"prepack_weights": False}, {}],
+    ids=["packed-modules", "unpacked-tied-head", "layers-in-c"],
+)
 def test_matmul_timer_times_every_product_and_detaches(
-    tiny_llama_dir: Path, prepack: bool, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Path, options: dict[str, bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvcache import LLM, SamplingParams
 
-    llm = LLM(str(tiny_llama_dir), prepack_weights=prepack)
+    llm = LLM(str(tiny_llama_dir), **options)
+    in_c = llm.model.cpu_layers is not None
+    assert in_c == (not options and load_cpu_kernels() is not None)
     stops: list[int] = []
     original = MatmulTimer._stop
     monkeypatch.setattr(MatmulTimer, "_stop", lambda self, *a: stops.append(1) or original(self))
     timer = MatmulTimer(llm.model)
     greedy = SamplingParams(max_tokens=2, temperature=0)
     llm.generate([[5, 6, 7]], greedy)  # two forward passes: the prompt, then one decode
-    products_per_pass = 4 * llm.model.num_layers + 1  # qkv, o, gate/up, down; then the head
+    # qkv, o, gate/up, down through hooks, unless the layers ran in C (timed there); the head
+    products_per_pass = (0 if in_c else 4 * llm.model.num_layers) + 1
     assert len(stops) == 2 * products_per_pass and timer.total_s > 0
+    if in_c:
+        assert timer.total_s > timer._hooked_s  # the C products' time is in the total
     timer.close()
     llm.generate([[5, 6, 7]], greedy)
     assert len(stops) == 2 * products_per_pass  # closed: no hook left behind

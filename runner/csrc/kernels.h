@@ -1,4 +1,4 @@
-/* The kernels that decode_layers.c chains together, defined in the other files of this
+/* The kernels that layers.c chains together, defined in the other files of this
  * directory (one shared library; see runner/cpu_kernel_loader.py). */
 #ifndef KVCACHE_KERNELS_H
 #define KVCACHE_KERNELS_H
@@ -12,6 +12,13 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
                      const int *block_tables, const int *context_lens, float *out,
                      long num_seqs, long hq, long hkv, long d, long block_size,
                      long max_blocks, long shared_blocks, float scale);
+
+/* prefill_attention.c: causal attention of longer queries over the paged cache; 0 or -1. */
+int prefill_attention(const float *q, long q_token_stride, const float *k_cache,
+                      const float *v_cache, const int *block_tables, const int *query_start,
+                      const int *query_lens, const int *context_lens, float *out,
+                      long num_seqs, long hq, long hkv, long d, long block_size,
+                      long max_blocks, float scale);
 
 /* elementwise.c: RMSNorm and the gated SiLU over strided rows. */
 void rms_norm_rows(const float *x, long ldx, const float *w, float *y, long ldy, long rows,

@@ -1,14 +1,15 @@
-"""Every decoder layer of a decode-only step in one call into the C kernels.
+"""Every decoder layer of an engine step in one call into the C kernels.
 
 A decode step of a small model spends about a quarter of its time between the kernels: some
-fifteen operators a layer, each called from Python on a few rows. `CpuDecodeLayers` hands the
-whole stack of layers to runner/csrc/decode_layers.c instead, which chains the same kernels
-(RMSNorm, panel products, RoPE and the cache write, decode attention, the gated SiLU) in C, in
-the same order, so the hidden states come out bit for bit as the module path computes them.
+fifteen operators a layer, each called from Python on a few rows. `CpuLayers` hands the whole
+stack of layers to runner/csrc/layers.c instead, which chains the same kernels (RMSNorm, panel
+products, RoPE and the cache write, decode and prefill attention split as
+runner/cpu_attention.py splits them, the gated SiLU) in C, in the same order, so the hidden
+states come out bit for bit as the module path computes them.
 
 It covers Llama-shaped models packed for the panel kernel: no biases, no q/k norms, widths
-that are multiples of 16 and the decode kernel's head limits. Anything else, and every step
-with a prompt chunk in it, runs through the modules as before.
+that are multiples of 16 and the decode kernel's head limits. Anything else runs through the
+modules as before.
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ import torch
 from kvcache.store import KVStore
 from runner.attention import AttentionMetadata
 from runner.cpu_attention import CpuSplit
-from runner.cpu_kernel import LANES, MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM, CpuKernels
+from runner.cpu_kernel import LANES, MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM, CpuKernels, StepSplit
 from runner.cpu_linear import PackedLinear
 
 if TYPE_CHECKING:
     from runner.layers import RMSNorm
     from runner.model import CausalLM, DecoderLayer
 
+# Steps up to this many tokens keep their scratch for the next step; a longer prefill step's
+# (about 30 KB a token for SmolLM2) is freed after it.
+KEPT_SCRATCH_ROWS = 256
 
-class CpuDecodeLayers:
-    """The layers of one packed model, as the pointers decode_layers.c walks. Build with
-    `for_model`; ask `takes` each step."""
+
+class CpuLayers:
+    """The layers of one packed model, as the pointers layers.c walks. Build with `for_model`;
+    ask `takes` each step."""
 
     def __init__(self, model: CausalLM, kernels: CpuKernels) -> None:
         layers = _layers(model)
@@ -46,8 +51,8 @@ class CpuDecodeLayers:
         self.eps = layers[0].input_layernorm.eps
         self.scale = layers[0].self_attn.scale
         self.num_layers = len(layers)
-        # Per layer, in decode_layers.c's order: input norm, qkv, o, post norm, gate_up, down.
-        # The tensors stay owned by the model; the array only points at them.
+        # Per layer, in layers.c's order: input norm, qkv, o, post norm, gate_up, down. The
+        # tensors stay owned by the model; the array only points at them.
         tensors: list[torch.Tensor] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -61,10 +66,16 @@ class CpuDecodeLayers:
             ]
         self._weights = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
         self._scratch = torch.empty(0)
+        # Wall time spent in the products so far (runner/matmul_timer.py reads it).
+        self._product_s = ctypes.c_double(0.0)
+
+    @property
+    def product_s(self) -> float:
+        return self._product_s.value
 
     @classmethod
-    def for_model(cls, model: CausalLM, kernels: CpuKernels | None) -> CpuDecodeLayers | None:
-        """The layers in C where the model fits decode_layers.c, else None."""
+    def for_model(cls, model: CausalLM, kernels: CpuKernels | None) -> CpuLayers | None:
+        """The layers in C where the model fits layers.c, else None."""
         if kernels is None or not model.layers:
             return None
         group = model.num_heads // model.num_kv_heads
@@ -81,13 +92,12 @@ class CpuDecodeLayers:
             return None
         return cls(model, kernels)
 
-    def takes(self, meta: AttentionMetadata, kv: KVStore, backend: str) -> bool:
-        """Whether this step can run here: decodes only, the CPU kernels' attention, a float32
-        store on the CPU with blocks the decode kernel takes."""
+    def takes(self, kv: KVStore, backend: str) -> bool:
+        """Whether steps can run here: the CPU kernels' attention, a float32 store on the CPU
+        with blocks the decode kernel takes."""
         tensor = kv.tensor
         return (
-            meta.decode_only
-            and backend == "cpu"
+            backend == "cpu"
             and tensor.dtype == torch.float32
             and tensor.device.type == "cpu"
             and tensor.is_contiguous()
@@ -96,29 +106,30 @@ class CpuDecodeLayers:
 
     def run(
         self,
-        h: torch.Tensor,  # [S, H] embeddings of the step's tokens
-        cos: torch.Tensor,  # [S, D] by position
+        h: torch.Tensor,  # [T, H] embeddings of the step's tokens
+        cos: torch.Tensor,  # [T, D] by position
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv: KVStore,
     ) -> torch.Tensor:
-        """Hidden states after the last layer, [S, H] (before the final norm); writes every
-        layer's K/V of the S tokens. Check `takes` first."""
+        """Hidden states after the last layer, [T, H] (before the final norm); writes every
+        layer's K/V of the T tokens. Check `takes` first."""
         rows = h.shape[0]
-        block_size = kv.block_size
         split = meta._cpu_split
         if split is None:
             group = self.num_heads // self.num_kv_heads
-            split = meta._cpu_split = CpuSplit.of(meta, True, group, block_size)
-        assert split.decode_tables is not None and split.decode_context_lens is not None
+            split = meta._cpu_split = CpuSplit.of(meta, True, group, kv.block_size)
         h = h.contiguous().clone()  # updated in place by every layer
         cos, sin = cos.contiguous(), sin.contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         shape = (rows, self.hidden, self.intermediate, self.num_heads, self.num_kv_heads)
-        need = self.kernels.decode_layers_scratch(*shape, self.head_dim)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.float32)
-        status = self.kernels.decode_layers(
+        need = self.kernels.layers_scratch(*shape, self.head_dim)
+        scratch = self._scratch
+        if scratch.numel() < need:
+            scratch = torch.empty(need, dtype=torch.float32)
+            if rows <= KEPT_SCRATCH_ROWS:
+                self._scratch = scratch
+        status = self.kernels.run_layers(
             h.data_ptr(),
             *shape,
             self.head_dim,
@@ -126,21 +137,41 @@ class CpuDecodeLayers:
             self.num_layers,
             kv.tensor.data_ptr(),
             kv.tensor[0, 0].numel(),  # floats of one layer's keys (or values)
-            block_size,
-            split.decode_tables.data_ptr(),
-            split.decode_tables.shape[1],
-            split.decode_context_lens.data_ptr(),
-            split.shared_blocks,
+            kv.block_size,
+            ctypes.byref(_step_split(split)),
             cos.data_ptr(),
             sin.data_ptr(),
             slots.data_ptr(),
             self.eps,
             self.scale,
-            self._scratch.data_ptr(),
+            scratch.data_ptr(),
+            ctypes.byref(self._product_s),
         )
         if status != 0:
-            raise RuntimeError("decode_layers: the attention kernel refused the step")
+            raise RuntimeError("run_layers: an attention kernel refused the step")
         return h
+
+
+def _step_split(split: CpuSplit) -> StepSplit:
+    """The C view of `split`; its tensors are contiguous (CpuSplit.of makes them so)."""
+    out = StepSplit()
+    if split.decode_rows is not None:
+        assert split.decode_tables is not None and split.decode_context_lens is not None
+        out.num_decodes = split.decode_rows.numel()
+        out.decode_rows = split.decode_rows.data_ptr()
+        out.decode_tables = split.decode_tables.data_ptr()
+        out.decode_max_blocks = split.decode_tables.shape[1]
+        out.decode_lens = split.decode_context_lens.data_ptr()
+        out.shared_blocks = split.shared_blocks
+    if split.longer is not None:
+        tables, starts, lens, contexts = split.longer
+        out.num_longer = lens.numel()
+        out.longer_tables = tables.data_ptr()
+        out.longer_max_blocks = tables.shape[1]
+        out.longer_starts = starts.data_ptr()
+        out.longer_lens = lens.data_ptr()
+        out.longer_contexts = contexts.data_ptr()
+    return out
 
 
 def _layers(model: CausalLM) -> list[DecoderLayer]:
@@ -157,7 +188,7 @@ def _packed(product: torch.nn.Module) -> torch.Tensor:
 
 def _fits(layer: DecoderLayer) -> bool:
     """A Llama-shaped layer packed for the panel kernel, every product's width a whole number
-    of panels (decode_layers.c reads the outputs unpadded)."""
+    of panels (layers.c reads the outputs unpadded)."""
     attn, mlp = layer.self_attn, layer.mlp
     products: list[torch.nn.Module] = [
         attn.qkv_proj,

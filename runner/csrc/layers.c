@@ -1,0 +1,174 @@
+/* Every decoder layer of an engine step in one call, for the CPU.
+ *
+ * A step of a small model runs ~15 operators a layer; called one by one from Python on a
+ * decode step's few rows, their interpreter and dispatch costs add up to a quarter of the
+ * step. Here the same kernels run back to back in C: per layer
+ *   x = rms_norm(h); qkv = x Wqkv; rotate q, k (RoPE) and store k, v in the paged cache;
+ *   o = attention(q): decodes in decode_attention, longer queries in prefill_attention;
+ *   h += o Wo; x = rms_norm(h); h += silu_and_mul(x Wgu) Wdown,
+ * the operations and their order per element those of runner/model.py and
+ * runner/cpu_attention.py, so h comes out bit for bit as the Python path computes it.
+ * Llama-shaped layers only (no biases, no q/k norms), widths multiples of 16;
+ * runner/cpu_layers.py checks before calling.
+ */
+#include <string.h>
+#include <time.h>
+
+#include "kernels.h"
+
+enum { LANES = 16, ALIASING_FLOATS = 512, WEIGHTS_PER_LAYER = 6 };
+
+/* How a step's sequences split between the attention kernels (runner/cpu_attention.py
+ * CpuSplit): decodes, one query row each, and longer queries. */
+struct step_split {
+    long num_decodes;
+    const long *decode_rows;  /* [num_decodes]: each decode's row of the step */
+    const int *decode_tables; /* [num_decodes, decode_max_blocks] */
+    long decode_max_blocks;
+    const int *decode_lens;   /* [num_decodes] context lengths */
+    long shared_blocks;       /* leading blocks every decode's table shares */
+    long num_longer;
+    const int *longer_tables; /* [num_longer, longer_max_blocks] */
+    long longer_max_blocks;
+    const int *longer_starts, *longer_lens, *longer_contexts; /* [num_longer] each */
+};
+
+/* Row stride for x of a product: rows a multiple of 2 KB apart share L1 sets in the panel
+ * kernel and run at half speed, so such rows get 64 bytes more (as runner/cpu_kernel.py does). */
+static long product_ld(long k) { return k % ALIASING_FLOATS == 0 ? k + LANES : k; }
+
+static long max3(long a, long b, long c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+/* Floats of scratch run_layers needs for `rows` tokens. */
+long layers_scratch(long rows, long hidden, long inter, long hq, long hkv, long d)
+{
+    long in = max3(product_ld(hidden), product_ld(hq * d), product_ld(inter));
+    long qkv = (hq + 2 * hkv) * d;
+    return rows * (in + qkv + 4 * hq * d + hidden + 2 * inter);
+}
+
+/* Rotate-half RoPE of one head, as runner/layers.py apply_rope computes it: x * cos, then
+ * cat(x2, x1) * sin, then their sum, each rounded on its own (no fused multiply-add, which
+ * would round once and differ from torch in the last bit). cos/sin as rope_cos_sin lays them
+ * out: cos repeated over both halves, sin negated over the first. */
+__attribute__((optimize("fp-contract=off")))
+static void rotate(const float *restrict x, const float *restrict cos, const float *restrict sin,
+                   float *restrict y, long d)
+{
+    long half = d / 2;
+    for (long i = 0; i < d; i++) {
+        float direct = x[i] * cos[i];
+        float rotated = x[i < half ? i + half : i - half] * sin[i];
+        y[i] = direct + rotated;
+    }
+}
+
+static double now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* panel_gemm, its wall time added to *seconds (the bench's share of a step in the products). */
+static void timed_gemm(const float *x, long ldx, const float *packed, float *y, long M, long K,
+                       long panels, double *seconds)
+{
+    double start = now();
+    panel_gemm(x, ldx, packed, y, M, K, panels);
+    *seconds += now() - start;
+}
+
+static void add_rows(float *restrict h, const float *restrict a, long n)
+{
+    for (long i = 0; i < n; i++)
+        h[i] = a[i] + h[i];
+}
+
+/* attn [rows, hq * d] = attention of q [rows, hq * d] over the paged cache. decoded, decode_q:
+ * scratch of rows * hq * d floats each. Returns 0 or -1 (a kernel refused). */
+static int attend(const float *q, float *k_cache, float *v_cache, float *attn, long rows,
+                  long hq, long hkv, long d, long block_size, const struct step_split *split,
+                  float scale, float *decode_q, float *decoded)
+{
+    const long width = hq * d;
+    if (split->num_decodes == rows) /* decodes only, in row order: q and attn as they are */
+        return decode_attention(q, k_cache, v_cache, split->decode_tables, split->decode_lens,
+                                attn, rows, hq, hkv, d, block_size, split->decode_max_blocks,
+                                split->shared_blocks, scale);
+    if (split->num_decodes) {
+        for (long i = 0; i < split->num_decodes; i++)
+            memcpy(decode_q + i * width, q + split->decode_rows[i] * width, width * sizeof(float));
+        if (decode_attention(decode_q, k_cache, v_cache, split->decode_tables, split->decode_lens,
+                             decoded, split->num_decodes, hq, hkv, d, block_size,
+                             split->decode_max_blocks, split->shared_blocks, scale))
+            return -1;
+        for (long i = 0; i < split->num_decodes; i++)
+            memcpy(attn + split->decode_rows[i] * width, decoded + i * width, width * sizeof(float));
+    }
+    if (split->num_longer)
+        return prefill_attention(q, width, k_cache, v_cache, split->longer_tables,
+                                 split->longer_starts, split->longer_lens, split->longer_contexts,
+                                 attn, split->num_longer, hq, hkv, d, block_size,
+                                 split->longer_max_blocks, scale);
+    return 0;
+}
+
+/* h [rows, hidden] float32, updated in place through all layers. weights: 6 per layer (input
+ * norm, packed qkv, packed o, post-attention norm, packed gate_up, packed down). kv: the store,
+ * layer l's keys at kv + 2l * cache_floats and values at kv + (2l + 1) * cache_floats, each
+ * [blocks, block_size, hkv, d]. cos/sin [rows, d] per token; slots [rows] (negative: skip).
+ * scratch: layers_scratch floats. The products' wall time is added to *product_seconds.
+ * Returns 0, or -1 if an attention kernel refused (h is then partly updated). */
+int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, long d,
+               const float *const *weights, long num_layers, float *kv, long cache_floats,
+               long block_size, const struct step_split *split, const float *cos,
+               const float *sin, const long *slots, float eps, float scale, float *scratch,
+               double *product_seconds)
+{
+    const long q_width = hq * d, qkv_width = (hq + 2 * hkv) * d;
+    /* in: the x of each product, rows product_ld(its K) apart within in_ld floats a row. */
+    const long in_ld = max3(product_ld(hidden), product_ld(q_width), product_ld(inter));
+    float *in = scratch, *qkv = in + rows * in_ld, *q = qkv + rows * qkv_width;
+    float *attn = q + rows * q_width, *decode_q = attn + rows * q_width;
+    float *decoded = decode_q + rows * q_width, *out = decoded + rows * q_width;
+    float *gate_up = out + rows * hidden;
+    for (long layer = 0; layer < num_layers; layer++) {
+        const float *const *w = weights + layer * WEIGHTS_PER_LAYER;
+        float *k_cache = kv + 2 * layer * cache_floats, *v_cache = k_cache + cache_floats;
+        rms_norm_rows(h, hidden, w[0], in, product_ld(hidden), rows, hidden, eps);
+        timed_gemm(in, product_ld(hidden), w[1], qkv, rows, hidden, qkv_width / LANES,
+                   product_seconds);
+        for (long t = 0; t < rows; t++) {
+            const float *row = qkv + t * qkv_width, *c = cos + t * d, *s = sin + t * d;
+            for (long head = 0; head < hq; head++)
+                rotate(row + head * d, c, s, q + (t * hq + head) * d, d);
+            if (slots[t] < 0)
+                continue;
+            float *k_slot = k_cache + slots[t] * hkv * d, *v_slot = v_cache + slots[t] * hkv * d;
+            for (long head = 0; head < hkv; head++)
+                rotate(row + (hq + head) * d, c, s, k_slot + head * d, d);
+            memcpy(v_slot, row + (hq + hkv) * d, hkv * d * sizeof(float));
+        }
+        if (attend(q, k_cache, v_cache, attn, rows, hq, hkv, d, block_size, split, scale,
+                   decode_q, decoded))
+            return -1;
+        const float *o_in = attn;
+        if (product_ld(q_width) != q_width) {
+            for (long t = 0; t < rows; t++)
+                memcpy(in + t * product_ld(q_width), attn + t * q_width, q_width * sizeof(float));
+            o_in = in;
+        }
+        timed_gemm(o_in, product_ld(q_width), w[2], out, rows, q_width, hidden / LANES,
+                   product_seconds);
+        add_rows(h, out, rows * hidden);
+        rms_norm_rows(h, hidden, w[3], in, product_ld(hidden), rows, hidden, eps);
+        timed_gemm(in, product_ld(hidden), w[4], gate_up, rows, hidden, 2 * inter / LANES,
+                   product_seconds);
+        silu_and_mul_rows(gate_up, in, product_ld(inter), rows, inter);
+        timed_gemm(in, product_ld(inter), w[5], out, rows, inter, hidden / LANES,
+                   product_seconds);
+        add_rows(h, out, rows * hidden);
+    }
+    return 0;
+}

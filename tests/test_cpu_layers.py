@@ -1,0 +1,176 @@
+"""A step's layers in one C call (runner/cpu_layers.py, runner/csrc/layers.c): bit for bit what
+the modules compute, K/V writes included, for decode steps, prefill chunks and mixes of both,
+and only where it applies. The engine-level greedy equality with transformers
+(test_engine_equivalence.py) runs through it by default and without it in the
+"no-cpu-kernels" variant."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kvcache.store import KVStore
+from runner.attention import AttentionMetadata
+from runner.cpu_attention import CpuSplit
+from runner.cpu_kernel_loader import load_cpu_kernels
+from runner.cpu_prepack import prepack_for_cpu
+from runner.loader import load_model
+from runner.model import CausalLM
+
+pytestmark = pytest.mark.skipif(
+    load_cpu_kernels() is None, reason="the CPU kernels cannot be built on this machine"
+)
+
+NUM_BLOCKS = 512
+
+
+def packed_llama(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, cpu_kernels: bool = True
+) -> CausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+    )
+    model = CausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                param.uniform_(0.5, 1.5)  # not all ones, so a norm's scaling is exercised
+    prepack_for_cpu(model, cpu_kernels)
+    model.attention_backend = "cpu"
+    return model
+
+
+def one_step(
+    seqs: list[tuple[int, int]], block_size: int, shared_blocks: int, seed: int
+) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """Block tables, token ids and positions of a step whose sequence s computes its last
+    seqs[s][0] of seqs[s][1] tokens (the rest cached); the first `shared_blocks` blocks of
+    every table are the same (a shared prompt)."""
+    rng = random.Random(seed)
+    free = list(range(1 + shared_blocks, NUM_BLOCKS))
+    rng.shuffle(free)
+    tables, positions = [], []
+    for q_len, ctx in seqs:
+        own = -(-ctx // block_size) - shared_blocks
+        tables.append(list(range(1, 1 + shared_blocks)) + [free.pop() for _ in range(own)])
+        positions += range(ctx - q_len, ctx)
+    tokens = torch.tensor([rng.randrange(96) for _ in positions])
+    return tables, tokens, torch.tensor(positions)
+
+
+STEPS = {
+    "decodes": [(1, 9), (1, 17), (1, 40)],
+    "prefill": [(37, 37), (20, 45)],  # a fresh prompt, and a chunk after a cached prefix
+    "mixed": [(1, 30), (12, 12), (1, 7), (5, 70), (1, 52)],
+}
+
+
+@pytest.mark.parametrize(
+    ("hidden", "heads", "kv_heads", "head_dim", "inter", "block_size"),
+    [
+        (64, 4, 2, 16, 128, 16),
+        (96, 6, 2, 32, 160, 4),
+        (512, 8, 1, 64, 1024, 16),  # 2 KB rows: products read padded copies
+        (64, 16, 2, 16, 64, 8),
+    ],
+)
+@pytest.mark.parametrize("kind", list(STEPS))
+def test_layers_in_c_match_the_modules_bit_for_bit(
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    inter: int,
+    block_size: int,
+    kind: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    check_against_modules(
+        packed_llama(hidden, heads, kv_heads, head_dim, inter),
+        STEPS[kind],
+        block_size,
+        shared_blocks=0,
+        monkeypatch=monkeypatch,
+    )
+
+
+@pytest.mark.parametrize("with_chunk", [False, True])
+def test_decodes_after_a_shared_prompt_match_the_modules(
+    with_chunk: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4 x 8 query rows over a 5-block shared prefix: the decode kernel's shared pass, alone
+    and beside a prefill chunk."""
+    decodes = [(1, 5 * 16 + 1 + 7 * s) for s in range(4)]
+    seqs = decodes + [(9, 5 * 16 + 20)] if with_chunk else decodes
+    model = packed_llama(128, 8, 1, 64, 256)
+    split = check_against_modules(model, seqs, 16, shared_blocks=5, monkeypatch=monkeypatch)
+    assert split.shared_blocks == 5
+
+
+def check_against_modules(
+    model: CausalLM,
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    shared_blocks: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> CpuSplit:
+    """Run one step in C and the same step through the modules, on equal caches; both the
+    hidden states and the caches must be equal. Returns the step's CpuSplit."""
+    layers = model.cpu_layers
+    assert layers is not None
+    calls: list[int] = []
+    run = layers.kernels.run_layers
+    monkeypatch.setattr(layers.kernels, "run_layers", lambda *a: calls.append(a[1]) or run(*a))
+    tables, ids, positions = one_step(seqs, block_size, shared_blocks, seed=len(seqs))
+    kv_heads, head_dim = model.num_kv_heads, model.head_dim
+    caches = [
+        KVStore(2, NUM_BLOCKS, block_size, kv_heads, head_dim, torch.float32, "cpu")
+        for _ in range(2)
+    ]
+    caches[0].tensor.normal_()  # the cached context
+    caches[1].tensor.copy_(caches[0].tensor)
+    outs: list[torch.Tensor] = []
+    splits: list[CpuSplit | None] = []
+    with torch.inference_mode():
+        for kv, in_c in zip(caches, (True, False), strict=True):
+            meta = AttentionMetadata.build(
+                [q for q, _ in seqs], [c for _, c in seqs], tables, block_size
+            )
+            model.cpu_layers = layers if in_c else None
+            outs.append(model(ids, positions, meta, kv))
+            splits.append(meta._cpu_split)
+    model.cpu_layers = layers
+    assert splits[0] is not None
+    assert calls == [len(ids)]  # the first step ran in C, the second through the modules
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0].tensor, caches[1].tensor)
+    return splits[0]
+
+
+def test_only_llama_shaped_packed_models_on_the_cpu_backend_take_it(
+    tiny_qwen2_dir: Path, tiny_qwen3_dir: Path
+) -> None:
+    model = packed_llama(64, 4, 2, 16, 128)
+    kv = KVStore(2, 8, 4, 2, 16, torch.float32, "cpu")
+    assert model.cpu_layers is not None
+    assert model.cpu_layers.takes(kv, "cpu")
+    assert not model.cpu_layers.takes(kv, "torch")
+    assert not model.cpu_layers.takes(KVStore(2, 8, 512, 2, 16, torch.float32, "cpu"), "cpu")
+    for path in (tiny_qwen2_dir, tiny_qwen3_dir):  # q/k/v biases; q/k norms
+        other = load_model(str(path)).model
+        prepack_for_cpu(other)
+        assert other.cpu_layers is None
+    assert packed_llama(64, 4, 2, 16, 128, cpu_kernels=False).cpu_layers is None
