@@ -7,9 +7,9 @@ products, RoPE and the cache write, decode and prefill attention split as
 runner/cpu_attention.py splits them, the gated SiLU) in C, in the same order, so the hidden
 states come out bit for bit as the module path computes them.
 
-It covers Llama-shaped models packed for the panel kernel: no biases, no q/k norms, widths
-that are multiples of 16 and the decode kernel's head limits. Anything else runs through the
-modules as before.
+It covers every architecture the model takes (Llama, Mistral, SmolLM2; Qwen2's biases, Qwen3's
+q/k norms) once packed for the panel kernel, with widths that are multiples of 16 and within the
+decode kernel's head limits. Anything else runs through the modules as before.
 """
 
 from __future__ import annotations
@@ -51,20 +51,29 @@ class CpuLayers:
         self.eps = layers[0].input_layernorm.eps
         self.scale = layers[0].self_attn.scale
         self.num_layers = len(layers)
-        # Per layer, in layers.c's order: input norm, qkv, o, post norm, gate_up, down. The
-        # tensors stay owned by the model; the array only points at them.
-        tensors: list[torch.Tensor] = []
+        # Per layer, in the order of layers.c's enum; None (NULL) where the model has no such
+        # tensor. The tensors stay owned by the model; the array only points at them.
+        tensors: list[torch.Tensor | None] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
+            qkv, o = _product(attn.qkv_proj), _product(attn.o_proj)
+            gate_up, down = _product(mlp.gate_up_proj), _product(mlp.down_proj)
             tensors += [
                 layer.input_layernorm.weight,
-                _packed(attn.qkv_proj),
-                _packed(attn.o_proj),
+                qkv.packed,
+                qkv.bias,
+                attn.q_norm.weight if attn.q_norm is not None else None,
+                attn.k_norm.weight if attn.k_norm is not None else None,
+                o.packed,
+                o.bias,
                 layer.post_attention_layernorm.weight,
-                _packed(mlp.gate_up_proj),
-                _packed(mlp.down_proj),
+                gate_up.packed,
+                gate_up.bias,
+                down.packed,
+                down.bias,
             ]
-        self._weights = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+        pointers = [None if t is None else t.data_ptr() for t in tensors]
+        self._weights = (ctypes.c_void_p * len(pointers))(*pointers)
         self._scratch = torch.empty(0)
         # Wall time spent in the products so far (runner/matmul_timer.py reads it).
         self._product_s = ctypes.c_double(0.0)
@@ -79,14 +88,15 @@ class CpuLayers:
         if kernels is None or not model.layers:
             return None
         group = model.num_heads // model.num_kv_heads
+        layers = _layers(model)
         if not (
             model.hidden_size % LANES == 0
+            and layers[0].mlp.intermediate % LANES == 0  # the gated SiLU's vectors
             and model.head_dim % LANES == 0
             and model.head_dim <= MAX_HEAD_DIM
             and group <= MAX_GROUP
         ):
             return None
-        layers = _layers(model)
         eps = {norm.eps for layer in layers for norm in _norms(layer)}
         if len(eps) != 1 or not all(_fits(layer) for layer in layers):
             return None
@@ -179,16 +189,18 @@ def _layers(model: CausalLM) -> list[DecoderLayer]:
 
 
 def _norms(layer: DecoderLayer) -> list[RMSNorm]:
-    return [layer.input_layernorm, layer.post_attention_layernorm]
+    attn = layer.self_attn
+    per_head = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    return [layer.input_layernorm, layer.post_attention_layernorm, *per_head]
 
 
-def _packed(product: torch.nn.Module) -> torch.Tensor:
-    return cast(PackedLinear, product).packed
+def _product(module: torch.nn.Module) -> PackedLinear:
+    return cast(PackedLinear, module)
 
 
 def _fits(layer: DecoderLayer) -> bool:
-    """A Llama-shaped layer packed for the panel kernel, every product's width a whole number
-    of panels (layers.c reads the outputs unpadded)."""
+    """A layer packed for the panel kernel, every product's width a whole number of panels
+    (layers.c reads the outputs unpadded), q and k normed both or neither."""
     attn, mlp = layer.self_attn, layer.mlp
     products: list[torch.nn.Module] = [
         attn.qkv_proj,
@@ -197,12 +209,12 @@ def _fits(layer: DecoderLayer) -> bool:
         mlp.down_proj,
     ]
     return (
-        attn.q_norm is None
+        (attn.q_norm is None) == (attn.k_norm is None)
         and all(
             isinstance(p, PackedLinear)
             and p.backend == "panel"
-            and p.bias is None
             and p.out_features % LANES == 0
+            and (p.bias is None or (p.bias.dtype == torch.float32 and p.bias.is_contiguous()))
             for p in products
         )
         and all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in _norms(layer))

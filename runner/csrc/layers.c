@@ -6,17 +6,23 @@
  *   x = rms_norm(h); qkv = x Wqkv; rotate q, k (RoPE) and store k, v in the paged cache;
  *   o = attention(q): decodes in decode_attention, longer queries in prefill_attention;
  *   h += o Wo; x = rms_norm(h); h += silu_and_mul(x Wgu) Wdown,
- * the operations and their order per element those of runner/model.py and
- * runner/cpu_attention.py, so h comes out bit for bit as the Python path computes it.
- * Llama-shaped layers only (no biases, no q/k norms), widths multiples of 16;
- * runner/cpu_layers.py checks before calling.
+ * with each product's bias where it has one (Qwen2) and q and k normed per head before RoPE
+ * where the model does (Qwen3); the operations and their order per element are those of
+ * runner/model.py and runner/cpu_attention.py, so h comes out bit for bit as the Python path
+ * computes it. Widths must be multiples of 16; runner/cpu_layers.py checks before calling.
  */
 #include <string.h>
 #include <time.h>
 
 #include "kernels.h"
 
-enum { LANES = 16, ALIASING_FLOATS = 512, WEIGHTS_PER_LAYER = 6 };
+enum { LANES = 16, ALIASING_FLOATS = 512 };
+
+/* A layer's tensors in run_layers' weights array; a bias or q/k norm it lacks is NULL. */
+enum {
+    INPUT_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O, O_BIAS, POST_NORM, GATE_UP, GATE_UP_BIAS,
+    DOWN, DOWN_BIAS, WEIGHTS_PER_LAYER
+};
 
 /* How a step's sequences split between the attention kernels (runner/cpu_attention.py
  * CpuSplit): decodes, one query row each, and longer queries. */
@@ -44,7 +50,7 @@ long layers_scratch(long rows, long hidden, long inter, long hq, long hkv, long 
 {
     long in = max3(product_ld(hidden), product_ld(hq * d), product_ld(inter));
     long qkv = (hq + 2 * hkv) * d;
-    return rows * (in + qkv + 4 * hq * d + hidden + 2 * inter);
+    return rows * (in + 2 * qkv + 4 * hq * d + hidden + 2 * inter);
 }
 
 /* Rotate-half RoPE of one head, as runner/layers.py apply_rope computes it: x * cos, then
@@ -70,13 +76,43 @@ static double now(void)
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* panel_gemm, its wall time added to *seconds (the bench's share of a step in the products). */
-static void timed_gemm(const float *x, long ldx, const float *packed, float *y, long M, long K,
-                       long panels, double *seconds)
+/* y [M, panels * 16] = x @ packed (+ bias, as torch adds it: a second rounding), its wall time
+ * added to *seconds (the bench's share of a step in the products). */
+static void product(const float *x, long ldx, const float *packed, const float *bias, float *y,
+                    long M, long K, long panels, double *seconds)
 {
     double start = now();
     panel_gemm(x, ldx, packed, y, M, K, panels);
     *seconds += now() - start;
+    if (!bias)
+        return;
+    const long n = panels * LANES;
+    for (long r = 0; r < M; r++)
+        for (long i = 0; i < n; i++)
+            y[r * n + i] = y[r * n + i] + bias[i];
+}
+
+/* RoPE (after the per-head norm where the model has one) of one token's q heads into q, and
+ * of its k heads into the cache slot k; v copied beside them. row: the token's qkv. normed:
+ * scratch of (hq + hkv) * d floats. */
+static void rotate_and_store(const float *row, const float *const *w, const float *c,
+                             const float *s, float *q, float *k, float *v, long hq, long hkv,
+                             long d, float eps, float *normed)
+{
+    const float *q_src = row, *k_src = row + hq * d;
+    if (w[Q_NORM]) {
+        rms_norm_rows(q_src, d, w[Q_NORM], normed, d, hq, d, eps);
+        rms_norm_rows(k_src, d, w[K_NORM], normed + hq * d, d, hkv, d, eps);
+        q_src = normed;
+        k_src = normed + hq * d;
+    }
+    for (long head = 0; head < hq; head++)
+        rotate(q_src + head * d, c, s, q + head * d, d);
+    if (!k)
+        return;
+    for (long head = 0; head < hkv; head++)
+        rotate(k_src + head * d, c, s, k + head * d, d);
+    memcpy(v, row + (hq + hkv) * d, hkv * d * sizeof(float));
 }
 
 static void add_rows(float *restrict h, const float *restrict a, long n)
@@ -114,12 +150,13 @@ static int attend(const float *q, float *k_cache, float *v_cache, float *attn, l
     return 0;
 }
 
-/* h [rows, hidden] float32, updated in place through all layers. weights: 6 per layer (input
- * norm, packed qkv, packed o, post-attention norm, packed gate_up, packed down). kv: the store,
- * layer l's keys at kv + 2l * cache_floats and values at kv + (2l + 1) * cache_floats, each
- * [blocks, block_size, hkv, d]. cos/sin [rows, d] per token; slots [rows] (negative: skip).
- * scratch: layers_scratch floats. The products' wall time is added to *product_seconds.
- * Returns 0, or -1 if an attention kernel refused (h is then partly updated). */
+/* h [rows, hidden] float32, updated in place through all layers. weights: WEIGHTS_PER_LAYER per
+ * layer (see the enum: norms, packed products, their biases, q/k norms; NULL where the model
+ * has none). kv: the store, layer l's keys at kv + 2l * cache_floats and values at
+ * kv + (2l + 1) * cache_floats, each [blocks, block_size, hkv, d]. cos/sin [rows, d] per token;
+ * slots [rows] (negative: skip). scratch: layers_scratch floats. The products' wall time is
+ * added to *product_seconds. Returns 0, or -1 if an attention kernel refused (h is then partly
+ * updated). */
 int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, long d,
                const float *const *weights, long num_layers, float *kv, long cache_floats,
                long block_size, const struct step_split *split, const float *cos,
@@ -129,26 +166,23 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
     const long q_width = hq * d, qkv_width = (hq + 2 * hkv) * d;
     /* in: the x of each product, rows product_ld(its K) apart within in_ld floats a row. */
     const long in_ld = max3(product_ld(hidden), product_ld(q_width), product_ld(inter));
-    float *in = scratch, *qkv = in + rows * in_ld, *q = qkv + rows * qkv_width;
-    float *attn = q + rows * q_width, *decode_q = attn + rows * q_width;
-    float *decoded = decode_q + rows * q_width, *out = decoded + rows * q_width;
-    float *gate_up = out + rows * hidden;
+    float *in = scratch, *qkv = in + rows * in_ld, *normed = qkv + rows * qkv_width;
+    float *q = normed + rows * qkv_width, *attn = q + rows * q_width;
+    float *decode_q = attn + rows * q_width, *decoded = decode_q + rows * q_width;
+    float *out = decoded + rows * q_width, *gate_up = out + rows * hidden;
+    double *seconds = product_seconds;
     for (long layer = 0; layer < num_layers; layer++) {
         const float *const *w = weights + layer * WEIGHTS_PER_LAYER;
         float *k_cache = kv + 2 * layer * cache_floats, *v_cache = k_cache + cache_floats;
-        rms_norm_rows(h, hidden, w[0], in, product_ld(hidden), rows, hidden, eps);
-        timed_gemm(in, product_ld(hidden), w[1], qkv, rows, hidden, qkv_width / LANES,
-                   product_seconds);
+        rms_norm_rows(h, hidden, w[INPUT_NORM], in, product_ld(hidden), rows, hidden, eps);
+        product(in, product_ld(hidden), w[QKV], w[QKV_BIAS], qkv, rows, hidden,
+                qkv_width / LANES, seconds);
         for (long t = 0; t < rows; t++) {
-            const float *row = qkv + t * qkv_width, *c = cos + t * d, *s = sin + t * d;
-            for (long head = 0; head < hq; head++)
-                rotate(row + head * d, c, s, q + (t * hq + head) * d, d);
-            if (slots[t] < 0)
-                continue;
-            float *k_slot = k_cache + slots[t] * hkv * d, *v_slot = v_cache + slots[t] * hkv * d;
-            for (long head = 0; head < hkv; head++)
-                rotate(row + (hq + head) * d, c, s, k_slot + head * d, d);
-            memcpy(v_slot, row + (hq + hkv) * d, hkv * d * sizeof(float));
+            long slot = slots[t];
+            float *k = slot < 0 ? NULL : k_cache + slot * hkv * d;
+            float *v = slot < 0 ? NULL : v_cache + slot * hkv * d;
+            rotate_and_store(qkv + t * qkv_width, w, cos + t * d, sin + t * d, q + t * q_width,
+                             k, v, hq, hkv, d, eps, normed + t * qkv_width);
         }
         if (attend(q, k_cache, v_cache, attn, rows, hq, hkv, d, block_size, split, scale,
                    decode_q, decoded))
@@ -159,15 +193,15 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
                 memcpy(in + t * product_ld(q_width), attn + t * q_width, q_width * sizeof(float));
             o_in = in;
         }
-        timed_gemm(o_in, product_ld(q_width), w[2], out, rows, q_width, hidden / LANES,
-                   product_seconds);
+        product(o_in, product_ld(q_width), w[O], w[O_BIAS], out, rows, q_width, hidden / LANES,
+                seconds);
         add_rows(h, out, rows * hidden);
-        rms_norm_rows(h, hidden, w[3], in, product_ld(hidden), rows, hidden, eps);
-        timed_gemm(in, product_ld(hidden), w[4], gate_up, rows, hidden, 2 * inter / LANES,
-                   product_seconds);
+        rms_norm_rows(h, hidden, w[POST_NORM], in, product_ld(hidden), rows, hidden, eps);
+        product(in, product_ld(hidden), w[GATE_UP], w[GATE_UP_BIAS], gate_up, rows, hidden,
+                2 * inter / LANES, seconds);
         silu_and_mul_rows(gate_up, in, product_ld(inter), rows, inter);
-        timed_gemm(in, product_ld(inter), w[5], out, rows, inter, hidden / LANES,
-                   product_seconds);
+        product(in, product_ld(inter), w[DOWN], w[DOWN_BIAS], out, rows, inter, hidden / LANES,
+                seconds);
         add_rows(h, out, rows * hidden);
     }
     return 0;
