@@ -104,10 +104,13 @@ class CpuLayers:
 
     def takes(self, kv: KVStore, backend: str) -> bool:
         """Whether steps can run here: the CPU kernels' attention, a float32 store on the CPU
-        with blocks the decode kernel takes."""
+        with blocks the decode kernel takes, shaped for this model (layers.c reads it by raw
+        offsets: a store of other shapes would be read out of bounds)."""
         tensor = kv.tensor
+        layers, _, _, _, kv_heads, head_dim = tensor.shape
         return (
             backend == "cpu"
+            and (layers, kv_heads, head_dim) == (self.num_layers, self.num_kv_heads, self.head_dim)
             and tensor.dtype == torch.float32
             and tensor.device.type == "cpu"
             and tensor.is_contiguous()

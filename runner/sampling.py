@@ -177,9 +177,11 @@ def _nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         mass = torch.cumsum(top, dim=-1)
         # The top token is always in, even where p is below float32's range and reads as 0.
         inside = ((mass - top) < p).sum(dim=-1).clamp(min=1)
-        # Every one of the `width` tokens in, with their mass short of p: the nucleus may reach
-        # past them, so the row tries the next width.
-        settled = (inside < width) | (mass[:, -1] >= p[:, 0]) | (width == vocab)
+        # Every one of the `width` tokens in: the nucleus may reach past them, so the row tries
+        # the next width. Not settled early where their mass reaches p: the next token's mass
+        # before it, (mass + next) - next in float32, can round back below p (one ulp under 1.0)
+        # and let that token in, as the full sort would; the answer must not hang on the width.
+        settled = (inside < width) | (width == vocab)
         last = top[settled].gather(1, (inside[settled] - 1)[:, None])[:, 0]
         floor[pending[settled]] = last
         pending = pending[~settled]

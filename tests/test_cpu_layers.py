@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from kvcache.store import KVStore
@@ -35,15 +37,16 @@ def packed_model(
     inter: int,
     cpu_kernels: bool = True,
     arch: str = "llama",
+    layers: int = 2,
 ) -> CausalLM:
-    """A random 2-layer model packed for the CPU kernels. "llama-biases": every product with a
-    bias; "qwen2": q/k/v biases; "qwen3": q/k norms."""
+    """A random model of `layers` layers packed for the CPU kernels. "llama-biases": every
+    product with a bias; "qwen2": q/k/v biases; "qwen3": q/k norms."""
     torch.manual_seed(0)
     options = {
         "vocab_size": 96,
         "hidden_size": hidden,
         "intermediate_size": inter,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "max_position_embeddings": 2048,
@@ -68,13 +71,17 @@ def packed_model(
 
 
 def one_step(
-    seqs: list[tuple[int, int]], block_size: int, shared_blocks: int, seed: int
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    shared_blocks: int,
+    seed: int,
+    num_blocks: int = NUM_BLOCKS,
 ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
     """Block tables, token ids and positions of a step whose sequence s computes its last
     seqs[s][0] of seqs[s][1] tokens (the rest cached); the first `shared_blocks` blocks of
     every table are the same (a shared prompt)."""
     rng = random.Random(seed)
-    free = list(range(1 + shared_blocks, NUM_BLOCKS))
+    free = list(range(1 + shared_blocks, num_blocks))
     rng.shuffle(free)
     tables, positions = [], []
     for q_len, ctx in seqs:
@@ -160,18 +167,20 @@ def check_against_modules(
     block_size: int,
     shared_blocks: int,
     monkeypatch: pytest.MonkeyPatch,
+    num_blocks: int = NUM_BLOCKS,
 ) -> CpuSplit:
-    """Run one step in C and the same step through the modules, on equal caches; both the
-    hidden states and the caches must be equal. Returns the step's CpuSplit."""
+    """Run one step in C and the same step through the modules, on equal caches of
+    `num_blocks` blocks; both the hidden states and the caches must be equal. Returns the
+    step's CpuSplit."""
     layers = model.cpu_layers
     assert layers is not None
     calls: list[int] = []
     run = layers.kernels.run_layers
     monkeypatch.setattr(layers.kernels, "run_layers", lambda *a: calls.append(a[1]) or run(*a))
-    tables, ids, positions = one_step(seqs, block_size, shared_blocks, seed=len(seqs))
+    tables, ids, positions = one_step(seqs, block_size, shared_blocks, len(seqs), num_blocks)
     kv_heads, head_dim = model.num_kv_heads, model.head_dim
     caches = [
-        KVStore(2, NUM_BLOCKS, block_size, kv_heads, head_dim, torch.float32, "cpu")
+        KVStore(model.num_layers, num_blocks, block_size, kv_heads, head_dim, torch.float32, "cpu")
         for _ in range(2)
     ]
     caches[0].tensor.normal_()  # the cached context
@@ -201,5 +210,91 @@ def test_only_packed_models_on_the_cpu_backend_take_it() -> None:
     assert model.cpu_layers.takes(kv, "cpu")
     assert not model.cpu_layers.takes(kv, "torch")
     assert not model.cpu_layers.takes(KVStore(2, 8, 512, 2, 16, torch.float32, "cpu"), "cpu")
+    for layers, kv_heads, head_dim in ((3, 2, 16), (2, 4, 16), (2, 2, 32)):  # not this model's
+        other = KVStore(layers, 8, 4, kv_heads, head_dim, torch.float32, "cpu")
+        assert not model.cpu_layers.takes(other, "cpu")
     assert packed_model(64, 4, 2, 16, 128, cpu_kernels=False).cpu_layers is None
     assert packed_model(64, 4, 2, 16, 120).cpu_layers is None  # the SiLU's 7.5 vectors a row
+
+
+@st.composite
+def model_and_step(draw: st.DrawFn) -> dict[str, Any]:
+    """A small model the C path takes (any GQA ratio the decode kernel does, head sizes 16 to
+    256, padded 2 KB rows where a width is 512) and a step of decodes and prefill chunks, each
+    after a random cached prefix (sometimes a whole number of blocks), sometimes all after a
+    shared prompt long enough for the decode kernel's shared pass."""
+    group, kv_heads = draw(st.integers(1, 8)), draw(st.integers(1, 4))
+    # transformers wants the hidden size a multiple of the head count (and C of 16)
+    if not [n for n in range(16, 257, 16) if n % (group * kv_heads) == 0]:
+        kv_heads = 1
+    heads = group * kv_heads
+    head_dim = draw(st.sampled_from([16, 32, 48, 64, 128, 256]))
+    arch = draw(st.sampled_from(["llama", "llama-biases", "qwen2", "qwen3"]))
+    if arch == "qwen2" and heads * head_dim > 256:  # its hidden size is its heads' width
+        arch = "llama"
+    sizes = [n for n in range(16, 257, 16) if n % heads == 0]
+    hidden = heads * head_dim if arch == "qwen2" else draw(st.sampled_from(sizes))
+    inter = draw(st.sampled_from([16, 48, 96, 512]) | st.integers(1, 32).map(lambda n: 16 * n))
+    block_size = draw(st.sampled_from([1, 4, 16, 32]))
+    shared_blocks = -(-64 // block_size) + draw(st.integers(0, 2)) if draw(st.booleans()) else 0
+    seqs = []
+    # decodes only (the decode kernel straight on q), chunks only, or both
+    kind = draw(st.sampled_from(["decodes", "chunks", "mixed"]))
+    count = draw(st.integers(1, 8))
+    # Often enough decode rows (16) for the shared pass, when there is a shared prompt.
+    decodes = max(2, -(-16 // group)) if shared_blocks and draw(st.booleans()) else 0
+    total = max(count, decodes + 1, 2) if kind == "mixed" else max(count, decodes)
+    for i in range(total):
+        if kind == "mixed":  # a decode first, a chunk last, either between
+            chunk = i == total - 1 or (i > max(0, decodes - 1) and draw(st.booleans()))
+        else:
+            chunk = kind == "chunks" and i >= decodes
+        q_len = draw(st.integers(2, 40)) if chunk else 1
+        cached = shared_blocks * block_size + draw(st.integers(0, 50))
+        if draw(st.booleans()):  # the context ends exactly at a block's end
+            cached += -(cached + q_len) % block_size
+        seqs.append((q_len, cached + q_len))
+    shape = (hidden, heads, kv_heads, head_dim, inter)
+    layers = draw(st.integers(1, 2))
+    return {
+        "shape": shape,
+        "arch": arch,
+        "layers": layers,
+        "seqs": seqs,
+        "block": block_size,
+        "shared": shared_blocks,
+    }
+
+
+# ~1.5 s: small models run a step in milliseconds; 50 examples reach the rarer cases (a
+# shared pass beside a chunk) in most runs.
+@settings(max_examples=50, deadline=None)
+@given(case=model_and_step())
+def test_random_models_and_steps_match_the_modules_bit_for_bit(case: dict[str, Any]) -> None:
+    """Hidden states and every layer's K/V written, bit for bit, for any shape and step."""
+    seqs, block_size, shared = case["seqs"], case["block"], case["shared"]
+    hidden, heads, kv_heads, head_dim, inter = case["shape"]
+    model = packed_model(
+        hidden, heads, kv_heads, head_dim, inter, True, case["arch"], case["layers"]
+    )
+    # Room for every table plus some, so the blocks scatter over the pool.
+    blocks = 1 + sum(-(-ctx // block_size) for _, ctx in seqs) + 8
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        split = check_against_modules(model, seqs, block_size, shared, monkeypatch, blocks)
+    decodes = sum(q == 1 for q, _ in seqs)
+    if shared and decodes >= 2 and decodes * heads // kv_heads >= 16:
+        assert split.shared_blocks == shared  # the decode kernel's shared pass ran
+
+
+def test_scratch_of_a_long_step_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of over 256 tokens gets scratch of its own; the steps around it, one token
+    included, still match the modules with the kept (smaller) scratch."""
+    model = packed_model(64, 4, 2, 16, 128)
+    layers = model.cpu_layers
+    assert layers is not None
+    check_against_modules(model, [(1, 9), (3, 20)], 4, 0, monkeypatch)
+    kept = layers._scratch
+    check_against_modules(model, [(1, 40), (300, 310)], 4, 0, monkeypatch)
+    assert layers._scratch is kept
+    check_against_modules(model, [(1, 1)], 4, 0, monkeypatch)
+    assert layers._scratch is kept

@@ -5,6 +5,7 @@ engine is tested in test_reliability.py."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -134,3 +135,117 @@ def test_a_seeded_row_draws_the_same_whatever_shares_its_batch(seed: int) -> Non
     others = [SamplingParams(temperature=0.5), p, SamplingParams(temperature=0)]
     gens = [sampling.request_generator(q, engine_rng) for q in others]
     assert sample(logits, others, gens)[1] == alone[0]
+
+
+def nucleus_floor(
+    probs: torch.Tensor, top_p: torch.Tensor, widths: tuple[int, ...]
+) -> torch.Tensor:
+    """sampling._nucleus_floor with the search widths set to `widths` (() is the full sort)."""
+    original = sampling.NUCLEUS_WIDTHS
+    sampling.NUCLEUS_WIDTHS = widths
+    try:
+        return sampling._nucleus_floor(probs, top_p)
+    finally:
+        sampling.NUCLEUS_WIDTHS = original
+
+
+@pytest.mark.parametrize("prefix", [[1 - 2**-24], [0.5, 0.5 - 2**-24], [0.5, 0.25, 0.25 - 2**-24]])
+def test_a_nucleus_that_fills_the_search_width_exactly_matches_the_full_sort(
+    prefix: list[float],
+) -> None:
+    """The first tokens' mass is p itself, one ulp under 1.0; the next token's mass before it,
+    (p + b) - b in float32, rounds to below p, so the full sort lets it in. A search that stops
+    at the prefix's width because the mass there reaches p must not leave it out."""
+    b = 1.5 * 2**-24
+    probs = torch.tensor([[*prefix, b, b / 2]])
+    top_p = torch.tensor([1 - 2**-24])
+    full = nucleus_floor(probs, top_p, ())
+    assert float(full[0]) == pytest.approx(b)  # the token after the prefix is in
+    width = len(prefix)
+    for widths in [(width,), (width, width + 1), (64, 1024)]:
+        assert torch.equal(nucleus_floor(probs, top_p, widths), full), widths
+
+
+def kept(logits: list[float], **options: Any) -> list[int]:
+    """The tokens filtered_probs leaves any mass on, for one row."""
+    probs = filtered_probs(torch.tensor([logits]), [SamplingParams(**options)])
+    return (probs[0] > 0).nonzero()[:, 0].tolist()
+
+
+def test_edge_settings_keep_the_tokens_they_define() -> None:
+    logits = [3.0, 2.0, 2.0, 2.0, 1.0, -math.inf]
+    assert kept(logits, top_k=2) == [0, 1, 2, 3]  # ties with the k-th logit stay
+    assert kept(logits, top_k=1) == [0]
+    assert kept(logits, top_k=len(logits)) == kept(logits) == [0, 1, 2, 3, 4]  # -inf: no mass
+    assert kept(logits, top_k=100) == [0, 1, 2, 3, 4]
+    assert kept(logits, min_p=1.0) == [0]
+    assert kept([2.0, 5.0, 5.0, 1.0], min_p=1.0) == [1, 2]  # every token tied at the top
+    for tiny in (1e-3, 1e-30, 1e-45):  # below float32's range too: the top token stays
+        assert kept(logits, top_p=tiny) == [0]
+        assert kept([2.0, 5.0, 5.0, 1.0], top_p=tiny) == [1, 2]
+    # top-k past the finite logits: only -inf left to cut, which has no mass anyway
+    assert kept([0.0, -math.inf, 1.0, -math.inf], top_k=3, top_p=0.999) == [0, 2]
+
+
+@pytest.mark.parametrize("vocab", [1, 2])
+def test_tiny_vocabularies(vocab: int) -> None:
+    logits = torch.tensor([[0.5, 1.5][:vocab]] * 4)
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=1, top_p=0.5),
+        SamplingParams(temperature=2.0, top_k=5, min_p=1.0),
+        SamplingParams(temperature=1.0, top_p=1e-9),
+    ]
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    tokens = sample(logits, params, gens)
+    # One token: always it; two: each setting above keeps only the likelier one but the first.
+    assert tokens[1:] == [vocab - 1] * 3
+    assert 0 <= tokens[0] < vocab
+
+
+def test_temperatures_at_the_greedy_cutoff() -> None:
+    """Just below the cutoff is greedy; at it, a sampled row whose logits differ by 1e-3 (a gap
+    of 100 after scaling) still takes the top token: no overflow, no NaN."""
+    below, at = SamplingParams(temperature=0.99e-5), SamplingParams(temperature=1e-5)
+    assert below.greedy and not at.greedy
+    assert sampling.request_generator(below, torch.Generator()) is None
+    logits = torch.tensor([[30.0, 30.001, -30.0, -math.inf], [-1e4, 1e4, 1e4 - 1e-3 * 8, 0.0]])
+    probs = filtered_probs(logits, [at, at])
+    assert not probs.isnan().any()
+    for seed in range(20):
+        gens = [torch.Generator().manual_seed(seed)] * 2
+        assert sample(logits, [at, at], gens) == [1, 1]
+
+
+def test_full_sort_and_wide_nuclei_with_the_real_widths() -> None:
+    """A vocabulary of 3000 with rows whose nucleus is under 64 tokens, between 64 and 1024,
+    and wider than 1024 (the full sort), in one batch, against the per-row reference."""
+    torch.manual_seed(3)
+    spreads = torch.tensor([8.0, 2.0, 0.2, 0.01])[:, None]
+    logits = torch.randn(4, 3000) * spreads
+    params = [SamplingParams(temperature=1.0, top_p=0.9) for _ in range(4)]
+    probs = filtered_probs(logits, params)
+    sizes = (probs > 0).sum(-1).tolist()
+    assert sizes[0] < 64 < sizes[1] < 1024 < sizes[2]  # every search width is exercised
+    for row, p in enumerate(params):
+        expected = reference_probs(logits[row], p)
+        got = probs[row] / probs[row].sum()
+        assert torch.equal(got > 0, expected > 0)
+        torch.testing.assert_close(got, expected, atol=1e-7, rtol=1e-5)
+
+
+def test_draw_never_picks_trailing_tokens_without_mass() -> None:
+    """Uniforms at both ends take the first and the last token with mass, never a -inf one
+    past it; where u x total rounds up to the total, the last token with mass too."""
+    probs = filtered_probs(
+        torch.tensor([[0.0, 1.0, -math.inf, -math.inf], [5.0, -math.inf, 5.0, -math.inf]]),
+        [SamplingParams(), SamplingParams()],
+    )
+    for u in (0.0, 0.5, 1 - 2**-24):
+        tokens = draw(probs, torch.full((2,), u))
+        assert bool((probs.gather(1, tokens[:, None]) > 0).all()), u
+    assert draw(probs, torch.full((2,), 1 - 2**-24)).tolist() == [1, 2]
+    assert draw(probs, torch.zeros(2)).tolist() == [0, 0]
+    # A subnormal total: u x total rounds up to the total itself, past every token's interval.
+    tiny = torch.tensor([[0.0, 1e-45, 0.0, 0.0]])
+    assert draw(tiny, torch.tensor([0.9])).tolist() == [1]
