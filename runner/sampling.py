@@ -73,7 +73,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        # Below this, logits / temperature overflows float32: treat it as the greedy limit.
+        # Below this a distribution is one-hot for any logit gap over ~1e-3 (the scaled gap is
+        # past exp's float32 range), and far below it logits / temperature overflows: greedy.
         return self.temperature < _GREEDY_BELOW
 
 
