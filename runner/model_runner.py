@@ -102,9 +102,15 @@ class ModelRunner:
             keep = [i for i, item in enumerate(batch) if item.sample]
             return logits.index_select(0, torch.tensor(keep, device=logits.device))
         hidden = self.model(input_ids, positions, meta, self.kv)  # [T, H]
-        ends = torch.cumsum(torch.tensor(meta.query_lens), 0) - 1
-        rows = [int(ends[i]) for i, item in enumerate(batch) if item.sample]
+        rows: list[int] = []  # each sampling item's last token
+        end = -1
+        for item, query_len in zip(batch, meta.query_lens, strict=True):
+            end += query_len
+            if item.sample:
+                rows.append(end)
         if not rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)
+        if len(rows) == hidden.shape[0]:  # every token samples (a decode step): all rows
+            return self.model.compute_logits(hidden)
         index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, index))
