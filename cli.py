@@ -157,6 +157,19 @@ def report(metrics_path: str, html_path: str | None) -> None:
     help="Batch size cap for the engine systems and hf-static's batches.",
 )
 @click.option("--no-check", is_flag=True, help="Skip the unbatched transformers reference.")
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=None,
+    help="Sample in every system at this temperature (default: greedy, outputs checked).",
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="With --temperature: nucleus sampling in every system.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def bench(
     workload: str,
@@ -168,6 +181,8 @@ def bench(
     max_num_batched_tokens: int | None,
     max_num_seqs: int | None,
     no_check: bool,
+    temperature: float | None,
+    top_p: float,
     json_path: str | None,
 ) -> None:
     """Run a workload through several systems in one process and print one table.
@@ -179,6 +194,7 @@ def bench(
         core_main()
         return
     from runner.bench import run_bench
+    from runner.bench_peers import Sampling
 
     start = time.perf_counter()
     result = run_bench(
@@ -197,6 +213,7 @@ def bench(
             )
             if v
         },
+        sampling=Sampling(temperature, top_p) if temperature is not None else None,
     )
     click.echo(result["table"])
     if json_path:

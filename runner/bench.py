@@ -11,6 +11,7 @@ import torch
 
 from runner.bench_peers import (
     PeerResult,
+    Sampling,
     cut_output,
     load_hf_model,
     run_hf_cb,
@@ -57,7 +58,11 @@ def matmul_peak_gflops(device: str, size: int = 1024, repeats: int = 8) -> float
 
 
 def run_engine(
-    model: str | None, requests: list[BenchRequest], device: str, options: dict[str, Any]
+    model: str | None,
+    requests: list[BenchRequest],
+    device: str,
+    options: dict[str, Any],
+    sampling: Sampling | None = None,
 ) -> tuple[PeerResult, LLM, dict[str, Any]]:
     llm = LLM(model, device=device, **options)
     # Warm up the kernels on a prompt that shares nothing with the workload (its own salt).
@@ -67,7 +72,7 @@ def run_engine(
     timer = MatmulTimer(llm.model) if device == "cpu" else None
     matmul_s: dict[int, float] = {}  # recorder step index -> seconds inside products
     start = time.perf_counter()
-    outs = _run_with_arrivals(llm, requests, timer, matmul_s)
+    outs = _run_with_arrivals(llm, requests, timer, matmul_s, sampling)
     wall = time.perf_counter() - start
     if timer is not None:
         timer.close()
@@ -108,18 +113,28 @@ def run_engine(
 
 
 def _run_with_arrivals(
-    llm: LLM, requests: list[BenchRequest], timer: MatmulTimer | None, matmul_s: dict[int, float]
+    llm: LLM,
+    requests: list[BenchRequest],
+    timer: MatmulTimer | None,
+    matmul_s: dict[int, float],
+    sampling: Sampling | None,
 ) -> list[RequestOutput]:
     """Submit each request at its arrival step and run to the end; outputs in input order.
-    With a timer, `matmul_s` gets each recorded step's seconds inside matrix products."""
+    With a timer, `matmul_s` gets each recorded step's seconds inside matrix products. Sampled
+    requests are seeded by their index, so a run repeats itself."""
     pending = sorted(range(len(requests)), key=lambda i: requests[i].arrive_after_steps)
     done: dict[str, RequestOutput] = {}
     steps = 0
     while pending or llm.has_unfinished():
         while pending and requests[pending[0]].arrive_after_steps <= steps:
-            req = requests[pending.pop(0)]
+            index = pending.pop(0)
+            req = requests[index]
             params = SamplingParams(
-                max_tokens=req.max_tokens, temperature=0, ignore_eos=req.ignore_eos
+                max_tokens=req.max_tokens,
+                temperature=sampling.temperature if sampling else 0,
+                top_p=sampling.top_p if sampling else 1.0,
+                seed=index if sampling else None,
+                ignore_eos=req.ignore_eos,
             )
             llm.add_request(req.prompt_token_ids, params, request_id=req.request_id)
         before = timer.total_s if timer is not None else 0.0
@@ -154,8 +169,11 @@ def run_bench(
     device: str = "cpu",
     check: bool = True,
     engine_options: dict[str, Any] | None = None,
+    sampling: Sampling | None = None,
 ) -> dict[str, Any]:
-    """Returns {"rows": [...], "table": str}; ratios are against hf-static of this run."""
+    """Returns {"rows": [...], "table": str}; ratios are against hf-static of this run. With
+    `sampling`, every system samples and nothing is checked (no two samplers agree)."""
+    check = check and sampling is None
     unknown = [s for s in systems if s not in ENGINE_SYSTEMS and s not in ("hf-static", "hf-cb")]
     if unknown:
         raise ValueError(
@@ -179,16 +197,16 @@ def run_bench(
         extra: dict[str, Any] = {}
         if system in ENGINE_SYSTEMS:
             options = {**(engine_options or {}), **ENGINE_SYSTEMS[system]}
-            result, llm, extra = run_engine(model, requests, device, options)
+            result, llm, extra = run_engine(model, requests, device, options, sampling)
             if extra["prefill_only_s"] > 0:
                 flops = 2 * matmul_params * extra["prefill_only_tokens"]
                 extra["prefill_mfu"] = flops / extra["prefill_only_s"] / (peak * 1e9)
             del llm
         elif system == "hf-static":
             batch = (engine_options or {}).get("max_num_seqs") or len(requests)
-            result = run_hf_static(hf_model, requests, eos_ids, device, batch_size=batch)
+            result = run_hf_static(hf_model, requests, eos_ids, device, batch, sampling)
         else:
-            result = run_hf_cb(hf_model, requests, eos_ids)
+            result = run_hf_cb(hf_model, requests, eos_ids, sampling=sampling)
         outputs = [cut_output(o, eos_ids, r) for o, r in zip(result.outputs, requests, strict=True)]
         out_tokens = sum(len(o) for o in outputs)
         rows.append(
@@ -210,7 +228,12 @@ def run_bench(
     for row in rows:
         row["vs_hf_static"] = row["output_tok_s"] / base["output_tok_s"] if base else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"rows": rows, "table": format_table(rows, peak, rss), "peak_gflops": peak}
+    table = format_table(rows, peak, rss)
+    if sampling is not None:
+        table += (
+            f"\nevery system sampled: temperature {sampling.temperature}, top_p {sampling.top_p}"
+        )
+    return {"rows": rows, "table": table, "peak_gflops": peak}
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -13,6 +13,26 @@ import torch
 from runner.workloads import BenchRequest
 
 
+class Sampling(NamedTuple):
+    """How every system of a bench run samples; the bench is greedy (and checked) without it."""
+
+    temperature: float
+    top_p: float
+
+
+def hf_sampling(sampling: Sampling | None) -> dict[str, Any]:
+    """transformers' generate options for `sampling`: its own top-k of 50 is turned off (0), so
+    it filters exactly as the engine does."""
+    if sampling is None:
+        return {"do_sample": False}
+    return {
+        "do_sample": True,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": 0,
+    }
+
+
 class PeerResult(NamedTuple):
     outputs: list[list[int]]  # per request, cut after EOS and at max_tokens
     wall_s: float
@@ -76,7 +96,12 @@ def run_reference(
 
 @torch.inference_mode()
 def run_hf_static(
-    model: Any, requests: list[BenchRequest], eos_ids: set[int], device: str, batch_size: int
+    model: Any,
+    requests: list[BenchRequest],
+    eos_ids: set[int],
+    device: str,
+    batch_size: int,
+    sampling: Sampling | None = None,
 ) -> PeerResult:
     """Classic static batching: left-padded batches of `batch_size`, each runs until its
     longest member is done."""
@@ -99,7 +124,7 @@ def run_hf_static(
             ids.to(device),
             attention_mask=mask.to(device),
             max_new_tokens=max(r.max_tokens for r in batch),
-            do_sample=False,
+            **hf_sampling(sampling),
             eos_token_id=stop_ids(batch, eos_ids),
             pad_token_id=pad,
         )
@@ -110,7 +135,11 @@ def run_hf_static(
 
 @torch.inference_mode()
 def run_hf_cb(
-    model: Any, requests: list[BenchRequest], eos_ids: set[int], block_sharing: bool = True
+    model: Any,
+    requests: list[BenchRequest],
+    eos_ids: set[int],
+    block_sharing: bool = True,
+    sampling: Sampling | None = None,
 ) -> PeerResult:
     """transformers' continuous batching (`generate_batch`), with its prefix block sharing."""
     from transformers import GenerationConfig
@@ -118,7 +147,7 @@ def run_hf_cb(
 
     config = GenerationConfig(
         max_new_tokens=max(r.max_tokens for r in requests),
-        do_sample=False,
+        **hf_sampling(sampling),
         eos_token_id=stop_ids(requests, eos_ids),
         pad_token_id=min(eos_ids),
     )

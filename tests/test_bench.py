@@ -63,3 +63,38 @@ def test_matmul_timer_times_every_product_and_detaches(
     llm.generate([[5, 6, 7]], greedy)
     assert len(stops) == 2 * products_per_pass  # closed: no hook left behind
     assert "compute_logits" not in vars(llm.model)
+
+
+def test_bench_can_sample_in_every_system(tiny_llama_tok_dir: Path) -> None:
+    """With a temperature the engine samples (seeded per request: a rerun repeats itself, and it
+    differs from greedy), the transformers peers sample with their top-k off, and nothing is
+    checked against the greedy reference (hf-cb takes the same options as hf-static)."""
+    from kvcache import LLM
+    from runner.bench import run_engine
+    from runner.bench_peers import Sampling, hf_sampling
+    from runner.workloads import load_workload
+
+    sampling = Sampling(1.5, 0.95)
+    assert hf_sampling(sampling) == {
+        "do_sample": True,
+        "temperature": 1.5,
+        "top_p": 0.95,
+        "top_k": 0,
+    }
+    assert hf_sampling(None) == {"do_sample": False}
+    requests = load_workload("mixed_lengths", LLM(str(tiny_llama_tok_dir)).tokenizer, 6, 4)
+    model = str(tiny_llama_tok_dir)
+    greedy = run_engine(model, requests, "cpu", {})[0].outputs
+    sampled = [run_engine(model, requests, "cpu", {}, sampling)[0].outputs for _ in range(2)]
+    assert sampled[0] == sampled[1] != greedy
+    result = run_bench(
+        "mixed_lengths",
+        ["engine", "hf-static"],
+        model=model,
+        max_tokens=6,
+        limit=4,
+        sampling=sampling,
+    )
+    assert all(row["matches_reference"] is None for row in result["rows"])
+    assert all(row["output_tokens"] == 4 * 6 for row in result["rows"])  # ignore_eos workload
+    assert "every system sampled: temperature 1.5, top_p 0.95" in result["table"]
