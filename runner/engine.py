@@ -203,13 +203,12 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in input order."""
-        batch: list[Prompt]
-        if isinstance(prompts, str) or (
+        single = isinstance(prompts, str) or (
             isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], int)
-        ):
-            batch = [prompts]  # type: ignore[list-item]
-        else:
-            batch = list(prompts)  # type: ignore[arg-type]
+        )
+        batch: list[Prompt] = (
+            [prompts] if single else list(prompts)  # type: ignore[list-item, arg-type]
+        )
         return self._generate_all(batch, params, use_tqdm, cache_salt, chat=False)
 
     def chat(
@@ -221,11 +220,10 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
-        batch: list[Messages]
-        if conversations and isinstance(conversations[0], dict):
-            batch = [conversations]  # type: ignore[list-item]
-        else:
-            batch = list(conversations)  # type: ignore[arg-type]
+        single = bool(conversations) and isinstance(conversations[0], dict)
+        batch: list[Messages] = (
+            [conversations] if single else list(conversations)  # type: ignore[list-item, arg-type]
+        )
         texts: list[Prompt] = [self.apply_chat_template(list(c)) for c in batch]
         return self._generate_all(texts, params, use_tqdm, cache_salt, chat=True)
 
