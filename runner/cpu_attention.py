@@ -29,32 +29,20 @@ def cpu_paged_attention(
     if kernels is None or not kernels.prefill_supported(q, k_cache):
         return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    split = meta._cpu_split
-    if split is None:
-        group = q.shape[1] // k_cache.shape[2]
-        split = meta._cpu_split = CpuSplit.of(
-            meta, kernels.decode_supported(q, k_cache), group, k_cache.shape[1]
-        )
-    if (
-        split.longer is None
-        and split.decode_rows is not None
-        and split.decode_rows.numel() == q.shape[0]
-    ):
+    group = q.shape[1] // k_cache.shape[2]
+    decode_kernel = kernels.decode_supported(q, k_cache)
+    split = CpuSplit.for_step(meta, decode_kernel, group, k_cache.shape[1])
+    if split.longer is None and split.decodes is not None:  # decodes only: q as it is
         return kernels.decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, split.shared_blocks
         )
     out = torch.empty_like(q)
-    if split.decode_rows is not None:
+    if split.decodes is not None:
+        rows, tables, contexts = split.decodes
         decoded = kernels.decode_attention(
-            q.index_select(0, split.decode_rows),
-            k_cache,
-            v_cache,
-            split.decode_tables,
-            split.decode_context_lens,
-            scale,
-            split.shared_blocks,
+            q.index_select(0, rows), k_cache, v_cache, tables, contexts, scale, split.shared_blocks
         )
-        out.index_copy_(0, split.decode_rows, decoded)
+        out.index_copy_(0, rows, decoded)
     if split.longer is not None:
         tables, starts, lens, contexts = split.longer
         kernels.prefill_attention(q, k_cache, v_cache, tables, starts, lens, contexts, out, scale)
@@ -71,13 +59,23 @@ class CpuSplit:
     """A step's sequences for the CPU kernels, built once and shared by every layer: the
     decodes (one new token) for decode_attention, the rest for prefill_attention."""
 
-    decode_rows: torch.Tensor | None  # [Sd] int64: each decode's row of q
-    decode_tables: torch.Tensor | None  # [Sd, max_blocks] int32
-    decode_context_lens: torch.Tensor | None  # [Sd] int32
+    # (each decode's row of q [Sd] int64, block tables [Sd, max_blocks] int32, context
+    # lengths [Sd] int32) of the decodes
+    decodes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     # (block tables, first rows, query lengths, context lengths) of the others, int32
     longer: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
     # Leading blocks common to every decode of the step, worth scoring together.
     shared_blocks: int = 0
+
+    @classmethod
+    def for_step(
+        cls, meta: AttentionMetadata, decode_kernel: bool, group: int, block_size: int
+    ) -> CpuSplit:
+        """The step's split: built by its first layer, kept on `meta` for the others."""
+        if meta._cpu_split is None:
+            meta._cpu_split = cls.of(meta, decode_kernel, group, block_size)
+        split: CpuSplit = meta._cpu_split
+        return split
 
     @classmethod
     def of(
@@ -97,7 +95,7 @@ class CpuSplit:
                 meta.context_lens.index_select(0, others).contiguous(),
             )
         if not decodes.numel():
-            return cls(None, None, None, longer)
+            return cls(None, longer)
         decode_tables = meta.block_tables.index_select(0, decodes).contiguous()
         shared = 0
         # A shared prefix pays when its rows fill a 16-lane tile (decode_attention.c).
@@ -105,10 +103,6 @@ class CpuSplit:
             contexts = meta.context_lens_host
             first_query = [contexts[i] - 1 for i in decodes.tolist()]
             shared = count_shared_blocks(decode_tables, first_query, block_size)
-        return cls(
-            starts.index_select(0, decodes),
-            decode_tables,
-            meta.context_lens.index_select(0, decodes).contiguous(),
-            longer,
-            shared,
-        )
+        rows = starts.index_select(0, decodes)
+        contexts_of_decodes = meta.context_lens.index_select(0, decodes).contiguous()
+        return cls((rows, decode_tables, contexts_of_decodes), longer, shared)

@@ -22,7 +22,7 @@ import torch
 from kvcache.store import KVStore
 from runner.attention import AttentionMetadata
 from runner.cpu_attention import CpuSplit
-from runner.cpu_kernel import LANES, MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM, CpuKernels, StepSplit
+from runner.cpu_kernel import LANES, CpuKernels, StepSplit
 from runner.cpu_linear import PackedLinear
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ class CpuLayers:
         self.eps = layers[0].input_layernorm.eps
         self.scale = layers[0].self_attn.scale
         self.num_layers = len(layers)
+        self._query_probe = _query_probe(self.num_heads, self.head_dim)
         # Per layer, in the order of layers.c's enum; None (NULL) where the model has no such
         # tensor. The tensors stay owned by the model; the array only points at them.
         tensors: list[torch.Tensor | None] = []
@@ -87,14 +88,13 @@ class CpuLayers:
         """The layers in C where the model fits layers.c, else None."""
         if kernels is None or not model.layers:
             return None
-        group = model.num_heads // model.num_kv_heads
         layers = _layers(model)
+        heads = _query_probe(model.num_heads, model.head_dim)
+        one_token_blocks = torch.empty((0, 1, model.num_kv_heads, model.head_dim))
         if not (
             model.hidden_size % LANES == 0
             and layers[0].mlp.intermediate % LANES == 0  # the gated SiLU's vectors
-            and model.head_dim % LANES == 0
-            and model.head_dim <= MAX_HEAD_DIM
-            and group <= MAX_GROUP
+            and kernels.decode_supported(heads, one_token_blocks)  # the attention kernels' heads
         ):
             return None
         eps = {norm.eps for layer in layers for norm in _norms(layer)}
@@ -103,18 +103,17 @@ class CpuLayers:
         return cls(model, kernels)
 
     def takes(self, kv: KVStore, backend: str) -> bool:
-        """Whether steps can run here: the CPU kernels' attention, a float32 store on the CPU
-        with blocks the decode kernel takes, shaped for this model (layers.c reads it by raw
-        offsets: a store of other shapes would be read out of bounds)."""
+        """Whether steps can run here: the CPU kernels' attention, a contiguous store that the
+        decode kernel takes (float32 on the CPU, its block size), shaped for this model
+        (layers.c reads it by raw offsets: a store of other shapes would be read out of
+        bounds)."""
         tensor = kv.tensor
         layers, _, _, _, kv_heads, head_dim = tensor.shape
         return (
             backend == "cpu"
             and (layers, kv_heads, head_dim) == (self.num_layers, self.num_kv_heads, self.head_dim)
-            and tensor.dtype == torch.float32
-            and tensor.device.type == "cpu"
             and tensor.is_contiguous()
-            and kv.block_size <= MAX_BLOCK
+            and self.kernels.decode_supported(self._query_probe, tensor[0, 0])
         )
 
     def run(
@@ -128,10 +127,8 @@ class CpuLayers:
         """Hidden states after the last layer, [T, H] (before the final norm); writes every
         layer's K/V of the T tokens. Check `takes` first."""
         rows = h.shape[0]
-        split = meta._cpu_split
-        if split is None:
-            group = self.num_heads // self.num_kv_heads
-            split = meta._cpu_split = CpuSplit.of(meta, True, group, kv.block_size)
+        group = self.num_heads // self.num_kv_heads
+        split = CpuSplit.for_step(meta, True, group, kv.block_size)
         h = h.contiguous().clone()  # updated in place by every layer
         cos, sin = cos.contiguous(), sin.contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
@@ -168,13 +165,13 @@ class CpuLayers:
 def _step_split(split: CpuSplit) -> StepSplit:
     """The C view of `split`; its tensors are contiguous (CpuSplit.of makes them so)."""
     out = StepSplit()
-    if split.decode_rows is not None:
-        assert split.decode_tables is not None and split.decode_context_lens is not None
-        out.num_decodes = split.decode_rows.numel()
-        out.decode_rows = split.decode_rows.data_ptr()
-        out.decode_tables = split.decode_tables.data_ptr()
-        out.decode_max_blocks = split.decode_tables.shape[1]
-        out.decode_lens = split.decode_context_lens.data_ptr()
+    if split.decodes is not None:
+        rows, tables, contexts = split.decodes
+        out.num_decodes = rows.numel()
+        out.decode_rows = rows.data_ptr()
+        out.decode_tables = tables.data_ptr()
+        out.decode_max_blocks = tables.shape[1]
+        out.decode_lens = contexts.data_ptr()
         out.shared_blocks = split.shared_blocks
     if split.longer is not None:
         tables, starts, lens, contexts = split.longer
@@ -185,6 +182,12 @@ def _step_split(split: CpuSplit) -> StepSplit:
         out.longer_lens = lens.data_ptr()
         out.longer_contexts = contexts.data_ptr()
     return out
+
+
+def _query_probe(num_heads: int, head_dim: int) -> torch.Tensor:
+    """An empty float32 CPU q of the model's heads: the kernels' support checks read shapes,
+    dtypes and devices only, and this asks them about the model's queries."""
+    return torch.empty((0, num_heads, head_dim))
 
 
 def _layers(model: CausalLM) -> list[DecoderLayer]:
