@@ -108,7 +108,7 @@ class BlockManager:
     def can_append(self, request_id: int, num_tokens: int) -> bool:
         """Whether the request's table can grow to hold ``num_tokens`` tokens in total. Pure."""
         missing = self._blocks_for(num_tokens) - len(self._requests[request_id].table)
-        return missing <= self.num_available_blocks()
+        return missing <= 0 or missing <= self.num_available_blocks()
 
     def block_table(self, request_id: int) -> list[int]:
         """A copy of the request's block table. Pure."""
@@ -152,7 +152,7 @@ class BlockManager:
         Mutates the table and the pool (may evict). Raises ValueError when blocks are short."""
         request = self._requests[request_id]
         missing = self._blocks_for(num_tokens) - len(request.table)
-        if missing > self.num_available_blocks():
+        if missing > 0 and missing > self.num_available_blocks():
             raise ValueError(f"request {request_id}: {missing} blocks needed (ask can_append)")
         if missing > 0:
             request.table.extend(self._take_blocks(missing))

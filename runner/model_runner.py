@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvcache import BlockManager
@@ -41,49 +42,54 @@ class ModelRunner:
         """Flatten the batch: token ids [T], positions [T] and the attention metadata.
 
         A chunk starts at `item.start` (the cached or already computed length), so its positions
-        continue the prefix, and its K/V go to slots after the prefix in the block table."""
-        input_ids: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        starts: list[int] = []
-        tables: list[list[int]] = []
-        for item in batch:
-            seq = item.seq
-            end = item.start + item.num_new_tokens
-            tokens = seq.token_ids
-            input_ids.extend(tokens[item.start : end])
-            query_lens.append(item.num_new_tokens)
-            context_lens.append(end)
-            starts.append(item.start)
-            tables.append(self.bm.block_table(seq.seq_id))
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        continue the prefix, and its K/V go to slots after the prefix in the block table.
+
+        Built in numpy on the host: this runs every step, and at 256 decoding sequences torch's
+        per-call overhead and its nested-list conversion of the block tables cost more than the
+        step's GPU work (~1 ms here against ~0.3 ms)."""
+        n = len(batch)
+        query_lens = [item.num_new_tokens for item in batch]
+        starts = [item.start for item in batch]
+        context_lens = [start + q for start, q in zip(starts, query_lens, strict=True)]
+        tables = [self.bm.block_table(item.seq.seq_id) for item in batch]
+        block_tables = np.zeros((n, max(map(len, tables))), dtype=np.int32)
+        for row, table in zip(block_tables, tables, strict=True):
+            row[: len(table)] = table
+        decode_only = all(q == 1 for q in query_lens)
+        if decode_only:  # one token each: the newest, at position `start`
+            input_ids = [item.seq.token_ids[item.start] for item in batch]
+            positions = np.array(starts, dtype=np.int64)
+            seq_index = np.arange(n)
+        else:
+            input_ids = []
+            for item in batch:
+                input_ids.extend(item.seq.token_ids[item.start : item.start + item.num_new_tokens])
+            q_lens = np.array(query_lens, dtype=np.int64)
+            # [T]: which sequence each token belongs to, and its position in that sequence.
+            seq_index = np.repeat(np.arange(n), q_lens)
+            first_token = np.cumsum(q_lens) - q_lens
+            positions = np.array(starts, dtype=np.int64)[seq_index] + (
+                np.arange(len(input_ids)) - first_token[seq_index]
+            )
+        block_ids = block_tables[seq_index, positions // self.block_size].astype(np.int64)
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        query_start_loc = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
 
         dev = self.device
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        # [T]: which sequence each token belongs to, and its position in that sequence.
-        seq_index = torch.repeat_interleave(torch.arange(len(batch)), q_lens)
-        query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-        offsets = torch.arange(len(input_ids)) - query_start_loc[:-1].to(torch.int64)[seq_index]
-        positions = torch.tensor(starts, dtype=torch.int64)[seq_index] + offsets
-        block_tables = torch.tensor(padded, dtype=torch.int32)
-        block_ids = block_tables[seq_index, positions // self.block_size].to(torch.int64)
-        slot_mapping = block_ids * self.block_size + positions % self.block_size
-
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev, non_blocking=True),
-            query_start_loc=query_start_loc.to(dev, non_blocking=True),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
+            slot_mapping=_to(slot_mapping, dev),
+            query_start_loc=_to(query_start_loc, dev),
+            context_lens=_to(np.array(context_lens, dtype=np.int32), dev),
+            block_tables=_to(block_tables, dev),
             query_lens=query_lens,
             context_lens_host=context_lens,
             max_query_len=max(query_lens),
             max_context_len=max(context_lens),
-            decode_only=all(n == 1 for n in query_lens),
+            decode_only=decode_only,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        return ids, positions.to(dev, non_blocking=True), meta
+        ids = _to(np.array(input_ids, dtype=np.int64), dev)
+        return ids, _to(positions, dev), meta
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
@@ -114,3 +120,8 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
         index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, index))
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The host array as a tensor on `device` (shares memory on the CPU)."""
+    return torch.from_numpy(array).to(device, non_blocking=True)

@@ -135,7 +135,11 @@ class Scheduler:
 
     def _schedule_continuous(self, out: SchedulerOutput) -> None:
         budget = self.config.max_num_batched_tokens
-        for seq in [s for s in self.running if not s.in_prefill]:
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for seq in self.running:
+            (prefilling if seq.in_prefill else decoding).append(seq)
+        for seq in decoding:
             if budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
@@ -143,12 +147,15 @@ class Scheduler:
             if self._reserve_decode_slot(seq, out):
                 out.scheduled.append(ScheduledSeq(seq, 1, True, seq.num_computed_tokens))
                 budget -= 1
-        for seq in [s for s in self.running if s.in_prefill]:
+        for seq in prefilling:
             if budget <= 0:
                 break
-            budget -= self._schedule_prefill_chunk(seq, budget, out)
-        inflight = self._inflight_prefix_hashes()
+            if seq.status is SeqStatus.RUNNING:  # not preempted by a decode above
+                budget -= self._schedule_prefill_chunk(seq, budget, out)
+        inflight: set[int] | None = None  # built only when something can be admitted
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
+            if inflight is None:
+                inflight = self._inflight_prefix_hashes()
             chosen = self._pick_next(inflight)
             if chosen is None or not self.bm.can_allocate(chosen.token_ids, chosen.root):
                 break
