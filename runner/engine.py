@@ -133,18 +133,18 @@ class LLM:
             now = time.perf_counter()
             for seq, token in zip(samplers, tokens, strict=True):
                 seq.record_token(token, now)
-                reason = self.stopper.finish_reason(seq, token)
+            reasons = self.stopper.finish_reasons(samplers, tokens)
+            for seq, reason in zip(samplers, reasons, strict=True):
                 if reason is not None:
                     seq.finish_time = now
                     self.scheduler.finish(seq, reason)
                     finished.append(self._output(seq))
                     done.append(seq)
                     self._forget(seq)
-        live = list(self.scheduler.waiting)
         self.recorder.on_step(
             self.scheduler.step_count,
             out,
-            live,
+            list(self.scheduler.waiting),
             self.scheduler.held,
             t_start,
             time.perf_counter() - t_start,

@@ -1,0 +1,157 @@
+"""Stop strings: the tail-decoding checker stops where decoding the whole output every step
+would, at the same token and with the same cut, for byte-level, real BPE and SentencePiece-style
+tokenizers, alone and batched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import tiny_tokenizer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runner.sampling import SamplingParams
+from runner.sequence import Sequence
+from runner.stopping import StopChecker, first_stop
+
+MAX_MODEL_LEN = 10_000
+
+
+def metaspace_tokenizer() -> Any:
+    """SentencePiece-like: pieces '▁x' / 'x' for a few letters, the decoder drops the text's
+    leading space, byte fallback for everything else (ids 5..260)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, "<pad>": 4}
+    vocab.update({f"<0x{b:02X}>": 5 + b for b in range(256)})
+    for ch in "abcdeé\n":
+        vocab[ch] = len(vocab)
+        vocab["▁" + ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def reference_stop(tokenizer: Any, tokens: list[int], stops: list[str]) -> tuple[int, int] | None:
+    """(tokens generated when it stops, text cut): the whole output decoded after each token."""
+    for n in range(1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[:n], skip_special_tokens=True)
+        cut = first_stop(text, tuple(s for s in stops if s))
+        if cut is not None:
+            return n, cut
+    return None
+
+
+def run_checker(
+    tokenizer: Any, outputs: list[list[int]], stops: list[list[str]]
+) -> list[tuple[int, int] | None]:
+    """Feed every output one token a step, all sequences in one batch, like the engine."""
+    checker = StopChecker(None, tokenizer, MAX_MODEL_LEN)
+    seqs = [
+        Sequence(
+            seq_id=i,
+            request_id=str(i),
+            prompt_token_ids=[1],
+            params=SamplingParams(max_tokens=len(out) + 1, stop=stop, ignore_eos=True),
+            root=0,
+        )
+        for i, (out, stop) in enumerate(zip(outputs, stops, strict=True))
+    ]
+    result: list[tuple[int, int] | None] = [None] * len(seqs)
+    going = list(range(len(seqs)))
+    for step in range(max(map(len, outputs))):
+        going = [i for i in going if step < len(outputs[i])]
+        tokens = [outputs[i][step] for i in going]
+        for i, token in zip(going, tokens, strict=True):
+            seqs[i].record_token(token, 0.0)
+        reasons = checker.finish_reasons([seqs[i] for i in going], tokens)
+        for i, reason in zip(list(going), reasons, strict=True):
+            assert reason in (None, "stop")  # max_tokens is out of reach, EOS ignored
+            if reason == "stop":
+                cut = seqs[i].stop_text_cut
+                assert cut is not None
+                result[i] = (step + 1, cut)
+                going.remove(i)
+    return result
+
+
+TOKENIZERS = {"byte_level": tiny_tokenizer, "metaspace": metaspace_tokenizer}
+
+
+@st.composite
+def outputs_and_stops(
+    draw: st.DrawFn, vocab: int, special: list[int]
+) -> tuple[list[list[int]], list[list[str]]]:
+    """A few outputs of random ids, special ones often (a decode drops them, so a stop string
+    can span many tokens), and for each some short stop strings."""
+    ids = st.one_of(st.integers(0, vocab - 1), st.sampled_from(special))
+    outputs = draw(st.lists(st.lists(ids, min_size=1, max_size=40), min_size=1, max_size=4))
+    stops = []
+    for _ in outputs:
+        texts = st.text(alphabet="abcé\n ", min_size=1, max_size=4)
+        stops.append(draw(st.lists(texts, min_size=1, max_size=3)))
+    return outputs, stops
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_tail_check_stops_where_a_full_decode_does(name: str, data: st.DataObject) -> None:
+    tokenizer = TOKENIZERS[name]()
+    outputs, stops = data.draw(outputs_and_stops(len(tokenizer), tokenizer.all_special_ids))
+    # Stop strings taken from the outputs' own text, so stops are actually hit.
+    for out, stop in zip(outputs, stops, strict=True):
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        if len(text) >= 2:
+            start = data.draw(st.integers(0, len(text) - 2))
+            stop.append(text[start : start + data.draw(st.integers(1, 6))])
+    expected = [reference_stop(tokenizer, out, s) for out, s in zip(outputs, stops, strict=True)]
+    assert run_checker(tokenizer, outputs, stops) == expected
+
+
+def test_real_tokenizer_stops_on_multibyte_and_newline_strings(default_model_dir: Path) -> None:
+    from runner.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_dir)
+    text = "Café au lait ☕ costs 3€.\n\nUser: and tea? 🍵 Also fine.\n\nUser: bye"
+    tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+    cases = [["\n\nUser:"], ["☕"], ["🍵", "tea"], ["€."], ["not there"], ["bye", "Café"]]
+    outputs = [tokens] * len(cases)
+    expected = [reference_stop(tokenizer, tokens, s) for s in cases]
+    assert expected[4] is None and all(e is not None for i, e in enumerate(expected) if i != 4)
+    assert run_checker(tokenizer, outputs, cases) == expected
+
+
+def test_a_long_output_decodes_only_its_tail_each_step() -> None:
+    tokenizer = tiny_tokenizer()
+    decoded: list[int] = []
+    batch_decode = tokenizer.batch_decode
+
+    def counting(seqs: list[list[int]], **kw: Any) -> list[str]:
+        decoded.extend(len(s) for s in seqs)
+        return list(batch_decode(seqs, **kw))
+
+    tokenizer.batch_decode = counting
+    out = tokenizer("x" * 500, add_special_tokens=False)["input_ids"]
+    assert run_checker(tokenizer, [out], [["STOP"]]) == [None]
+    assert len(decoded) == 500 and max(decoded) == len("STOP") + 8
+
+
+def test_a_stop_string_split_by_many_special_tokens_is_found() -> None:
+    tokenizer = tiny_tokenizer()
+    a, b = tokenizer("ab", add_special_tokens=False)["input_ids"]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    output = [a] + [bos, eos] * 20 + [b]  # decodes to "ab": the specials are skipped
+    assert run_checker(tokenizer, [output], [["ab"]]) == [(len(output), 0)]
