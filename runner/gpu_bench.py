@@ -77,6 +77,7 @@ def run_kvcache(
     _sync(device)
     wall = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
+    steps = [s for s in llm.recorder.steps if s["t_start_s"] >= start - llm.recorder.t0]
     result = {
         "wall_s": wall,
         "startup_s": startup,
@@ -87,10 +88,31 @@ def run_kvcache(
         # Whether decode graphs were captured, and how many timed steps replayed one.
         "cuda_graphs": graphs is not None,
         "cuda_graph_replays": (graphs.num_replays - replays_before) if graphs is not None else 0,
+        **step_times(steps),
     }
     del llm, outs, graphs
     _release(device)
     return result
+
+
+def step_times(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the timed run's wall time went, from the engine's per-step records: steps that only
+    decode (their median time and batch, to set against the KV bytes a step reads) and steps
+    that prefill."""
+    decode = [s for s in steps if not s["num_prefill_tokens"]]
+    prefill = [s for s in steps if s["num_prefill_tokens"]]
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2] if values else 0.0
+
+    return {
+        "decode_steps": len(decode),
+        "decode_s": sum(s["duration_s"] for s in decode),
+        "decode_step_ms_median": 1e3 * median([s["duration_s"] for s in decode]),
+        "decode_batch_median": median([s["num_decode_tokens"] for s in decode]),
+        "prefill_steps": len(prefill),
+        "prefill_s": sum(s["duration_s"] for s in prefill),
+    }
 
 
 @torch.inference_mode()

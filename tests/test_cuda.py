@@ -102,6 +102,10 @@ def test_gpu_bench_quick_cpu(tmp_path: Path) -> None:
     assert report["kvcache"]["output_tokens"] == report["workload"]["output_tokens"]
     assert report["hf_generate_batch"]["output_tokens"] == report["workload"]["output_tokens"]
     assert report["ratio"]["kvcache_over_hf"] > 0
+    timed = report["kvcache"]  # every timed step is a decode-only or a prefill step
+    assert timed["decode_steps"] > 0 and timed["prefill_steps"] > 0
+    assert 0 < timed["decode_s"] + timed["prefill_s"] <= timed["wall_s"]
+    assert 1 <= timed["decode_batch_median"] <= report["workload"]["num_seqs"]
 
 
 # ---------------------------------------------------------------- decode graphs (CPU + CUDA)
