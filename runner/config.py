@@ -38,6 +38,10 @@ class EngineConfig:
     # built with the system compiler where they can be (runner/cpu_kernel_loader.py); else
     # oneDNN products and torch's attention.
     cpu_kernels: bool = True
+    # Keep every step's row and every finished request's timings for `LLM.metrics()` and
+    # `kvcache report`: about 120 bytes per generated token, so a long-lived engine that needs
+    # no report turns it off to keep its memory flat.
+    record_metrics: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

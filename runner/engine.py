@@ -39,19 +39,17 @@ class LLM:
         self.device = parts.device
         self.max_model_len = parts.max_model_len
         self.kv, self.block_manager, self.runner = parts.kv, parts.block_manager, parts.runner
-        text_cfg = self.hf_config
-        num_blocks = self.block_manager.num_blocks
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
         self.validator = RequestValidator(
-            vocab_size=int(text_cfg.vocab_size),
+            vocab_size=int(self.hf_config.vocab_size),
             max_model_len=self.max_model_len,
-            pool_tokens=num_blocks * self.config.block_size,
+            pool_tokens=self.block_manager.num_blocks * self.config.block_size,
             block_size=self.config.block_size,
             has_tokenizer=self.tokenizer is not None,
         )
-        self.stopper = StopChecker(text_cfg, self.tokenizer, self.max_model_len)
+        self.stopper = StopChecker(self.hf_config, self.tokenizer, self.max_model_len)
         self.eos_ids = self.stopper.eos_ids
-        self.recorder = MetricsRecorder()
+        self.recorder = MetricsRecorder(record=self.config.record_metrics)
         self._seq_ids = itertools.count()
         self._rng = torch.Generator().manual_seed(seed)  # seeds requests' streams (CPU)
         self._roots: dict[str | None, int] = {}
@@ -287,6 +285,8 @@ class LLM:
         }
 
     def metrics(self) -> dict[str, Any]:
+        if not self.recorder.record:
+            raise ValueError("this LLM records no metrics: create it with record_metrics=True")
         header = {
             "model": self.config.model or "SmolLM2-135M-Instruct (default)",
             "batching": self.config.batching,

@@ -11,10 +11,12 @@ from runner.sequence import SeqStatus, Sequence
 
 
 class MetricsRecorder:
-    """Keeps one row per step and per request. Cost per step is O(live requests)."""
+    """Keeps one row per step and per request. Cost per step is O(live requests); memory grows
+    with every step and generated token, so `record=False` keeps nothing (`request_record`,
+    pure, still times each output)."""
 
-    def __init__(self, record_steps: bool = True) -> None:
-        self.record_steps = record_steps
+    def __init__(self, record: bool = True) -> None:
+        self.record = record
         self.t0 = time.perf_counter()
         self.steps: list[dict[str, Any]] = []
         # A live request is its Sequence; a finished one shrinks to its report row, so a
@@ -24,6 +26,8 @@ class MetricsRecorder:
         self.prefix_keys: dict[int, str] = {}
 
     def add_request(self, seq: Sequence, prefix_key: str) -> None:
+        if not self.record:
+            return
         self.index[seq.seq_id] = len(self.requests)
         self.requests.append(seq)
         self.prefix_keys[seq.seq_id] = prefix_key
@@ -45,7 +49,7 @@ class MetricsRecorder:
         duration: float,
         stats: CacheStats,
     ) -> None:
-        if not self.record_steps:
+        if not self.record:
             return
         admitted = {s.seq_id for s in out.admitted}
         states: dict[str, str] = {}

@@ -32,7 +32,7 @@ def run_soak(
     chunk: int = 1000,
     check_every: int = 1,
     max_rss_growth: float | None = 0.10,
-    record_steps: bool = True,
+    record_metrics: bool = True,
     batching: str = "continuous",
     max_num_batched_tokens: int = 2048,
 ) -> SoakReport:
@@ -46,8 +46,8 @@ def run_soak(
         seed=seed,
         batching=batching,
         max_num_batched_tokens=max_num_batched_tokens,
+        record_metrics=record_metrics,
     )
-    llm.recorder.record_steps = record_steps
     counter = FirstAdmissionCounter(llm.scheduler)
     workload = Workload(seed, max_prompt=min(max_prompt, 80))
     rep = SoakReport(requests=requests, num_blocks=num_kv_blocks)

@@ -54,7 +54,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step budget")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny model: 1)")
     p.add_argument(
-        "--no-record-steps", action="store_true", help="turn off the per-step metrics rows"
+        "--no-metrics", action="store_true", help="record no per-step or per-request metrics"
     )
     return p.parse_args(argv)
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk=args.chunk,
             check_every=args.check_every,
             max_rss_growth=args.max_rss_growth,
-            record_steps=not args.no_record_steps,
+            record_metrics=not args.no_metrics,
             batching=args.batching,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )

@@ -518,3 +518,22 @@ def test_a_failed_step_reports_error_in_output_and_metrics(
     assert all(rows[o.request_id]["finish_reason"] == "error" for o in failed)
     assert [o.token_ids for o in llm.generate(good_prompts, GREEDY)] == good_refs
     assert_idle_and_sound(llm)
+
+
+def test_an_engine_recording_no_metrics_keeps_nothing_per_step(tiny_llama_dir: Path) -> None:
+    """A long-lived engine that needs no report keeps flat memory: no step rows, no request
+    rows; each output still carries its own timings, and metrics() says how to turn it on."""
+    engine = LLM(str(tiny_llama_dir), record_metrics=False)
+    recording = LLM(str(tiny_llama_dir))
+    prompts = [[5 + i, 6, 7, 8] for i in range(6)]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    for _ in range(3):
+        outs = engine.generate(prompts, params)
+        expected = recording.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert all(len(o.metrics["itl_s"]) == 4 for o in outs)
+    rec = engine.recorder
+    assert not rec.steps and not rec.requests and not rec.index and not rec.prefix_keys
+    with pytest.raises(ValueError, match="record_metrics=True"):
+        engine.metrics()
+    assert len(recording.metrics()["steps"]) > 0 and len(recording.metrics()["requests"]) == 18
