@@ -8,12 +8,13 @@ safetensors directly into our CausalLM, never instantiating transformers' model.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import xxhash
+from torch.overrides import TorchFunctionMode
 
 from runner.gguf import convert_gguf, default_gguf_path
 from runner.model import CausalLM, resolve_architecture
@@ -52,15 +53,16 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, dev)
     folder = resolve_model_dir(model)
     config = read_config(folder)
-    weights = SafetensorsWeights(weight_files(folder))
-    with torch.device("meta"):
-        net = CausalLM(config)  # validates the architecture before any weight is read
-    net = net.to(dtype=torch_dtype).to_empty(device=dev)
-    net.init_rope_cache()
-    net.load_hf_state_dict(weights)
+    files = weight_files(folder)
+    with SafetensorsWeights(files) as weights:  # the files are unmapped once copied
+        with SkipMetaInit(), torch.device("meta"):
+            net = CausalLM(config)  # validates the architecture before any weight is read
+        net = net.to(dtype=torch_dtype).to_empty(device=dev)
+        net.init_rope_cache()
+        net.load_hf_state_dict(weights)
     net.eval().requires_grad_(False)
-    tokenizer = load_tokenizer(folder)
-    return LoadedModel(net, config, tokenizer, fingerprint(folder, weights.files), folder)
+    tokenizer = load_tokenizer(folder, config)
+    return LoadedModel(net, config, tokenizer, fingerprint(folder, files), folder)
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
@@ -131,9 +133,49 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
+# torch.nn.init's random fills and the tensor methods they end in.
+_RANDOM_INITS = frozenset(
+    {
+        "normal_",
+        "uniform_",
+        "trunc_normal_",
+        "kaiming_normal_",
+        "kaiming_uniform_",
+        "xavier_normal_",
+        "xavier_uniform_",
+    }
+)
+
+
+class SkipMetaInit(TorchFunctionMode):
+    """While active, a random initialisation of a meta tensor returns it untouched: a meta
+    tensor holds no values to draw. Torch would run nn.Embedding's `normal_` through its Python
+    reference, which first imports the compiler (torch._dynamo): ~0.6 s of start-up for values
+    that the weights overwrite anyway. It sees `torch.nn.init.normal_` (say) before the tensor
+    method it calls, so both names are matched."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        first = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes `tensor=`
+        if (
+            getattr(func, "__name__", None) in _RANDOM_INITS
+            and isinstance(first, torch.Tensor)
+            and first.is_meta
+        ):
+            return first
+        return func(*args, **kwargs)
+
+
 class SafetensorsWeights(Mapping[str, torch.Tensor]):
     """Lazy name -> tensor view over safetensors files; a tensor is read when asked for,
-    so loading holds one tensor at a time beside the model."""
+    so loading holds one tensor at a time beside the model. As a context manager it closes
+    the files (and their memory maps) on exit, instead of whenever it is collected."""
 
     def __init__(self, files: list[Path]) -> None:
         from safetensors import safe_open
@@ -165,28 +207,43 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._where)
 
+    def __enter__(self) -> SafetensorsWeights:
+        return self
 
-def load_tokenizer(folder: Path) -> Any | None:
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the open files; tensors already read keep what they need."""
+        self._handles.clear()
+
+
+def load_tokenizer(folder: Path, config: Any = None) -> Any | None:
+    """The folder's tokenizer, None when it has none. `config`, the folder's config when the
+    caller has read it already, spares AutoTokenizer reading config.json a second time."""
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(folder), config=config, local_files_only=True)
     except Exception as e:
         raise ValueError(f"cannot load the tokenizer in {folder}: {e}") from e
 
 
 def fingerprint(folder: Path, files: list[Path]) -> str:
     """`<folder name>@<16 hex>` over the resolved folder, config.json and the weight files'
-    bytes, so weights rewritten in place get another prefix-cache namespace. xxh3 reads about
-    0.5 GB in 0.1 s from the page cache, which the load fills anyway."""
+    bytes, so weights rewritten in place get another prefix-cache namespace. The bytes come
+    from the page cache (which the load fills anyway) through one reused 1 MiB buffer that
+    stays in the CPU cache: 0.5 GB in about half the time of reading fresh 16 MiB chunks."""
     h = xxhash.xxh3_128()
     h.update(str(folder.resolve()).encode())
     h.update((folder / "config.json").read_bytes())
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
     for f in files:
         h.update(f"{f.name}\0".encode())
-        with f.open("rb") as stream:
-            while chunk := stream.read(1 << 24):
-                h.update(chunk)
+        with f.open("rb", buffering=0) as stream:
+            while n := stream.readinto(buffer):
+                h.update(view[:n])
     return f"{folder.name}@{h.hexdigest()[:16]}"

@@ -3,6 +3,7 @@ output file, --resume finishes a killed run without duplicates, and reports read
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -161,3 +162,22 @@ def test_metrics_and_report(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "hit rate" in result.output.lower()
     assert html.stat().st_size > 1000
+
+
+def test_generate_leaves_the_collector_as_it_found_it(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Start-up runs without the cyclic collector; an in-process caller gets it back as it was,
+    with nothing frozen."""
+    src = write_lines(tmp_path / "in.jsonl", [good(0)])
+    args = ["generate", str(src), "--model", str(tiny_llama_dir), "--max-tokens", "2"]
+    assert gc.isenabled()
+    assert CliRunner().invoke(main, args).exit_code == 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    bad = CliRunner().invoke(main, ["generate", str(src), "--model", str(tmp_path / "none")])
+    assert bad.exit_code == 1 and "not found" in bad.output
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        assert CliRunner().invoke(main, args).exit_code == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
