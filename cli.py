@@ -37,7 +37,9 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("input_path", metavar="INPUT", type=click.Path(allow_dash=True))
+@click.argument(
+    "input_path", metavar="INPUT", type=click.Path(exists=True, dir_okay=False, allow_dash=True)
+)
 @click.option(
     "-o",
     "--output",
@@ -93,6 +95,7 @@ def generate(
     top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos) and cache_salt."""
     if resume and output_path is None:
         raise click.UsageError("--resume needs -o OUTPUT")
+    _check_paths(input_path, output_path, metrics_path)
     defaults: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": temperature,
@@ -108,10 +111,16 @@ def generate(
         "max_num_batched_tokens": max_num_batched_tokens,
         "num_kv_blocks": num_kv_blocks,
         "device": device,
+        "record_metrics": bool(metrics_path),  # else memory would grow with every token
     }
     with start_up_without_gc():
         from runner.batch_run import BatchRun
+        from runner.sampling import SamplingParams
 
+        try:  # a bad default would fail every line: say so once, before loading the model
+            SamplingParams(**defaults)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from err
         try:
             run = BatchRun(model, engine_options, defaults)
         except ValueError as err:
@@ -121,6 +130,18 @@ def generate(
         Path(metrics_path).write_text(json.dumps(run.llm.metrics()))
         click.echo(f"metrics written to {metrics_path}", err=True)
     sys.exit(code)
+
+
+def _check_paths(input_path: str, output_path: str | None, metrics_path: str | None) -> None:
+    """Fail before the model loads: an OUTPUT that is INPUT (it would be deleted), or an
+    output folder that does not exist (the run would crash at its first or last write)."""
+    for option, path in (("-o OUTPUT", output_path), ("--metrics", metrics_path)):
+        if path is None:
+            continue
+        if input_path != "-" and Path(path).resolve() == Path(input_path).resolve():
+            raise click.UsageError(f"{option} {path} is the input file; pick another path")
+        if not Path(path).resolve().parent.is_dir():
+            raise click.UsageError(f"{option}: folder {Path(path).parent} does not exist")
 
 
 @main.command()
@@ -153,7 +174,7 @@ def report(metrics_path: str, html_path: str | None) -> None:
     "--workload",
     default="shared_system_prompt",
     show_default=True,
-    help="A data/ workload name, or 'all'; 'core' runs the block-manager micro-bench.",
+    help="A data/ workload name or .jsonl file; 'core' runs the block-manager micro-bench.",
 )
 @click.option(
     "--systems",
@@ -214,13 +235,26 @@ def bench(
 
         core_main()
         return
-    from runner.bench import run_bench
+    from runner.bench import ENGINE_SYSTEMS, run_bench
     from runner.bench_peers import Sampling
+    from runner.workloads import workload_path
+
+    system_list = [s.strip() for s in systems.split(",") if s.strip()]
+    unknown = [s for s in system_list if s not in (*ENGINE_SYSTEMS, "hf-static", "hf-cb")]
+    if unknown:
+        raise click.UsageError(
+            f"unknown system(s) {', '.join(unknown)}; known: "
+            + ", ".join([*ENGINE_SYSTEMS, "hf-static", "hf-cb"])
+        )
+    try:
+        workload_path(workload)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from err
 
     start = time.perf_counter()
     result = run_bench(
         workload=workload,
-        systems=[s.strip() for s in systems.split(",") if s.strip()],
+        systems=system_list,
         model=model,
         max_tokens=max_tokens,
         limit=limit,

@@ -46,6 +46,8 @@ def read_lines(stream: IO[bytes], is_text_file: bool) -> Iterator[tuple[int, str
 
     Decoding is per line, so one line that is not UTF-8 fails alone."""
     for line_no, raw in enumerate(stream, start=1):
+        if line_no == 1:
+            raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows editors)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -139,18 +141,26 @@ class ResultWriter:
 
 
 def _recover(path: Path) -> set[str]:
-    """Ids already in `path`; cut a last line that a crash left half written."""
+    """Ids already generated in `path`. Cuts a last line that a crash left half written, and
+    drops error records, so that their lines run again (an input line fixed since, a failed
+    engine step) instead of being skipped as done, and are not written twice."""
     data = path.read_bytes()
     keep = data.rfind(b"\n") + 1
-    if keep < len(data):
-        with path.open("r+b") as f:
-            f.truncate(keep)
     done: set[str] = set()
-    for raw in data[:keep].splitlines():
+    kept: list[bytes] = []
+    for raw in data[:keep].splitlines(keepends=True):
         try:
             record = json.loads(raw)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and "id" in record:
+        if isinstance(record, dict) and "id" in record and "error" not in record:
             done.add(str(record["id"]))
+            kept.append(raw)
+    if b"".join(kept) != data:  # rewritten whole, then swapped in: a crash here loses nothing
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("wb") as f:
+            f.write(b"".join(kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     return done

@@ -116,7 +116,11 @@ class BatchRun:
         start: float,
     ) -> None:
         writer.write({**out.to_record(), "line": line_of[out.request_id]})
-        self.num_done += 1
+        if out.error is not None:  # its engine step failed: an error, not a result
+            self.num_errors += 1
+            tqdm.write(f"error: line {line_of[out.request_id]}: {out.error}", file=sys.stderr)
+        else:
+            self.num_done += 1
         self.output_tokens += len(out.token_ids)
         elapsed = max(time.perf_counter() - start, 1e-9)
         bar.update(1)
@@ -150,7 +154,8 @@ class PrintWriter:
     def write(self, record: dict[str, Any]) -> None:
         body = record["error"] if "error" in record else record["text"]
         tag = "error" if "error" in record else record["finish_reason"]
-        print(f"[{record['id']}] ({tag}) {body!r}", flush=True)
+        tqdm.write(f"[{record['id']}] ({tag}) {body!r}", file=sys.stdout)  # not across the bar
+        sys.stdout.flush()
 
     def close(self) -> None:
         pass

@@ -16,14 +16,20 @@ from runner.config import EngineConfig
 from runner.engine_setup import build_engine_parts
 from runner.metrics import MetricsRecorder
 from runner.outputs import RequestOutput
-from runner.requests import RequestValidator, prompt_token_ids
+from runner.requests import (
+    Messages,
+    Prompt,
+    RequestValidator,
+    conversation_batch,
+    params_per_prompt,
+    prompt_batch,
+    prompt_token_ids,
+    render_chat,
+)
 from runner.sampling import SamplingParams, request_generator, sample
 from runner.scheduler import Scheduler, SchedulerOutput
 from runner.sequence import SeqStatus, Sequence
 from runner.stopping import StopChecker
-
-Prompt = str | list[int]
-Messages = list[dict[str, str]]
 
 
 class LLM:
@@ -57,13 +63,7 @@ class LLM:
 
     # ------------------------------------------------------------------ requests
     def apply_chat_template(self, messages: Messages) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template: pass prompt text instead")
-        RequestValidator.check_messages(messages)
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return str(text)
+        return render_chat(self.tokenizer, messages)
 
     def add_request(
         self,
@@ -201,12 +201,7 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in input order."""
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], int)
-        )
-        batch: list[Prompt] = (
-            [prompts] if single else list(prompts)  # type: ignore[list-item, arg-type]
-        )
+        batch = prompt_batch(prompts)
         return self._generate_all(batch, params, use_tqdm, cache_salt, chat=False)
 
     def chat(
@@ -218,11 +213,9 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
-        single = bool(conversations) and isinstance(conversations[0], dict)
-        batch: list[Messages] = (
-            [conversations] if single else list(conversations)  # type: ignore[list-item, arg-type]
-        )
-        texts: list[Prompt] = [self.apply_chat_template(list(c)) for c in batch]
+        texts: list[Prompt] = [
+            self.apply_chat_template(list(c)) for c in conversation_batch(conversations)
+        ]
         return self._generate_all(texts, params, use_tqdm, cache_salt, chat=True)
 
     def _generate_all(
@@ -233,12 +226,7 @@ class LLM:
         cache_salt: str | None,
         chat: bool,
     ) -> list[RequestOutput]:
-        if params is None or isinstance(params, SamplingParams):
-            param_list = [params or SamplingParams()] * len(prompts)
-        else:
-            param_list = list(params)
-            if len(param_list) != len(prompts):
-                raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts")
+        param_list = params_per_prompt(params, len(prompts))
         # Validate everything before queueing anything, so one bad prompt leaves no orphans.
         order: dict[int, int] = {}
         seqs = []

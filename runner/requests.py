@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from runner.sampling import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -75,3 +79,51 @@ def prompt_token_ids(prompt: object, tokenizer: Any, add_special_tokens: bool) -
     if isinstance(prompt, list | tuple):
         return list(prompt)
     raise ValueError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
+
+
+def prompt_batch(prompts: Any) -> list[Prompt]:
+    """`generate`'s prompts as a list: one text or one list of ids is a batch of one."""
+    if not isinstance(prompts, str | list | tuple):
+        raise ValueError(
+            f"prompts must be text, token ids or a list of them, got {type(prompts).__name__}"
+        )
+    single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+    return [prompts] if single else list(prompts)  # type: ignore[list-item]
+
+
+def conversation_batch(conversations: Any) -> list[Messages]:
+    """`chat`'s conversations as a list: one list of messages is a batch of one."""
+    if not isinstance(conversations, list | tuple):
+        raise ValueError(
+            "conversations must be a list of {role, content} messages or a list of such "
+            f"lists, got {type(conversations).__name__}"
+        )
+    single = bool(conversations) and isinstance(conversations[0], dict)
+    return [list(conversations)] if single else list(conversations)
+
+
+def params_per_prompt(params: Any, num_prompts: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: None (defaults) or one for all, or a list of that length."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * num_prompts
+    if not isinstance(params, Sequence) or isinstance(params, str):
+        raise ValueError(
+            f"params must be SamplingParams or a list of them, got {type(params).__name__}"
+        )
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
+    return list(params)
+
+
+def render_chat(tokenizer: Any, messages: Messages) -> str:
+    """The prompt text of one conversation, through the model's chat template."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer, so no chat template: pass token ids")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template: pass prompt text instead")
+    RequestValidator.check_messages(messages)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # jinja's TemplateError: "roles must alternate", ...
+        raise ValueError(f"the chat template rejected the messages: {err}") from err
+    return str(text)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from click.testing import CliRunner
 
@@ -181,3 +182,65 @@ def test_generate_leaves_the_collector_as_it_found_it(tiny_llama_dir: Path, tmp_
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def gen_args(src: Path, out: Path, model: Path, *extra: str) -> list[str]:
+    return ["generate", str(src), "-o", str(out), "--model", str(model), *extra]
+
+
+def test_output_that_is_the_input_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good(0)])
+    before = src.read_bytes()
+    result = CliRunner().invoke(main, gen_args(src, src, tiny_llama_dir))
+    assert result.exit_code == 2 and "input file" in result.output
+    assert src.read_bytes() == before
+    result = CliRunner().invoke(main, gen_args(src, tmp_path / "no" / "o.jsonl", tiny_llama_dir))
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_bad_default_is_one_usage_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good(0), good(1)])
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(main, gen_args(src, out, tiny_llama_dir, "--temperature", "-1"))
+    assert result.exit_code == 2 and "temperature" in result.output
+    assert not out.exists()
+
+
+def test_resume_reruns_error_records(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """An error record is not a result: --resume runs the line again (fixed since), and the
+    output ends with each id once, and no stale error."""
+    out = tmp_path / "out.jsonl"
+    src = write_lines(tmp_path / "in.jsonl", [good(0), b"\xff not utf-8", b"{oops", good(3)])
+    args = gen_args(src, out, tiny_llama_dir, "--max-tokens", "3")
+    assert CliRunner().invoke(main, args).exit_code == 1
+    assert sum("error" in r for r in records(out)) == 2
+    write_lines(src, [good(0), good(1), good(2), good(3)])
+    result = CliRunner().invoke(main, [*args, "--resume"])
+    assert result.exit_code == 0, result.output
+    recs = records(out)
+    assert sorted(r["id"] for r in recs) == ["r0", "r1", "r2", "r3"]
+    assert not any("error" in r for r in recs)
+
+
+def test_utf8_bom_is_ignored(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + good(0) + b"\n")
+    out = tmp_path / "out.jsonl"
+    assert CliRunner().invoke(main, gen_args(src, out, tiny_llama_dir)).exit_code == 0
+    assert [r["id"] for r in records(out)] == ["r0"]
+
+
+def test_failed_engine_step_sets_exit_code(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: Any
+) -> None:
+    from runner.model_runner import ModelRunner
+
+    def boom(self: ModelRunner, batch: Any) -> Any:
+        raise RuntimeError("simulated step failure")
+
+    monkeypatch.setattr(ModelRunner, "run", boom)
+    src = write_lines(tmp_path / "in.jsonl", [good(0)])
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(main, gen_args(src, out, tiny_llama_dir))
+    assert result.exit_code == 1, result.output
+    assert records(out)[0]["finish_reason"] == "error"

@@ -537,3 +537,34 @@ def test_an_engine_recording_no_metrics_keeps_nothing_per_step(tiny_llama_dir: P
     with pytest.raises(ValueError, match="record_metrics=True"):
         engine.metrics()
     assert len(recording.metrics()["steps"]) > 0 and len(recording.metrics()["requests"]) == 18
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda llm: llm.generate(None),
+        lambda llm: llm.generate([[5, 6]], {"max_tokens": 3}),
+        lambda llm: llm.chat({"role": "user", "content": "hi"}),
+    ],
+    ids=["prompts-none", "params-dict", "chat-one-message-dict"],
+)
+def test_wrong_container_types_are_value_errors(tiny_llama_tok_dir: Path, call: Any) -> None:
+    llm = LLM(str(tiny_llama_tok_dir))
+    with pytest.raises(ValueError, match="must be"):
+        call(llm)
+
+
+def test_chat_template_that_raises_is_a_value_error(
+    tiny_llama_tok_dir: Path, monkeypatch: Any
+) -> None:
+    """Templates of Llama-2 / Mistral style raise for roles that do not alternate."""
+    from jinja2.exceptions import TemplateError
+
+    llm = LLM(str(tiny_llama_tok_dir))
+
+    def strict(*args: Any, **kwargs: Any) -> str:
+        raise TemplateError("Conversation roles must alternate user/assistant/user/assistant")
+
+    monkeypatch.setattr(llm.tokenizer, "apply_chat_template", strict)
+    with pytest.raises(ValueError, match="roles must alternate"):
+        llm.chat([{"role": "assistant", "content": "hi"}])
