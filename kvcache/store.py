@@ -9,6 +9,9 @@ block ids and this store is where those ids point. Layout:
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 
@@ -41,20 +44,11 @@ class KVStore:
         self.head_dim = int(head_dim)
         self.dtype = dtype
         self.device = torch.device(device)
-        # Zeros, not empty: attention reads whole blocks (padding slots and block 0 of
-        # padded tables) and masks them; NaN garbage would survive a mask (0 * NaN = NaN).
-        self.tensor = torch.zeros(
-            (
-                self.num_layers,
-                2,
-                self.num_blocks,
-                self.block_size,
-                self.num_kv_heads,
-                self.head_dim,
-            ),
-            dtype=dtype,
-            device=self.device,
-        )  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads)
+        # [layers, 2, blocks, block_size, kv_heads, head_dim]. Zeros, not empty: attention
+        # reads whole blocks (padding slots and block 0 of padded tables) and masks them; NaN
+        # garbage would survive a mask (0 * NaN = NaN).
+        self.tensor = _zeros(shape + (self.head_dim,), dtype, self.device)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of layer i, each [blocks, block_size, kv_heads, head_dim] (views)."""
@@ -96,3 +90,14 @@ class KVStore:
             f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device}, "
             f"{self.nbytes / 2**20:.1f} MiB)"
         )
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On the CPU it lives in an anonymous mapping, which the kernel zeroes
+    page by page on first touch: start-up does not write the whole pool (a second for a few
+    GiB), and only the blocks ever used take memory."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)

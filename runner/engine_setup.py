@@ -9,6 +9,7 @@ import torch
 from kvcache import BlockManager
 from kvcache.store import KVStore
 from runner.config import EngineConfig
+from runner.cpu_allocator import keep_step_buffers_in_heap
 from runner.cpu_prepack import prepack_for_cpu
 from runner.loader import LoadedModel, load_model
 from runner.memory import kv_pool_blocks
@@ -37,6 +38,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
     dtype = getattr(torch, config.dtype) if config.dtype else None
+    if device.type == "cpu":
+        keep_step_buffers_in_heap()
     loaded = load_model(config.model, device=str(device), dtype=dtype)
     model, hf = loaded.model, loaded.config
     if config.attention_backend is not None:
