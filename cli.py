@@ -69,6 +69,7 @@ def main() -> None:
     help="Write a JSON record of the run for `kvcache report`.",
 )
 @click.option("--resume", is_flag=True, help="Skip ids already in OUTPUT and append the rest.")
+@click.option("--overwrite", is_flag=True, help="Replace an OUTPUT that holds results.")
 def generate(
     input_path: str,
     output_path: str | None,
@@ -87,15 +88,19 @@ def generate(
     device: str,
     metrics_path: str | None,
     resume: bool,
+    overwrite: bool,
 ) -> None:
     """Generate for every request in INPUT (JSONL, .txt, or - for stdin).
 
     Greedy by default (--temperature 0). Each JSONL line holds one of prompt / messages /
     prompt_token_ids, an optional id, and optional sampling fields (max_tokens, temperature,
     top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos) and cache_salt."""
-    if resume and output_path is None:
-        raise click.UsageError("--resume needs -o OUTPUT")
-    _check_paths(input_path, output_path, metrics_path)
+    from runner.batch_paths import check_paths
+
+    try:  # before the model loads: a wrong path costs nothing yet
+        check_paths(input_path, output_path, metrics_path, resume=resume, overwrite=overwrite)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from err
     defaults: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": temperature,
@@ -125,23 +130,14 @@ def generate(
             run = BatchRun(model, engine_options, defaults)
         except ValueError as err:
             raise click.ClickException(str(err)) from err
+        except KeyboardInterrupt:
+            click.echo("interrupted while loading the model; nothing was generated", err=True)
+            sys.exit(130)
     code = run.execute(input_path, Path(output_path) if output_path else None, resume=resume)
     if metrics_path:
         Path(metrics_path).write_text(json.dumps(run.llm.metrics()))
         click.echo(f"metrics written to {metrics_path}", err=True)
     sys.exit(code)
-
-
-def _check_paths(input_path: str, output_path: str | None, metrics_path: str | None) -> None:
-    """Fail before the model loads: an OUTPUT that is INPUT (it would be deleted), or an
-    output folder that does not exist (the run would crash at its first or last write)."""
-    for option, path in (("-o OUTPUT", output_path), ("--metrics", metrics_path)):
-        if path is None:
-            continue
-        if input_path != "-" and Path(path).resolve() == Path(input_path).resolve():
-            raise click.UsageError(f"{option} {path} is the input file; pick another path")
-        if not Path(path).resolve().parent.is_dir():
-            raise click.UsageError(f"{option}: folder {Path(path).parent} does not exist")
 
 
 @main.command()
@@ -157,6 +153,8 @@ def report(metrics_path: str, html_path: str | None) -> None:
     """Summarise a run recorded with `kvcache generate --metrics`."""
     from runner.report import format_summary, load_metrics
 
+    if html_path and not Path(html_path).resolve().parent.is_dir():
+        raise click.UsageError(f"--html: folder {Path(html_path).parent} does not exist")
     try:
         metrics = load_metrics(Path(metrics_path))
     except ValueError as err:
@@ -183,18 +181,25 @@ def report(metrics_path: str, html_path: str | None) -> None:
     help="Comma-separated systems to run.",
 )
 @click.option("--model", default=None)
-@click.option("--max-tokens", type=int, default=None, help="Override the workload's max_tokens.")
-@click.option("--limit", type=int, default=None, help="Use only the first N requests.")
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Override the workload's max_tokens.",
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=None, help="Use only the first N requests."
+)
 @click.option("--device", default="cpu", show_default=True)
 @click.option(
     "--max-num-batched-tokens",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Token budget per step for the engine systems.",
 )
 @click.option(
     "--max-num-seqs",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Batch size cap for the engine systems and hf-static's batches.",
 )
@@ -266,7 +271,7 @@ def bench(
                 ("max_num_batched_tokens", max_num_batched_tokens),
                 ("max_num_seqs", max_num_seqs),
             )
-            if v
+            if v is not None
         },
         sampling=Sampling(temperature, top_p) if temperature is not None else None,
     )

@@ -244,3 +244,45 @@ def test_failed_engine_step_sets_exit_code(
     result = CliRunner().invoke(main, gen_args(src, out, tiny_llama_dir))
     assert result.exit_code == 1, result.output
     assert records(out)[0]["finish_reason"] == "error"
+
+
+def test_output_holding_results_needs_resume_or_overwrite(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good(0), good(1)])
+    out = write_lines(tmp_path / "out.jsonl", [b'{"id": "earlier", "text": "kept"}'])
+    before = out.read_bytes()
+    result = CliRunner().invoke(main, gen_args(src, out, tiny_llama_dir))
+    assert result.exit_code == 2 and "--resume" in result.output and "--overwrite" in result.output
+    assert out.read_bytes() == before  # refused before anything was touched
+    both = CliRunner().invoke(main, gen_args(src, out, tiny_llama_dir, "--resume", "--overwrite"))
+    assert both.exit_code == 2 and "pick one" in both.output
+    assert (
+        CliRunner().invoke(main, gen_args(src, out, tiny_llama_dir, "--overwrite")).exit_code == 0
+    )
+    assert [r["id"] for r in records(out)] == ["r0", "r1"]
+
+
+def test_interrupt_while_loading_exits_130(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: Any
+) -> None:
+    import runner.batch_run
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner.batch_run, "BatchRun", interrupted)
+    src = write_lines(tmp_path / "in.jsonl", [good(0)])
+    result = CliRunner().invoke(main, gen_args(src, tmp_path / "out.jsonl", tiny_llama_dir))
+    assert result.exit_code == 130 and "nothing was generated" in result.output
+
+
+def test_report_and_bench_refuse_bad_arguments_up_front(tmp_path: Path) -> None:
+    metrics = Path(__file__).parent / "fixtures" / "metrics_continuous.json"
+    html = tmp_path / "no" / "page.html"
+    result = CliRunner().invoke(main, ["report", str(metrics), "--html", str(html)])
+    assert result.exit_code == 2 and "does not exist" in result.output
+    assert "hit rate" not in result.output.lower()  # refused before the summary
+    for option in ("--max-num-seqs", "--max-num-batched-tokens", "--limit", "--max-tokens"):
+        result = CliRunner().invoke(main, ["bench", option, "0"])
+        assert result.exit_code == 2 and option in result.output
