@@ -91,9 +91,11 @@ class CpuKernels:
         """weight [N, K] float32 -> panels [ceil(N / 16), K, 16], zero-padded past N."""
         n, k = weight.shape
         panels = -(-n // LANES)
-        padded = weight.new_zeros((panels * LANES, k))
-        padded[:n] = weight
-        return padded.view(panels, LANES, k).transpose(1, 2).contiguous()
+        padded = weight
+        if n % LANES:  # only a ragged last panel needs a zero-padded copy
+            padded = weight.new_zeros((panels * LANES, k))
+            padded[:n] = weight
+        return padded.reshape(panels, LANES, k).transpose(1, 2).contiguous()
 
     def matmul(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
