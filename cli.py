@@ -119,17 +119,8 @@ def generate(
         "record_metrics": bool(metrics_path),  # else memory would grow with every token
     }
     with start_up_without_gc():
-        from runner.batch_run import BatchRun
-        from runner.sampling import SamplingParams
-
-        try:  # a bad default would fail every line: say so once, before loading the model
-            SamplingParams(**defaults)
-        except ValueError as err:
-            raise click.UsageError(str(err)) from err
-        try:
-            run = BatchRun(model, engine_options, defaults)
-        except ValueError as err:
-            raise click.ClickException(str(err)) from err
+        try:  # Ctrl-C in the imports or the model load: nothing was generated yet
+            run = _start_batch_run(model, engine_options, defaults)
         except KeyboardInterrupt:
             click.echo("interrupted while loading the model; nothing was generated", err=True)
             sys.exit(130)
@@ -138,6 +129,22 @@ def generate(
         Path(metrics_path).write_text(json.dumps(run.llm.metrics()))
         click.echo(f"metrics written to {metrics_path}", err=True)
     sys.exit(code)
+
+
+def _start_batch_run(
+    model: str | None, engine_options: dict[str, Any], defaults: dict[str, Any]
+) -> Any:
+    from runner.batch_run import BatchRun
+    from runner.sampling import SamplingParams
+
+    try:  # a bad default would fail every line: say so once, before loading the model
+        SamplingParams(**defaults)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from err
+    try:
+        return BatchRun(model, engine_options, defaults)
+    except ValueError as err:
+        raise click.ClickException(str(err)) from err
 
 
 @main.command()

@@ -99,5 +99,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
+    # Private: mmap's default, MAP_SHARED, would share the pool with a forked child (each
+    # would write the other's KV) and put it in shmem, which faults in slower. The tensor
+    # keeps the mapping alive.
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)

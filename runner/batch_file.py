@@ -157,8 +157,10 @@ def _recover(path: Path) -> set[str]:
             done.add(str(record["id"]))
             kept.append(raw)
     if b"".join(kept) != data:  # rewritten whole, then swapped in: a crash here loses nothing
+        path = path.resolve()  # through a symlink: replace its target, keep the link
         tmp = path.with_name(path.name + ".tmp")
         with tmp.open("wb") as f:
+            os.chmod(f.fileno(), path.stat().st_mode & 0o7777)
             f.write(b"".join(kept))
             f.flush()
             os.fsync(f.fileno())

@@ -21,6 +21,12 @@ def check_paths(
         raise ValueError("--resume needs -o OUTPUT")
     if resume and overwrite:
         raise ValueError("--resume keeps OUTPUT's results and --overwrite drops them: pick one")
+    if (
+        output_path is not None
+        and metrics_path is not None
+        and Path(output_path).resolve() == Path(metrics_path).resolve()
+    ):
+        raise ValueError("-o OUTPUT and --metrics name the same file: pick another --metrics")
     for option, path in (("-o OUTPUT", output_path), ("--metrics", metrics_path)):
         if path is None:
             continue

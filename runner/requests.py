@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,13 +106,14 @@ def params_per_prompt(params: Any, num_prompts: int) -> list[SamplingParams]:
     """One SamplingParams per prompt: None (defaults) or one for all, or a list of that length."""
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * num_prompts
-    if not isinstance(params, Sequence) or isinstance(params, str):
+    if not isinstance(params, Iterable) or isinstance(params, str | Mapping):
         raise ValueError(
             f"params must be SamplingParams or a list of them, got {type(params).__name__}"
         )
-    if len(params) != num_prompts:
-        raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
-    return list(params)
+    param_list = list(params)
+    if len(param_list) != num_prompts:
+        raise ValueError(f"got {len(param_list)} SamplingParams for {num_prompts} prompts")
+    return param_list
 
 
 def render_chat(tokenizer: Any, messages: Messages) -> str:

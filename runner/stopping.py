@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from runner.sequence import Sequence
@@ -20,7 +21,11 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_ids = eos_ids(config, tokenizer)
-        self._tail_lens: dict[tuple[str, ...], int] = {}
+        # clean_up_tokenization_spaces drops a space before punctuation (two in " ' "), so a
+        # token can yield no byte of the final text: up to 3 tokens per byte of a stop string.
+        # (transformers skips it for BPE models; counting it anyway only makes the tail longer.)
+        cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self._tokens_per_byte = 3 if cleanup else 1
         # Tokens a decode may drop (skip_special_tokens): the tail counts past them.
         self._textless: set[int] = set()
         if tokenizer is not None:
@@ -66,10 +71,8 @@ class StopChecker:
     def _tail(self, seq: Sequence) -> list[int]:
         """The newest output tokens, enough of them to hold any stop string that ends in the
         last one (see TAIL_MARGIN_TOKENS)."""
-        stops = seq.params.stop_strings
-        need = self._tail_lens.get(stops)
-        if need is None:
-            need = self._tail_lens[stops] = max(len(s.encode()) for s in stops) + TAIL_MARGIN_TOKENS
+        stop_bytes = _max_utf8_len(seq.params.stop_strings)
+        need = stop_bytes * self._tokens_per_byte + TAIL_MARGIN_TOKENS
         out = seq.output_token_ids
         start = len(out)
         while start > 0 and need > 0:
@@ -97,6 +100,11 @@ class StopChecker:
     def output_text(self, seq: Sequence) -> str:
         text = self.decode(seq.output_token_ids)
         return text if seq.stop_text_cut is None else text[: seq.stop_text_cut]
+
+
+@lru_cache(maxsize=1024)  # bounded: a long-lived engine sees endless distinct stop strings
+def _max_utf8_len(stops: tuple[str, ...]) -> int:
+    return max(len(s.encode()) for s in stops)
 
 
 def first_stop(text: str, stops: tuple[str, ...]) -> int | None:

@@ -286,3 +286,27 @@ def test_report_and_bench_refuse_bad_arguments_up_front(tmp_path: Path) -> None:
     for option in ("--max-num-seqs", "--max-num-batched-tokens", "--limit", "--max-tokens"):
         result = CliRunner().invoke(main, ["bench", option, "0"])
         assert result.exit_code == 2 and option in result.output
+
+
+def test_resume_keeps_a_symlinked_output_and_its_mode(tmp_path: Path) -> None:
+    from runner.batch_file import ResultWriter
+
+    real = write_lines(
+        tmp_path / "real.jsonl", [b'{"id": "a", "text": "x"}', b'{"id": "b", "error": "e"}']
+    )
+    real.chmod(0o600)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    writer = ResultWriter(link, resume=True)
+    writer.write({"id": "b", "text": "y"})
+    writer.close()
+    assert writer.done_ids == {"a"}
+    assert link.is_symlink() and (real.stat().st_mode & 0o777) == 0o600
+    assert [r["id"] for r in records(real)] == ["a", "b"] and "error" not in records(real)[1]
+
+
+def test_output_and_metrics_on_one_file_is_refused(tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good(0)])
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(main, ["generate", str(src), "-o", str(out), "--metrics", str(out)])
+    assert result.exit_code == 2 and "--metrics" in result.output

@@ -568,3 +568,11 @@ def test_chat_template_that_raises_is_a_value_error(
     monkeypatch.setattr(llm.tokenizer, "apply_chat_template", strict)
     with pytest.raises(ValueError, match="roles must alternate"):
         llm.chat([{"role": "assistant", "content": "hi"}])
+
+
+def test_params_may_be_any_iterable_of_sampling_params(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir))
+    params = SamplingParams(max_tokens=3, temperature=0)
+    from_generator = llm.generate([[5, 6, 7], [8, 9, 10]], (p for p in [params, params]))
+    from_list = llm.generate([[5, 6, 7], [8, 9, 10]], [params, params])
+    assert [o.token_ids for o in from_generator] == [o.token_ids for o in from_list]

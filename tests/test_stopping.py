@@ -155,3 +155,55 @@ def test_a_stop_string_split_by_many_special_tokens_is_found() -> None:
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     output = [a] + [bos, eos] * 20 + [b]  # decodes to "ab": the specials are skipped
     assert run_checker(tokenizer, [output], [["ab"]]) == [(len(output), 0)]
+
+
+def cleanup_tokenizer() -> Any:
+    """Unigram pieces 'a', ' ', '!', fused; its decode applies clean_up_tokenization_spaces
+    (transformers does for every model but BPE), so ' !' decodes to '!': a space token yields
+    no text."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0), ("a", -1.0), (" ", -1.0), ("!", -1.0)]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=False))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=True,
+    )
+
+
+def test_stop_string_found_when_cleanup_drops_spaces() -> None:
+    tokenizer = cleanup_tokenizer()
+    a, space, bang = 3, 4, 5
+    assert tokenizer.decode([a, space, bang, space, bang]) == "a!!"
+    output = [a] + [space, bang] * 30
+    for stops in (["!" * 10], ["a" + "!" * 9]):
+        expected = reference_stop(tokenizer, output, stops)
+        assert expected is not None
+        assert run_checker(tokenizer, [output], [stops]) == [expected]
+
+
+def test_distinct_stop_strings_do_not_grow_the_checker() -> None:
+    tokenizer = tiny_tokenizer()
+    checker = StopChecker(None, tokenizer, MAX_MODEL_LEN)
+    for i in range(300):
+        run_checker_with(checker, [5, 6], [f"user-{i}:"])
+    sizes = [len(v) for v in vars(checker).values() if isinstance(v, dict | list)]
+    assert all(n < 300 for n in sizes)  # a long-lived engine keeps no per-request state
+
+
+def run_checker_with(checker: StopChecker, output: list[int], stops: list[str]) -> None:
+    seq = Sequence(
+        seq_id=0,
+        request_id="0",
+        prompt_token_ids=[1],
+        params=SamplingParams(max_tokens=len(output) + 1, stop=stops, ignore_eos=True),
+        root=0,
+    )
+    for token in output:
+        seq.record_token(token, 0.0)
+        checker.finish_reasons([seq], [token])
