@@ -127,9 +127,8 @@ class ResultWriter:
         self.done_ids: set[str] = set()
         if resume and path.exists():
             self.done_ids = _recover(path)
-        elif not resume and path.exists():
-            path.unlink()
-        self._file = path.open("a", encoding="utf-8")
+        # "w" empties the file in place, through a symlink, instead of unlinking it.
+        self._file = path.open("a" if resume else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -34,6 +34,10 @@ def check_paths(
             raise ValueError(f"{option} {path} is the input file; pick another path")
         if not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{option}: folder {Path(path).parent} does not exist")
+    if output_path is not None and Path(output_path).exists() and not Path(output_path).is_file():
+        raise ValueError(
+            f"-o OUTPUT {output_path} is not a regular file; without -o results are printed"
+        )
     if output_path is not None and not (resume or overwrite):
         out = Path(output_path)
         if out.is_file() and out.stat().st_size > 0:

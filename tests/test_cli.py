@@ -310,3 +310,25 @@ def test_output_and_metrics_on_one_file_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     result = CliRunner().invoke(main, ["generate", str(src), "-o", str(out), "--metrics", str(out)])
     assert result.exit_code == 2 and "--metrics" in result.output
+
+
+def test_output_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good(0)])
+    result = CliRunner().invoke(main, ["generate", str(src), "-o", str(tmp_path)])
+    assert result.exit_code == 2
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    result = CliRunner().invoke(main, ["generate", str(src), "-o", str(fifo)])
+    assert result.exit_code == 2 and "not a regular file" in result.output and fifo.exists()
+
+
+def test_a_fresh_run_empties_a_symlinked_output_in_place(tmp_path: Path) -> None:
+    from runner.batch_file import ResultWriter
+
+    real = write_lines(tmp_path / "real.jsonl", [b'{"id": "old", "text": "x"}'])
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    writer = ResultWriter(link, resume=False)
+    writer.write({"id": "new", "text": "y"})
+    writer.close()
+    assert link.is_symlink() and [r["id"] for r in records(real)] == ["new"]
