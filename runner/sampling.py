@@ -130,8 +130,10 @@ def sample(
 
 
 # Nucleus (top-p) search widths: the k most likely tokens are enough for most rows; a row whose
-# nucleus is wider tries the next width, and a full sort is the last resort.
-NUCLEUS_WIDTHS = (64, 1024)
+# nucleus is wider tries the next width, and a full sort is the last resort. A top-k of 8192 of
+# the default model's 49152 logits costs a quarter of a sort: at temperature 1.3 (nuclei of
+# ~2,000 tokens) it took 111 rows' filters from 216 ms to 90.
+NUCLEUS_WIDTHS = (64, 1024, 8192)
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
