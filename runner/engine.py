@@ -142,7 +142,6 @@ class LLM:
         self.recorder.on_step(
             self.scheduler.step_count,
             out,
-            list(self.scheduler.waiting),
             self.scheduler.held,
             t_start,
             time.perf_counter() - t_start,
@@ -155,6 +154,7 @@ class LLM:
     def _fail_step(self, out: SchedulerOutput, err: Exception) -> list[RequestOutput]:
         """The model or sampler raised: drop this step's requests (freeing their blocks) and
         hand them back as errors, so the rest of the queue goes on."""
+        self.recorder.note_preempted(out.preempted)  # they wait, and show as preempted
         failed = []
         for item in out.scheduled:
             seq = item.seq

@@ -24,6 +24,9 @@ class MetricsRecorder:
         self.requests: list[Sequence | dict[str, Any]] = []
         self.index: dict[int, int] = {}  # seq_id -> request index in the report
         self.prefix_keys: dict[int, str] = {}
+        # Preempted requests waiting to be admitted again, by seq_id: followed from each step's
+        # preempted and admitted lists, so a step costs nothing per request still queued.
+        self.preempted: dict[int, Sequence] = {}
 
     def add_request(self, seq: Sequence, prefix_key: str) -> None:
         if not self.record:
@@ -38,12 +41,17 @@ class MetricsRecorder:
         if position is not None:
             self.requests[position] = self.report_row(seq)
             self.prefix_keys.pop(seq.seq_id, None)
+        self.preempted.pop(seq.seq_id, None)
+
+    def note_preempted(self, seqs: list[Sequence]) -> None:
+        """Requests that went back to the queue; each step shows them until readmitted."""
+        if self.record:
+            self.preempted.update((seq.seq_id, seq) for seq in seqs)
 
     def on_step(
         self,
         step: int,
         out: SchedulerOutput,
-        live: list[Sequence],
         held: list[Sequence],
         t_start: float,
         duration: float,
@@ -52,12 +60,14 @@ class MetricsRecorder:
         if not self.record:
             return
         admitted = {s.seq_id for s in out.admitted}
+        self.note_preempted(out.preempted)
+        for seq_id in admitted:
+            self.preempted.pop(seq_id, None)
         states: dict[str, str] = {}
         # A request waiting for its first admission is not stored per step (the report derives
         # it from arrival_step), so a big batch costs O(steps + requests), not their product.
-        for seq in live:
-            if seq.num_preemptions:
-                states[str(self.index[seq.seq_id])] = "preempted"
+        for seq in self.preempted.values():
+            states[str(self.index[seq.seq_id])] = "preempted"
         for seq in held:
             states[str(self.index[seq.seq_id])] = "held"
         for item in out.scheduled:

@@ -576,3 +576,22 @@ def test_params_may_be_any_iterable_of_sampling_params(tiny_llama_dir: Path) -> 
     from_generator = llm.generate([[5, 6, 7], [8, 9, 10]], (p for p in [params, params]))
     from_list = llm.generate([[5, 6, 7], [8, 9, 10]], [params, params])
     assert [o.token_ids for o in from_generator] == [o.token_ids for o in from_list]
+
+
+def test_report_shows_each_waiting_preempted_request_every_step(tiny_llama_dir: Path) -> None:
+    """The recorder follows preemptions from each step's lists (a step must not walk the whole
+    queue); the states it records equal what the queue itself says after every step."""
+    engine = LLM(str(tiny_llama_dir), num_kv_blocks=10, block_size=4)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for i in range(8):
+        engine.add_request([5 + i, 6, 7, 8, 9, 10], params)
+    while engine.has_unfinished():
+        engine.step()
+        index = engine.recorder.index
+        expected = {str(index[s.seq_id]) for s in engine.scheduler.waiting if s.num_preemptions}
+        states = engine.recorder.steps[-1]["states"]
+        assert {k for k, v in states.items() if v == "preempted"} == expected
+        # and it holds exactly those, not readmitted ones that happen to be scheduled over
+        assert {str(index[i]) for i in engine.recorder.preempted} == expected
+    assert engine.scheduler.num_preemptions > 0  # the pool was small enough to preempt
+    assert not engine.recorder.preempted
