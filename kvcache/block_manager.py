@@ -69,6 +69,11 @@ class BlockManager:
             blocks_free=pool.num_free,
         )
 
+    @property
+    def cache_version(self) -> int:
+        """Changes whenever a block enters or leaves the cache; matches hold until then. Pure."""
+        return self._tree.version
+
     def num_available_blocks(self) -> int:
         """Free blocks plus cached ones no request holds (all reclaimable). Pure."""
         return self._pool.num_free + self._pool.num_cached

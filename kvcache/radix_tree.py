@@ -65,6 +65,9 @@ class RadixTree:
         self._width = block_size * TOKEN_BYTES  # bytes per packed block
         self._tops: dict[int, dict[int, Node]] = {}  # namespace root -> top-level nodes
         self._by_block: dict[int, Node] = {}  # block id -> its node (a block is at most one node)
+        # Bumped by every insert that adds nodes and every removal: a match result stays true
+        # while it is unchanged, so callers may keep it.
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._by_block)
@@ -137,6 +140,7 @@ class RadixTree:
         key = walk.stop_key
         h = walk.last_hash
         created: list[Node] = []
+        self.version += 1
         for i in range(len(walk.nodes), len(block_ids)):
             block = data[i * width : (i + 1) * width]
             if created:  # the first key was already computed by the walk
@@ -158,6 +162,7 @@ class RadixTree:
         siblings = self._tops[node.namespace] if node.parent is None else node.parent.children
         del siblings[node.key]
         del self._by_block[node.block_id]
+        self.version += 1
         if node.parent is None and not siblings:
             del self._tops[node.namespace]  # forget namespaces with nothing cached
 

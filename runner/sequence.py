@@ -48,6 +48,8 @@ class Sequence:
     admitted: bool = False  # admitted at least once (later admissions are re-admissions)
     # (num_tokens, full-block hashes of token_ids) as of that count; the scheduler's memo.
     block_hash_cache: tuple[int, list[int]] | None = field(default=None, repr=False)
+    # (cache version, num_tokens, cached prefix length) as of that version and count.
+    cached_prefix_memo: tuple[int, int, int] | None = field(default=None, repr=False)
     # prompt + output, kept in step by record_token: every step reads a decoding sequence's
     # tokens a few times, and joining the two lists each time cost ~1 ms a step at 256 of them.
     _tokens: list[int] = field(init=False, repr=False, compare=False)

@@ -362,3 +362,28 @@ def test_core_imports_without_torch_or_the_store() -> None:
         "sorted(m for m in sys.modules if m.startswith(('torch', 'kvcache', 'runner')))"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_cache_version_changes_exactly_when_matches_can() -> None:
+    """A match may be kept while cache_version holds: it moves on every insert and eviction,
+    and on nothing that leaves the cached blocks as they are."""
+    bm = BlockManager(6, 4)
+    a, b = seq(1, 8), seq(100, 8)
+    v0 = bm.cache_version
+    bm.allocate(1, a + [0], ROOT)
+    assert bm.cache_version == v0  # allocating fresh blocks caches nothing
+    bm.commit(1, a + [0], 9)
+    v1 = bm.cache_version
+    assert v1 != v0  # two blocks cached
+    bm.commit(1, a + [0], 9)  # nothing new
+    bm.free(1)
+    run_once(bm, 2, a + [0])  # all hits, nothing inserted
+    assert bm.cache_version == v1 and bm.cached_prefix_length(a + [0], ROOT) == 8
+    run_once(bm, 3, b + [0])
+    v2 = bm.cache_version
+    assert v2 != v1
+    bm.can_allocate(seq(1000, 12), ROOT)  # a question: no eviction
+    assert bm.cache_version == v2
+    bm.allocate(10, seq(1000, 12), ROOT)  # evicts a's leaf
+    assert bm.stats.evicted_blocks == 1 and bm.cache_version != v2
+    assert bm.cached_prefix_length(a + [0], ROOT) == 4

@@ -595,3 +595,22 @@ def test_report_shows_each_waiting_preempted_request_every_step(tiny_llama_dir: 
         assert {str(index[i]) for i in engine.recorder.preempted} == expected
     assert engine.scheduler.num_preemptions > 0  # the pool was small enough to preempt
     assert not engine.recorder.preempted
+
+
+def test_admission_memo_agrees_with_the_block_manager(tiny_llama_dir: Path) -> None:
+    """The scheduler keeps each waiting request's cached-prefix length while the cache does not
+    change; after every step (inserts, evictions, preemptions) it equals a fresh match."""
+    engine = LLM(str(tiny_llama_dir), num_kv_blocks=24, block_size=4, max_num_seqs=3)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    shared = [9, 8, 7, 6, 5, 4, 3, 12]
+    for i in range(12):
+        engine.add_request(shared[: 4 + i % 5] + [20 + i, 21, 22, 23, 24], params)
+    scheduler, bm = engine.scheduler, engine.block_manager
+    seen = 0
+    while engine.has_unfinished():
+        engine.step()
+        for seq in scheduler.waiting:
+            fresh = bm.cached_prefix_length(seq.token_ids, seq.root)
+            seen += seq.cached_prefix_memo is not None
+            assert scheduler._cached_prefix_length(seq) == fresh
+    assert seen > 0 and bm.stats.evicted_blocks > 0
