@@ -30,18 +30,20 @@ def check_paths(
     for option, path in (("-o OUTPUT", output_path), ("--metrics", metrics_path)):
         if path is None:
             continue
-        if input_path != "-" and Path(path).resolve() == Path(input_path).resolve():
+        resolved = Path(path).resolve()
+        if input_path != "-" and resolved == Path(input_path).resolve():
             raise ValueError(f"{option} {path} is the input file; pick another path")
-        if not Path(path).resolve().parent.is_dir():
+        if not resolved.parent.is_dir():
             raise ValueError(f"{option}: folder {Path(path).parent} does not exist")
-    if output_path is not None and Path(output_path).exists() and not Path(output_path).is_file():
+    if output_path is None:
+        return
+    out = Path(output_path)
+    if out.exists() and not out.is_file():
         raise ValueError(
             f"-o OUTPUT {output_path} is not a regular file; without -o results are printed"
         )
-    if output_path is not None and not (resume or overwrite):
-        out = Path(output_path)
-        if out.is_file() and out.stat().st_size > 0:
-            raise ValueError(
-                f"{output_path} already holds results: --resume finishes that run, "
-                "--overwrite starts again"
-            )
+    if not (resume or overwrite) and out.exists() and out.stat().st_size > 0:
+        raise ValueError(
+            f"{output_path} already holds results: --resume finishes that run, "
+            "--overwrite starts again"
+        )

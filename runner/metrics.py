@@ -11,9 +11,9 @@ from runner.sequence import SeqStatus, Sequence
 
 
 class MetricsRecorder:
-    """Keeps one row per step and per request. Cost per step is O(live requests); memory grows
-    with every step and generated token, so `record=False` keeps nothing (`request_record`,
-    pure, still times each output)."""
+    """Keeps one row per step and per request. Cost per step is O(requests the step ran, held or
+    left preempted), not O(queue); memory grows with every step and generated token, so
+    `record=False` keeps nothing (`request_record`, pure, still times each output)."""
 
     def __init__(self, record: bool = True) -> None:
         self.record = record

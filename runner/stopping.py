@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 from runner.sequence import Sequence
@@ -71,7 +70,7 @@ class StopChecker:
     def _tail(self, seq: Sequence) -> list[int]:
         """The newest output tokens, enough of them to hold any stop string that ends in the
         last one (see TAIL_MARGIN_TOKENS)."""
-        stop_bytes = _max_utf8_len(seq.params.stop_strings)
+        stop_bytes = max(len(s.encode()) for s in seq.params.stop_strings)
         need = stop_bytes * self._tokens_per_byte + TAIL_MARGIN_TOKENS
         out = seq.output_token_ids
         start = len(out)
@@ -100,11 +99,6 @@ class StopChecker:
     def output_text(self, seq: Sequence) -> str:
         text = self.decode(seq.output_token_ids)
         return text if seq.stop_text_cut is None else text[: seq.stop_text_cut]
-
-
-@lru_cache(maxsize=1024)  # bounded: a long-lived engine sees endless distinct stop strings
-def _max_utf8_len(stops: tuple[str, ...]) -> int:
-    return max(len(s.encode()) for s in stops)
 
 
 def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
