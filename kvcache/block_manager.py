@@ -17,11 +17,11 @@ Invariants kept here (checked by ``check_integrity``):
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from kvcache.block_integrity import check_block_manager
 from kvcache.block_pool import BlockPool
 from kvcache.hashing import pack_tokens
 from kvcache.radix_tree import Node, RadixTree
@@ -243,60 +243,8 @@ class BlockManager:
 
     # -- checks --------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Assert every invariant (AssertionError names the broken one). Beyond the pool's and
-        tree's own checks (``BlockPool.check_integrity``, ``RadixTree.check_integrity``):
-
-        1. a block is a tree node iff the pool flags it as one (so free / cached / in use is a
-           partition that agrees with the tree);
-        2. ref(b) == number of live requests holding b (table or pin); no request holds a block
-           twice; a block in two requests' tables is a tree node (only cached blocks are shared);
-        3. the LRU holds exactly the tree nodes with ref 0 and no children, keyed by their tick;
-        4. ref(parent) >= ref(child) for every node (holders of a node hold its parent);
-        5. each request's chain is a parent-linked path from its namespace's top level, every
-           chain node is held by the request (its table block at that index, or a pin), pins are
-           chain nodes, and the chain is no longer than the table;
-        6. without prefix caching the tree is empty.
-        """
-        pool, tree = self._pool, self._tree
-        pool.check_integrity()
-        tree.check_integrity()
-        for block in range(self.num_blocks):
-            node = tree.node_of(block)
-            assert pool.is_cached_node(block) == (node is not None), f"block {block}: flag differs"
-        holders: Counter[int] = Counter()
-        in_tables: Counter[int] = Counter()
-        for rid, request in self._requests.items():
-            held = request.table + request.pins
-            assert len(set(held)) == len(held), f"request {rid} holds a block twice"
-            holders.update(held)
-            in_tables.update(request.table)
-            self._check_chain(rid, request)
-        for block in range(self.num_blocks):
-            assert pool.ref(block) == holders[block], (
-                f"block {block}: ref {pool.ref(block)} != {holders[block]} holders"
-            )
-            if in_tables[block] > 1:
-                assert tree.node_of(block) is not None, f"private block {block} is shared"
-        evictable = {
-            n.block_id: n.tick for n in tree.nodes() if pool.ref(n.block_id) == 0 and not n.children
-        }
-        assert pool.lru_blocks() == evictable, "LRU != tree nodes with ref 0 and no children"
-        for node in tree.nodes():
-            if node.parent is not None:
-                assert pool.ref(node.parent.block_id) >= pool.ref(node.block_id), (
-                    f"{node!r} is held more often than its parent"
-                )
-        assert self.enable_prefix_caching or len(tree) == 0, "tree used with caching disabled"
-
-    def _check_chain(self, rid: int, request: _Request) -> None:
-        assert len(request.chain) <= len(request.table), f"request {rid}: chain beyond table"
-        pins = set(request.pins)
-        parent: Node | None = None
-        for i, node in enumerate(request.chain):
-            assert self._tree.node_of(node.block_id) is node, f"request {rid}: chain node evicted"
-            assert node.parent is parent, f"request {rid}: chain broken at block {i}"
-            assert node.namespace == request.root, f"request {rid}: chain leaves its namespace"
-            held = request.table[i] == node.block_id or node.block_id in pins
-            assert held, f"request {rid}: chain block {i} is not held"
-            parent = node
-        assert pins <= {n.block_id for n in request.chain}, f"request {rid}: pin off chain"
+        """Assert every invariant (AssertionError names the broken one): see
+        kvcache/block_integrity.py for the list."""
+        check_block_manager(
+            self._pool, self._tree, self._requests, self.num_blocks, self.enable_prefix_caching
+        )
