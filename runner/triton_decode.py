@@ -209,6 +209,8 @@ def decode_attention(
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     block_n = min(block_n or default_tile(k_cache.dtype), partition_size)
+    if block_n < 16 or block_n & (block_n - 1):  # the interpreter takes any; the compiler not
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     group = num_q_heads // num_kv_heads
     num_parts = max(1, triton.cdiv(max_context_len, partition_size))
     single = num_parts == 1

@@ -301,3 +301,20 @@ def test_decode_kernel_equals_prefill_kernel_on_single_tokens(device: str) -> No
         *args, meta.query_start_loc, meta.context_lens, meta.block_tables, 0.2
     )
     torch.testing.assert_close(by_decode, by_prefill, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiles_the_compiler_rejects_are_refused(device: str) -> None:
+    """tl.dot needs tiles of at least 16 on a GPU; the interpreter would take them, so the
+    wrappers refuse them up front, on every device alike."""
+    batch = make_batch(DECODE_SEQS, 16, 4, 2, 32, torch.float32, device, seed=6)
+    meta = batch.meta
+    args = (batch.q, batch.k_cache, batch.v_cache)
+    with pytest.raises(ValueError, match="block_n"):
+        decode_attention(*args, meta.context_lens, meta.block_tables, 0.2, block_n=8)
+    with pytest.raises(ValueError, match="partition_size"):
+        decode_attention(*args, meta.context_lens, meta.block_tables, 0.2, partition_size=24)
+    with pytest.raises(ValueError, match="block_m"):
+        prefill_attention(
+            *args, meta.query_start_loc, meta.context_lens, meta.block_tables, 0.2, block_m=8
+        )
