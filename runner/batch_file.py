@@ -39,6 +39,7 @@ class BatchLine:
     cache_salt: str | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    id_given: bool = False  # False: the id is the line number, since the line named none
 
 
 def read_lines(stream: IO[bytes], is_text_file: bool) -> Iterator[tuple[int, str | None, str]]:
@@ -76,7 +77,7 @@ def parse_line(line_no: int, text: str, defaults: dict[str, Any], is_text_file: 
     request_id = obj.get("id", str(line_no))
     if not isinstance(request_id, str | int) or isinstance(request_id, bool):
         return BatchLine(line_no, str(line_no), error=f"line {line_no}: 'id' must be a string")
-    line = BatchLine(line_no, str(request_id))
+    line = BatchLine(line_no, str(request_id), id_given="id" in obj)
     unknown = sorted(set(obj) - KNOWN_FIELDS)
     if unknown:
         line.error = f"line {line_no}: unknown field(s) {', '.join(unknown)}"

@@ -36,6 +36,7 @@ class BatchRun:
             ResultWriter(output, resume) if output is not None else PrintWriter()
         )
         line_of: dict[str, int] = {}
+        given_ids: set[str] = set()  # ids written in the file, not taken from line numbers
         with ExitStack() as stack:
             stack.callback(writer.close)
             try:
@@ -53,14 +54,13 @@ class BatchRun:
                     self.num_skipped += 1
                     continue
                 if line.error is None and line.request_id in line_of:
-                    line.error = (
-                        f"line {line_no}: id {line.request_id!r} repeats line "
-                        f"{line_of[line.request_id]}"
-                    )
+                    line.error = self._repeat_error(line, line_of[line.request_id], given_ids)
                 if line.error is not None:
                     self._fail(writer, line)
                     continue
                 line_of[line.request_id] = line_no
+                if line.id_given:
+                    given_ids.add(line.request_id)
                 self._submit(writer, line)
             bar = tqdm(total=self.num_queued, desc="generate", unit="req", file=sys.stderr)
             stack.callback(bar.close)
@@ -101,6 +101,16 @@ class BatchRun:
         except ValueError as err:
             line.error = f"line {line.line_no}: {err}"
             self._fail(writer, line)
+
+    @staticmethod
+    def _repeat_error(line: BatchLine, first_line: int, given_ids: set[str]) -> str:
+        """Why a line's id clashes with an earlier line's, saying which side defaulted."""
+        message = f"line {line.line_no}: id {line.request_id!r} repeats line {first_line}"
+        if line.request_id not in given_ids:
+            return message + " (which has no id, so its line number is its id)"
+        if not line.id_given:
+            return message + " (this line has no id, so its line number is its id; give it one)"
+        return message
 
     def _fail(self, writer: ResultWriter | PrintWriter, line: BatchLine) -> None:
         self.num_errors += 1

@@ -332,3 +332,22 @@ def test_a_fresh_run_empties_a_symlinked_output_in_place(tmp_path: Path) -> None
     writer.write({"id": "new", "text": "y"})
     writer.close()
     assert link.is_symlink() and [r["id"] for r in records(real)] == ["new"]
+
+
+def test_repeated_ids_say_which_line_took_its_line_number(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    unnamed = json.dumps({"prompt_token_ids": [5, 6]}).encode()
+    named = [json.dumps({"id": i, "prompt_token_ids": [7, 8]}).encode() for i in ("1", "x", "x")]
+    src = write_lines(tmp_path / "in.jsonl", [unnamed, *named, unnamed.replace(b"{", b'{"id":4,')])
+    out = tmp_path / "out.jsonl"
+    assert CliRunner().invoke(main, gen_args(src, out, tiny_llama_dir)).exit_code == 1
+    errors = {r["line"]: r["error"] for r in records(out) if "error" in r}
+    assert (
+        errors[2] == "line 2: id '1' repeats line 1 (which has no id, so its line number is its id)"
+    )
+    assert errors[4] == "line 4: id 'x' repeats line 3"
+    assert sorted(r["id"] for r in records(out) if "error" not in r) == ["1", "4", "x"]
+    write_lines(src, [unnamed.replace(b"{", b'{"id":"2",'), unnamed])
+    assert CliRunner().invoke(main, gen_args(src, out, tiny_llama_dir, "--overwrite")).exit_code
+    assert ["this line has no id" in r["error"] for r in records(out) if "error" in r] == [True]
