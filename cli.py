@@ -62,6 +62,14 @@ def main() -> None:
 @click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option(
+    "--cpu-weight-dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="CPU: store weight matrices as bfloat16 (half the bytes a decode step reads; "
+    "the float32 model with its weights rounded).",
+)
+@click.option(
     "--metrics",
     "metrics_path",
     type=click.Path(dir_okay=False),
@@ -86,6 +94,7 @@ def generate(
     max_num_batched_tokens: int,
     num_kv_blocks: int | None,
     device: str,
+    cpu_weight_dtype: str,
     metrics_path: str | None,
     resume: bool,
     overwrite: bool,
@@ -116,6 +125,7 @@ def generate(
         "max_num_batched_tokens": max_num_batched_tokens,
         "num_kv_blocks": num_kv_blocks,
         "device": device,
+        "cpu_weight_dtype": cpu_weight_dtype,
         "record_metrics": bool(metrics_path),  # else memory would grow with every token
     }
     with start_up_without_gc():

@@ -38,6 +38,11 @@ class EngineConfig:
     # built with the system compiler where they can be (runner/cpu_kernel_loader.py); else
     # oneDNN products and torch's attention.
     cpu_kernels: bool = True
+    # CPU only: what the packed products store their weights as. "bfloat16" halves the bytes a
+    # decode step streams (the C kernels widen each weight to float32 as they read it;
+    # activations, norms and the KV cache stay float32): the model is then the float32 model
+    # with every weight matrix rounded to bfloat16, embeddings included.
+    cpu_weight_dtype: str = "float32"
     # Keep every step's row and every finished request's timings for `LLM.metrics()` and
     # `kvcache report`: about 120 bytes per generated token, so a long-lived engine that needs
     # no report turns it off to keep its memory flat.
@@ -68,6 +73,10 @@ class EngineConfig:
             raise ValueError(
                 "attention_backend must be 'torch', 'cpu' or 'triton', "
                 f"got {self.attention_backend!r}"
+            )
+        if self.cpu_weight_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"cpu_weight_dtype must be 'float32' or 'bfloat16', got {self.cpu_weight_dtype!r}"
             )
         if self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")

@@ -17,6 +17,8 @@ LANES = 16  # floats per vector: panel width, and the unit of a head size
 ALIASING_FLOATS = 512
 # decode_attention's limits (decode_attention.c): head size, query heads per KV head, block.
 MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 256, 8, 256
+# What a panel can hold: float32 weights, or bfloat16 ones widened to float32 as they are read.
+PANEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class StepSplit(ctypes.Structure):
@@ -44,9 +46,8 @@ class CpuKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._gemm = library.panel_gemm
-        self._gemm.argtypes = (
-            [ctypes.c_void_p] + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3
-        )
+        self._gemm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+        self._gemm.argtypes += [ctypes.c_void_p] + [ctypes.c_long] * 3
         self._gemm.restype = None
         self._decode = library.decode_attention
         self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 7 + [ctypes.c_float]
@@ -80,6 +81,7 @@ class CpuKernels:
             + [ctypes.c_float] * 2
             + [ctypes.c_void_p]
             + [ctypes.POINTER(ctypes.c_double)]
+            + [ctypes.c_int]
         )
         self.run_layers.restype = ctypes.c_int
         self.layers_scratch = library.layers_scratch
@@ -87,15 +89,18 @@ class CpuKernels:
         self.layers_scratch.restype = ctypes.c_long
 
     @staticmethod
-    def pack(weight: torch.Tensor) -> torch.Tensor:
-        """weight [N, K] float32 -> panels [ceil(N / 16), K, 16], zero-padded past N."""
+    def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """weight [N, K] float32 -> panels [ceil(N / 16), K, 16] of `dtype` (float32, or
+        bfloat16 rounded to nearest even as torch rounds), zero-padded past N."""
+        if dtype not in PANEL_DTYPES:
+            raise ValueError(f"panels hold float32 or bfloat16 weights, not {dtype}")
         n, k = weight.shape
         panels = -(-n // LANES)
         padded = weight
         if n % LANES:  # only a ragged last panel needs a zero-padded copy
             padded = weight.new_zeros((panels * LANES, k))
             padded[:n] = weight
-        return padded.reshape(panels, LANES, k).transpose(1, 2).contiguous()
+        return padded.reshape(panels, LANES, k).transpose(1, 2).to(dtype).contiguous()
 
     def matmul(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
@@ -118,7 +123,10 @@ class CpuKernels:
         panels = packed.shape[0]
         # The kernel writes whole panels: rows of panels * 16 floats, trimmed to n below.
         out = torch.empty((m, panels * LANES), dtype=torch.float32)
-        self._gemm(rows.data_ptr(), rows.stride(0), packed.data_ptr(), out.data_ptr(), m, k, panels)
+        bf16 = int(packed.dtype == torch.bfloat16)
+        self._gemm(
+            rows.data_ptr(), rows.stride(0), packed.data_ptr(), bf16, out.data_ptr(), m, k, panels
+        )
         if panels * LANES != n:
             out = out[:, :n].contiguous()
         if bias is not None:

@@ -55,6 +55,8 @@ class CpuLayers:
         # Per layer, in the order of layers.c's enum; None (NULL) where the model has no such
         # tensor. The tensors stay owned by the model; the array only points at them.
         tensors: list[torch.Tensor | None] = []
+        # One weight type for every product (for_model checks): float32 or bfloat16 panels.
+        self._bf16_weights = int(_product(layers[0].mlp.down_proj).packed.dtype == torch.bfloat16)
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, o = _product(attn.qkv_proj), _product(attn.o_proj)
@@ -99,6 +101,9 @@ class CpuLayers:
             return None
         eps = {norm.eps for layer in layers for norm in _norms(layer)}
         if len(eps) != 1 or not all(_fits(layer) for layer in layers):
+            return None
+        panel_dtypes = {_product(p).packed.dtype for layer in layers for p in _products(layer)}
+        if len(panel_dtypes) != 1:  # layers.c takes one weight type for the whole model
             return None
         return cls(model, kernels)
 
@@ -156,6 +161,7 @@ class CpuLayers:
             self.scale,
             scratch.data_ptr(),
             ctypes.byref(self._product_s),
+            self._bf16_weights,
         )
         if status != 0:
             raise RuntimeError("run_layers: an attention kernel refused the step")
@@ -204,16 +210,15 @@ def _product(module: torch.nn.Module) -> PackedLinear:
     return cast(PackedLinear, module)
 
 
+def _products(layer: DecoderLayer) -> list[torch.nn.Module]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
 def _fits(layer: DecoderLayer) -> bool:
     """A layer packed for the panel kernel, every product's width a whole number of panels
     (layers.c reads the outputs unpadded), q and k normed both or neither."""
-    attn, mlp = layer.self_attn, layer.mlp
-    products: list[torch.nn.Module] = [
-        attn.qkv_proj,
-        attn.o_proj,
-        mlp.gate_up_proj,
-        mlp.down_proj,
-    ]
+    attn = layer.self_attn
     return (
         (attn.q_norm is None) == (attn.k_norm is None)
         and all(
@@ -221,7 +226,7 @@ def _fits(layer: DecoderLayer) -> bool:
             and p.backend == "panel"
             and p.out_features % LANES == 0
             and (p.bias is None or (p.bias.dtype == torch.float32 and p.bias.is_contiguous()))
-            for p in products
+            for p in _products(layer)
         )
         and all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in _norms(layer))
     )

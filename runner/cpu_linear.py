@@ -4,7 +4,8 @@ A plain `F.linear` on the CPU hands the weight to the BLAS in its stored layout,
 repacks it into cache-friendly panels on every call. For a decode step, whose activations are
 a handful of rows, that repacking costs as much as the product itself. Packing once removes it.
 
-Two packings, the first that this machine can run:
+Two packings, the first that this machine can run (weights as float32, or rounded to bfloat16:
+see `PackedLinear`):
 - the panel kernel (runner/cpu_kernel.py): weights as 16-column panels read front to back,
   built with the system C compiler. It streams a decode step's weights at close to the
   machine's memory bandwidth (about 1.3-1.9x oneDNN's packed product for 1-32 rows on the
@@ -66,10 +67,17 @@ class PackedLinear(nn.Module):
     """y = x @ W.T + b with W packed once. x [..., in] float32.
 
     `panel_kernel=False` packs for oneDNN even where the panel kernel runs (comparisons, tests).
+    `weight_dtype=torch.bfloat16` rounds W to bfloat16: the panel kernel then stores half the
+    bytes and widens each weight as it reads it; oneDNN keeps the rounded values as float32
+    (the same products, no faster).
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, panel_kernel: bool = True
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        panel_kernel: bool = True,
+        weight_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
@@ -81,12 +89,13 @@ class PackedLinear(nn.Module):
         self._kernel: CpuKernels | None = load_cpu_kernels() if panel_kernel else None
         # Not a parameter or buffer: the model never saves, moves or trains a packed weight.
         if self._kernel is not None:
-            self.packed = self._kernel.pack(weight.detach())
+            self.packed = self._kernel.pack(weight.detach(), weight_dtype)
             return
         if not onednn_available():
             raise RuntimeError("no packed product here: the panel kernel and oneDNN are missing")
         bound_primitive_caches()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        rounded = weight.detach().to(weight_dtype).float()  # float32: the weight itself
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(rounded, None)
 
     @property
     def backend(self) -> str:
@@ -104,9 +113,12 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.backend}"
 
 
-def prepack_linears(module: nn.Module, panel_kernel: bool = True) -> int:
-    """Replace every float32 CPU nn.Linear under `module` by a PackedLinear, in place.
-    Returns how many were packed; 0 when nothing can pack here (nothing changes)."""
+def prepack_linears(
+    module: nn.Module, panel_kernel: bool = True, weight_dtype: torch.dtype = torch.float32
+) -> int:
+    """Replace every float32 CPU nn.Linear under `module` by a PackedLinear (weights stored as
+    `weight_dtype`), in place. Returns how many were packed; 0 when nothing can pack here
+    (nothing changes)."""
     if not (prepacking_available() if panel_kernel else onednn_available()):
         return 0
     targets = [
@@ -118,7 +130,7 @@ def prepack_linears(module: nn.Module, panel_kernel: bool = True) -> int:
         and child.weight.dtype in PACKED_DTYPES
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child.weight, child.bias, panel_kernel))
+        setattr(parent, name, PackedLinear(child.weight, child.bias, panel_kernel, weight_dtype))
     return len(targets)
 
 

@@ -10,7 +10,7 @@ from kvcache import BlockManager
 from kvcache.store import KVStore
 from runner.config import EngineConfig
 from runner.cpu_allocator import keep_step_buffers_in_heap
-from runner.cpu_prepack import prepack_for_cpu
+from runner.cpu_prepack import prepack_for_cpu, round_matrices
 from runner.loader import LoadedModel, load_model
 from runner.memory import kv_pool_blocks
 from runner.model_runner import ModelRunner
@@ -38,6 +38,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
     dtype = getattr(torch, config.dtype) if config.dtype else None
+    if device.type != "cpu" and config.cpu_weight_dtype != "float32":
+        raise ValueError("cpu_weight_dtype is for the CPU; on a GPU, dtype sets the weights' type")
     if device.type == "cpu":
         keep_step_buffers_in_heap()
     loaded = load_model(config.model, device=str(device), dtype=dtype)
@@ -48,8 +50,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         model.attention_backend = "triton"
     elif config.cpu_kernels:
         model.attention_backend = "cpu"  # the torch path wherever the kernel cannot run
+    weight_dtype = getattr(torch, config.cpu_weight_dtype)
     if device.type == "cpu" and config.prepack_weights:
-        prepack_for_cpu(model, config.cpu_kernels)
+        prepack_for_cpu(model, config.cpu_kernels, weight_dtype)
+    elif device.type == "cpu" and weight_dtype != torch.float32:
+        round_matrices(model, weight_dtype)  # the same model, run by torch's own products
     max_model_len = int(hf.max_position_embeddings)
     model_dtype = next(model.parameters()).dtype
     activation = 0

@@ -11,21 +11,45 @@
  * depend on how many other rows share the call (batch-invariant). Tried and slower here: x
  * transposed into row panels, 2-3 panels per task with 8-12 rows.
  *
+ * The panels hold float32 weights, or bfloat16 ones (the top 16 bits of each float32, as
+ * torch rounds them): a decode step streams every weight once, so half the bytes is close to
+ * half the time where memory bandwidth bounds it. A bfloat16 weight widens to float32 exactly
+ * (a shift), and x, the accumulators and y stay float32, so a product on bfloat16 panels equals
+ * the float32 product of the rounded weights bit for bit.
+ *
  * Built at run time with -march=native (see runner/cpu_kernel_loader.py); the vector type becomes
  * one AVX-512 register, and threads come from the OpenMP runtime torch already loaded.
  */
 #include <string.h>
 
 typedef float vec16 __attribute__((vector_size(64)));
+typedef unsigned short half16 __attribute__((vector_size(32)));
+typedef unsigned int word16 __attribute__((vector_size(64)));
 
 enum { LANES = 16, MAX_ROWS = 16 };
-/* Prefetch this many floats ahead in the panel (4 KB), into the outer caches only (locality
+/* Prefetch this many bytes ahead in the panel (4 KB), into the outer caches only (locality
  * 1): on the EPYC this was tuned on that beat no prefetch, nearer distances and L1 prefetches
  * by 5-10% at 16 rows. */
-enum { PREFETCH_AHEAD = 1024, PREFETCH_LOCALITY = 1 };
+enum { PREFETCH_AHEAD = 4096, PREFETCH_LOCALITY = 1 };
 /* Rows per pass over the weights, at most: a pass's rows of x (about 512 KB) stay within a
  * core's L2 however long the batch (no cost measured where they fit anyway). */
 enum { CHUNK_BYTES = 1 << 19 };
+
+/* The 16 weights at element `at` of a panel, as float32 (bf16: constant after inlining). */
+static inline __attribute__((always_inline)) vec16 load_weights(const void *panel, long at,
+                                                               const int bf16)
+{
+    vec16 w;
+    if (bf16) {
+        half16 h;
+        memcpy(&h, (const unsigned short *)panel + at, sizeof(h));
+        word16 bits = __builtin_convertvector(h, word16) << 16;
+        memcpy(&w, &bits, sizeof(w));
+    } else {
+        memcpy(&w, (const float *)panel + at, sizeof(w));
+    }
+    return w;
+}
 
 /* rows x panels of y: y[row0 + r, col0 + 16j + c] = sum over k of x[row0 + r, k] *
  * panel_j[k, c]. Only ever called with panels = 1; written over j because GCC 12 then keeps
@@ -33,8 +57,8 @@ enum { CHUNK_BYTES = 1 << 19 };
  * passed pre-offset, cost 5-15% on prefill-sized batches: register allocation, not
  * arithmetic). */
 static inline __attribute__((always_inline)) void panel_tile(
-    const float *restrict x, const float *restrict panel, float *restrict y, long K, long ldx,
-    long ldy, long col0, long row0, const int rows, const int panels)
+    const float *restrict x, const void *restrict panel, float *restrict y, long K, long ldx,
+    long ldy, long col0, long row0, const int rows, const int panels, const int bf16)
 {
     vec16 acc[MAX_ROWS][1];
     for (int r = 0; r < rows; r++)
@@ -44,8 +68,9 @@ static inline __attribute__((always_inline)) void panel_tile(
     for (long k = 0; k < K; k++) {
         vec16 w[1];
         for (int j = 0; j < panels; j++) {
-            memcpy(&w[j], panel + j * K * LANES + k * LANES, sizeof(vec16));
-            __builtin_prefetch(panel + j * K * LANES + k * LANES + PREFETCH_AHEAD, 0,
+            const long at = j * K * LANES + k * LANES;
+            w[j] = load_weights(panel, at, bf16);
+            __builtin_prefetch((const char *)panel + at * (bf16 ? 2 : 4) + PREFETCH_AHEAD, 0,
                                PREFETCH_LOCALITY);
         }
         for (int r = 0; r < rows; r++) {
@@ -59,30 +84,46 @@ static inline __attribute__((always_inline)) void panel_tile(
             memcpy(y + (row0 + r) * ldy + col0 + j * LANES, &acc[r][j], sizeof(vec16));
 }
 
-/* The first M / 16 * 16 rows, in tiles of 16. */
-static void full_tiles(const float *x, long ldx, const float *packed, float *y, long M, long K,
-                       long panels)
+/* Panel p of `packed` (bf16: 2-byte weights, else 4-byte). */
+static inline const void *panel_at(const void *packed, long p, long K, int bf16)
+{
+    return (const char *)packed + p * K * LANES * (bf16 ? 2 : 4);
+}
+
+/* The first M / 16 * 16 rows, in tiles of 16; one inlined tile for each weight type. */
+static void full_tiles(const float *x, long ldx, const void *packed, int bf16, float *y, long M,
+                       long K, long panels)
 {
     const long ldy = panels * LANES;
     #pragma omp parallel for schedule(static)
     for (long p = 0; p < panels; p++) {
-        const float *panel = packed + p * K * LANES;
-        for (long row0 = 0; row0 + MAX_ROWS <= M; row0 += MAX_ROWS)
-            panel_tile(x, panel, y, K, ldx, ldy, p * LANES, row0, MAX_ROWS, 1);
+        const void *panel = panel_at(packed, p, K, bf16);
+        for (long row0 = 0; row0 + MAX_ROWS <= M; row0 += MAX_ROWS) {
+            if (bf16)
+                panel_tile(x, panel, y, K, ldx, ldy, p * LANES, row0, MAX_ROWS, 1, 1);
+            else
+                panel_tile(x, panel, y, K, ldx, ldy, p * LANES, row0, MAX_ROWS, 1, 0);
+        }
     }
 }
 
 #define TILE_CASE(R) \
-    case R: panel_tile(x, packed + p * K * LANES, y, K, ldx, ldy, p * LANES, 0, R, 1); break;
+    case R: \
+        if (bf16) \
+            panel_tile(x, panel, y, K, ldx, ldy, p * LANES, 0, R, 1, 1); \
+        else \
+            panel_tile(x, panel, y, K, ldx, ldy, p * LANES, 0, R, 1, 0); \
+        break;
 
 /* M < 16 rows, one tile; the switch makes its row count a constant, so the accumulators stay
  * in registers. */
-static void partial_tile(const float *x, long ldx, const float *packed, float *y, long M,
-                         long K, long panels)
+static void partial_tile(const float *x, long ldx, const void *packed, int bf16, float *y,
+                         long M, long K, long panels)
 {
     const long ldy = panels * LANES;
     #pragma omp parallel for schedule(static)
     for (long p = 0; p < panels; p++) {
+        const void *panel = panel_at(packed, p, K, bf16);
         switch (M) {
             TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5)
             TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10)
@@ -91,14 +132,14 @@ static void partial_tile(const float *x, long ldx, const float *packed, float *y
     }
 }
 
-/* y [M, panels * 16] = x [M, K] @ W^T for W packed as above: every panel is written whole
+/* y [M, panels * 16] = x [M, K] @ W^T for W packed as above (bf16: 2-byte weights): every panel is written whole
  * (the caller trims columns past N, and adds any bias). Row r of x starts at x + r * ldx:
  * the caller pads rows whose size is a multiple of 2 KB, since 16 rows that far apart all
  * fall in one set of the L1 cache and evict each other (half speed at K = 1024 or 2048).
  * Rows past the last multiple of 16 take a pass of their own over the weights: handled inside
  * the full tiles' loop (one by one, or by a switch on their count) they cost those tiles
  * 5-10%, more than the extra pass. */
-void panel_gemm(const float *x, long ldx, const float *packed, float *y, long M, long K,
+void panel_gemm(const float *x, long ldx, const void *packed, int bf16, float *y, long M, long K,
                 long panels)
 {
     const long full = M / MAX_ROWS * MAX_ROWS;
@@ -107,10 +148,11 @@ void panel_gemm(const float *x, long ldx, const float *packed, float *y, long M,
     chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk;
     for (long first = 0; first < full; first += chunk) {
         long rows = full - first < chunk ? full - first : chunk;
-        full_tiles(x + first * ldx, ldx, packed, y + first * ldy, rows, K, panels);
+        full_tiles(x + first * ldx, ldx, packed, bf16, y + first * ldy, rows, K, panels);
     }
     if (M > full)
-        partial_tile(x + full * ldx, ldx, packed, y + full * panels * LANES, M - full, K, panels);
+        partial_tile(x + full * ldx, ldx, packed, bf16, y + full * panels * LANES, M - full, K,
+                     panels);
 }
 
 /* Lets the loader check that the library matches the layout it packs for. */
