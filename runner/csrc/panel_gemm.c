@@ -21,6 +21,9 @@
  * one AVX-512 register, and threads come from the OpenMP runtime torch already loaded.
  */
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 typedef float vec16 __attribute__((vector_size(64)));
 typedef unsigned short half16 __attribute__((vector_size(32)));
@@ -41,9 +44,17 @@ static inline __attribute__((always_inline)) vec16 load_weights(const void *pane
 {
     vec16 w;
     if (bf16) {
+        /* One zero-extending load and a shift: GCC's generic widening of a 32-byte vector
+         * takes two half loads and an insert. */
+        const unsigned short *src = (const unsigned short *)panel + at;
+#ifdef __AVX512F__
+        __m256i h = _mm256_loadu_si256((const void *)src);
+        __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#else
         half16 h;
-        memcpy(&h, (const unsigned short *)panel + at, sizeof(h));
+        memcpy(&h, src, sizeof(h));
         word16 bits = __builtin_convertvector(h, word16) << 16;
+#endif
         memcpy(&w, &bits, sizeof(w));
     } else {
         memcpy(&w, (const float *)panel + at, sizeof(w));
@@ -90,50 +101,66 @@ static inline const void *panel_at(const void *packed, long p, long K, int bf16)
     return (const char *)packed + p * K * LANES * (bf16 ? 2 : 4);
 }
 
-/* The first M / 16 * 16 rows, in tiles of 16; one inlined tile for each weight type. */
-static void full_tiles(const float *x, long ldx, const void *packed, int bf16, float *y, long M,
-                       long K, long panels)
+/* The first M / 16 * 16 rows against panel p, in tiles of 16. */
+static inline __attribute__((always_inline)) void full_panel(
+    const float *x, long ldx, const void *packed, float *y, long M, long K, long panels, long p,
+    const int bf16)
 {
-    const long ldy = panels * LANES;
-    #pragma omp parallel for schedule(static)
-    for (long p = 0; p < panels; p++) {
-        const void *panel = panel_at(packed, p, K, bf16);
-        for (long row0 = 0; row0 + MAX_ROWS <= M; row0 += MAX_ROWS) {
-            if (bf16)
-                panel_tile(x, panel, y, K, ldx, ldy, p * LANES, row0, MAX_ROWS, 1, 1);
-            else
-                panel_tile(x, panel, y, K, ldx, ldy, p * LANES, row0, MAX_ROWS, 1, 0);
-        }
-    }
+    const void *panel = panel_at(packed, p, K, bf16);
+    for (long row0 = 0; row0 + MAX_ROWS <= M; row0 += MAX_ROWS)
+        panel_tile(x, panel, y, K, ldx, panels * LANES, p * LANES, row0, MAX_ROWS, 1, bf16);
 }
 
 #define TILE_CASE(R) \
-    case R: \
-        if (bf16) \
-            panel_tile(x, panel, y, K, ldx, ldy, p * LANES, 0, R, 1, 1); \
-        else \
-            panel_tile(x, panel, y, K, ldx, ldy, p * LANES, 0, R, 1, 0); \
-        break;
+    case R: panel_tile(x, panel, y, K, ldx, panels * LANES, p * LANES, 0, R, 1, bf16); break;
 
-/* M < 16 rows, one tile; the switch makes its row count a constant, so the accumulators stay
- * in registers. */
-static void partial_tile(const float *x, long ldx, const void *packed, int bf16, float *y,
-                         long M, long K, long panels)
+/* M < 16 rows against panel p, one tile; the switch makes its row count a constant, so the
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void partial_panel(
+    const float *x, long ldx, const void *packed, float *y, long M, long K, long panels, long p,
+    const int bf16)
 {
-    const long ldy = panels * LANES;
-    #pragma omp parallel for schedule(static)
-    for (long p = 0; p < panels; p++) {
-        const void *panel = panel_at(packed, p, K, bf16);
-        switch (M) {
-            TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5)
-            TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10)
-            TILE_CASE(11) TILE_CASE(12) TILE_CASE(13) TILE_CASE(14) TILE_CASE(15)
-        }
+    const void *panel = panel_at(packed, p, K, bf16);
+    switch (M) {
+        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5)
+        TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10)
+        TILE_CASE(11) TILE_CASE(12) TILE_CASE(13) TILE_CASE(14) TILE_CASE(15)
     }
 }
 
-/* y [M, panels * 16] = x [M, K] @ W^T for W packed as above (bf16: 2-byte weights): every panel is written whole
- * (the caller trims columns past N, and adds any bias). Row r of x starts at x + r * ldx:
+/* Each weight type gets a parallel loop of its own: OpenMP outlines a loop's body before GCC
+ * inlines, so a constant `bf16` must already be in the body for the tiles to be specialised
+ * (a float32 tile then compiles exactly as it did before bfloat16 panels existed). */
+static void full_tiles(const float *x, long ldx, const void *packed, int bf16, float *y, long M,
+                       long K, long panels)
+{
+    if (bf16) {
+        #pragma omp parallel for schedule(static)
+        for (long p = 0; p < panels; p++)
+            full_panel(x, ldx, packed, y, M, K, panels, p, 1);
+    } else {
+        #pragma omp parallel for schedule(static)
+        for (long p = 0; p < panels; p++)
+            full_panel(x, ldx, packed, y, M, K, panels, p, 0);
+    }
+}
+
+static void partial_tile(const float *x, long ldx, const void *packed, int bf16, float *y,
+                         long M, long K, long panels)
+{
+    if (bf16) {
+        #pragma omp parallel for schedule(static)
+        for (long p = 0; p < panels; p++)
+            partial_panel(x, ldx, packed, y, M, K, panels, p, 1);
+    } else {
+        #pragma omp parallel for schedule(static)
+        for (long p = 0; p < panels; p++)
+            partial_panel(x, ldx, packed, y, M, K, panels, p, 0);
+    }
+}
+
+/* y [M, panels * 16] = x [M, K] @ W^T for W packed as above (bf16: 2-byte weights): every
+ * panel is written whole (the caller trims columns past N, and adds any bias). Row r of x starts at x + r * ldx:
  * the caller pads rows whose size is a multiple of 2 KB, since 16 rows that far apart all
  * fall in one set of the L1 cache and evict each other (half speed at K = 1024 or 2048).
  * Rows past the last multiple of 16 take a pass of their own over the weights: handled inside
