@@ -133,7 +133,10 @@ def run_hf_static(
     return PeerResult(outputs, time.perf_counter() - start, prefill, ttft)
 
 
-@torch.inference_mode()
+# no_grad, not inference_mode: transformers 5.17 builds the manager's cache in the caller's
+# thread when it warms up, and its worker thread (no_grad only) may not then write in place
+# into inference tensors ("Inplace update to inference tensor outside InferenceMode").
+@torch.no_grad()
 def run_hf_cb(
     model: Any,
     requests: list[BenchRequest],
@@ -172,11 +175,63 @@ def run_hf_cb(
     return PeerResult(outputs, wall, prefill, ttft)
 
 
+@torch.no_grad()  # not inference_mode: see run_hf_cb
+def run_hf_continuous(
+    model: Any, requests: list[BenchRequest], device: str, deadline_s: float | None = None
+) -> dict[str, Any]:
+    """transformers' continuous batching (the manager behind `generate_batch`), EOS disabled
+    (-1), each request with its own max_new_tokens. The clock starts after the manager's
+    warm-up (its CUDA-graph capture), as ours starts after the engine's start-up. After
+    `deadline_s` it stops and reports the requests finished by then (`complete` false)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    # On a GPU its cache and batch sizes are inferred from free memory (its best setting); on the
+    # CPU that inference sizes the cache from host RAM (seconds of page faults), so cap it.
+    cb = None
+    if not device.startswith("cuda"):
+        cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)
+    config = GenerationConfig(
+        max_new_tokens=max(r.max_tokens for r in requests),
+        do_sample=False,
+        eos_token_id=-1,
+        pad_token_id=0,
+    )
+    with model.continuous_batching_context_manager(
+        generation_config=config,
+        continuous_batching_config=cb,
+        block=True,
+        timeout=5,
+        warmup=device.startswith("cuda"),  # it pre-captures CUDA graphs; nothing to do on CPU
+    ) as manager:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        results = submit_and_collect(manager, requests, deadline_s=deadline_s)
+        wall = time.perf_counter() - start
+    errors = [str(r.error) for r in results.values() if getattr(r, "error", None)]
+    tokens = sum(len(res.generated_tokens) for res in results.values())
+    return {
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / wall,
+        "finished_requests": len(results),
+        "complete": not errors and tokens == sum(r.max_tokens for r in requests),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+    }
+
+
 def submit_and_collect(
-    manager: Any, requests: list[BenchRequest], record_timestamps: bool = False
+    manager: Any,
+    requests: list[BenchRequest],
+    record_timestamps: bool = False,
+    deadline_s: float | None = None,
 ) -> dict[str, Any]:
     """Add every request to a transformers continuous-batching manager (each with its own
-    max_new_tokens) and wait for all of them; results by request id."""
+    max_new_tokens) and wait for all of them, or until `deadline_s` seconds have passed;
+    finished results by request id (a failed request counts as finished: check `.error`)."""
+    stop_at = None if deadline_s is None else time.perf_counter() + deadline_s
     for req in requests:
         manager.add_request(
             req.prompt_token_ids,
@@ -186,6 +241,8 @@ def submit_and_collect(
         )
     results: dict[str, Any] = {}
     while len(results) < len(requests):
+        if stop_at is not None and time.perf_counter() > stop_at:
+            break
         result = manager.get_result(timeout=1)
         if result is not None and result.is_finished():
             results[result.request_id] = result

@@ -5,9 +5,10 @@ its config (no download), saves it in bf16 and runs one workload through `kvcach
 through transformers' `generate_batch` machinery in the same process. The workload mirrors
 nano-vllm's published benchmark: 256 sequences, prompt and output lengths drawn uniformly from
 100..1024 (seeded), prompt token ids from 0..10000, EOS ignored, Qwen3-0.6B shape. A small
-greedy-equality check against transformers' unbatched `generate` runs first on a tiny model.
-Results are printed and written as JSON after each phase, so a run cut short by a timeout still
-leaves what it measured. `--device cpu --quick` runs everything at toy sizes in seconds.
+greedy-equality check against transformers' unbatched `generate` on a tiny model runs last.
+Results are printed and written as JSON after each phase, and a phase that fails records its
+error and lets the next one run, so a run cut short or broken still leaves what it measured.
+`--device cpu --quick` runs everything at toy sizes in seconds.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import json
 import os
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from runner.bench_peers import load_hf_model, run_reference, submit_and_collect
+from runner.bench_peers import load_hf_model, run_hf_continuous, run_reference
 from runner.gpu_bench_workload import (
     EOS_ID,
     SHAPES,
@@ -77,12 +80,16 @@ def run_kvcache(
     _sync(device)
     wall = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
+    errors = [o.error for o in outs if o.error is not None]  # failed steps end requests early
     steps = [s for s in llm.recorder.steps if s["t_start_s"] >= start - llm.recorder.t0]
     result = {
         "wall_s": wall,
         "startup_s": startup,
         "output_tokens": tokens,
         "output_tok_s": tokens / wall,
+        "complete": not errors and tokens == sum(r.max_tokens for r in requests),
+        "errors": len(errors),
+        "first_errors": errors[:3],
         "num_kv_blocks": llm.block_manager.num_blocks,
         "attention_backend": llm.model.attention_backend,
         # Whether decode graphs were captured, and how many timed steps replayed one.
@@ -115,40 +122,6 @@ def step_times(steps: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-@torch.inference_mode()
-def run_hf_continuous(model: Any, requests: list[BenchRequest], device: str) -> dict[str, Any]:
-    """transformers' continuous batching (the manager behind `generate_batch`), EOS disabled
-    (-1), each request with its own max_new_tokens. The clock starts after the manager's
-    warm-up (its CUDA-graph capture), as ours starts after the engine's start-up."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    # On a GPU its cache and batch sizes are inferred from free memory (its best setting); on the
-    # CPU that inference sizes the cache from host RAM (seconds of page faults), so cap it.
-    cb = None
-    if not device.startswith("cuda"):
-        cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)
-    config = GenerationConfig(
-        max_new_tokens=max(r.max_tokens for r in requests),
-        do_sample=False,
-        eos_token_id=-1,
-        pad_token_id=0,
-    )
-    with model.continuous_batching_context_manager(
-        generation_config=config,
-        continuous_batching_config=cb,
-        block=True,
-        timeout=5,
-        warmup=device.startswith("cuda"),  # it pre-captures CUDA graphs; nothing to do on CPU
-    ) as manager:
-        _sync(device)
-        start = time.perf_counter()
-        results = submit_and_collect(manager, requests)
-        wall = time.perf_counter() - start
-    tokens = sum(len(res.generated_tokens) for res in results.values())
-    return {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall}
-
-
 def check_greedy(folder: Path, device: str, num_prompts: int = 4) -> dict[str, Any]:
     """Greedy outputs of the engine (float32) equal transformers' unbatched generate."""
     from kvcache import LLM, SamplingParams
@@ -161,7 +134,10 @@ def check_greedy(folder: Path, device: str, num_prompts: int = 4) -> dict[str, A
     refs = run_reference(hf, requests, {EOS_ID}, device)
     del hf
     backend = "triton" if device.startswith("cuda") else None
-    llm = LLM(str(folder), device=device, dtype="float32", attention_backend=backend)
+    # A few blocks: sized from free memory, the pool of a tiny model would take most of the GPU.
+    llm = LLM(
+        str(folder), device=device, dtype="float32", attention_backend=backend, num_kv_blocks=512
+    )
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0) for r in requests]
     outs = llm.generate([r.prompt_token_ids for r in requests], params)
     got = [o.token_ids for o in outs]
@@ -186,6 +162,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--skip-hf", action="store_true", help="engine only (no ratio)")
     p.add_argument("--skip-check", action="store_true", help="no greedy-equality check")
+    p.add_argument(
+        "--hf-deadline-s", type=float, default=170.0, help="stop transformers after this long"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.shape, args.num_seqs, args.min_len = "tiny", 4, 4
@@ -212,16 +191,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "args": {k: str(v) for k, v in vars(args).items()},
     }
 
-    def save(stage: str) -> None:
+    def phase(stage: str, run: Callable[[], Any]) -> None:
+        """Run one phase into report[stage] and save; a failure is recorded, not raised."""
+        try:
+            report[stage] = run()
+        except Exception as err:  # one broken phase must not cost the others their figures
+            report[stage] = {"error": repr(err), "traceback": traceback.format_exc(limit=6)}
+            _release(device)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+        args.out.write_text(json.dumps(report, indent=2, default=str))
         print(f"[{stage}] {json.dumps(report.get(stage), default=str)}", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="kvcache_gpu_bench_") as tmp:
-        if not args.skip_check:
-            tiny = build_random_model("tiny", Path(tmp) / "tiny", torch.float32, "cpu")
-            report["correctness"] = check_greedy(tiny, device)
-            save("correctness")
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         folder = build_random_model(args.shape, Path(tmp) / args.shape, dtype, device)
         vocab = vocab_size(args.shape)
@@ -233,30 +214,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             (0, min(10000, vocab - 1)),
             args.seed,
         )
-        report["workload"] = {
-            "shape": args.shape,
-            "num_seqs": len(requests),
-            "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
-            "output_tokens": sum(r.max_tokens for r in requests),
-        }
-        save("workload")
+        phase("workload", lambda: _workload_summary(args.shape, requests))
         options = {
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "attention_backend": "triton" if device.startswith("cuda") else None,
         }
-        report["kvcache"] = run_kvcache(folder, requests, device, options)
-        save("kvcache")
+        phase("kvcache", lambda: run_kvcache(folder, requests, device, options))
         if not args.skip_hf:
-            hf = load_hf_model(folder, device)
-            report["hf_generate_batch"] = run_hf_continuous(hf, requests, device)
-            save("hf_generate_batch")
-            del hf
-            _release(device)
-            ratio = report["kvcache"]["output_tok_s"] / report["hf_generate_batch"]["output_tok_s"]
-            report["ratio"] = {"kvcache_over_hf": ratio, "target": 5.0, "meets": ratio >= 5.0}
-            save("ratio")
+            phase("hf_generate_batch", lambda: _run_hf(folder, requests, device, args))
+            phase("ratio", lambda: _ratio(report))
+        if not args.skip_check:
+            tiny = Path(tmp) / "tiny"
+            phase("correctness", lambda: check_greedy(_tiny_model(tiny), device))
     return report
+
+
+def _workload_summary(shape: str, requests: list[BenchRequest]) -> dict[str, Any]:
+    return {
+        "shape": shape,
+        "num_seqs": len(requests),
+        "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+        "output_tokens": sum(r.max_tokens for r in requests),
+    }
+
+
+def _run_hf(
+    folder: Path, requests: list[BenchRequest], device: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    hf = load_hf_model(folder, device)
+    try:
+        return run_hf_continuous(hf, requests, device, args.hf_deadline_s)
+    finally:
+        del hf
+        _release(device)
+
+
+def _ratio(report: dict[str, Any]) -> dict[str, Any]:
+    """kvcache over transformers, output tokens/s; only where both runs completed."""
+    ours, theirs = report.get("kvcache", {}), report.get("hf_generate_batch", {})
+    if not (ours.get("complete") and theirs.get("complete")):
+        return {"kvcache_over_hf": None, "why": "a run failed or did not finish (see above)"}
+    ratio = ours["output_tok_s"] / theirs["output_tok_s"]
+    return {"kvcache_over_hf": ratio, "target": 5.0, "meets": ratio >= 5.0}
+
+
+def _tiny_model(folder: Path) -> Path:
+    return build_random_model("tiny", folder, torch.float32, "cpu")
 
 
 if __name__ == "__main__":

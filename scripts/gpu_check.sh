@@ -2,10 +2,11 @@
 # GPU check of the CUDA runner: the CUDA tests, then the throughput bench against transformers'
 # continuous batching. Every stage runs under `timeout` (SIGINT first, so pytest still prints its
 # summary and Python a traceback of where it stuck), so the whole check ends within ~8 minutes
-# whatever hangs. Everything, the bench JSON included, lands in one file.
+# whatever hangs. Everything, the bench JSON included, lands in one file, and goes to stdout too
+# (the device tool returns the output's tail).
 #
 # usage: scripts/gpu_check.sh [RESULT_FILE]     default: $OUT/gpu_check.txt (else /tmp/...)
-# knobs: GPU_CHECK_TESTS_S (default 180), GPU_CHECK_BENCH_S (default 240),
+# knobs: GPU_CHECK_TESTS_S (default 170), GPU_CHECK_BENCH_S (default 290),
 #        GPU_CHECK_BENCH_ARGS (extra runner.gpu_bench flags, e.g. "--num-seqs 128"),
 #        PYTHON (default: python3, else python)
 set -u
@@ -13,8 +14,8 @@ cd "$(dirname "$0")/.."
 RESULT="${1:-${OUT:-/tmp}/gpu_check.txt}"
 mkdir -p "$(dirname "$RESULT")"
 BENCH_JSON="$(dirname "$RESULT")/gpu_bench.json"
-TESTS_S="${GPU_CHECK_TESTS_S:-180}"
-BENCH_S="${GPU_CHECK_BENCH_S:-240}"
+TESTS_S="${GPU_CHECK_TESTS_S:-170}"
+BENCH_S="${GPU_CHECK_BENCH_S:-290}"
 # The GPU machine has no network: never wait on a hub look-up.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # The GPU image's interpreter (the one with CUDA torch) is `python3`; a bare `python` may be
@@ -56,6 +57,6 @@ print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "
   section "bench results (JSON; partial if the bench was cut short)"
   cat "$BENCH_JSON" 2>/dev/null || echo "(no bench JSON written)"
   section "done"
-} >"$RESULT" 2>&1
+} 2>&1 | tee "$RESULT"
 
 echo "gpu check results: $RESULT"

@@ -101,11 +101,34 @@ def test_gpu_bench_quick_cpu(tmp_path: Path) -> None:
     assert report["correctness"]["equal"], report["correctness"]
     assert report["kvcache"]["output_tokens"] == report["workload"]["output_tokens"]
     assert report["hf_generate_batch"]["output_tokens"] == report["workload"]["output_tokens"]
+    assert report["kvcache"]["complete"] and report["hf_generate_batch"]["complete"]
     assert report["ratio"]["kvcache_over_hf"] > 0
     timed = report["kvcache"]  # every timed step is a decode-only or a prefill step
     assert timed["decode_steps"] > 0 and timed["prefill_steps"] > 0
     assert 0 < timed["decode_s"] + timed["prefill_s"] <= timed["wall_s"]
     assert 1 <= timed["decode_batch_median"] <= report["workload"]["num_seqs"]
+
+
+def test_gpu_bench_keeps_going_after_a_failed_phase(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A phase that raises records its error and the next phases still run; a peer stopped at
+    its deadline reports what finished, and no ratio is claimed from incomplete runs."""
+    import runner.gpu_bench as gpu_bench
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu_bench, "run_kvcache", broken)
+    out = tmp_path / "bench.json"
+    args = ["--device", "cpu", "--quick", "--out", str(out), "--hf-deadline-s", "0"]
+    report = gpu_bench.main(args)
+    assert "illegal memory access" in report["kvcache"]["error"]
+    hf = report["hf_generate_batch"]
+    assert hf["complete"] is False and hf["output_tokens"] < report["workload"]["output_tokens"]
+    assert report["ratio"]["kvcache_over_hf"] is None
+    assert report["correctness"]["equal"]  # the last phase ran too
+    assert json.loads(out.read_text())["ratio"] == report["ratio"]
 
 
 # ---------------------------------------------------------------- decode graphs (CPU + CUDA)
