@@ -46,7 +46,7 @@ def rounded_hf(path: Path) -> Any:
     return hf
 
 
-@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen3_dir"])
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def rounded_case(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     path: Path = request.getfixturevalue(request.param)
     hf = rounded_hf(path)
