@@ -63,11 +63,11 @@ def main() -> None:
 @click.option("--device", default="cpu", show_default=True)
 @click.option(
     "--cpu-weight-dtype",
-    type=click.Choice(["float32", "bfloat16"]),
+    type=click.Choice(["float32", "bfloat16", "int8"]),
     default="float32",
     show_default=True,
-    help="CPU: store weight matrices as bfloat16 (half the bytes a decode step reads; "
-    "the float32 model with its weights rounded).",
+    help="CPU: store weight matrices as bfloat16 or int8 (a half or a quarter of the bytes a "
+    "decode step reads; the float32 model with its weights rounded so).",
 )
 @click.option(
     "--metrics",

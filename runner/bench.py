@@ -31,8 +31,10 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
     "engine-nocache": {"enable_prefix_caching": False},
     "engine-static": {"batching": "static"},
     "engine-nochunk": {"enable_chunked_prefill": False},
-    # bfloat16 weight matrices (the rounded model: it matches its own reference, not hf's).
+    # bfloat16 / int8 weight matrices (the rounded model: it matches its own reference, not
+    # hf's float32 one).
     "engine-bf16": {"cpu_weight_dtype": "bfloat16"},
+    "engine-int8": {"cpu_weight_dtype": "int8"},
 }
 
 

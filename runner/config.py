@@ -39,9 +39,10 @@ class EngineConfig:
     # oneDNN products and torch's attention.
     cpu_kernels: bool = True
     # CPU only: what the packed products store their weights as. "bfloat16" halves the bytes a
-    # decode step streams (the C kernels widen each weight to float32 as they read it;
-    # activations, norms and the KV cache stay float32): the model is then the float32 model
-    # with every weight matrix rounded to bfloat16, embeddings included.
+    # decode step streams, "int8" (a scale per 32 weights) quarters them (the C kernels widen
+    # each weight to float32 as they read it; activations, norms and the KV cache stay
+    # float32): the model is then the float32 model with every weight matrix rounded so,
+    # embeddings included (runner/cpu_quant.py).
     cpu_weight_dtype: str = "float32"
     # Keep every step's row and every finished request's timings for `LLM.metrics()` and
     # `kvcache report`: about 120 bytes per generated token, so a long-lived engine that needs
@@ -74,9 +75,10 @@ class EngineConfig:
                 "attention_backend must be 'torch', 'cpu' or 'triton', "
                 f"got {self.attention_backend!r}"
             )
-        if self.cpu_weight_dtype not in ("float32", "bfloat16"):
+        if self.cpu_weight_dtype not in ("float32", "bfloat16", "int8"):
             raise ValueError(
-                f"cpu_weight_dtype must be 'float32' or 'bfloat16', got {self.cpu_weight_dtype!r}"
+                "cpu_weight_dtype must be 'float32', 'bfloat16' or 'int8', "
+                f"got {self.cpu_weight_dtype!r}"
             )
         if self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")

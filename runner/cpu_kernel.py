@@ -12,13 +12,21 @@ import math
 
 import torch
 
+from runner.cpu_quant import INT8_GROUP, Int8Weight, quantize_int8
+
 LANES = 16  # floats per vector: panel width, and the unit of a head size
 # Rows of x this many floats long (2 KB) alias in the L1 cache (see panel_gemm.c).
 ALIASING_FLOATS = 512
 # decode_attention's limits (decode_attention.c): head size, query heads per KV head, block.
 MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 256, 8, 256
-# What a panel can hold: float32 weights, or bfloat16 ones widened to float32 as they are read.
-PANEL_DTYPES = (torch.float32, torch.bfloat16)
+# What a panel can hold, and panel_gemm.c's code for it: float32 weights, bfloat16 ones widened
+# as they are read, or int8 ones with a float32 scale per column and group of INT8_GROUP rows.
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def panel_rows(k: int, dtype: torch.dtype) -> int:
+    """Rows of 16 in a panel of K weights of `dtype` (int8: 4 more per group, its scales)."""
+    return k + 4 * -(-k // INT8_GROUP) if dtype == torch.int8 else k
 
 
 class StepSplit(ctypes.Structure):
@@ -89,11 +97,18 @@ class CpuKernels:
         self.layers_scratch.restype = ctypes.c_long
 
     @staticmethod
-    def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def pack(
+        weight: torch.Tensor, dtype: torch.dtype = torch.float32, int8: Int8Weight | None = None
+    ) -> torch.Tensor:
         """weight [N, K] float32 -> panels [ceil(N / 16), K, 16] of `dtype` (float32, or
-        bfloat16 rounded to nearest even as torch rounds), zero-padded past N."""
-        if dtype not in PANEL_DTYPES:
-            raise ValueError(f"panels hold float32 or bfloat16 weights, not {dtype}")
+        bfloat16 rounded to nearest even as torch rounds), zero-padded past N. For int8 (`int8`,
+        else runner/cpu_quant.py's quantize_int8 of weight), each panel's K rows of 16 bytes are
+        followed by its scales [ceil(K / 32), 16] float32, as 4 rows of 16 bytes per group:
+        [panels, K + 4 * groups, 16] int8."""
+        if dtype not in WEIGHT_TYPES:
+            raise ValueError(f"panels hold float32, bfloat16 or int8 weights, not {dtype}")
+        if dtype == torch.int8:
+            return CpuKernels._pack_int8(int8 if int8 is not None else quantize_int8(weight))
         n, k = weight.shape
         panels = -(-n // LANES)
         padded = weight
@@ -102,6 +117,20 @@ class CpuKernels:
             padded[:n] = weight
         return padded.reshape(panels, LANES, k).transpose(1, 2).to(dtype).contiguous()
 
+    @staticmethod
+    def _pack_int8(int8: Int8Weight) -> torch.Tensor:
+        q, scales = int8
+        n, k = q.shape
+        panels, groups = -(-n // LANES), scales.shape[1]
+        q_rows = q.new_zeros((panels * LANES, k))
+        q_rows[:n] = q
+        s_rows = scales.new_ones((panels * LANES, groups))  # padding columns: q 0, scale 1
+        s_rows[:n] = scales
+        q_panels = q_rows.reshape(panels, LANES, k).transpose(1, 2)  # [P, K, 16]
+        s_panels = s_rows.reshape(panels, LANES, groups).transpose(1, 2).contiguous()
+        s_bytes = s_panels.view(torch.int8).reshape(panels, 4 * groups, LANES)  # [P, G, 16] f32
+        return torch.cat([q_panels, s_bytes], dim=1).contiguous()
+
     def matmul(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
     ) -> torch.Tensor:
@@ -109,7 +138,9 @@ class CpuKernels:
         if x.dtype != torch.float32 or x.device.type != "cpu":
             # The kernel reads raw float32 memory: anything else would be read as garbage.
             raise TypeError(f"the panel kernel takes CPU float32 rows, got {x.dtype} on {x.device}")
-        k = packed.shape[1]
+        k = x.shape[-1]
+        if packed.shape[1] != panel_rows(k, packed.dtype):
+            raise ValueError(f"x rows of {k} do not fit panels {tuple(packed.shape)}")
         m = math.prod(x.shape[:-1])
         rows = x.reshape(m, k)
         if k % ALIASING_FLOATS == 0 and m >= LANES:
@@ -123,9 +154,9 @@ class CpuKernels:
         panels = packed.shape[0]
         # The kernel writes whole panels: rows of panels * 16 floats, trimmed to n below.
         out = torch.empty((m, panels * LANES), dtype=torch.float32)
-        bf16 = int(packed.dtype == torch.bfloat16)
+        wtype = WEIGHT_TYPES[packed.dtype]
         self._gemm(
-            rows.data_ptr(), rows.stride(0), packed.data_ptr(), bf16, out.data_ptr(), m, k, panels
+            rows.data_ptr(), rows.stride(0), packed.data_ptr(), wtype, out.data_ptr(), m, k, panels
         )
         if panels * LANES != n:
             out = out[:, :n].contiguous()

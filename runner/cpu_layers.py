@@ -22,7 +22,7 @@ import torch
 from kvcache.store import KVStore
 from runner.attention import AttentionMetadata
 from runner.cpu_attention import CpuSplit
-from runner.cpu_kernel import LANES, CpuKernels, StepSplit
+from runner.cpu_kernel import LANES, WEIGHT_TYPES, CpuKernels, StepSplit
 from runner.cpu_linear import PackedLinear
 
 if TYPE_CHECKING:
@@ -55,8 +55,8 @@ class CpuLayers:
         # Per layer, in the order of layers.c's enum; None (NULL) where the model has no such
         # tensor. The tensors stay owned by the model; the array only points at them.
         tensors: list[torch.Tensor | None] = []
-        # One weight type for every product (for_model checks): float32 or bfloat16 panels.
-        self._bf16_weights = int(_product(layers[0].mlp.down_proj).packed.dtype == torch.bfloat16)
+        # One weight type for every product (for_model checks): panel_gemm.c's WEIGHTS_* code.
+        self._weight_type = WEIGHT_TYPES[_product(layers[0].mlp.down_proj).packed.dtype]
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, o = _product(attn.qkv_proj), _product(attn.o_proj)
@@ -161,7 +161,7 @@ class CpuLayers:
             self.scale,
             scratch.data_ptr(),
             ctypes.byref(self._product_s),
-            self._bf16_weights,
+            self._weight_type,
         )
         if status != 0:
             raise RuntimeError("run_layers: an attention kernel refused the step")

@@ -29,6 +29,7 @@ from torch import nn
 
 from runner.cpu_kernel import CpuKernels
 from runner.cpu_kernel_loader import load_cpu_kernels
+from runner.cpu_quant import Int8Weight, dequantize_int8, quantize_int8
 
 # Only float32 is packed: it is the dtype whose greedy output is proven equal to transformers'
 # on the CPU, and oneDNN's bf16 path needs CPU features a machine may lack.
@@ -67,9 +68,10 @@ class PackedLinear(nn.Module):
     """y = x @ W.T + b with W packed once. x [..., in] float32.
 
     `panel_kernel=False` packs for oneDNN even where the panel kernel runs (comparisons, tests).
-    `weight_dtype=torch.bfloat16` rounds W to bfloat16: the panel kernel then stores half the
-    bytes and widens each weight as it reads it; oneDNN keeps the rounded values as float32
-    (the same products, no faster).
+    `weight_dtype=torch.bfloat16` rounds W to bfloat16, `torch.int8` quantizes it (to `int8`
+    where given, else runner/cpu_quant.py's quantize_int8 of W): the panel kernel then stores
+    half or a quarter of the bytes and widens each weight as it reads it; oneDNN keeps the
+    rounded values as float32 (the same products, no faster).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class PackedLinear(nn.Module):
         bias: torch.Tensor | None,
         panel_kernel: bool = True,
         weight_dtype: torch.dtype = torch.float32,
+        int8: Int8Weight | None = None,
     ) -> None:
         super().__init__()
         if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
@@ -88,13 +91,18 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().contiguous().clone()
         self._kernel: CpuKernels | None = load_cpu_kernels() if panel_kernel else None
         # Not a parameter or buffer: the model never saves, moves or trains a packed weight.
+        if weight_dtype == torch.int8 and int8 is None:
+            int8 = quantize_int8(weight.detach())
         if self._kernel is not None:
-            self.packed = self._kernel.pack(weight.detach(), weight_dtype)
+            self.packed = self._kernel.pack(weight.detach(), weight_dtype, int8)
             return
         if not onednn_available():
             raise RuntimeError("no packed product here: the panel kernel and oneDNN are missing")
         bound_primitive_caches()
-        rounded = weight.detach().to(weight_dtype).float()  # float32: the weight itself
+        if int8 is not None:
+            rounded = dequantize_int8(int8)
+        else:
+            rounded = weight.detach().to(weight_dtype).float()  # float32: the weight itself
         self.packed = torch.ops.mkldnn._reorder_linear_weight(rounded, None)
 
     @property
@@ -114,11 +122,14 @@ class PackedLinear(nn.Module):
 
 
 def prepack_linears(
-    module: nn.Module, panel_kernel: bool = True, weight_dtype: torch.dtype = torch.float32
+    module: nn.Module,
+    panel_kernel: bool = True,
+    weight_dtype: torch.dtype = torch.float32,
+    int8: dict[nn.Module, Int8Weight] | None = None,
 ) -> int:
     """Replace every float32 CPU nn.Linear under `module` by a PackedLinear (weights stored as
-    `weight_dtype`), in place. Returns how many were packed; 0 when nothing can pack here
-    (nothing changes)."""
+    `weight_dtype`; int8 ones as `int8[linear]` where given), in place. Returns how many were
+    packed; 0 when nothing can pack here (nothing changes)."""
     if not (prepacking_available() if panel_kernel else onednn_available()):
         return 0
     targets = [
@@ -130,7 +141,9 @@ def prepack_linears(
         and child.weight.dtype in PACKED_DTYPES
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child.weight, child.bias, panel_kernel, weight_dtype))
+        quantized = (int8 or {}).get(child)
+        packed = PackedLinear(child.weight, child.bias, panel_kernel, weight_dtype, quantized)
+        setattr(parent, name, packed)
     return len(targets)
 
 

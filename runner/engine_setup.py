@@ -10,7 +10,8 @@ from kvcache import BlockManager
 from kvcache.store import KVStore
 from runner.config import EngineConfig
 from runner.cpu_allocator import keep_step_buffers_in_heap
-from runner.cpu_prepack import prepack_for_cpu, round_matrices
+from runner.cpu_prepack import prepack_for_cpu
+from runner.cpu_quant import round_matrices
 from runner.loader import LoadedModel, load_model
 from runner.memory import kv_pool_blocks
 from runner.model_runner import ModelRunner
@@ -50,11 +51,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         model.attention_backend = "triton"
     elif config.cpu_kernels:
         model.attention_backend = "cpu"  # the torch path wherever the kernel cannot run
-    weight_dtype = getattr(torch, config.cpu_weight_dtype)
     if device.type == "cpu" and config.prepack_weights:
-        prepack_for_cpu(model, config.cpu_kernels, weight_dtype)
-    elif device.type == "cpu" and weight_dtype != torch.float32:
-        round_matrices(model, weight_dtype)  # the same model, run by torch's own products
+        prepack_for_cpu(model, config.cpu_kernels, config.cpu_weight_dtype)
+    elif device.type == "cpu":
+        round_matrices(model, config.cpu_weight_dtype)  # the same model, in torch's products
     max_model_len = int(hf.max_position_embeddings)
     model_dtype = next(model.parameters()).dtype
     activation = 0

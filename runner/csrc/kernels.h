@@ -3,9 +3,9 @@
 #ifndef KVCACHE_KERNELS_H
 #define KVCACHE_KERNELS_H
 
-/* panel_gemm.c: y [M, panels * 16] = x [M, K] (rows ldx apart) @ packed panels, of float32
- * weights or (bf16 != 0) bfloat16 ones. */
-void panel_gemm(const float *x, long ldx, const void *packed, int bf16, float *y, long M, long K,
+/* panel_gemm.c: y [M, panels * 16] = x [M, K] (rows ldx apart) @ packed panels of float32
+ * (wtype 0), bfloat16 (1) or int8 weights with group scales (2). */
+void panel_gemm(const float *x, long ldx, const void *packed, int wtype, float *y, long M, long K,
                 long panels);
 
 /* decode_attention.c: one query token per sequence over the paged cache; 0 or -1. */

@@ -78,11 +78,11 @@ static double now(void)
 
 /* y [M, panels * 16] = x @ packed (+ bias, as torch adds it: a second rounding), its wall time
  * added to *seconds (the bench's share of a step in the products). */
-static void product(const float *x, long ldx, const void *packed, int bf16, const float *bias,
+static void product(const float *x, long ldx, const void *packed, int wtype, const float *bias,
                     float *y, long M, long K, long panels, double *seconds)
 {
     double start = now();
-    panel_gemm(x, ldx, packed, bf16, y, M, K, panels);
+    panel_gemm(x, ldx, packed, wtype, y, M, K, panels);
     *seconds += now() - start;
     if (!bias)
         return;
@@ -156,12 +156,12 @@ static int attend(const float *q, float *k_cache, float *v_cache, float *attn, l
  * kv + (2l + 1) * cache_floats, each [blocks, block_size, hkv, d]. cos/sin [rows, d] per token;
  * slots [rows] (negative: skip). scratch: layers_scratch floats. The products' wall time is
  * added to *product_seconds. Returns 0, or -1 if an attention kernel refused (h is then partly
- * updated). bf16_weights: the packed products hold bfloat16 weights (panel_gemm.c). */
+ * updated). weight_type: what the packed products hold (panel_gemm.c's WEIGHTS_*). */
 int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, long d,
                const float *const *weights, long num_layers, float *kv, long cache_floats,
                long block_size, const struct step_split *split, const float *cos,
                const float *sin, const long *slots, float eps, float scale, float *scratch,
-               double *product_seconds, int bf16_weights)
+               double *product_seconds, int weight_type)
 {
     const long q_width = hq * d, qkv_width = (hq + 2 * hkv) * d;
     /* in: the x of each product, rows product_ld(its K) apart within in_ld floats a row. */
@@ -175,7 +175,7 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
         const float *const *w = weights + layer * WEIGHTS_PER_LAYER;
         float *k_cache = kv + 2 * layer * cache_floats, *v_cache = k_cache + cache_floats;
         rms_norm_rows(h, hidden, w[INPUT_NORM], in, product_ld(hidden), rows, hidden, eps);
-        product(in, product_ld(hidden), w[QKV], bf16_weights, w[QKV_BIAS], qkv, rows, hidden,
+        product(in, product_ld(hidden), w[QKV], weight_type, w[QKV_BIAS], qkv, rows, hidden,
                 qkv_width / LANES, seconds);
         for (long t = 0; t < rows; t++) {
             long slot = slots[t];
@@ -193,14 +193,14 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
                 memcpy(in + t * product_ld(q_width), attn + t * q_width, q_width * sizeof(float));
             o_in = in;
         }
-        product(o_in, product_ld(q_width), w[O], bf16_weights, w[O_BIAS], out, rows, q_width,
+        product(o_in, product_ld(q_width), w[O], weight_type, w[O_BIAS], out, rows, q_width,
                 hidden / LANES, seconds);
         add_rows(h, out, rows * hidden);
         rms_norm_rows(h, hidden, w[POST_NORM], in, product_ld(hidden), rows, hidden, eps);
-        product(in, product_ld(hidden), w[GATE_UP], bf16_weights, w[GATE_UP_BIAS], gate_up, rows,
+        product(in, product_ld(hidden), w[GATE_UP], weight_type, w[GATE_UP_BIAS], gate_up, rows,
                 hidden, 2 * inter / LANES, seconds);
         silu_and_mul_rows(gate_up, in, product_ld(inter), rows, inter);
-        product(in, product_ld(inter), w[DOWN], bf16_weights, w[DOWN_BIAS], out, rows, inter,
+        product(in, product_ld(inter), w[DOWN], weight_type, w[DOWN_BIAS], out, rows, inter,
                 hidden / LANES, seconds);
         add_rows(h, out, rows * hidden);
     }
