@@ -179,3 +179,12 @@ def test_int8_quantization_is_symmetric_per_group(
     assert bool(((deq - weight).abs() <= step * 0.5001).all())
     padded = torch.nn.functional.pad(q.abs().int(), (0, scales.shape[1] * INT8_GROUP - cols))
     assert bool((padded.view(rows, -1, INT8_GROUP).amax(dim=2) == 127).all())
+
+
+def test_weight_quality_scores_each_rounding(tiny_llama_dir: Path) -> None:
+    from runner.weight_quality import perplexity
+
+    ids = torch.tensor(make_prompts(320, seed=9)[0] * 3)
+    scores = {dtype: perplexity(tiny_llama_dir, ids, dtype) for dtype in ("float32", "int8")}
+    assert all(1.0 < s < float("inf") for s in scores.values())
+    assert scores["int8"] != scores["float32"]  # the rounded model is another model

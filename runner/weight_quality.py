@@ -1,0 +1,61 @@
+"""What rounding the weights costs a model: perplexity with each `cpu_weight_dtype`.
+
+`python -m runner.weight_quality [--model PATH] [--tokens N] [FILE ...]` reads text (by default
+the project's own docs), and prints the perplexity of transformers' float32 model on it with its
+weight matrices as they are, rounded to bfloat16, and quantized to int8 as runner/cpu_quant.py
+rounds them: the very models the CPU engine runs with `cpu_weight_dtype` set so (its greedy
+output equals transformers' on them; tests/test_rounded_weights.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from runner.cpu_quant import WEIGHT_DTYPES, round_matrices
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+WINDOW = 1024  # tokens scored per forward pass; each window starts fresh
+
+
+def perplexity(model_dir: Path, ids: torch.Tensor, dtype: str) -> float:
+    """exp(mean next-token loss) over ids [T], in windows of WINDOW tokens."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    round_matrices(model, dtype)
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, WINDOW):
+            window = ids[start : start + WINDOW + 1][None]
+            predicted = window.shape[1] - 1
+            total += float(model(window, labels=window).loss) * predicted
+            count += predicted
+    return math.exp(total / count)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="*", type=Path, help="text to score; default: docs/*.md")
+    parser.add_argument("--model", default=None, help="HF folder or .gguf; default: SmolLM2")
+    parser.add_argument("--tokens", type=int, default=4096, help="score the first N tokens")
+    args = parser.parse_args(argv)
+    from kvcache import LLM
+
+    model_dir = LLM(args.model, num_kv_blocks=16).model_path  # resolves and converts once
+    files = args.files or sorted(DOCS.glob("*.md"))
+    text = "\n\n".join(Path(f).read_text(encoding="utf-8") for f in files)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(text, return_tensors="pt").input_ids[0][: args.tokens]
+    print(f"{len(ids)} tokens of {', '.join(Path(f).name for f in files)}")
+    base = None
+    for dtype in WEIGHT_DTYPES:
+        value = perplexity(model_dir, ids, dtype)
+        base = base or value
+        print(f"{dtype:9s} perplexity {value:8.3f}  ({(value / base - 1) * 100:+.2f}%)")
+
+
+if __name__ == "__main__":
+    main()
