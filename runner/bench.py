@@ -38,7 +38,7 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
 }
 
 
-def matmul_peak_gflops(device: str, size: int = 1024, repeats: int = 8) -> float:
+def matmul_peak_gflops(device: str, size: int = 1024, repeats: int = 24) -> float:
     """A float32 matrix-product peak measured now, the denominator of model-FLOP utilisation:
     the fastest of a plain product and, on the CPU, each packed one the engine can use."""
     a = torch.randn(size, size, device=device)
