@@ -3,6 +3,8 @@ layers (RMSNorm, the gated SiLU), and whole steps in C where the model fits them
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from runner.cpu_kernel_loader import load_cpu_kernels
@@ -11,6 +13,8 @@ from runner.cpu_linear import PACKED_DTYPES, PackedLinear, prepack_linears
 from runner.cpu_quant import round_matrices
 from runner.layers import RMSNorm
 from runner.model import MLP, CausalLM
+
+log = logging.getLogger(__name__)
 
 
 def prepack_for_cpu(
@@ -36,4 +40,10 @@ def prepack_for_cpu(
         model.lm_head = PackedLinear(weight, None, cpu_kernels, dtype, tied)
         packed += 1
     model.cpu_layers = CpuLayers.for_model(model, kernels)
+    if weight_dtype != "float32" and kernels is None:
+        log.warning(
+            "cpu_weight_dtype=%s without the C kernels: the rounded weights are kept as float32 "
+            "(same answers as with the kernels, but no faster and no smaller)",
+            weight_dtype,
+        )
     return packed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import torch
@@ -15,6 +16,8 @@ from runner.cpu_quant import round_matrices
 from runner.loader import LoadedModel, load_model
 from runner.memory import kv_pool_blocks
 from runner.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 class EngineParts(NamedTuple):
@@ -39,8 +42,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
     dtype = getattr(torch, config.dtype) if config.dtype else None
-    if device.type != "cpu" and config.cpu_weight_dtype != "float32":
-        raise ValueError("cpu_weight_dtype is for the CPU; on a GPU, dtype sets the weights' type")
+    if config.cpu_weight_dtype != "float32":
+        if device.type != "cpu":
+            raise ValueError("cpu_weight_dtype is for the CPU; on a GPU, dtype sets the weights")
+        if config.dtype not in (None, "float32"):  # it rounds float32 weights, and only those
+            raise ValueError(
+                f"cpu_weight_dtype={config.cpu_weight_dtype!r} rounds a float32 model's weights; "
+                f"it cannot be combined with dtype={config.dtype!r}"
+            )
     if device.type == "cpu":
         keep_step_buffers_in_heap()
     loaded = load_model(config.model, device=str(device), dtype=dtype)
@@ -53,8 +62,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         model.attention_backend = "cpu"  # the torch path wherever the kernel cannot run
     if device.type == "cpu" and config.prepack_weights:
         prepack_for_cpu(model, config.cpu_kernels, config.cpu_weight_dtype)
-    elif device.type == "cpu":
+    elif device.type == "cpu" and config.cpu_weight_dtype != "float32":
         round_matrices(model, config.cpu_weight_dtype)  # the same model, in torch's products
+        log.warning("cpu_weight_dtype without prepack_weights: the rounded weights stay float32")
     max_model_len = int(hf.max_position_embeddings)
     model_dtype = next(model.parameters()).dtype
     activation = 0

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU check of the CUDA runner: the CUDA tests, then the throughput bench against transformers'
 # continuous batching. Every stage runs under `timeout` (SIGINT first, so pytest still prints its
-# summary and Python a traceback of where it stuck), so the whole check ends within ~8 minutes
-# whatever hangs. Everything, the bench JSON included, lands in one file, and goes to stdout too
-# (the device tool returns the output's tail).
+# summary and Python a traceback of where it stuck): typically about 7 minutes, and about 9 1/2
+# at most whatever hangs (every stage at its limit). Everything, the bench JSON included, lands
+# in one file, and goes to stdout too (the device tool returns the output's tail).
 #
 # usage: scripts/gpu_check.sh [RESULT_FILE]     default: $OUT/gpu_check.txt (else /tmp/...)
 # knobs: GPU_CHECK_TESTS_S (default 170), GPU_CHECK_BENCH_S (default 290),

@@ -136,9 +136,24 @@ def test_rounded_panels_equal_float32_panels_of_the_rounded_weights(
     assert torch.equal(quarter, kernel.matmul(x, kernel.pack(deq), None, out_features))
 
 
-def test_bad_weight_dtype_is_refused() -> None:
+def test_bad_weight_dtype_is_refused(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="cpu_weight_dtype"):
         LLM("unused", cpu_weight_dtype="float8")
+    # it rounds a float32 model: with another dtype it would silently do nothing
+    with pytest.raises(ValueError, match="dtype='bfloat16'"):
+        LLM(str(tiny_llama_dir), cpu_weight_dtype="int8", dtype="bfloat16")
+
+
+def test_rounding_without_the_kernels_says_it_gains_nothing(
+    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING"):
+        LLM(str(tiny_llama_dir), cpu_weight_dtype="int8", cpu_kernels=False)
+    assert "no faster and no smaller" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        LLM(str(tiny_llama_dir), cpu_weight_dtype="int8")
+    assert "no faster" not in caplog.text or load_cpu_kernels() is None
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])

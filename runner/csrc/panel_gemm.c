@@ -23,6 +23,7 @@
  * Built at run time with -march=native (see runner/cpu_kernel_loader.py); the vector type becomes
  * one AVX-512 register, and threads come from the OpenMP runtime torch already loaded.
  */
+#include <omp.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -219,8 +220,11 @@ static void full_tiles(const float *x, long ldx, const void *packed, int wtype, 
 static void partial_tile(const float *x, long ldx, const void *packed, int wtype, float *y,
                          long M, long K, long panels)
 {
-    if (M <= FEW_ROWS) {
-        FOR_WEIGHT_TYPE(few_rows_panels, (panels + WIDE - 1) / WIDE)
+    /* Side by side only while there is a task for every thread: on a many-core machine a
+     * quarter of the tasks would leave cores idle. */
+    const long wide_tasks = (panels + WIDE - 1) / WIDE;
+    if (M <= FEW_ROWS && wide_tasks >= omp_get_max_threads()) {
+        FOR_WEIGHT_TYPE(few_rows_panels, wide_tasks)
     } else {
         FOR_WEIGHT_TYPE(partial_panel, panels)
     }
