@@ -12,21 +12,12 @@ import math
 
 import torch
 
-from runner.cpu_quant import INT8_GROUP, Int8Weight, quantize_int8
+from runner.cpu_panels import LANES, WEIGHT_TYPES, pack_panels, panel_rows
 
-LANES = 16  # floats per vector: panel width, and the unit of a head size
 # Rows of x this many floats long (2 KB) alias in the L1 cache (see panel_gemm.c).
 ALIASING_FLOATS = 512
 # decode_attention's limits (decode_attention.c): head size, query heads per KV head, block.
 MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 256, 8, 256
-# What a panel can hold, and panel_gemm.c's code for it: float32 weights, bfloat16 ones widened
-# as they are read, or int8 ones with a float32 scale per column and group of INT8_GROUP rows.
-WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-
-
-def panel_rows(k: int, dtype: torch.dtype) -> int:
-    """Rows of 16 in a panel of K weights of `dtype` (int8: 4 more per group, its scales)."""
-    return k + 4 * -(-k // INT8_GROUP) if dtype == torch.int8 else k
 
 
 class StepSplit(ctypes.Structure):
@@ -96,40 +87,7 @@ class CpuKernels:
         self.layers_scratch.argtypes = [ctypes.c_long] * 6
         self.layers_scratch.restype = ctypes.c_long
 
-    @staticmethod
-    def pack(
-        weight: torch.Tensor, dtype: torch.dtype = torch.float32, int8: Int8Weight | None = None
-    ) -> torch.Tensor:
-        """weight [N, K] float32 -> panels [ceil(N / 16), K, 16] of `dtype` (float32, or
-        bfloat16 rounded to nearest even as torch rounds), zero-padded past N. For int8 (`int8`,
-        else runner/cpu_quant.py's quantize_int8 of weight), each panel's K rows of 16 bytes are
-        followed by its scales [ceil(K / 32), 16] float32, as 4 rows of 16 bytes per group:
-        [panels, K + 4 * groups, 16] int8."""
-        if dtype not in WEIGHT_TYPES:
-            raise ValueError(f"panels hold float32, bfloat16 or int8 weights, not {dtype}")
-        if dtype == torch.int8:
-            return CpuKernels._pack_int8(int8 if int8 is not None else quantize_int8(weight))
-        n, k = weight.shape
-        panels = -(-n // LANES)
-        padded = weight
-        if n % LANES:  # only a ragged last panel needs a zero-padded copy
-            padded = weight.new_zeros((panels * LANES, k))
-            padded[:n] = weight
-        return padded.reshape(panels, LANES, k).transpose(1, 2).to(dtype).contiguous()
-
-    @staticmethod
-    def _pack_int8(int8: Int8Weight) -> torch.Tensor:
-        q, scales = int8
-        n, k = q.shape
-        panels, groups = -(-n // LANES), scales.shape[1]
-        q_rows = q.new_zeros((panels * LANES, k))
-        q_rows[:n] = q
-        s_rows = scales.new_ones((panels * LANES, groups))  # padding columns: q 0, scale 1
-        s_rows[:n] = scales
-        q_panels = q_rows.reshape(panels, LANES, k).transpose(1, 2)  # [P, K, 16]
-        s_panels = s_rows.reshape(panels, LANES, groups).transpose(1, 2).contiguous()
-        s_bytes = s_panels.view(torch.int8).reshape(panels, 4 * groups, LANES)  # [P, G, 16] f32
-        return torch.cat([q_panels, s_bytes], dim=1).contiguous()
+    pack = staticmethod(pack_panels)  # the layout lives in runner/cpu_panels.py
 
     def matmul(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
