@@ -35,6 +35,7 @@ def run_soak(
     record_metrics: bool = True,
     batching: str = "continuous",
     max_num_batched_tokens: int = 2048,
+    cpu_weight_dtype: str = "float32",
 ) -> SoakReport:
     """Run `requests` requests (at most `inflight` live) and return the report; a failed check
     is a line in `report.failures`, never an exception."""
@@ -47,6 +48,7 @@ def run_soak(
         batching=batching,
         max_num_batched_tokens=max_num_batched_tokens,
         record_metrics=record_metrics,
+        cpu_weight_dtype=cpu_weight_dtype,
     )
     counter = FirstAdmissionCounter(llm.scheduler)
     workload = Workload(seed, max_prompt=min(max_prompt, 80))

@@ -56,6 +56,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--no-metrics", action="store_true", help="record no per-step or per-request metrics"
     )
+    p.add_argument("--cpu-weight-dtype", choices=["float32", "bfloat16", "int8"], default="float32")
     return p.parse_args(argv)
 
 
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             record_metrics=not args.no_metrics,
             batching=args.batching,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            cpu_weight_dtype=args.cpu_weight_dtype,
         )
     print(rep.table())
     return 0 if not rep.failures else 1
