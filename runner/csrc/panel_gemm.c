@@ -7,9 +7,11 @@
  *
  * Each task computes up to 16 rows of x against one panel with 16 vector accumulators (one
  * per row) that stay in registers for the whole K loop: every weight vector loaded feeds up to
- * 16 fused multiply-adds. Each output is one sequential sum over k, so a row's result does not
- * depend on how many other rows share the call (batch-invariant). Tried and slower here: x
- * transposed into row panels, 2-3 panels per task with 8-12 rows.
+ * 16 fused multiply-adds; 1-3 rows take 4 panels at once (few_rows_panels). Each output is one
+ * sequential sum over k, so a row's result does not depend on how many other rows share the
+ * call (batch-invariant). Tried and slower here: x transposed into row panels, 2-3 panels per
+ * task with 8-12 rows, and bfloat16 or int8 panels widened once into float32 for all of a
+ * prefill's tiles.
  *
  * The panels hold float32 weights, bfloat16 ones (the top 16 bits of each float32, as torch
  * rounds them) or int8 ones with a float32 scale per column and group of 32 k (a panel's
@@ -36,7 +38,7 @@ typedef signed char byte16 __attribute__((vector_size(16)));
 typedef int int16v __attribute__((vector_size(64)));
 
 enum { LANES = 16, MAX_ROWS = 16 };
-/* What a panel holds (runner/cpu_kernel.py WEIGHT_TYPES); int8 scales cover INT8_GROUP k. */
+/* What a panel holds (runner/cpu_panels.py WEIGHT_TYPES); int8 scales cover INT8_GROUP k. */
 enum { WEIGHTS_F32 = 0, WEIGHTS_BF16 = 1, WEIGHTS_INT8 = 2, INT8_GROUP = 32 };
 /* Up to FEW_ROWS rows of x are multiplied with WIDE panels at a time (see few_rows_panels). */
 enum { FEW_ROWS = 3, WIDE = 4 };
