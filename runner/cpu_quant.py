@@ -8,9 +8,10 @@ torch, computes the same model, and the reference for its greedy output is trans
 `generate` on those same rounded weights.
 
 int8 is symmetric, with one float32 scale per output row and group of INT8_GROUP input columns
-(as llama.cpp's Q8_0): q = round(w / s) in [-127, 127] with s = max|w| / 127 over the group, and
-the weight the model uses is q * s, rounded once to float32. The kernel widens q and multiplies
-by s exactly so, so its products equal the float32 products of these weights bit for bit.
+(like llama.cpp's Q8_0, with float32 scales): q = round(w / s) in [-127, 127] with
+s = max|w| / 127 over the group, and the weight the model uses is q * s, rounded once to
+float32. The kernel widens q and multiplies by s exactly so, so its products equal the float32
+products of these weights bit for bit.
 """
 
 from __future__ import annotations
