@@ -22,8 +22,9 @@ import torch
 from kvcache.store import KVStore
 from runner.attention import AttentionMetadata
 from runner.cpu_attention import CpuSplit
-from runner.cpu_kernel import LANES, WEIGHT_TYPES, CpuKernels, StepSplit
+from runner.cpu_kernel import LANES, CpuKernels, StepSplit
 from runner.cpu_linear import PackedLinear
+from runner.cpu_panels import WEIGHT_TYPES
 
 if TYPE_CHECKING:
     from runner.layers import RMSNorm

@@ -4,8 +4,8 @@ A plain `F.linear` on the CPU hands the weight to the BLAS in its stored layout,
 repacks it into cache-friendly panels on every call. For a decode step, whose activations are
 a handful of rows, that repacking costs as much as the product itself. Packing once removes it.
 
-Two packings, the first that this machine can run (weights as float32, or rounded to bfloat16:
-see `PackedLinear`):
+Two packings, the first that this machine can run (weights as float32, or rounded to bfloat16
+or int8: see `PackedLinear`):
 - the panel kernel (runner/cpu_kernel.py): weights as 16-column panels read front to back,
   built with the system C compiler. It streams a decode step's weights at close to the
   machine's memory bandwidth (about 1.3-1.9x oneDNN's packed product for 1-32 rows on the
@@ -31,8 +31,9 @@ from runner.cpu_kernel import CpuKernels
 from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.cpu_quant import Int8Weight, dequantize_int8, quantize_int8
 
-# Only float32 is packed: it is the dtype whose greedy output is proven equal to transformers'
-# on the CPU, and oneDNN's bf16 path needs CPU features a machine may lack.
+# Only float32 models are packed: the dtype whose greedy output is proven equal to transformers'
+# on the CPU (oneDNN's bf16 path needs CPU features a machine may lack). Their weights may be
+# stored rounded (`weight_dtype`), which is the float32 model with rounded weights.
 PACKED_DTYPES = (torch.float32,)
 
 
