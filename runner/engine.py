@@ -282,6 +282,7 @@ class LLM:
             "block_size": self.config.block_size,
             "num_kv_blocks": self.block_manager.num_blocks,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "cpu_weight_dtype": self.config.cpu_weight_dtype,
         }
         return self.recorder.to_dict(
             header, self.block_manager.stats, self.scheduler.num_preemptions

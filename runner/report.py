@@ -215,6 +215,9 @@ def format_summary(metrics: dict[str, Any], max_groups: int = 20) -> str:
         f"{metrics.get('num_kv_blocks', '?')} KV blocks, "
         f"budget {metrics.get('max_num_batched_tokens', '?')} tokens/step"
     )
+    weights = metrics.get("cpu_weight_dtype", "float32")
+    if weights != "float32":  # another model than the checkpoint's: say so
+        title += f", {weights} weights"
     lines = [title, ""]
     lines += _table(("metric", "value"), summary_rows(metrics), right=set())
     groups = prefix_breakdown(metrics)

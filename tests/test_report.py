@@ -188,6 +188,8 @@ def test_summary_numbers() -> None:
     assert rows["inter-token p50 / p90 / p99"] == "3.0 / 4.6 / 5.0 ms"
     text = format_summary(m)
     assert "continuous batching" in text and "toy" in text and "3 groups" in text
+    assert "weights" not in text.splitlines()[0]  # float32, the checkpoint's own model
+    assert "int8 weights" in format_summary({**m, "cpu_weight_dtype": "int8"}).splitlines()[0]
 
 
 def test_percentile() -> None:
