@@ -30,10 +30,8 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     """Symmetric int8 of weight [N, K] float32 with a scale per row and group of columns."""
     n, k = weight.shape
     groups = -(-k // INT8_GROUP)
-    padded = weight.new_zeros((n, groups * INT8_GROUP))
-    padded[:, :k] = weight
-    grouped = padded.view(n, groups, INT8_GROUP)
-    scales = grouped.abs().amax(dim=2) / 127.0
+    grouped = _grouped(weight, groups)  # [N, groups, INT8_GROUP], zero-padded past K
+    scales = grouped.abs().amax(dim=2).div_(127.0)
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group
     q = torch.round(grouped / scales[:, :, None]).clamp_(-127, 127).to(torch.int8)
     return q.view(n, groups * INT8_GROUP)[:, :k].contiguous(), scales.contiguous()
@@ -43,8 +41,19 @@ def dequantize_int8(quantized: Int8Weight) -> torch.Tensor:
     """The float32 weights [N, K] that an int8 weight stands for: q * s, rounded once."""
     q, scales = quantized
     n, k = q.shape
-    per_column = scales.repeat_interleave(INT8_GROUP, dim=1)[:, :k]
-    return q.float() * per_column
+    grouped = _grouped(q, scales.shape[1]).float() * scales[:, :, None]
+    return grouped.view(n, -1)[:, :k].contiguous()
+
+
+def _grouped(matrix: torch.Tensor, groups: int) -> torch.Tensor:
+    """matrix [N, K] as [N, groups, INT8_GROUP]: a view when K fills the groups, else a
+    zero-padded copy."""
+    n, k = matrix.shape
+    if k == groups * INT8_GROUP:
+        return matrix.view(n, groups, INT8_GROUP)
+    padded = matrix.new_zeros((n, groups * INT8_GROUP))
+    padded[:, :k] = matrix
+    return padded.view(n, groups, INT8_GROUP)
 
 
 @torch.no_grad()
