@@ -22,20 +22,16 @@
  * that dequantizing it gives. x, the accumulators and y stay float32, so a product on bfloat16
  * or int8 panels equals bit for bit the float32 product of the rounded or dequantized weights.
  *
- * Built at run time with -march=native (see runner/cpu_kernel_loader.py); the vector type becomes
- * one AVX-512 register, and threads come from the OpenMP runtime torch already loaded.
+ * Built at run time with -march=native, on AVX-512 machines only (see
+ * runner/cpu_kernel_loader.py); the vector type becomes one AVX-512 register, the widening of
+ * bfloat16 and int8 weights uses AVX-512 intrinsics, and threads come from the OpenMP runtime
+ * torch already loaded.
  */
+#include <immintrin.h>
 #include <omp.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 typedef float vec16 __attribute__((vector_size(64)));
-typedef unsigned short half16 __attribute__((vector_size(32)));
-typedef unsigned int word16 __attribute__((vector_size(64)));
-typedef signed char byte16 __attribute__((vector_size(16)));
-typedef int int16v __attribute__((vector_size(64)));
 
 enum { LANES = 16, MAX_ROWS = 16 };
 /* What a panel holds (runner/cpu_panels.py WEIGHT_TYPES); int8 scales cover INT8_GROUP k. */
@@ -64,27 +60,15 @@ static inline __attribute__((always_inline)) vec16 load_weights(const void *pane
     vec16 w;
     if (wtype == WEIGHTS_INT8) {
         const signed char *src = (const signed char *)panel + at;
-#ifdef __AVX512F__
         __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)src)));
         memcpy(&w, &q, sizeof(w));
-#else
-        byte16 b;
-        memcpy(&b, src, sizeof(b));
-        w = __builtin_convertvector(__builtin_convertvector(b, int16v), vec16);
-#endif
         w = w * scale;
     } else if (wtype == WEIGHTS_BF16) {
         /* One zero-extending load and a shift: GCC's generic widening of a 32-byte vector
          * takes two half loads and an insert. */
         const unsigned short *src = (const unsigned short *)panel + at;
-#ifdef __AVX512F__
         __m256i h = _mm256_loadu_si256((const void *)src);
         __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-#else
-        half16 h;
-        memcpy(&h, src, sizeof(h));
-        word16 bits = __builtin_convertvector(h, word16) << 16;
-#endif
         memcpy(&w, &bits, sizeof(w));
     } else {
         memcpy(&w, (const float *)panel + at, sizeof(w));
@@ -234,9 +218,9 @@ static void partial_tile(const float *x, long ldx, const void *packed, int wtype
 
 /* y [M, panels * 16] = x [M, K] @ W^T for W packed as above (wtype: WEIGHTS_*): every
  * panel is written whole (the caller trims columns past N, and adds any bias). Row r of x
- * starts at x + r * ldx:
- * the caller pads rows whose size is a multiple of 2 KB, since 16 rows that far apart all
- * fall in one set of the L1 cache and evict each other (half speed at K = 1024 or 2048).
+ * starts at x + r * ldx: the caller pads rows whose size is a multiple of 2 KB, since 16 rows
+ * that far apart all fall in one set of the L1 cache and evict each other (half speed at
+ * K = 1024 or 2048).
  * Rows past the last multiple of 16 take a pass of their own over the weights: handled inside
  * the full tiles' loop (one by one, or by a switch on their count) they cost those tiles
  * 5-10%, more than the extra pass. */
