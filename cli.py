@@ -13,6 +13,8 @@ from typing import Any
 
 import click
 
+from runner.config import CPU_WEIGHT_DTYPES
+
 
 @contextlib.contextmanager
 def start_up_without_gc() -> Iterator[None]:
@@ -63,7 +65,7 @@ def main() -> None:
 @click.option("--device", default="cpu", show_default=True)
 @click.option(
     "--cpu-weight-dtype",
-    type=click.Choice(["float32", "bfloat16", "int8"]),
+    type=click.Choice(CPU_WEIGHT_DTYPES),
     default="float32",
     show_default=True,
     help="CPU: store weight matrices as bfloat16 or int8 (a half or a quarter of the bytes a "

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 Batching = Literal["continuous", "static"]
+# What the CPU's packed products may store weights as (runner/cpu_quant.py rounds to them).
+CPU_WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,9 @@ class EngineConfig:
                 "attention_backend must be 'torch', 'cpu' or 'triton', "
                 f"got {self.attention_backend!r}"
             )
-        if self.cpu_weight_dtype not in ("float32", "bfloat16", "int8"):
+        if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
             raise ValueError(
-                "cpu_weight_dtype must be 'float32', 'bfloat16' or 'int8', "
+                f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, "
                 f"got {self.cpu_weight_dtype!r}"
             )
         if self.max_wait_steps < 0:

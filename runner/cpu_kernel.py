@@ -45,8 +45,9 @@ class CpuKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._gemm = library.panel_gemm
+        # x, ldx, packed, weight type, y, M, K, panels
         self._gemm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-        self._gemm.argtypes += [ctypes.c_void_p] + [ctypes.c_long] * 3
+        self._gemm.argtypes += [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
         self._gemm.restype = None
         self._decode = library.decode_attention
         self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 7 + [ctypes.c_float]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.cpu_quant import INT8_GROUP, Int8Weight, quantize_int8
+from runner.cpu_quant import INT8_GROUP, Int8Weight
 
 LANES = 16  # floats per vector: panel width, and the unit of a head size
 # What a panel can hold, and panel_gemm.c's code for it: float32 weights, bfloat16 ones widened
@@ -27,14 +27,16 @@ def pack_panels(
     weight: torch.Tensor, dtype: torch.dtype = torch.float32, int8: Int8Weight | None = None
 ) -> torch.Tensor:
     """weight [N, K] float32 -> panels [ceil(N / 16), K, 16] of `dtype` (float32, or
-    bfloat16 rounded to nearest even as torch rounds), zero-padded past N. For int8 (`int8`,
-    else runner/cpu_quant.py's quantize_int8 of weight), each panel's K rows of 16 bytes are
+    bfloat16 rounded to nearest even as torch rounds), zero-padded past N. For int8, `int8` is
+    the weight's quantized form (runner/cpu_quant.py) and each panel's K rows of 16 bytes are
     followed by its scales [ceil(K / 32), 16] float32, as 4 rows of 16 bytes per group:
     [panels, K + 4 * groups, 16] int8."""
     if dtype not in WEIGHT_TYPES:
         raise ValueError(f"panels hold float32, bfloat16 or int8 weights, not {dtype}")
     if dtype == torch.int8:
-        return _pack_int8(int8 if int8 is not None else quantize_int8(weight))
+        if int8 is None:
+            raise ValueError("int8 panels need the quantized weight (cpu_quant.quantize_int8)")
+        return _pack_int8(int8)
     n, k = weight.shape
     panels = -(-n // LANES)
     padded = weight

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runner.config import CPU_WEIGHT_DTYPES
+
 INT8_GROUP = 32  # input columns per int8 scale; panel_gemm.c's INT8_GROUP
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 
 # (q [N, K] int8, scales [N, ceil(K / INT8_GROUP)] float32) of one weight matrix
 Int8Weight = tuple[torch.Tensor, torch.Tensor]
@@ -61,14 +62,16 @@ def round_matrices(model: nn.Module, dtype: str) -> dict[nn.Module, Int8Weight]:
     """Replace every float32 nn.Linear and nn.Embedding weight of `model` by its `dtype`
     ("bfloat16" or "int8") rounding, in place, kept as float32. Returns the int8 form of each
     module's weight (empty for bfloat16), which the packed products store."""
-    if dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
+    if dtype not in CPU_WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype must be one of {CPU_WEIGHT_DTYPES}, got {dtype!r}")
     quantized: dict[nn.Module, Int8Weight] = {}
+    if dtype == "float32":
+        return quantized
     for module in model.modules():
         if not isinstance(module, nn.Linear | nn.Embedding):
             continue
         weight = module.weight
-        if weight.dtype != torch.float32 or dtype == "float32":
+        if weight.dtype != torch.float32:
             continue
         if dtype == "bfloat16":
             weight.copy_(weight.to(torch.bfloat16))

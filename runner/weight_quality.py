@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runner.cpu_quant import WEIGHT_DTYPES, round_matrices
+from runner.config import CPU_WEIGHT_DTYPES
+from runner.cpu_quant import round_matrices
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 WINDOW = 1024  # tokens scored per forward pass; each window starts fresh
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     ids = tokenizer(text, return_tensors="pt").input_ids[0][: args.tokens]
     print(f"{len(ids)} tokens of {', '.join(Path(f).name for f in files)}")
     base = None
-    for dtype in WEIGHT_DTYPES:
+    for dtype in CPU_WEIGHT_DTYPES:
         value = perplexity(model_dir, ids, dtype)
         base = base or value
         print(f"{dtype:9s} perplexity {value:8.3f}  ({(value / base - 1) * 100:+.2f}%)")

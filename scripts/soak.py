@@ -36,6 +36,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # and requests) and runner/soak_checks.py (checks and report).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runner.config import CPU_WEIGHT_DTYPES  # noqa: E402  (light: no torch)
+
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -56,7 +58,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--no-metrics", action="store_true", help="record no per-step or per-request metrics"
     )
-    p.add_argument("--cpu-weight-dtype", choices=["float32", "bfloat16", "int8"], default="float32")
+    p.add_argument("--cpu-weight-dtype", choices=CPU_WEIGHT_DTYPES, default="float32")
     return p.parse_args(argv)
 
 
