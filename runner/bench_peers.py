@@ -204,8 +204,7 @@ def run_hf_continuous(
         timeout=5,
         warmup=device.startswith("cuda"),  # it pre-captures CUDA graphs; nothing to do on CPU
     ) as manager:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        sync_device(device)
         start = time.perf_counter()
         results = submit_and_collect(manager, requests, deadline_s=deadline_s)
         wall = time.perf_counter() - start
@@ -220,6 +219,12 @@ def run_hf_continuous(
         "errors": len(errors),
         "first_errors": errors[:3],
     }
+
+
+def sync_device(device: str) -> None:
+    """Wait for the GPU's queued work before reading a clock (nothing to wait for on a CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def submit_and_collect(

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from runner.bench_peers import load_hf_model, run_hf_continuous, run_reference
+from runner.bench_peers import load_hf_model, run_hf_continuous, run_reference, sync_device
 from runner.gpu_bench_workload import (
     EOS_ID,
     SHAPES,
@@ -38,11 +38,6 @@ from runner.workloads import BenchRequest
 
 # Everything is built locally; the GPU machine has no network, where a hub look-up only hangs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def _release(device: str) -> None:
@@ -74,10 +69,10 @@ def run_kvcache(
     ]
     graphs = getattr(llm.runner, "graphs", None)
     replays_before = graphs.num_replays if graphs is not None else 0
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in requests], params)
-    _sync(device)
+    sync_device(device)
     wall = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     errors = [o.error for o in outs if o.error is not None]  # failed steps end requests early
