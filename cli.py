@@ -38,6 +38,19 @@ def main() -> None:
 @click.option("--top-k", type=int, default=-1, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option(
+    "--repetition-penalty",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Above 1 makes tokens of the prompt and the output so far less likely.",
+)
+@click.option(
+    "--logprobs",
+    type=int,
+    default=None,
+    help="Write each generated token's log-probability and the N likeliest alternatives.",
+)
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--no-prefix-cache", is_flag=True, help="Turn the prefix cache off.")
 @click.option("--batching", type=click.Choice(["continuous", "static"]), default="continuous")
@@ -71,6 +84,8 @@ def generate(
     top_k: int,
     seed: int | None,
     stop: tuple[str, ...],
+    repetition_penalty: float,
+    logprobs: int | None,
     block_size: int,
     no_prefix_cache: bool,
     batching: str,
@@ -86,7 +101,8 @@ def generate(
 
     Greedy by default (--temperature 0). Each JSONL line holds one of prompt / messages /
     prompt_token_ids, an optional id, and optional sampling fields (max_tokens, temperature,
-    top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos) and cache_salt."""
+    top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, repetition_penalty,
+    presence_penalty, frequency_penalty, logprobs) and cache_salt."""
     from runner.batch_paths import check_paths
 
     try:  # before the model loads: a wrong path costs nothing yet
@@ -100,6 +116,8 @@ def generate(
         "top_k": top_k,
         "seed": seed,
         "stop": list(stop) or None,
+        "repetition_penalty": repetition_penalty,
+        "logprobs": logprobs,
     }
     engine_options: dict[str, Any] = {
         "block_size": block_size,

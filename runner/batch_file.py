@@ -21,6 +21,10 @@ SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "ignore_eos",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
 )
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 KNOWN_FIELDS = frozenset(("id", "cache_salt", *PROMPT_FIELDS, *SAMPLING_FIELDS))

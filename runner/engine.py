@@ -15,6 +15,7 @@ from kvcache import block_hashes, namespace_root
 from runner.config import EngineConfig
 from runner.engine_setup import build_engine_parts
 from runner.metrics import MetricsRecorder
+from runner.next_tokens import next_tokens
 from runner.outputs import RequestOutput
 from runner.requests import (
     Messages,
@@ -26,7 +27,7 @@ from runner.requests import (
     prompt_token_ids,
     render_chat,
 )
-from runner.sampling import SamplingParams, request_generator, sample
+from runner.sampling import SamplingParams, request_generator
 from runner.scheduler import Scheduler, SchedulerOutput
 from runner.sequence import SeqStatus, Sequence
 from runner.stopping import StopChecker
@@ -123,14 +124,13 @@ class LLM:
             samplers = [item.seq for item in out.scheduled if item.sample]
             try:
                 logits = self.runner.run(out.scheduled)
-                params = [s.params for s in samplers]
-                tokens = sample(logits, params, [s.generator for s in samplers]) if samplers else []
+                tokens, logprobs = next_tokens(logits, samplers)
             except Exception as err:  # noqa: BLE001 - one step's failure must not wedge the engine
                 return self._fail_step(out, err)
             self.scheduler.commit(out)
             now = time.perf_counter()
-            for seq, token in zip(samplers, tokens, strict=True):
-                seq.record_token(token, now)
+            for seq, token, token_logprobs in zip(samplers, tokens, logprobs, strict=True):
+                seq.record_token(token, now, token_logprobs)
             reasons = self.stopper.finish_reasons(samplers, tokens)
             for seq, reason in zip(samplers, reasons, strict=True):
                 if reason is not None:
@@ -178,6 +178,7 @@ class LLM:
             num_cached_tokens=seq.num_cached_tokens,
             finish_reason=seq.finish_reason,
             metrics=self.recorder.request_record(seq),
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
         )
 
     def run_until_done(

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 _GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20  # vLLM's default cap: each costs a top-k column and a host transfer
 
 
 @dataclass
@@ -17,6 +18,12 @@ class SamplingParams:
 
     `top_k` of -1 or 0 disables top-k; `top_p` of 1 and `min_p` of 0 disable theirs. A `seed`
     gives the request its own random stream, so its text does not depend on its batch-mates.
+    The penalties are vLLM's (runner/penalties.py): `repetition_penalty` (1 = off) divides the
+    positive and multiplies the negative logits of every token in the prompt or the output so
+    far, as transformers does; `presence_penalty` and `frequency_penalty` (0 = off, in [-2, 2])
+    subtract once per token present in the output and once per occurrence. `logprobs` = N
+    returns the log-probability of each generated token and of the N likeliest (0: the
+    generated token's alone), from the model's own distribution (runner/logprobs.py).
     """
 
     max_tokens: int = 16
@@ -28,6 +35,10 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -70,6 +81,27 @@ class SamplingParams:
                 )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes this request's logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def greedy(self) -> bool:

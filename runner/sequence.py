@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runner.logprobs import TokenLogprobs
 from runner.sampling import SamplingParams
 
 
@@ -33,6 +34,7 @@ class Sequence:
     generator: torch.Generator | None = None
     prompt_text: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # cached tokens found at first admission
@@ -83,8 +85,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def record_token(self, token_id: int, now: float) -> None:
+    def record_token(
+        self, token_id: int, now: float, logprobs: TokenLogprobs | None = None
+    ) -> None:
         self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         self._tokens.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now

@@ -1,0 +1,30 @@
+"""A step's next tokens: penalties, then sampling, plus the log-probabilities that requests
+asked for."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from runner.logprobs import TokenLogprobs, token_logprobs
+from runner.penalties import penalize
+from runner.sampling import sample
+from runner.sequence import Sequence
+
+
+def next_tokens(
+    logits: torch.Tensor, samplers: Seq[Sequence]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """The next token of each sequence from its row of `logits` [len(samplers), vocab], and
+    its log-probabilities (None where not asked). The logits are left as they are: the
+    log-probabilities read the model's own, and on CUDA they may be a graph's static buffer."""
+    if not samplers:
+        return [], []
+    params = [s.params for s in samplers]
+    prompts = [s.prompt_token_ids for s in samplers]
+    outputs = [s.output_token_ids for s in samplers]
+    tokens = sample(
+        penalize(logits, params, prompts, outputs), params, [s.generator for s in samplers]
+    )
+    return tokens, token_logprobs(logits, params, tokens)

@@ -1,0 +1,118 @@
+"""Log-probabilities: each generated token's, and the N likeliest, equal the log-softmax of
+transformers' own logits over the same tokens, whatever the sampling settings, batch or cache,
+and reach the batch file's records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+
+from cli import main
+from kvcache import LLM, SamplingParams
+from tests.test_engine_equivalence import make_prompts
+
+TOLERANCE = 1e-4  # float order differs between the engine's kernels and transformers'
+
+
+def model_logprobs(hf: Any, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), vocab]: the model's log-softmax before each output token."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + output])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+
+
+def check_against_model(hf: Any, prompt: list[int], out: Any, n: int) -> None:
+    reference = model_logprobs(hf, prompt, out.token_ids)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    for step, (token, got) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        row = reference[step]
+        assert got.logprob == pytest.approx(float(row[token]), abs=TOLERANCE)
+        assert len(got.top) == n
+        values = [lp for _, lp in got.top]
+        assert values == sorted(values, reverse=True)
+        expected = torch.topk(row, n).values.tolist() if n else []
+        assert values == pytest.approx(expected, abs=TOLERANCE)
+        for token_id, lp in got.top:  # each pair is that token's own figure
+            assert lp == pytest.approx(float(row[token_id]), abs=TOLERANCE)
+    total = sum(float(reference[i, t]) for i, t in enumerate(out.token_ids))
+    assert out.cumulative_logprob == pytest.approx(total, abs=TOLERANCE * len(out.token_ids))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"enable_prefix_caching": False}, {"num_kv_blocks": 40, "block_size": 4}],
+    ids=["cache-on", "cache-off", "tiny-pool"],
+)
+@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_logprobs_equal_the_models(
+    model_dir: str, options: dict[str, Any], request: pytest.FixtureRequest
+) -> None:
+    path: Path = request.getfixturevalue(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = make_prompts(hf.config.vocab_size, seed=11)
+    # Greedy, sampled, penalized and no-logprobs requests share the batch; the figures are the
+    # model's own distribution whatever picked the token.
+    kinds = [
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5),
+        SamplingParams(max_tokens=8, temperature=1.2, seed=3, ignore_eos=True, logprobs=0),
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.7, top_k=5, repetition_penalty=1.4, logprobs=20),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+    outs = LLM(str(path), **options).generate(prompts, params)
+    for prompt, sp, out in zip(prompts, params, outs, strict=True):
+        if sp.logprobs is None:
+            assert out.logprobs is None and out.cumulative_logprob is None
+        else:
+            check_against_model(hf, prompt, out, sp.logprobs)
+
+
+def test_greedy_token_is_the_top_logprob(tiny_qwen3_dir: Path) -> None:
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
+    out = LLM(str(tiny_qwen3_dir)).generate([[4, 5, 6, 7, 8]], params)[0]
+    assert out.logprobs is not None
+    for token, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert lp.top[0][0] == token and lp.top[0][1] == lp.logprob
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2.5, True])
+def test_bad_logprobs_are_refused(value: object) -> None:
+    with pytest.raises(ValueError, match="logprobs must be"):
+        SamplingParams(logprobs=value)  # type: ignore[arg-type]
+
+
+def test_batch_file_writes_logprobs(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    lines = [
+        {"id": "a", "prompt_token_ids": [5, 6, 7], "logprobs": 2},
+        {"id": "b", "prompt_token_ids": [5, 6, 8]},
+        {"id": "bad", "prompt_token_ids": [5, 6, 9], "presence_penalty": 3},
+        {"id": "c", "prompt_token_ids": [5, 6, 9], "frequency_penalty": 0.5, "logprobs": 0},
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    args = ["generate", str(src), "-o", str(out), "--model", str(tiny_llama_dir)]
+    result = CliRunner().invoke(main, [*args, "--max-tokens", "4", "--repetition-penalty", "1.2"])
+    assert result.exit_code == 1, result.output  # one line failed, the others ran
+    by_id = {r["id"]: r for r in (json.loads(x) for x in out.read_text().splitlines())}
+    assert "presence_penalty must be in [-2, 2]" in by_id["bad"]["error"]
+    assert "logprobs" not in by_id["b"]
+    for rid, n in (("a", 2), ("c", 0)):
+        record = by_id[rid]
+        assert [e["token_id"] for e in record["logprobs"]] == record["token_ids"]
+        for entry in record["logprobs"]:
+            assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == n
+            assert all(isinstance(t, int) and lp <= 0 for t, lp in entry["top_logprobs"])
+    # The default penalty reached the lines: the same prompt without it can differ, but with it
+    # must equal the Python API's answer.
+    llm = LLM(str(tiny_llama_dir))
+    expected = llm.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, repetition_penalty=1.2)
+    )
+    assert by_id["a"]["token_ids"] == expected[0].token_ids
