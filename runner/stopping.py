@@ -20,11 +20,10 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_ids = eos_ids(config, tokenizer)
-        # clean_up_tokenization_spaces drops a space before punctuation (two in " ' "), so a
+        # Cleaning up tokenization spaces drops a space before punctuation (two in " ' "), so a
         # token can yield no byte of the final text: up to 3 tokens per byte of a stop string.
-        # (transformers skips it for BPE models; counting it anyway only makes the tail longer.)
-        cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
-        self._tokens_per_byte = 3 if cleanup else 1
+        self.cleans_up_spaces = tokenizer is not None and cleans_up_spaces(tokenizer)
+        self._tokens_per_byte = 3 if self.cleans_up_spaces else 1
         # Tokens a decode may drop (skip_special_tokens): the tail counts past them.
         self._textless: set[int] = set()
         if tokenizer is not None:
@@ -99,6 +98,17 @@ class StopChecker:
     def output_text(self, seq: Sequence) -> str:
         text = self.decode(seq.output_token_ids)
         return text if seq.stop_text_cut is None else text[: seq.stop_text_cut]
+
+
+def cleans_up_spaces(tokenizer: Any) -> bool:
+    """Whether decoding drops the space before punctuation (`clean_up_tokenization_spaces`,
+    which recent transformers ignores for BPE tokenizers): asked of the decoder itself, since
+    the attribute alone does not say. True when the probe fails, the cautious answer."""
+    try:
+        ids = tokenizer.encode("a . b", add_special_tokens=False)
+        return " ." not in str(tokenizer.decode(ids, skip_special_tokens=True))
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say is treated as cleaning up
+        return True
 
 
 def first_stop(text: str, stops: tuple[str, ...]) -> int | None:

@@ -1,0 +1,231 @@
+"""The engine loop: add and abort requests, step the scheduler, model and sampler, report.
+
+`LLM` (runner/engine.py) adds the batch calls on top: generate, chat, stream."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvcache import block_hashes, namespace_root
+from runner.config import EngineConfig
+from runner.engine_setup import build_engine_parts
+from runner.metrics import MetricsRecorder
+from runner.next_tokens import next_tokens
+from runner.outputs import RequestOutput
+from runner.requests import (
+    Messages,
+    Prompt,
+    RequestValidator,
+    prompt_token_ids,
+    render_chat,
+)
+from runner.sampling import SamplingParams, request_generator
+from runner.scheduler import Scheduler, SchedulerOutput
+from runner.sequence import SeqStatus, Sequence
+from runner.stopping import StopChecker
+
+
+class Engine:
+    """Requests, one step at a time, over a prefix cache that persists across requests."""
+
+    def __init__(self, model: str | None = None, *, seed: int = 0, **options: Any) -> None:
+        self.config = EngineConfig(model=model, **options)
+        parts = build_engine_parts(self.config)
+        loaded = parts.loaded
+        self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.config
+        self.fingerprint = loaded.fingerprint
+        self.model_path = loaded.path
+        self.device = parts.device
+        self.max_model_len = parts.max_model_len
+        self.kv, self.block_manager, self.runner = parts.kv, parts.block_manager, parts.runner
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
+        self.validator = RequestValidator(
+            vocab_size=int(self.hf_config.vocab_size),
+            max_model_len=self.max_model_len,
+            pool_tokens=self.block_manager.num_blocks * self.config.block_size,
+            block_size=self.config.block_size,
+            has_tokenizer=self.tokenizer is not None,
+        )
+        self.stopper = StopChecker(self.hf_config, self.tokenizer, self.max_model_len)
+        self.eos_ids = self.stopper.eos_ids
+        self.recorder = MetricsRecorder(record=self.config.record_metrics)
+        self._seq_ids = itertools.count()
+        self._rng = torch.Generator().manual_seed(seed)  # seeds requests' streams (CPU)
+        self._roots: dict[str | None, int] = {}
+        self._live: dict[str, Sequence] = {}  # by request id: queued or running requests
+
+    # ------------------------------------------------------------------ requests
+    def apply_chat_template(self, messages: Messages) -> str:
+        return render_chat(self.tokenizer, messages)
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> Sequence:
+        """Validate and queue one request; raises ValueError naming the problem."""
+        params = params if params is not None else SamplingParams()
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if request_id is not None and request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already running")
+        token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
+        self.validator.check(token_ids, params)
+        text = prompt if isinstance(prompt, str) else None
+        seq_id = next(self._seq_ids)
+        root = self._root(cache_salt)
+        generator = request_generator(params, self._rng)
+        seq = Sequence(
+            seq_id=seq_id,
+            request_id=request_id if request_id is not None else str(seq_id),
+            prompt_token_ids=token_ids,
+            params=params,
+            root=root,
+            generator=generator,
+            prompt_text=text,
+        )
+        first = block_hashes(token_ids[: self.config.block_size], self.config.block_size, root)
+        self.recorder.add_request(seq, f"{first[0]:016x}" if first else "")
+        self.scheduler.add(seq)
+        self._live[seq.request_id] = seq
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a queued or running request and free its blocks; returns what it generated so
+        far (finish_reason "abort"), or None when no such request is live."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.abort(seq)
+        seq.finish_reason, seq.status = "abort", SeqStatus.FINISHED
+        seq.finish_time = time.perf_counter()
+        output = self._output(seq)
+        self._forget(seq)
+        self.recorder.on_finish(seq)
+        return output
+
+    def _forget(self, seq: Sequence) -> None:
+        del self._live[seq.request_id]
+
+    def _root(self, cache_salt: str | None) -> int:
+        if cache_salt not in self._roots:
+            self._roots[cache_salt] = namespace_root(self.fingerprint, cache_salt)
+        return self._roots[cache_salt]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that finished in it."""
+        t_start = time.perf_counter()
+        out = self.scheduler.schedule()
+        finished: list[RequestOutput] = []
+        done: list[Sequence] = []
+        if not out.is_empty:
+            samplers = [item.seq for item in out.scheduled if item.sample]
+            try:
+                logits = self.runner.run(out.scheduled)
+                tokens, logprobs = next_tokens(logits, samplers)
+            except Exception as err:  # noqa: BLE001 - one step's failure must not wedge the engine
+                return self._fail_step(out, err)
+            self.scheduler.commit(out)
+            now = time.perf_counter()
+            for seq, token, token_logprobs in zip(samplers, tokens, logprobs, strict=True):
+                seq.record_token(token, now, token_logprobs)
+            reasons = self.stopper.finish_reasons(samplers, tokens)
+            for seq, reason in zip(samplers, reasons, strict=True):
+                if reason is not None:
+                    seq.finish_time = now
+                    self.scheduler.finish(seq, reason)
+                    finished.append(self._output(seq))
+                    done.append(seq)
+                    self._forget(seq)
+        self.recorder.on_step(
+            self.scheduler.step_count,
+            out,
+            self.scheduler.held,
+            t_start,
+            time.perf_counter() - t_start,
+            self.block_manager.stats,
+        )
+        for seq in done:  # after on_step, which still shows them in this step's states
+            self.recorder.on_finish(seq)
+        return finished
+
+    def _fail_step(self, out: SchedulerOutput, err: Exception) -> list[RequestOutput]:
+        """The model or sampler raised: drop this step's requests (freeing their blocks) and
+        hand them back as errors, so the rest of the queue goes on."""
+        self.recorder.note_preempted(out.preempted)  # they wait, and show as preempted
+        failed = []
+        for item in out.scheduled:
+            seq = item.seq
+            self.scheduler.abort(seq)
+            seq.finish_reason, seq.status = "error", SeqStatus.FINISHED
+            output = self._output(seq)
+            output.error = f"{type(err).__name__}: {err}"
+            failed.append(output)
+            self._forget(seq)
+            self.recorder.on_finish(seq)  # its report row says "error", like its output
+        return failed
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = self.stopper.output_text(seq)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt_text,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            num_cached_tokens=seq.num_cached_tokens,
+            finish_reason=seq.finish_reason,
+            metrics=self.recorder.request_record(seq),
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+        )
+
+    def run_until_done(
+        self, on_finish: Callable[[RequestOutput], None] | None = None
+    ) -> list[RequestOutput]:
+        done: list[RequestOutput] = []
+        while self.has_unfinished():
+            for output in self.step():
+                done.append(output)
+                if on_finish is not None:
+                    on_finish(output)
+        return done
+
+    # ------------------------------------------------------------------ reports
+    def stats(self) -> dict[str, Any]:
+        stats = self.block_manager.stats
+        return {
+            **stats.as_dict(),
+            "hit_rate": stats.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "block_size": self.config.block_size,
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        if not self.recorder.record:
+            raise ValueError("this LLM records no metrics: create it with record_metrics=True")
+        header = {
+            "model": self.config.model or "SmolLM2-135M-Instruct (default)",
+            "batching": self.config.batching,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
+            "block_size": self.config.block_size,
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "cpu_weight_dtype": self.config.cpu_weight_dtype,
+        }
+        return self.recorder.to_dict(
+            header, self.block_manager.stats, self.scheduler.num_preemptions
+        )

@@ -1,0 +1,169 @@
+"""Streaming: a request's deltas add up to exactly the text and tokens `generate` returns, every
+partial sum is a prefix of that text (nothing handed out is ever taken back: not half a
+character, not the start of a stop string, not a space that cleanup removes), and leaving the
+loop early frees everything."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache import LLM, SamplingParams
+from runner.outputs import RequestOutput
+from runner.sequence import Sequence
+from runner.stopping import StopChecker
+from runner.streaming import TextStream
+from tests.conftest import tiny_tokenizer
+
+# Byte tokens of the tiny tokenizer are id = 3 + position in ByteLevel's alphabet; these texts
+# give spaces before punctuation, a three-byte character and pieces of stop strings.
+PIECES = [" ", ".", ",", "'", "s", "n", "t", "a", "\n", "€", "ab"]
+
+
+def collect(stream: Any, count: int) -> tuple[list[str], list[list[int]], list[Any]]:
+    texts, tokens, outputs = [""] * count, [[] for _ in range(count)], [None] * count
+    for delta in stream:
+        assert outputs[delta.index] is None, "a delta after the request finished"
+        texts[delta.index] += delta.text
+        tokens[delta.index] += delta.token_ids
+        if delta.output is not None:
+            outputs[delta.index] = delta.output
+        else:  # what is out so far can only grow into the final text
+            assert delta.token_ids, "a running request's delta without a token"
+    return texts, tokens, outputs
+
+
+@pytest.mark.parametrize("cleanup", [False, True])
+def test_stream_adds_up_to_generate(tiny_llama_tok_dir: Path, cleanup: bool) -> None:
+    llm = LLM(str(tiny_llama_tok_dir))
+    if cleanup:
+        _force_cleanup(llm.tokenizer)
+        llm.stopper = StopChecker(llm.hf_config, llm.tokenizer, llm.max_model_len)
+    prompts = ["Hello there", "A list: one, two", "x" * 40, "Caches'"]
+    params = [
+        SamplingParams(max_tokens=40, temperature=1.3, seed=i, ignore_eos=i % 2 == 0)
+        for i in range(len(prompts))
+    ]
+    reference = llm.generate(prompts, params)
+    # Stop strings taken from the middle of each reference text, so they do cut.
+    stops = [ref.text[len(ref.text) // 2 : len(ref.text) // 2 + 2] for ref in reference]
+    stopped = [
+        dataclasses.replace(p, stop=[s, "zz"]) if s.strip("\ufffd") else p
+        for p, s in zip(params, stops, strict=True)
+    ]
+    for run_params in (params, stopped):
+        expected = llm.generate(prompts, run_params)
+        texts, tokens, outputs = collect(llm.stream(prompts, run_params), len(prompts))
+        for text, toks, out, ref in zip(texts, tokens, outputs, expected, strict=True):
+            assert out is not None and out.text == ref.text and out.token_ids == ref.token_ids
+            assert text == ref.text
+            assert toks == ref.token_ids
+    assert any(len(r.text) < len(p.text) for r, p in zip(expected, reference, strict=True))
+
+
+def test_text_arrives_as_it_is_generated(default_model_dir: Path) -> None:
+    """With a real tokenizer, almost every token's text is out in its own step."""
+    llm = LLM(str(default_model_dir))
+    conversation = [{"role": "user", "content": "Write a haiku about caches."}]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    deltas = list(llm.stream_chat(conversation, params))
+    assert len(deltas) == 30
+    assert sum(1 for d in deltas if d.text) >= 25
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert "".join(d.text for d in deltas) == llm.chat([conversation], params)[0].text
+
+
+def test_stream_chat_equals_chat(tiny_llama_tok_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_tok_dir))
+    conversation = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    expected = llm.chat([conversation], params)[0]
+    texts, tokens, _ = collect(llm.stream_chat(conversation, params), 1)
+    assert (texts[0], tokens[0]) == (expected.text, expected.token_ids)
+
+
+def test_leaving_the_loop_early_frees_everything(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=4)
+    prompts = [[5 + i] * (20 + i) for i in range(3)]
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    for delta in llm.stream(prompts, params):
+        if delta.index == 1:
+            break
+    # The generator is closed when the loop leaves it (CPython frees it at once).
+    assert not llm.has_unfinished()
+    llm.block_manager.check_integrity()
+    assert llm.block_manager.stats.blocks_in_use == 0
+    fresh = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=4).generate(prompts, params)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in fresh]
+
+
+def test_abort_request(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir))
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    llm.add_request([5, 6, 7], params, request_id="a")
+    llm.add_request([8, 9], params, request_id="b")
+    llm.step()
+    llm.step()
+    out = llm.abort_request("a")
+    assert out is not None and out.finish_reason == "abort" and len(out.token_ids) == 2
+    assert llm.abort_request("a") is None and llm.abort_request("nope") is None
+    rest = llm.run_until_done()
+    assert [o.request_id for o in rest] == ["b"] and len(rest[0].token_ids) == 50
+    llm.block_manager.check_integrity()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(PIECES), min_size=1, max_size=25),
+    stop=st.lists(st.sampled_from(PIECES), min_size=0, max_size=3).map("".join),
+    cleanup=st.booleans(),
+)
+def test_deltas_never_take_text_back(pieces: list[str], stop: str, cleanup: bool) -> None:
+    """Byte tokens fed one at a time through the real stop checker: every partial sum of the
+    deltas is a prefix of the final text, and the last delta completes it."""
+    tokenizer = _byte_tokenizer(cleanup)
+    stopper = StopChecker(SimpleNamespace(eos_token_id=2), tokenizer, max_model_len=10_000)
+    assert stopper.cleans_up_spaces == cleanup
+    token_ids = tokenizer.encode("".join(pieces), add_special_tokens=False)
+    params = SamplingParams(max_tokens=10_000, stop=stop or None)
+    seq = Sequence(seq_id=0, request_id="0", prompt_token_ids=[1], params=params, root=0)
+    stream, sent = TextStream(stopper), ""
+    for token in token_ids:
+        seq.record_token(token, 0.0)
+        if stopper.finish_reasons([seq], [token])[0] is not None:
+            break
+        sent += stream.settled_delta(seq)
+    final = stopper.output_text(seq)
+    assert final.startswith(sent)
+    sent += stream.final_delta(_output(final))
+    assert sent == final
+
+
+_TOKENIZERS: dict[bool, Any] = {}
+
+
+def _byte_tokenizer(cleanup: bool) -> Any:
+    if cleanup not in _TOKENIZERS:
+        tokenizer = tiny_tokenizer()
+        if cleanup:
+            _force_cleanup(tokenizer)
+        _TOKENIZERS[cleanup] = tokenizer
+    return _TOKENIZERS[cleanup]
+
+
+def _force_cleanup(tokenizer: Any) -> None:
+    """Make a BPE tokenizer clean up spaces before punctuation, which transformers now skips
+    for BPE but older versions and WordPiece tokenizers do."""
+    tokenizer.clean_up_tokenization_spaces = True
+    tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    assert tokenizer.decode(tokenizer.encode("a .", add_special_tokens=False)) == "a."
+
+
+def _output(text: str) -> RequestOutput:
+    return RequestOutput("0", None, [1], [], text, 0, "stop")
