@@ -291,3 +291,32 @@ def test_kv_pool_sized_from_free_memory(make_tiny_model: Callable[..., Path]) ->
     llm = LLM(str(path), device="cuda", gpu_memory_utilization=0.2)
     llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0))
     assert torch.cuda.max_memory_reserved() <= total * 0.2 + (1 << 30)
+
+
+@cuda
+def test_penalties_and_logprobs_on_cuda(make_tiny_model: Callable[..., Path]) -> None:
+    """Penalties and log-probabilities run on the device around the decode graphs (whose
+    logits buffer they must not change): the same tokens and figures as the CPU engine."""
+    path = make_tiny_model("llama")
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.5),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=1.0),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5),
+        SamplingParams(
+            max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=1.5, logprobs=0
+        ),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+    ]
+    gpu = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton", **POOL)
+    outs = gpu.generate(PROMPTS, params)
+    assert gpu.runner.graphs is not None and gpu.runner.graphs.num_replays > 0
+    refs = LLM(str(path)).generate(PROMPTS, params)
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.token_ids == ref.token_ids
+        if ref.logprobs is None:
+            assert out.logprobs is None
+            continue
+        assert out.logprobs is not None
+        for got, want in zip(out.logprobs, ref.logprobs, strict=True):
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in got.top] == [t for t, _ in want.top]
