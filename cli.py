@@ -102,7 +102,7 @@ def generate(
     Greedy by default (--temperature 0). Each JSONL line holds one of prompt / messages /
     prompt_token_ids, an optional id, and optional sampling fields (max_tokens, temperature,
     top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, repetition_penalty,
-    presence_penalty, frequency_penalty, logprobs) and cache_salt."""
+    presence_penalty, frequency_penalty, logprobs, n) and cache_salt."""
     from runner.batch_paths import check_paths
 
     try:  # before the model loads: a wrong path costs nothing yet

@@ -25,6 +25,7 @@ SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "logprobs",
+    "n",
 )
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 KNOWN_FIELDS = frozenset(("id", "cache_salt", *PROMPT_FIELDS, *SAMPLING_FIELDS))

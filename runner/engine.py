@@ -11,7 +11,7 @@ from runner.engine_core import Engine
 from runner.outputs import RequestOutput
 from runner.requests import Messages, Prompt, conversation_batch, params_per_prompt, prompt_batch
 from runner.sampling import SamplingParams
-from runner.sequence import Sequence
+from runner.sequence import Sequence, request_id_of
 from runner.streaming import StreamDelta, stream_requests
 
 
@@ -50,8 +50,9 @@ class LLM(Engine):
         cache_salt: str | None = None,
     ) -> Iterator[StreamDelta]:
         """Like `generate`, but yield each request's new tokens and text after every step
-        (runner/streaming.py); a request's deltas add up to its final text exactly, and its
-        last delta carries its RequestOutput. Leaving the loop early aborts the rest."""
+        (runner/streaming.py); a sample's deltas add up to its final text exactly, and a
+        request's last delta carries its RequestOutput. Leaving the loop early aborts the
+        rest."""
         return stream_requests(self, self._queue_all(prompt_batch(prompts), params, cache_salt))
 
     def stream_chat(
@@ -76,8 +77,8 @@ class LLM(Engine):
         cache_salt: str | None,
         chat: bool,
     ) -> list[RequestOutput]:
-        seqs = self._queue_all(prompts, params, cache_salt, chat)
-        order = {seq.request_id: i for i, seq in enumerate(seqs)}
+        queued = self._queue_all(prompts, params, cache_salt, chat)
+        order = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate")
         for output in self._drain(bar):
@@ -94,24 +95,26 @@ class LLM(Engine):
         params: SamplingParams | Seq[SamplingParams] | None,
         cache_salt: str | None,
         chat: bool = False,
-    ) -> list[Sequence]:
-        """Add one request per prompt, in order. Everything is validated before anything
-        runs, and a bad prompt takes the ones queued before it back out: no orphans."""
+    ) -> list[list[Sequence]]:
+        """Add one request per prompt, in order; returns each one's samples. Everything is
+        validated before anything runs, and a bad prompt takes the ones queued before it back
+        out: no orphans."""
         param_list = params_per_prompt(params, len(prompts))
-        seqs: list[Sequence] = []
+        queued: list[list[Sequence]] = []
         try:
             for prompt, p in zip(prompts, param_list, strict=True):
-                seqs.append(
-                    self.add_request(prompt, p, cache_salt=cache_salt, add_special_tokens=not chat)
+                queued.append(
+                    self.queue_request(
+                        prompt, p, cache_salt=cache_salt, add_special_tokens=not chat
+                    )
                 )
         except Exception as err:
-            for seq in seqs:
-                self.scheduler.abort(seq)
-                self._forget(seq)
+            for samples in queued:
+                self.abort_request(request_id_of(samples[0]))
             if isinstance(err, ValueError):
-                raise ValueError(f"prompt {len(seqs)}: {err}") from err
+                raise ValueError(f"prompt {len(queued)}: {err}") from err
             raise
-        return seqs
+        return queued
 
     def _drain(self, bar: tqdm) -> Iterable[RequestOutput]:
         while self.has_unfinished():

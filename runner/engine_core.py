@@ -24,6 +24,7 @@ from runner.requests import (
     prompt_token_ids,
     render_chat,
 )
+from runner.sample_groups import SampleGroup, sample_params, sample_request_id
 from runner.sampling import SamplingParams, request_generator
 from runner.scheduler import Scheduler, SchedulerOutput
 from runner.sequence import SeqStatus, Sequence
@@ -58,6 +59,7 @@ class Engine:
         self._rng = torch.Generator().manual_seed(seed)  # seeds requests' streams (CPU)
         self._roots: dict[str | None, int] = {}
         self._live: dict[str, Sequence] = {}  # by request id: queued or running requests
+        self._groups: dict[str, SampleGroup] = {}  # requests of n > 1 samples, by request id
 
     # ------------------------------------------------------------------ requests
     def apply_chat_template(self, messages: Messages) -> str:
@@ -72,49 +74,95 @@ class Engine:
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
     ) -> Sequence:
-        """Validate and queue one request; raises ValueError naming the problem."""
+        """Validate and queue one request; raises ValueError naming the problem. Returns its
+        sequence (with params.n > 1, sample 0's: see `queue_request`)."""
+        return self.queue_request(
+            prompt,
+            params,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            add_special_tokens=add_special_tokens,
+        )[0]
+
+    def queue_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> list[Sequence]:
+        """`add_request`, returning every sample's sequence: params.n of them (request ids
+        "<id>#<j>" when n > 1), of which `step` hands back one RequestOutput once all finish."""
         params = params if params is not None else SamplingParams()
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        if request_id is not None and request_id in self._live:
+        if request_id is not None and (request_id in self._live or request_id in self._groups):
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
         self.validator.check(token_ids, params)
         text = prompt if isinstance(prompt, str) else None
-        seq_id = next(self._seq_ids)
         root = self._root(cache_salt)
-        generator = request_generator(params, self._rng)
-        seq = Sequence(
-            seq_id=seq_id,
-            request_id=request_id if request_id is not None else str(seq_id),
-            prompt_token_ids=token_ids,
-            params=params,
-            root=root,
-            generator=generator,
-            prompt_text=text,
-        )
         first = block_hashes(token_ids[: self.config.block_size], self.config.block_size, root)
-        self.recorder.add_request(seq, f"{first[0]:016x}" if first else "")
-        self.scheduler.add(seq)
-        self._live[seq.request_id] = seq
-        return seq
+        prefix_key = f"{first[0]:016x}" if first else ""
+        seq_id = next(self._seq_ids)
+        rid = request_id if request_id is not None else str(seq_id)
+        if params.n > 1:
+            self._groups[rid] = SampleGroup(rid, params.n)
+        seqs = []
+        for j in range(params.n):
+            own = sample_params(params, j) if params.n > 1 else params
+            seq = Sequence(
+                seq_id=seq_id if j == 0 else next(self._seq_ids),
+                request_id=sample_request_id(rid, j) if params.n > 1 else rid,
+                prompt_token_ids=token_ids,
+                params=own,
+                root=root,
+                generator=request_generator(own, self._rng),
+                prompt_text=text,
+                group=rid if params.n > 1 else None,
+                sample_index=j,
+            )
+            self.recorder.add_request(seq, prefix_key)
+            self.scheduler.add(seq)
+            self._live[seq.request_id] = seq
+            seqs.append(seq)
+        return seqs
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a queued or running request and free its blocks; returns what it generated so
-        far (finish_reason "abort"), or None when no such request is live."""
+        """Stop a queued or running request (every sample of it) and free its blocks; returns
+        what it generated so far (finish_reason "abort"), or None when no such request is
+        live."""
+        group = self._groups.get(request_id)
+        if group is not None:
+            result = None
+            for j in range(group.n):
+                sample = self._live.get(sample_request_id(request_id, j))
+                if sample is not None:
+                    result = self._abort(sample)
+            return result
         seq = self._live.get(request_id)
-        if seq is None:
-            return None
+        return None if seq is None else self._abort(seq)
+
+    def _abort(self, seq: Sequence) -> RequestOutput | None:
         self.scheduler.abort(seq)
         seq.finish_reason, seq.status = "abort", SeqStatus.FINISHED
         seq.finish_time = time.perf_counter()
-        output = self._output(seq)
-        self._forget(seq)
         self.recorder.on_finish(seq)
-        return output
+        return self._finished(seq, self._output(seq))
 
-    def _forget(self, seq: Sequence) -> None:
+    def _finished(self, seq: Sequence, output: RequestOutput) -> RequestOutput | None:
+        """Forget a finished sequence; returns its request's output, which for a sample of
+        several is there only once the last one has finished."""
         del self._live[seq.request_id]
+        if seq.group is None:
+            return output
+        group = self._groups[seq.group]
+        merged = group.add(seq.sample_index, output)
+        if merged is not None:
+            del self._groups[seq.group]
+        return merged
 
     def _root(self, cache_salt: str | None) -> int:
         if cache_salt not in self._roots:
@@ -147,9 +195,10 @@ class Engine:
                 if reason is not None:
                     seq.finish_time = now
                     self.scheduler.finish(seq, reason)
-                    finished.append(self._output(seq))
                     done.append(seq)
-                    self._forget(seq)
+                    request_output = self._finished(seq, self._output(seq))
+                    if request_output is not None:
+                        finished.append(request_output)
         self.recorder.on_step(
             self.scheduler.step_count,
             out,
@@ -173,9 +222,10 @@ class Engine:
             seq.finish_reason, seq.status = "error", SeqStatus.FINISHED
             output = self._output(seq)
             output.error = f"{type(err).__name__}: {err}"
-            failed.append(output)
-            self._forget(seq)
             self.recorder.on_finish(seq)  # its report row says "error", like its output
+            request_output = self._finished(seq, output)
+            if request_output is not None:
+                failed.append(request_output)
         return failed
 
     def _output(self, seq: Sequence) -> RequestOutput:

@@ -9,20 +9,14 @@ from runner.logprobs import TokenLogprobs
 
 
 @dataclass
-class RequestOutput:
-    """One request's result. `token_ids` include the stop token (EOS) when one ended it;
-    `text` is cut before a matched stop string and leaves special tokens out."""
+class CompletionOutput:
+    """One sample of a request (vLLM's shape): a request with SamplingParams.n = k has k."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
+    index: int
     text: str
-    num_cached_tokens: int
-    finish_reason: str | None  # "stop" | "length" | "error"
-    metrics: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None  # why the request failed, when finish_reason is "error"
-    # Per token of token_ids, when SamplingParams.logprobs asked for them.
+    token_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens: int = 0  # prompt tokens this sample found in the cache
     logprobs: list[TokenLogprobs] | None = None
 
     @property
@@ -31,7 +25,63 @@ class RequestOutput:
         return None if self.logprobs is None else sum(t.logprob for t in self.logprobs)
 
     def to_record(self) -> dict[str, Any]:
-        """A JSON-ready dict, the shape `kvcache generate` writes per line."""
+        return {
+            "index": self.index,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "cached_tokens": self.num_cached_tokens,
+            "output_tokens": len(self.token_ids),
+            "finish_reason": self.finish_reason,
+            **(
+                {"logprobs": logprob_records(self.token_ids, self.logprobs)}
+                if self.logprobs is not None
+                else {}
+            ),
+        }
+
+
+@dataclass
+class RequestOutput:
+    """One request's result. `token_ids` include the stop token (EOS) when one ended it;
+    `text` is cut before a matched stop string and leaves special tokens out.
+
+    `outputs` holds every sample (one unless SamplingParams.n asked for more); the flat fields
+    (text, token_ids, finish_reason, logprobs, num_cached_tokens, metrics) are sample 0's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    num_cached_tokens: int
+    finish_reason: str | None  # "stop" | "length" | "error" | "abort"
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # why the request failed, when finish_reason is "error"
+    # Per token of token_ids, when SamplingParams.logprobs asked for them.
+    logprobs: list[TokenLogprobs] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            self.outputs = [
+                CompletionOutput(
+                    0,
+                    self.text,
+                    self.token_ids,
+                    self.finish_reason,
+                    self.num_cached_tokens,
+                    self.logprobs,
+                )
+            ]
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The log-probability of the whole output under the model (None without logprobs)."""
+        return self.outputs[0].cumulative_logprob
+
+    def to_record(self) -> dict[str, Any]:
+        """A JSON-ready dict, the shape `kvcache generate` writes per line; a request of
+        several samples also lists each under "outputs"."""
         return {
             "id": self.request_id,
             "text": self.text,
@@ -41,12 +91,21 @@ class RequestOutput:
             "output_tokens": len(self.token_ids),
             "finish_reason": self.finish_reason,
             **self.metrics,
-            **({"logprobs": self._logprob_records()} if self.logprobs is not None else {}),
+            **(
+                {"logprobs": logprob_records(self.token_ids, self.logprobs)}
+                if self.logprobs is not None
+                else {}
+            ),
+            **({"outputs": [o.to_record() for o in self.outputs]} if len(self.outputs) > 1 else {}),
             **({"error": self.error} if self.error else {}),
         }
 
-    def _logprob_records(self) -> list[dict[str, Any]]:
-        return [
-            {"token_id": token, "logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top]}
-            for token, lp in zip(self.token_ids, self.logprobs or [], strict=True)
-        ]
+
+def logprob_records(
+    token_ids: list[int], logprobs: list[TokenLogprobs] | None
+) -> list[dict[str, Any]]:
+    """Per generated token: its id, its log-probability and the likeliest [id, logprob]."""
+    return [
+        {"token_id": token, "logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top]}
+        for token, lp in zip(token_ids, logprobs or [], strict=True)
+    ]

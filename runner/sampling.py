@@ -10,6 +10,7 @@ import torch
 
 _GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default cap: each costs a top-k column and a host transfer
+MAX_SAMPLES = 1024  # samples per request: each is a sequence of its own, queued at once
 
 
 @dataclass
@@ -23,7 +24,9 @@ class SamplingParams:
     far, as transformers does; `presence_penalty` and `frequency_penalty` (0 = off, in [-2, 2])
     subtract once per token present in the output and once per occurrence. `logprobs` = N
     returns the log-probability of each generated token and of the N likeliest (0: the
-    generated token's alone), from the model's own distribution (runner/logprobs.py).
+    generated token's alone), from the model's own distribution (runner/logprobs.py). `n`
+    samples the prompt n times (runner/sample_groups.py); a seeded request's samples take seeds
+    seed, seed + 1, ...
     """
 
     max_tokens: int = 16
@@ -39,6 +42,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    n: int = 1
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -89,6 +93,9 @@ class SamplingParams:
             _check_number(name, value)
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        _check_int("n", self.n, minimum=1)
+        if self.n > MAX_SAMPLES:
+            raise ValueError(f"n must be <= {MAX_SAMPLES}, got {self.n}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
             if self.logprobs > MAX_LOGPROBS:

@@ -33,6 +33,8 @@ class Sequence:
     root: int  # hash-chain root: model fingerprint + cache salt
     generator: torch.Generator | None = None
     prompt_text: str | None = None
+    group: str | None = None  # the request id of its SampleGroup, when SamplingParams.n > 1
+    sample_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs
     status: SeqStatus = SeqStatus.WAITING
@@ -95,3 +97,8 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_times.append(now)
+
+
+def request_id_of(seq: Sequence) -> str:
+    """The id of the request a sequence belongs to: its own, or its sample group's."""
+    return seq.group if seq.group is not None else seq.request_id

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from runner.engine_core import Engine
 from runner.outputs import RequestOutput
-from runner.sequence import Sequence
+from runner.sequence import Sequence, request_id_of
 from runner.stopping import StopChecker
 
 # clean_up_tokenization_spaces rewrites " ." " ?" " !" " ," " ' " " n't" " 'm" " 's" " 've"
@@ -25,17 +25,21 @@ CLEANUP_HOLD_CHARS = 4
 
 @dataclass
 class StreamDelta:
-    """What one request produced in one step. `index` is its prompt's position in the call;
-    `output` is set on its last delta, which may carry no new token (a stop string cut)."""
+    """What one sample of a request produced in one step. `index` is the prompt's position in
+    the call; `finish_reason` is set on the sample's last delta, and `output` on the request's
+    last (once every sample has finished), which may carry no new token (a stop string cut)."""
 
     index: int
     request_id: str
     token_ids: list[int]
     text: str
+    sample_index: int = 0
+    finish_reason: str | None = None
     output: RequestOutput | None = None
 
     @property
     def finished(self) -> bool:
+        """Whether the request (every sample of it) is done."""
         return self.output is not None
 
 
@@ -57,9 +61,9 @@ class TextStream:
                 end = space
         return self._take(text, end)
 
-    def final_delta(self, output: RequestOutput) -> str:
+    def final_delta(self, final_text: str) -> str:
         """Whatever of the final text has not been handed out."""
-        return self._take(output.text, len(output.text))
+        return self._take(final_text, len(final_text))
 
     def _take(self, text: str, end: int) -> str:
         if end <= self.sent:
@@ -80,29 +84,43 @@ def _stop_prefix_at_end(text: str, stops: tuple[str, ...]) -> int:
     return longest
 
 
-def stream_requests(llm: Engine, seqs: list[Sequence]) -> Iterator[StreamDelta]:
-    """Step `llm` until every one of `seqs` has finished, yielding after each step a delta for
-    each of them that produced a token or finished, in the order of `seqs`. Closing the
-    iterator early (a `break` in the caller's loop) aborts the requests still running."""
-    texts = {seq.seq_id: TextStream(llm.stopper) for seq in seqs}
-    tokens_sent = {seq.seq_id: 0 for seq in seqs}
-    pending = dict(enumerate(seqs))
+def stream_requests(llm: Engine, queued: list[list[Sequence]]) -> Iterator[StreamDelta]:
+    """Step `llm` until every request of `queued` (each a list of its samples) has finished,
+    yielding after each step a delta for each sample that produced a token or finished, in
+    queue order. Closing the iterator early (a `break` in the caller's loop) aborts the
+    requests still running."""
+    index_of = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
+    running = [seq for samples in queued for seq in samples]
+    texts = {seq.seq_id: TextStream(llm.stopper) for seq in running}
+    tokens_sent = {seq.seq_id: 0 for seq in running}
+    unfinished = set(index_of)  # requests whose output has not been handed out
     try:
-        while pending:
+        while unfinished:
             if not llm.has_unfinished():
-                raise RuntimeError(f"engine stopped with prompts {sorted(pending)} unfinished")
-            finished = {o.request_id: o for o in llm.step()}
-            for index, seq in list(pending.items()):
-                output = finished.get(seq.request_id)
+                raise RuntimeError(f"engine stopped with requests {sorted(unfinished)} unfinished")
+            outputs = llm.step()
+            deltas: list[StreamDelta] = []
+            for seq in running:
                 new_tokens = seq.output_token_ids[tokens_sent[seq.seq_id] :]
-                if not new_tokens and output is None:
+                if not new_tokens and not seq.is_finished:
                     continue
                 tokens_sent[seq.seq_id] += len(new_tokens)
-                stream = texts[seq.seq_id]
-                text = stream.final_delta(output) if output else stream.settled_delta(seq)
-                if output is not None:
-                    del pending[index]
-                yield StreamDelta(index, seq.request_id, new_tokens, text, output)
+                stream, rid = texts[seq.seq_id], request_id_of(seq)
+                if seq.is_finished:
+                    text = stream.final_delta(llm.stopper.output_text(seq))
+                else:
+                    text = stream.settled_delta(seq)
+                delta = StreamDelta(index_of[rid], rid, new_tokens, text, seq.sample_index)
+                delta.finish_reason = seq.finish_reason if seq.is_finished else None
+                deltas.append(delta)
+            running = [seq for seq in running if not seq.is_finished]
+            for output in outputs:
+                if output.request_id in unfinished:
+                    unfinished.discard(output.request_id)
+                    # Its last sample finished in this step, so this step has a delta for it.
+                    ours = [d for d in deltas if d.request_id == output.request_id]
+                    ours[-1].output = output
+            yield from deltas
     finally:
-        for seq in pending.values():
-            llm.abort_request(seq.request_id)
+        for rid in unfinished:
+            llm.abort_request(rid)

@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
-from runner.outputs import RequestOutput
 from runner.sequence import Sequence
 from runner.stopping import StopChecker
 from runner.streaming import TextStream
@@ -141,7 +140,7 @@ def test_deltas_never_take_text_back(pieces: list[str], stop: str, cleanup: bool
         sent += stream.settled_delta(seq)
     final = stopper.output_text(seq)
     assert final.startswith(sent)
-    sent += stream.final_delta(_output(final))
+    sent += stream.final_delta(final)
     assert sent == final
 
 
@@ -163,7 +162,3 @@ def _force_cleanup(tokenizer: Any) -> None:
     tokenizer.clean_up_tokenization_spaces = True
     tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
     assert tokenizer.decode(tokenizer.encode("a .", add_special_tokens=False)) == "a."
-
-
-def _output(text: str) -> RequestOutput:
-    return RequestOutput("0", None, [1], [], text, 0, "stop")

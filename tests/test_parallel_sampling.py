@@ -1,0 +1,146 @@
+"""Parallel sampling (`SamplingParams.n`): n samples of a prompt come back as one request whose
+samples each equal a lone request with the sample's seed, the prompt's full blocks are
+computed once, and abort, failure, streaming and the batch file all see one request."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from kvcache import LLM, SamplingParams
+
+PROMPT = [5 + (i * 7) % 300 for i in range(70)]  # 4 full blocks of 16 and 6 tokens
+
+
+def test_greedy_samples_all_equal_the_lone_answer(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    alone = llm.generate([PROMPT], params)[0]
+    fresh = LLM(str(tiny_llama_dir))
+    out = fresh.generate([PROMPT], dataclasses.replace(params, n=3))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(o.token_ids == alone.token_ids for o in out.outputs)
+    assert out.token_ids == alone.token_ids and out.text == alone.text
+    # The prompt's 4 full blocks were computed by one sample and found by the other two.
+    assert sorted(o.num_cached_tokens for o in out.outputs) == [0, 64, 64]
+    assert fresh.stats()["hit_tokens"] == 2 * 64
+
+
+def test_seeded_samples_equal_lone_requests_with_their_seeds(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir))
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=40, ignore_eos=True, logprobs=1)
+    outs = llm.generate([PROMPT, [9, 10, 11]], [dataclasses.replace(params, n=4), params])
+    group = outs[0]
+    assert len(group.outputs) == 4 and len(outs[1].outputs) == 1
+    for j, sample in enumerate(group.outputs):
+        lone = llm.generate([PROMPT], dataclasses.replace(params, seed=40 + j))[0]
+        assert sample.token_ids == lone.token_ids and sample.text == lone.text
+        assert sample.logprobs is not None and lone.logprobs is not None
+        assert [t.logprob for t in sample.logprobs] == pytest.approx(
+            [t.logprob for t in lone.logprobs], abs=1e-5
+        )
+    assert len({tuple(s.token_ids) for s in group.outputs}) > 1  # the samples differ
+    assert group.cumulative_logprob == group.outputs[0].cumulative_logprob
+
+
+def test_unseeded_samples_differ(tiny_llama_dir: Path) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True, n=5)
+    out = LLM(str(tiny_llama_dir)).generate([PROMPT], params)[0]
+    assert [len(s.token_ids) for s in out.outputs] == [12] * 5
+    assert len({tuple(s.token_ids) for s in out.outputs}) > 1
+
+
+def test_abort_stops_every_sample(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, n=3)
+    seqs = llm.queue_request(PROMPT, params, request_id="q")
+    assert [s.request_id for s in seqs] == ["q#0", "q#1", "q#2"]
+    with pytest.raises(ValueError, match="already running"):
+        llm.add_request([5, 6], request_id="q")
+    for _ in range(4):
+        llm.step()
+    out = llm.abort_request("q")
+    assert out is not None and out.request_id == "q" and len(out.outputs) == 3
+    assert {s.finish_reason for s in out.outputs} == {"abort"}
+    assert not llm.has_unfinished() and llm.abort_request("q") is None
+    assert llm.block_manager.stats.blocks_in_use == 0
+    llm.block_manager.check_integrity()
+
+
+def test_a_failed_step_fails_its_samples(tiny_llama_dir: Path, monkeypatch: Any) -> None:
+    llm = LLM(str(tiny_llama_dir))
+    run = llm.runner.run
+    calls = {"n": 0}
+
+    def fail_third(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device fell over")
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(llm.runner, "run", fail_third)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=2)
+    out = llm.generate([PROMPT], params)[0]
+    assert out.error is not None and "device fell over" in out.error
+    assert "error" in {s.finish_reason for s in out.outputs}
+    assert not llm.has_unfinished()
+    llm.block_manager.check_integrity()
+
+
+def test_stream_of_several_samples(tiny_llama_tok_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_tok_dir))
+    params = SamplingParams(max_tokens=15, temperature=1.0, seed=3, n=3, stop=["a"])
+    expected = llm.generate(["Hello", "World"], params)
+    texts: dict[tuple[int, int], str] = {}
+    reasons: dict[tuple[int, int], str] = {}
+    outputs = {}
+    for delta in llm.stream(["Hello", "World"], params):
+        key = (delta.index, delta.sample_index)
+        assert key not in reasons, "a delta after its sample finished"
+        texts[key] = texts.get(key, "") + delta.text
+        if delta.finish_reason is not None:
+            reasons[key] = delta.finish_reason
+        if delta.output is not None:
+            outputs[delta.index] = delta.output
+    assert sorted(outputs) == [0, 1] and len(reasons) == 6
+    for i, ref in enumerate(expected):
+        for j, sample in enumerate(ref.outputs):
+            assert texts[(i, j)] == sample.text
+            assert reasons[(i, j)] == sample.finish_reason
+        assert [s.token_ids for s in outputs[i].outputs] == [s.token_ids for s in ref.outputs]
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, 2000])
+def test_bad_n_is_refused(value: object) -> None:
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=value)  # type: ignore[arg-type]
+
+
+def test_batch_file_lists_the_samples(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    lines = [
+        {"id": "many", "prompt_token_ids": PROMPT, "n": 3, "temperature": 0.8, "seed": 1},
+        {"id": "one", "prompt_token_ids": [5, 6, 7]},
+        {"id": "bad", "prompt_token_ids": [5, 6, 7], "n": 0},
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    args = ["generate", str(src), "-o", str(out), "--model", str(tiny_llama_dir)]
+    result = CliRunner().invoke(main, [*args, "--max-tokens", "5"])
+    assert result.exit_code == 1, result.output
+    by_id = {r["id"]: r for r in (json.loads(x) for x in out.read_text().splitlines())}
+    assert "n must be >= 1" in by_id["bad"]["error"]
+    assert "outputs" not in by_id["one"]
+    samples = by_id["many"]["outputs"]
+    assert [s["index"] for s in samples] == [0, 1, 2]
+    assert samples[0]["token_ids"] == by_id["many"]["token_ids"]
+    lone = LLM(str(tiny_llama_dir)).generate(
+        [PROMPT], SamplingParams(max_tokens=5, temperature=0.8, seed=2)
+    )[0]
+    assert samples[1]["token_ids"] == lone.token_ids
