@@ -96,6 +96,10 @@ def run_soak(
             rep.finished += 1
             if out.finish_reason not in ("stop", "length") or not out.token_ids:
                 fail(f"request {out.request_id}: reason {out.finish_reason!r}, {out.token_ids}")
+            got = None if out.logprobs is None else len(out.logprobs)
+            expected = None if req.params.logprobs is None else len(out.token_ids)
+            if got != expected:
+                fail(f"request {out.request_id}: {got} logprobs for {expected} tokens")
             rep.output_tokens += len(out.token_ids)
             tally["cached"] += out.num_cached_tokens
             rep.miss_tokens += counter.misses(seq, tally)

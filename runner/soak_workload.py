@@ -1,6 +1,6 @@
 """What the soak (scripts/soak.py) feeds the engine: a tiny random Llama and a seeded, mixed
 stream of requests (shared system prompts, unique prompts, repeats, multi-turn follow-ups,
-canaries; salted or not; greedy or sampled)."""
+canaries; salted or not; greedy or sampled, some penalized; some asking for logprobs)."""
 
 from __future__ import annotations
 
@@ -78,10 +78,14 @@ class Workload:
             kwargs["top_p"] = r.choice([1.0, 0.9])
             if r.random() < 0.5:
                 kwargs["seed"] = r.randrange(1000)
+            if r.random() < 0.3:  # sampled only: greedy answers are compared across requests
+                kwargs.update(repetition_penalty=1.2, frequency_penalty=r.choice([0.0, 0.5]))
         else:
             kwargs["temperature"] = 0.0
         if r.random() < 0.1:
             kwargs["stop_token_ids"] = [r.randrange(3, VOCAB)]
+        if r.random() < 0.1:
+            kwargs["logprobs"] = r.choice([0, 3])
         return SamplingParams(**kwargs)
 
     def next(self, index: int) -> Request:
