@@ -235,6 +235,14 @@ def report(metrics_path: str, html_path: str | None) -> None:
     show_default=True,
     help="With --temperature: nucleus sampling in every system.",
 )
+@click.option(
+    "--n",
+    "samples",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --temperature: samples per prompt in every system.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def bench(
     workload: str,
@@ -248,6 +256,7 @@ def bench(
     no_check: bool,
     temperature: float | None,
     top_p: float,
+    samples: int,
     json_path: str | None,
 ) -> None:
     """Run a workload through several systems in one process and print one table.
@@ -273,6 +282,8 @@ def bench(
         workload_path(workload)
     except ValueError as err:
         raise click.UsageError(str(err)) from err
+    if samples > 1 and temperature is None:
+        raise click.UsageError("--n above 1 needs --temperature: greedy samples are all alike")
 
     start = time.perf_counter()
     result = run_bench(
@@ -291,7 +302,7 @@ def bench(
             )
             if v is not None
         },
-        sampling=Sampling(temperature, top_p) if temperature is not None else None,
+        sampling=Sampling(temperature, top_p, samples) if temperature is not None else None,
     )
     click.echo(result["table"])
     if json_path:

@@ -112,7 +112,7 @@ def run_engine(
     ]
     extra["itl_p50_ms"] = _ms(_percentile(itl, 0.5))
     extra["itl_p99_ms"] = _ms(_percentile(itl, 0.99))
-    outputs = [list(o.token_ids) for o in outs]
+    outputs = [list(sample.token_ids) for o in outs for sample in o.outputs]
     return PeerResult(outputs, wall, prefill, ttft), llm, extra
 
 
@@ -139,6 +139,7 @@ def _run_with_arrivals(
                 top_p=sampling.top_p if sampling else 1.0,
                 seed=index if sampling else None,
                 ignore_eos=req.ignore_eos,
+                n=sampling.n if sampling else 1,
             )
             llm.add_request(req.prompt_token_ids, params, request_id=req.request_id)
         before = timer.total_s if timer is not None else 0.0
@@ -213,7 +214,8 @@ def run_bench(
             result = run_hf_static(hf_model, requests, eos_ids, device, batch, sampling)
         else:
             result = run_hf_cb(hf_model, requests, eos_ids, sampling=sampling)
-        outputs = [cut_output(o, eos_ids, r) for o, r in zip(result.outputs, requests, strict=True)]
+        samples = [r for r in requests for _ in range(sampling.n if sampling else 1)]
+        outputs = [cut_output(o, eos_ids, r) for o, r in zip(result.outputs, samples, strict=True)]
         out_tokens = sum(len(o) for o in outputs)
         rows.append(
             {
@@ -239,6 +241,8 @@ def run_bench(
         table += (
             f"\nevery system sampled: temperature {sampling.temperature}, top_p {sampling.top_p}"
         )
+        if sampling.n > 1:
+            table += f", {sampling.n} samples a prompt"
     return {"rows": rows, "table": table, "peak_gflops": peak}
 
 

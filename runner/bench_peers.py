@@ -14,10 +14,13 @@ from runner.workloads import BenchRequest
 
 
 class Sampling(NamedTuple):
-    """How every system of a bench run samples; the bench is greedy (and checked) without it."""
+    """How every system of a bench run samples; the bench is greedy (and checked) without it.
+    `n` samples per prompt: SamplingParams.n in the engine, num_return_sequences in
+    transformers' generate, n copies of each request in its continuous batching."""
 
     temperature: float
     top_p: float
+    n: int = 1
 
 
 def hf_sampling(sampling: Sampling | None) -> dict[str, Any]:
@@ -34,7 +37,7 @@ def hf_sampling(sampling: Sampling | None) -> dict[str, Any]:
 
 
 class PeerResult(NamedTuple):
-    outputs: list[list[int]]  # per request, cut after EOS and at max_tokens
+    outputs: list[list[int]]  # per request sample (request-major), cut after EOS and max_tokens
     wall_s: float
     prefill_tokens: int  # prompt tokens the system ran through the model
     ttft_s: list[float]  # per request, empty when the system does not expose it
@@ -104,7 +107,8 @@ def run_hf_static(
     sampling: Sampling | None = None,
 ) -> PeerResult:
     """Classic static batching: left-padded batches of `batch_size`, each runs until its
-    longest member is done."""
+    longest member is done (with n samples a prompt, its rows are repeated n times)."""
+    samples = sampling.n if sampling else 1
     pad = min(eos_ids)
     outputs: list[list[int]] = []
     prefill = 0
@@ -125,10 +129,13 @@ def run_hf_static(
             attention_mask=mask.to(device),
             max_new_tokens=max(r.max_tokens for r in batch),
             **hf_sampling(sampling),
+            **({"num_return_sequences": samples} if samples > 1 else {}),
             eos_token_id=stop_ids(batch, eos_ids),
             pad_token_id=pad,
         )
-        for row, req in enumerate(batch):
+        prefill += ids.numel() * (samples - 1)  # each row is repeated before the prompt runs
+        for row in range(len(batch) * samples):  # transformers puts a prompt's samples together
+            req = batch[row // samples]
             outputs.append(cut_output(gen[row, width:].tolist(), eos_ids, req))
     return PeerResult(outputs, time.perf_counter() - start, prefill, ttft)
 
@@ -144,7 +151,14 @@ def run_hf_cb(
     block_sharing: bool = True,
     sampling: Sampling | None = None,
 ) -> PeerResult:
-    """transformers' continuous batching (`generate_batch`), with its prefix block sharing."""
+    """transformers' continuous batching (`generate_batch`), with its prefix block sharing;
+    n samples a prompt are n requests."""
+    samples = sampling.n if sampling else 1
+    requests = [
+        r._replace(request_id=f"{r.request_id}#{j}") if samples > 1 else r
+        for r in requests
+        for j in range(samples)
+    ]
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 

@@ -98,3 +98,23 @@ def test_bench_can_sample_in_every_system(tiny_llama_tok_dir: Path) -> None:
     assert all(row["matches_reference"] is None for row in result["rows"])
     assert all(row["output_tokens"] == 4 * 6 for row in result["rows"])  # ignore_eos workload
     assert "every system sampled: temperature 1.5, top_p 0.95" in result["table"]
+
+
+def test_bench_with_several_samples_a_prompt(tiny_llama_tok_dir: Path) -> None:
+    """--n: every system produces n samples of each prompt; the engine computes each prompt's
+    full blocks once, transformers' static batch runs every copy of the prompt."""
+    from runner.bench_peers import Sampling
+
+    result = run_bench(
+        "mixed_lengths",
+        ["engine", "hf-static"],  # hf-cb takes n copies of each request (20 s on this CPU)
+        model=str(tiny_llama_tok_dir),
+        max_tokens=4,
+        limit=3,
+        sampling=Sampling(1.0, 1.0, n=4),
+    )
+    rows = {row["system"]: row for row in result["rows"]}
+    assert all(row["output_tokens"] == 3 * 4 * 4 for row in rows.values())  # ignore_eos
+    assert rows["engine"]["hit_rate"] > 0.5  # three of four samples find the prompt cached
+    assert rows["hf-static"]["prefill_tokens"] > 3 * rows["engine"]["prefill_tokens"]
+    assert "4 samples a prompt" in result["table"]
