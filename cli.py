@@ -45,6 +45,9 @@ def main() -> None:
     show_default=True,
     help="Above 1 makes tokens of the prompt and the output so far less likely.",
 )
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True)
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True)
+@click.option("--n", "samples", type=int, default=1, show_default=True, help="Samples per prompt.")
 @click.option(
     "--logprobs",
     type=int,
@@ -85,6 +88,9 @@ def generate(
     seed: int | None,
     stop: tuple[str, ...],
     repetition_penalty: float,
+    presence_penalty: float,
+    frequency_penalty: float,
+    samples: int,
     logprobs: int | None,
     block_size: int,
     no_prefix_cache: bool,
@@ -117,6 +123,9 @@ def generate(
         "seed": seed,
         "stop": list(stop) or None,
         "repetition_penalty": repetition_penalty,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "n": samples,
         "logprobs": logprobs,
     }
     engine_options: dict[str, Any] = {

@@ -162,9 +162,17 @@ class PrintWriter:
     done_ids: frozenset[str] = frozenset()
 
     def write(self, record: dict[str, Any]) -> None:
-        body = record["error"] if "error" in record else record["text"]
-        tag = "error" if "error" in record else record["finish_reason"]
-        tqdm.write(f"[{record['id']}] ({tag}) {body!r}", file=sys.stdout)  # not across the bar
+        if "error" in record:
+            lines = [f"[{record['id']}] (error) {record['error']!r}"]
+        elif "outputs" in record:  # several samples: one line each
+            lines = [
+                f"[{record['id']}#{o['index']}] ({o['finish_reason']}) {o['text']!r}"
+                for o in record["outputs"]
+            ]
+        else:
+            lines = [f"[{record['id']}] ({record['finish_reason']}) {record['text']!r}"]
+        for line in lines:
+            tqdm.write(line, file=sys.stdout)  # not across the bar
         sys.stdout.flush()
 
     def close(self) -> None:

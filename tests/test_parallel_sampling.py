@@ -144,3 +144,12 @@ def test_batch_file_lists_the_samples(tiny_llama_dir: Path, tmp_path: Path) -> N
         [PROMPT], SamplingParams(max_tokens=5, temperature=0.8, seed=2)
     )[0]
     assert samples[1]["token_ids"] == lone.token_ids
+
+
+def test_printed_results_show_each_sample(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "q", "prompt_token_ids": [5, 6, 7]}) + "\n")
+    args = ["generate", str(src), "--model", str(tiny_llama_dir), "--max-tokens", "3"]
+    result = CliRunner().invoke(main, [*args, "--n", "2", "--temperature", "1.0", "--seed", "4"])
+    assert result.exit_code == 0, result.output
+    assert "[q#0] (length)" in result.output and "[q#1] (length)" in result.output
