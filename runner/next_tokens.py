@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from runner.logprobs import TokenLogprobs, token_logprobs
-from runner.penalties import penalize
+from runner.penalties import TokenHistory, penalize
 from runner.sampling import sample
 from runner.sequence import Sequence
 
@@ -22,9 +22,15 @@ def next_tokens(
     if not samplers:
         return [], []
     params = [s.params for s in samplers]
-    prompts = [s.prompt_token_ids for s in samplers]
+    histories = [_history(s) if s.params.penalized else None for s in samplers]
     outputs = [s.output_token_ids for s in samplers]
     tokens = sample(
-        penalize(logits, params, prompts, outputs), params, [s.generator for s in samplers]
+        penalize(logits, params, histories, outputs), params, [s.generator for s in samplers]
     )
     return tokens, token_logprobs(logits, params, tokens)
+
+
+def _history(seq: Sequence) -> TokenHistory:
+    if seq.token_history is None:
+        seq.token_history = TokenHistory(seq.prompt_token_ids)
+    return seq.token_history

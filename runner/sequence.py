@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runner.logprobs import TokenLogprobs
+from runner.penalties import TokenHistory
 from runner.sampling import SamplingParams
 
 
@@ -54,6 +55,8 @@ class Sequence:
     block_hash_cache: tuple[int, list[int]] | None = field(default=None, repr=False)
     # (cache version, num_tokens, cached prefix length) as of that version and count.
     cached_prefix_memo: tuple[int, int, int] | None = field(default=None, repr=False)
+    # Its token ids as tensors, made on the first step that penalizes it (runner/penalties.py).
+    token_history: TokenHistory | None = field(default=None, repr=False)
     # prompt + output, kept in step by record_token: every step reads a decoding sequence's
     # tokens a few times, and joining the two lists each time cost ~1 ms a step at 256 of them.
     _tokens: list[int] = field(init=False, repr=False, compare=False)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
-from runner.penalties import penalize
+from runner.penalties import TokenHistory, penalize
 from tests.test_engine_equivalence import make_prompts
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -135,11 +135,12 @@ def test_penalties_leave_the_input_untouched() -> None:
     logits = torch.randn(3, 50)
     before = logits.clone()
     params = [SamplingParams(repetition_penalty=1.5), SamplingParams(), SamplingParams()]
-    out = penalize(logits, params, [[1, 2], [3], [4]], [[5], [], []])
+    histories = [TokenHistory([1, 2]), None, None]
+    out = penalize(logits, params, histories, [[5], [], []])
     assert torch.equal(logits, before)
     assert not torch.equal(out, before)
     assert torch.equal(out[1:], before[1:])
-    assert penalize(logits, [SamplingParams()] * 3, [[1]] * 3, [[2]] * 3) is logits
+    assert penalize(logits, [SamplingParams()] * 3, [None] * 3, [[2]] * 3) is logits
 
 
 @settings(max_examples=60, deadline=None)
@@ -166,10 +167,15 @@ def test_penalize_equals_the_definition(
         )
         for _ in range(rows)
     ]
-    out = penalize(logits, params, prompts, outputs)
+    histories = [TokenHistory(p) for p in prompts]
+    # Outputs taken in over several steps, as the engine's are.
+    for i in range(rows):
+        histories[i].output(outputs[i][: len(outputs[i]) // 2])
+    out = penalize(logits, params, histories, outputs)
     for i in range(rows):
         expected = reference_logits(logits[i], prompts[i], outputs[i], params[i])
         torch.testing.assert_close(out[i], expected, rtol=0, atol=1e-5)
+        assert histories[i].output(outputs[i]).tolist() == outputs[i]
 
 
 @pytest.mark.parametrize(
