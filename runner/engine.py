@@ -103,11 +103,10 @@ class LLM(Engine):
         queued: list[list[Sequence]] = []
         try:
             for prompt, p in zip(prompts, param_list, strict=True):
-                queued.append(
-                    self.queue_request(
-                        prompt, p, cache_salt=cache_salt, add_special_tokens=not chat
-                    )
+                seq = self.add_request(
+                    prompt, p, cache_salt=cache_salt, add_special_tokens=not chat
                 )
+                queued.append(self.samples_of(request_id_of(seq)))
         except Exception as err:
             for samples in queued:
                 self.abort_request(request_id_of(samples[0]))

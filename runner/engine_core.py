@@ -75,26 +75,8 @@ class Engine:
         add_special_tokens: bool = True,
     ) -> Sequence:
         """Validate and queue one request; raises ValueError naming the problem. Returns its
-        sequence (with params.n > 1, sample 0's: see `queue_request`)."""
-        return self.queue_request(
-            prompt,
-            params,
-            request_id=request_id,
-            cache_salt=cache_salt,
-            add_special_tokens=add_special_tokens,
-        )[0]
-
-    def queue_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        add_special_tokens: bool = True,
-    ) -> list[Sequence]:
-        """`add_request`, returning every sample's sequence: params.n of them (request ids
-        "<id>#<j>" when n > 1), of which `step` hands back one RequestOutput once all finish."""
+        sequence; with params.n > 1 it queues n (request ids "<id>#<j>", see `samples_of`),
+        returns sample 0's, and `step` hands back one RequestOutput once all have finished."""
         params = params if params is not None else SamplingParams()
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -128,22 +110,24 @@ class Engine:
             self.scheduler.add(seq)
             self._live[seq.request_id] = seq
             seqs.append(seq)
-        return seqs
+        return seqs[0]
+
+    def samples_of(self, request_id: str) -> list[Sequence]:
+        """The live sequences of a request: its one, or those of its samples still running."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return [self._live[request_id]] if request_id in self._live else []
+        ids = (sample_request_id(request_id, j) for j in range(group.n))
+        return [self._live[rid] for rid in ids if rid in self._live]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a queued or running request (every sample of it) and free its blocks; returns
         what it generated so far (finish_reason "abort"), or None when no such request is
         live."""
-        group = self._groups.get(request_id)
-        if group is not None:
-            result = None
-            for j in range(group.n):
-                sample = self._live.get(sample_request_id(request_id, j))
-                if sample is not None:
-                    result = self._abort(sample)
-            return result
-        seq = self._live.get(request_id)
-        return None if seq is None else self._abort(seq)
+        result = None
+        for seq in self.samples_of(request_id):
+            result = self._abort(seq)  # the last one's is the whole request's
+        return result
 
     def _abort(self, seq: Sequence) -> RequestOutput | None:
         self.scheduler.abort(seq)

@@ -82,20 +82,13 @@ class RequestOutput:
     def to_record(self) -> dict[str, Any]:
         """A JSON-ready dict, the shape `kvcache generate` writes per line; a request of
         several samples also lists each under "outputs"."""
+        sample = self.outputs[0].to_record()  # the flat fields are sample 0's
+        del sample["index"]
         return {
             "id": self.request_id,
-            "text": self.text,
-            "token_ids": self.token_ids,
             "prompt_tokens": len(self.prompt_token_ids),
-            "cached_tokens": self.num_cached_tokens,
-            "output_tokens": len(self.token_ids),
-            "finish_reason": self.finish_reason,
+            **sample,
             **self.metrics,
-            **(
-                {"logprobs": logprob_records(self.token_ids, self.logprobs)}
-                if self.logprobs is not None
-                else {}
-            ),
             **({"outputs": [o.to_record() for o in self.outputs]} if len(self.outputs) > 1 else {}),
             **({"error": self.error} if self.error else {}),
         }

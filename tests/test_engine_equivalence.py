@@ -38,7 +38,10 @@ def make_prompts(vocab: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-def hf_greedy(model: Any, prompt: list[int], max_new: int, stop: int | None) -> list[int]:
+def hf_greedy(
+    model: Any, prompt: list[int], max_new: int, stop: int | None, **options: Any
+) -> list[int]:
+    """transformers' unbatched greedy `generate`; `options` are more of its arguments."""
     ids = torch.tensor([prompt])
     out = model.generate(
         ids,
@@ -47,6 +50,7 @@ def hf_greedy(model: Any, prompt: list[int], max_new: int, stop: int | None) -> 
         do_sample=False,
         eos_token_id=stop if stop is not None else -1,
         pad_token_id=0,
+        **options,
     )
     return out[0, len(prompt) :].tolist()
 

@@ -59,8 +59,9 @@ def test_unseeded_samples_differ(tiny_llama_dir: Path) -> None:
 def test_abort_stops_every_sample(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir))
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, n=3)
-    seqs = llm.queue_request(PROMPT, params, request_id="q")
-    assert [s.request_id for s in seqs] == ["q#0", "q#1", "q#2"]
+    first = llm.add_request(PROMPT, params, request_id="q")
+    assert first.request_id == "q#0"
+    assert [s.request_id for s in llm.samples_of("q")] == ["q#0", "q#1", "q#2"]
     with pytest.raises(ValueError, match="already running"):
         llm.add_request([5, 6], request_id="q")
     for _ in range(4):

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
 from runner.penalties import TokenHistory, penalize
-from tests.test_engine_equivalence import make_prompts
+from tests.test_engine_equivalence import hf_greedy, make_prompts
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "cache-on": {},
@@ -51,20 +51,6 @@ def reference_greedy(hf: Any, prompt: list[int], params: SamplingParams) -> list
             logits = hf(torch.tensor([prompt + output])).logits[0, -1].float()
             output.append(int(torch.argmax(reference_logits(logits, prompt, output, params))))
     return output
-
-
-def hf_repetition_greedy(hf: Any, prompt: list[int], penalty: float) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=MAX_NEW,
-        do_sample=False,
-        repetition_penalty=penalty,
-        eos_token_id=-1,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 PARAM_CYCLE = [
@@ -103,7 +89,7 @@ def test_repetition_penalty_matches_transformers(tiny_llama_dir: Path) -> None:
         )
         outs = llm.generate(prompts, params)
         for prompt, out in zip(prompts, outs, strict=True):
-            assert out.token_ids == hf_repetition_greedy(hf, prompt, penalty)
+            assert out.token_ids == hf_greedy(hf, prompt, MAX_NEW, None, repetition_penalty=penalty)
         # The penalty must matter somewhere, or this test could not fail.
         plain = llm.generate(
             prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
