@@ -75,6 +75,14 @@ def main() -> None:
     default=None,
     help="Write a JSON record of the run for `kvcache report`.",
 )
+@click.option(
+    "--prefix-cache",
+    "prefix_cache_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Load the prefix cache from this file when it exists, and save it there at the end: "
+    "a later run starts with this run's prefixes cached.",
+)
 @click.option("--resume", is_flag=True, help="Skip ids already in OUTPUT and append the rest.")
 @click.option("--overwrite", is_flag=True, help="Replace an OUTPUT that holds results.")
 def generate(
@@ -100,6 +108,7 @@ def generate(
     device: str,
     cpu_weight_dtype: str,
     metrics_path: str | None,
+    prefix_cache_path: str | None,
     resume: bool,
     overwrite: bool,
 ) -> None:
@@ -115,6 +124,11 @@ def generate(
         check_paths(input_path, output_path, metrics_path, resume=resume, overwrite=overwrite)
     except ValueError as err:
         raise click.UsageError(str(err)) from err
+    if prefix_cache_path and (no_prefix_cache or not Path(prefix_cache_path).parent.is_dir()):
+        raise click.UsageError(
+            "--prefix-cache needs the prefix cache on and an existing folder"
+            f" ({Path(prefix_cache_path).parent})"
+        )
     defaults: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": temperature,
@@ -144,7 +158,17 @@ def generate(
         except KeyboardInterrupt:
             click.echo("interrupted while loading the model; nothing was generated", err=True)
             sys.exit(130)
+    cache_file = Path(prefix_cache_path) if prefix_cache_path else None
+    if cache_file is not None and cache_file.exists():
+        try:
+            blocks = run.llm.load_prefix_cache(cache_file)
+            click.echo(f"prefix cache: {blocks} blocks loaded from {cache_file}", err=True)
+        except ValueError as err:  # a stale cache costs a cold start, not the run
+            click.echo(f"prefix cache: ignored, starting cold: {err}", err=True)
     code = run.execute(input_path, Path(output_path) if output_path else None, resume=resume)
+    if cache_file is not None:
+        blocks = run.llm.save_prefix_cache(cache_file)
+        click.echo(f"prefix cache: {blocks} blocks saved to {cache_file}", err=True)
     if metrics_path:
         Path(metrics_path).write_text(json.dumps(run.llm.metrics()))
         click.echo(f"metrics written to {metrics_path}", err=True)

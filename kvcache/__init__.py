@@ -8,7 +8,7 @@ access, so importing the core alone never pulls in torch or the runner.
 import importlib
 from typing import Any
 
-from kvcache.block_manager import Allocation, BlockManager
+from kvcache.block_manager import Allocation, BlockManager, CachedBlock
 from kvcache.hashing import block_hashes, hash_block, namespace_root
 from kvcache.stats import CacheStats
 
@@ -23,6 +23,7 @@ __all__ = [
     "Allocation",
     "BlockManager",
     "CacheStats",
+    "CachedBlock",
     "RequestOutput",
     "SamplingParams",
     "block_hashes",

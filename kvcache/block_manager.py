@@ -33,6 +33,15 @@ class Allocation(NamedTuple):
     num_cached_tokens: int  # multiple of block_size, < len(token_ids)
 
 
+class CachedBlock(NamedTuple):
+    """One block of the tree, as `cached_blocks` lists them."""
+
+    root: int  # namespace root of its chain
+    parent: int | None  # the parent block's id; None at the top of the namespace
+    token_ids: list[int]
+    block_id: int
+
+
 @dataclass(slots=True)
 class _Request:
     root: int  # namespace root of the request's chain
@@ -90,6 +99,19 @@ class BlockManager:
         data = pack_tokens(token_ids[: max_blocks * self.block_size])
         return self._tree.match(root, data, max_blocks)
 
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every block in the tree (cached or held), each after its parent: with their K/V,
+        what it takes to rebuild this cache elsewhere. Pure."""
+        return [
+            CachedBlock(
+                node.namespace,
+                None if node.parent is None else node.parent.block_id,
+                node.token_ids,
+                node.block_id,
+            )
+            for node in self._tree.walk()
+        ]
+
     def cached_prefix_length(self, token_ids: Sequence[int], root: int) -> int:
         """Tokens ``allocate`` would serve from the cache now. Pure: no stats, no LRU touch."""
         return len(self._match(token_ids, root)) * self.block_size
@@ -124,12 +146,19 @@ class BlockManager:
 
     # -- mutations -----------------------------------------------------------------------------
     def allocate(
-        self, request_id: int, token_ids: Sequence[int], root: int, *, readmission: bool = False
+        self,
+        request_id: int,
+        token_ids: Sequence[int],
+        root: int,
+        *,
+        readmission: bool = False,
+        count: bool = True,
     ) -> Allocation:
         """Admit a request. Mutates: locks the matched path (ref += 1, out of the LRU, ticks
         touched), takes fresh blocks (evicting LRU leaves when the free list is short), counts
-        query/hit tokens (``readmit_*`` when ``readmission``). Raises ValueError when blocks are
-        short, the prompt is empty or the id is live; nothing is mutated then."""
+        query/hit tokens (``readmit_*`` when ``readmission``; nothing when not ``count``, for
+        a cache being loaded rather than a request). Raises ValueError when blocks are short,
+        the prompt is empty or the id is live; nothing is mutated then."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already allocated")
         if not token_ids:
@@ -144,10 +173,10 @@ class BlockManager:
         table.extend(self._take_blocks(self._blocks_for(len(token_ids)) - len(nodes)))
         self._requests[request_id] = _Request(root, table, nodes)
         cached = len(nodes) * self.block_size
-        if readmission:
+        if count and readmission:
             self._stats.readmit_query_tokens += len(token_ids)
             self._stats.readmit_hit_tokens += cached
-        else:
+        elif count:
             self._stats.query_tokens += len(token_ids)
             self._stats.hit_tokens += cached
         return Allocation(list(table), cached)

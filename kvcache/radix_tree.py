@@ -80,6 +80,13 @@ class RadixTree:
         """Every node, in no particular order. Pure."""
         return iter(self._by_block.values())
 
+    def walk(self) -> Iterator[Node]:
+        """Every node, each after its parent (breadth first). Pure."""
+        level = [node for tops in self._tops.values() for node in tops.values()]
+        while level:
+            yield from level
+            level = [child for node in level for child in node.children.values()]
+
     def _walk(
         self,
         children: dict[int, Node],

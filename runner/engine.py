@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
+from pathlib import Path
 
 from tqdm import tqdm
 
 from runner.engine_core import Engine
 from runner.outputs import RequestOutput
+from runner.prefix_cache_file import cache_identity, load_prefix_cache, save_prefix_cache
 from runner.requests import Messages, Prompt, conversation_batch, params_per_prompt, prompt_batch
 from runner.sampling import SamplingParams
 from runner.sequence import Sequence, request_id_of
@@ -120,3 +122,21 @@ class LLM(Engine):
             for output in self.step():
                 bar.update(1)
                 yield output
+
+    # ------------------------------------------------------------------ warm starts
+    def save_prefix_cache(self, path: str | Path) -> int:
+        """Write the prefix cache (every cached block, its tokens and its K/V) to one file, for
+        `load_prefix_cache` in a later engine of the same model; returns the blocks saved."""
+        identity = self._cache_identity()
+        return save_prefix_cache(self.block_manager, self.kv, identity, Path(path))
+
+    def load_prefix_cache(self, path: str | Path) -> int:
+        """Load a file written by `save_prefix_cache`: its prefixes are then cached here, as if
+        this engine had computed them. Returns the blocks loaded (fewer than saved when the
+        pool fills up). Raises ValueError for a file saved for another model, weight rounding,
+        block size or K/V layout, or one that is damaged; nothing is loaded then."""
+        identity, request_id = self._cache_identity(), next(self._seq_ids)
+        return load_prefix_cache(self.block_manager, self.kv, identity, Path(path), request_id)
+
+    def _cache_identity(self) -> dict[str, str]:
+        return cache_identity(self.kv, self.fingerprint, self.config.cpu_weight_dtype)

@@ -387,3 +387,33 @@ def test_cache_version_changes_exactly_when_matches_can() -> None:
     bm.allocate(10, seq(1000, 12), ROOT)  # evicts a's leaf
     assert bm.stats.evicted_blocks == 1 and bm.cache_version != v2
     assert bm.cached_prefix_length(a + [0], ROOT) == 4
+
+
+def test_cached_blocks_list_the_tree_parents_first() -> None:
+    """What a saved cache is made of: every tree block once, each after its parent, with its
+    own tokens and namespace; the held ones too (a live request's committed blocks)."""
+    bm = BlockManager(num_blocks=32, block_size=B)
+    other = namespace_root("model", "salt")
+    run_once(bm, 0, seq(0, 3 * B + 2))
+    run_once(bm, 1, seq(0, 2 * B) + seq(500, B + 1))  # branches after two blocks
+    prefill(bm, 2, seq(0, 2 * B + 1), other)  # still live, in another namespace
+    blocks = bm.cached_blocks()
+    assert len(blocks) == 3 + 1 + 2
+    position = {b.block_id: i for i, b in enumerate(blocks)}
+    for b in blocks:
+        assert b.parent is None or position[b.parent] < position[b.block_id]
+    tops = sorted((b.root == other, b.token_ids) for b in blocks if b.parent is None)
+    assert tops == [(False, seq(0, B)), (True, seq(0, B))]
+    assert sorted(b.token_ids[0] for b in blocks if b.root == ROOT) == [0, 16, 32, 500]
+
+
+def test_an_uncounted_allocation_leaves_the_hit_counters_alone() -> None:
+    bm = BlockManager(num_blocks=8, block_size=B)
+    run_once(bm, 0, seq(0, 2 * B + 1))
+    before = bm.stats
+    alloc = bm.allocate(1, seq(0, 2 * B + 1), ROOT, count=False)
+    assert alloc.num_cached_tokens == 2 * B
+    after = bm.stats
+    assert (after.query_tokens, after.hit_tokens) == (before.query_tokens, before.hit_tokens)
+    bm.free(1)
+    bm.check_integrity()
