@@ -320,3 +320,22 @@ def test_penalties_and_logprobs_on_cuda(make_tiny_model: Callable[..., Path]) ->
         for got, want in zip(out.logprobs, ref.logprobs, strict=True):
             assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
             assert [t for t, _ in got.top] == [t for t, _ in want.top]
+
+
+@cuda
+def test_prefix_cache_file_on_cuda(make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """A prefix cache saved from a CUDA engine (bf16 K/V) warms another: the same tokens as a
+    cold run, the saved prefixes served from the cache."""
+    path = make_tiny_model("qwen3")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    options = {"device": "cuda", "attention_backend": "triton", **POOL}
+    first = LLM(str(path), **options)
+    cold = first.generate(PROMPTS, params)
+    file = tmp_path / "prefix.safetensors"
+    assert first.save_prefix_cache(file) > 0
+    del first
+    warm = LLM(str(path), **options)
+    assert warm.load_prefix_cache(file) > 0
+    outs = warm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold]
+    assert outs[-1].num_cached_tokens > 0
