@@ -91,6 +91,12 @@ class Engine:
         seq_id = next(self._seq_ids)
         rid = request_id if request_id is not None else str(seq_id)
         if params.n > 1:
+            ids = [sample_request_id(rid, j) for j in range(params.n)]
+            taken = [i for i in ids if i in self._live or i in self._groups]
+            if taken:
+                raise ValueError(
+                    f"request id {taken[0]!r} (a sample of {rid!r}) is already running"
+                )
             self._groups[rid] = SampleGroup(rid, params.n)
         seqs = []
         for j in range(params.n):

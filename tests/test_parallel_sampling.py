@@ -64,6 +64,13 @@ def test_abort_stops_every_sample(tiny_llama_dir: Path) -> None:
     assert [s.request_id for s in llm.samples_of("q")] == ["q#0", "q#1", "q#2"]
     with pytest.raises(ValueError, match="already running"):
         llm.add_request([5, 6], request_id="q")
+    with pytest.raises(ValueError, match="'q#1' is already running"):
+        llm.add_request([5, 6], request_id="q#1")
+    for taken_n in (1, 2):  # a request or a sample group already named like a sample of p
+        llm.add_request([5, 6], dataclasses.replace(params, n=taken_n), request_id="p#1")
+        with pytest.raises(ValueError, match=r"'p#1' \(a sample of 'p'\) is already running"):
+            llm.add_request([5, 6], params, request_id="p")
+        llm.abort_request("p#1")
     for _ in range(4):
         llm.step()
     out = llm.abort_request("q")
