@@ -79,21 +79,28 @@ class Scheduler:
         self.running.remove(seq)
         if self.config.batching == "static":
             self.held.append(seq)
-            if not self.running:
-                for done in self.held:
-                    self.bm.free(done.seq_id)
-                self.held.clear()
+            self._release_static_batch()
         else:
             self.bm.free(seq.seq_id)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request that failed: free its blocks wherever it is."""
+        """Drop a request that failed or was aborted: free its blocks wherever it is."""
         if seq in self.waiting:
             self.waiting.remove(seq)
             return
         if seq in self.running:
             self.running.remove(seq)
             self.bm.free(seq.seq_id)
+            if self.config.batching == "static":
+                self._release_static_batch()
+
+    def _release_static_batch(self) -> None:
+        """Static mode: once no member of the batch runs, the finished members held in it
+        give back their blocks, and the next batch can be admitted."""
+        if not self.running:
+            for done in self.held:
+                self.bm.free(done.seq_id)
+            self.held.clear()
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free a running sequence's blocks and queue it first for re-admission.
