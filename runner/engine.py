@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -53,9 +53,10 @@ class LLM(Engine):
     ) -> Iterator[StreamDelta]:
         """Like `generate`, but yield each request's new tokens and text after every step
         (runner/streaming.py); a sample's deltas add up to its final text exactly, and a
-        request's last delta carries its RequestOutput. Leaving the loop early aborts the
-        rest."""
-        return stream_requests(self, self._queue_all(prompt_batch(prompts), params, cache_salt))
+        request's last delta carries its RequestOutput. The requests are queued when the
+        iteration starts (a bad prompt raises there); leaving the loop early aborts the rest."""
+        batch = prompt_batch(prompts)
+        return stream_requests(self, lambda: self._queue_all(batch, params, cache_salt))
 
     def stream_chat(
         self,
@@ -66,7 +67,7 @@ class LLM(Engine):
     ) -> Iterator[StreamDelta]:
         """`stream` over conversations, with the model's chat template applied."""
         texts = self._chat_texts(conversations)
-        return stream_requests(self, self._queue_all(texts, params, cache_salt, chat=True))
+        return stream_requests(self, lambda: self._queue_all(texts, params, cache_salt, True))
 
     def _chat_texts(self, conversations: Seq[Messages] | Messages) -> list[Prompt]:
         return [self.apply_chat_template(list(c)) for c in conversation_batch(conversations)]
@@ -82,13 +83,16 @@ class LLM(Engine):
         queued = self._queue_all(prompts, params, cache_salt, chat)
         order = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
         results: list[RequestOutput | None] = [None] * len(prompts)
-        bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate")
-        for output in self._drain(bar):
-            results[order[output.request_id]] = output
-        bar.close()
-        missing = [i for i, r in enumerate(results) if r is None]
-        if missing:
-            raise RuntimeError(f"engine stopped with prompts {missing} unfinished")
+        pending = set(order)
+        with tqdm(total=len(prompts), disable=not use_tqdm, desc="generate") as bar:
+            while pending:
+                if not self.has_unfinished():
+                    missing = sorted(order[r] for r in pending)
+                    raise RuntimeError(f"engine stopped with prompts {missing} unfinished")
+                for output in self.step_for(pending):
+                    results[order[output.request_id]] = output
+                    pending.discard(output.request_id)
+                    bar.update(1)
         return [r for r in results if r is not None]
 
     def _queue_all(
@@ -116,12 +120,6 @@ class LLM(Engine):
                 raise ValueError(f"prompt {len(queued)}: {err}") from err
             raise
         return queued
-
-    def _drain(self, bar: tqdm) -> Iterable[RequestOutput]:
-        while self.has_unfinished():
-            for output in self.step():
-                bar.update(1)
-                yield output
 
     # ------------------------------------------------------------------ warm starts
     def save_prefix_cache(self, path: str | Path) -> int:

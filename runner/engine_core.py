@@ -60,6 +60,8 @@ class Engine:
         self._roots: dict[str | None, int] = {}
         self._live: dict[str, Sequence] = {}  # by request id: queued or running requests
         self._groups: dict[str, SampleGroup] = {}  # requests of n > 1 samples, by request id
+        # Outputs of requests that finished while `step_for` ran the engine for others.
+        self._kept: list[RequestOutput] = []
 
     # ------------------------------------------------------------------ requests
     def apply_chat_template(self, messages: Messages) -> str:
@@ -89,6 +91,8 @@ class Engine:
         first = block_hashes(token_ids[: self.config.block_size], self.config.block_size, root)
         prefix_key = f"{first[0]:016x}" if first else ""
         seq_id = next(self._seq_ids)
+        while request_id is None and (str(seq_id) in self._live or str(seq_id) in self._groups):
+            seq_id = next(self._seq_ids)  # a given id took this number: the next one is free
         rid = request_id if request_id is not None else str(seq_id)
         if params.n > 1:
             ids = [sample_request_id(rid, j) for j in range(params.n)]
@@ -164,7 +168,20 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that finished in it."""
+        """Run one engine step; returns the requests that finished in it, and any that
+        finished while `generate` or `stream` ran the engine for requests of their own."""
+        kept, self._kept = self._kept, []
+        return kept + self._step()
+
+    def step_for(self, request_ids: set[str]) -> list[RequestOutput]:
+        """Run one engine step; returns those of `request_ids` that finished in it. Other
+        requests' outputs are kept for the next `step` call, not lost."""
+        mine: list[RequestOutput] = []
+        for output in self._step():
+            (mine if output.request_id in request_ids else self._kept).append(output)
+        return mine
+
+    def _step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
         out = self.scheduler.schedule()
         finished: list[RequestOutput] = []

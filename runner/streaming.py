@@ -10,7 +10,7 @@ or the request ends.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from runner.engine_core import Engine
@@ -54,12 +54,15 @@ class TextStream:
         """The new text of a running request that no later token can change."""
         text = self.stopper.decode(seq.output_token_ids)
         end = len(text.rstrip("\ufffd"))
-        end -= _stop_prefix_at_end(text[:end], seq.params.stop_strings)
-        if self.stopper.cleans_up_spaces:
-            space = text.rfind(" ", 0, end)
-            if space >= 0 and end - space <= CLEANUP_HOLD_CHARS:
-                end = space
-        return self._take(text, end)
+        while True:  # each hold can expose the other's case at the new end: until neither moves
+            held = end - _stop_prefix_at_end(text[:end], seq.params.stop_strings)
+            if self.stopper.cleans_up_spaces:
+                space = text.rfind(" ", 0, held)
+                if space >= 0 and held - space <= CLEANUP_HOLD_CHARS:
+                    held = space  # the space may go, joining what is before it to what comes
+            if held == end:
+                return self._take(text, end)
+            end = held
 
     def final_delta(self, final_text: str) -> str:
         """Whatever of the final text has not been handed out."""
@@ -84,21 +87,30 @@ def _stop_prefix_at_end(text: str, stops: tuple[str, ...]) -> int:
     return longest
 
 
-def stream_requests(llm: Engine, queued: list[list[Sequence]]) -> Iterator[StreamDelta]:
-    """Step `llm` until every request of `queued` (each a list of its samples) has finished,
-    yielding after each step a delta for each sample that produced a token or finished, in
-    queue order. Closing the iterator early (a `break` in the caller's loop) aborts the
-    requests still running."""
+def stream_requests(
+    llm: Engine, queue: Callable[[], list[list[Sequence]]]
+) -> Iterator[StreamDelta]:
+    """Queue the requests (`queue()` returns each one's samples, in order) when iteration
+    starts, then step `llm` until every one has finished, yielding after each step a delta for
+    each sample that produced a token or finished, in queue order. Closing the iterator early
+    (a `break` in the caller's loop) aborts the requests still running; a request aborted with
+    `abort_request` meanwhile ends with deltas whose finish_reason is "abort" and no output
+    (the caller got it from `abort_request`). Queueing waits for the first `next`, so a stream
+    that is never iterated leaves nothing queued."""
+    queued = queue()
     index_of = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
     running = [seq for samples in queued for seq in samples]
     texts = {seq.seq_id: TextStream(llm.stopper) for seq in running}
     tokens_sent = {seq.seq_id: 0 for seq in running}
     unfinished = set(index_of)  # requests whose output has not been handed out
     try:
-        while unfinished:
-            if not llm.has_unfinished():
-                raise RuntimeError(f"engine stopped with requests {sorted(unfinished)} unfinished")
-            outputs = llm.step()
+        while running:
+            unfinished = {rid for rid in unfinished if llm.samples_of(rid)}  # not aborted
+            outputs: list[RequestOutput] = []
+            if unfinished:
+                if not llm.has_unfinished():
+                    raise RuntimeError(f"engine stopped with {sorted(unfinished)} unfinished")
+                outputs = llm.step_for(unfinished)
             deltas: list[StreamDelta] = []
             for seq in running:
                 new_tokens = seq.output_token_ids[tokens_sent[seq.seq_id] :]
@@ -115,11 +127,10 @@ def stream_requests(llm: Engine, queued: list[list[Sequence]]) -> Iterator[Strea
                 deltas.append(delta)
             running = [seq for seq in running if not seq.is_finished]
             for output in outputs:
-                if output.request_id in unfinished:
-                    unfinished.discard(output.request_id)
-                    # Its last sample finished in this step, so this step has a delta for it.
-                    ours = [d for d in deltas if d.request_id == output.request_id]
-                    ours[-1].output = output
+                unfinished.discard(output.request_id)
+                # Its last sample finished in this step, so this step has a delta for it.
+                ours = [d for d in deltas if d.request_id == output.request_id]
+                ours[-1].output = output
             yield from deltas
     finally:
         for rid in unfinished:

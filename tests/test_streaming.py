@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
@@ -118,6 +118,9 @@ def test_abort_request(tiny_llama_dir: Path) -> None:
 
 
 @settings(max_examples=150, deadline=None)
+# Cleanup turns "t ' b" into "t'b": the space held back before "'" joins "t", sent before it,
+# to a stop string.
+@example(pieces=["a", " ", "t", " ", "'", " ", "b"], stop="t'", cleanup=True)
 @given(
     pieces=st.lists(st.sampled_from(PIECES), min_size=1, max_size=25),
     stop=st.lists(st.sampled_from(PIECES), min_size=0, max_size=3).map("".join),
@@ -162,3 +165,60 @@ def _force_cleanup(tokenizer: Any) -> None:
     tokenizer.clean_up_tokenization_spaces = True
     tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
     assert tokenizer.decode(tokenizer.encode("a .", add_special_tokens=False)) == "a."
+
+
+def test_aborting_inside_the_loop_ends_that_request_only(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    reasons: dict[int, str | None] = {}
+    outputs = {}
+    aborted = None
+    for delta in llm.stream([[5, 6, 7], [8, 9, 10]], params):
+        if delta.index == 0 and aborted is None:
+            aborted = llm.abort_request(delta.request_id)
+        reasons[delta.index] = delta.finish_reason
+        if delta.output is not None:
+            outputs[delta.index] = delta.output
+    assert aborted is not None and aborted.finish_reason == "abort"
+    assert reasons == {0: "abort", 1: "length"} and list(outputs) == [1]
+    assert len(outputs[1].token_ids) == 12 and not llm.has_unfinished()
+
+
+def test_a_stream_never_iterated_queues_nothing(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir))
+    params = SamplingParams(max_tokens=3, temperature=0)
+    stream = llm.stream([[5, 6, 7]], params)
+    assert not llm.has_unfinished()
+    del stream
+    assert len(llm.generate([[8, 9]], params)) == 1
+
+
+def test_generate_keeps_other_requests_outputs_for_step(tiny_llama_dir: Path) -> None:
+    """A request added with add_request that finishes while generate runs is not lost: the
+    next step() hands it back; an automatic id never takes one a caller gave."""
+    llm = LLM(str(tiny_llama_dir))
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    llm.add_request([5, 6, 7], params, request_id="1")
+    llm.add_request([5, 6, 8], params, request_id="2")
+    outs = llm.generate([[8, 9], [10, 11]], dataclasses.replace(params, max_tokens=6))
+    assert [len(o.token_ids) for o in outs] == [6, 6]
+    assert {o.request_id for o in outs}.isdisjoint({"1", "2"})
+    kept = llm.step()
+    assert sorted(o.request_id for o in kept) == ["1", "2"]
+    assert not llm.has_unfinished()
+
+
+def test_static_batch_goes_on_after_an_abort(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), batching="static")
+    short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.add_request([5, 6, 7], short, request_id="short")
+    llm.add_request([8, 9, 10], dataclasses.replace(short, max_tokens=30), request_id="long")
+    while not any(o.request_id == "short" for o in llm.step()):
+        pass
+    assert llm.abort_request("long") is not None
+    assert llm.block_manager.stats.blocks_in_use == 0
+    assert len(llm.generate([[11, 12]], short)[0].token_ids) == 2
+    for _delta in llm.stream([[11, 12], [13, 14, 15]], dataclasses.replace(short, max_tokens=9)):
+        break  # a stream left early aborts its batch, which must not jam the next one
+    assert len(llm.generate([[11, 12]], short)[0].token_ids) == 2
+    llm.block_manager.check_integrity()
