@@ -131,7 +131,7 @@ class BatchRun:
             tqdm.write(f"error: line {line_of[out.request_id]}: {out.error}", file=sys.stderr)
         else:
             self.num_done += 1
-        self.output_tokens += len(out.token_ids)
+        self.output_tokens += sum(len(sample.token_ids) for sample in out.outputs)
         elapsed = max(time.perf_counter() - start, 1e-9)
         bar.update(1)
         bar.set_postfix(

@@ -22,6 +22,7 @@ from kvcache.store import KVStore
 
 FORMAT = "kvcache-prefix-cache/1"
 _TENSORS = ("parents", "roots", "tokens", "kv")
+_BLOCKS_PER_COPY = 256
 
 
 def cache_identity(kv: KVStore, fingerprint: str, weights: str) -> dict[str, str]:
@@ -53,7 +54,7 @@ def save_prefix_cache(
         "tokens": torch.tensor([b.token_ids for b in blocks], dtype=torch.int64).reshape(
             len(blocks), kv.block_size
         ),
-        "kv": kv.tensor.index_select(2, ids).cpu().contiguous(),  # [L, 2, n, B, H, D]
+        "kv": _gather_blocks(kv, ids),  # [L, 2, n, B, H, D], on the CPU
     }
     from safetensors.torch import save_file
 
@@ -90,7 +91,7 @@ def load_prefix_cache(
         probe = tokens[chain].reshape(-1).tolist() + [0]  # one more token: every block matches
         root = int(roots[chain[0]]) % 2**64
         if block_manager.blocks_needed(probe, root) > block_manager.stats.blocks_free:
-            break  # only free blocks: a loaded chain must not evict one loaded before it
+            continue  # only free blocks: a chain must not evict one loaded before it
         alloc = block_manager.allocate(request_id, probe, root, count=False)
         try:
             have = alloc.num_cached_tokens // B
@@ -145,6 +146,18 @@ def _path(parents: torch.Tensor, leaf: int) -> list[int]:
     while (parent := int(parents[chain[-1]])) >= 0:
         chain.append(parent)
     return chain[::-1]
+
+
+def _gather_blocks(kv: KVStore, ids: torch.Tensor) -> torch.Tensor:
+    """The K/V of blocks `ids` copied to the CPU a slice at a time: on a GPU whose memory the
+    pool fills, a copy of every cached block at once on the device might not fit."""
+    slices = [
+        kv.tensor.index_select(2, ids[i : i + _BLOCKS_PER_COPY]).cpu()
+        for i in range(0, len(ids), _BLOCKS_PER_COPY)
+    ]
+    if not slices:
+        return kv.tensor[:, :, :0].cpu().contiguous()
+    return torch.cat(slices, dim=2)
 
 
 def _signed(value: int) -> int:

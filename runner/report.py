@@ -115,8 +115,11 @@ def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
     ttft, itl = latencies_ms(metrics)
     finished = sum(1 for r in reqs if r.get("finish_reason") in ("stop", "length"))
     errors = sum(1 for r in reqs if r.get("finish_reason") == "error")
+    aborted = sum(1 for r in reqs if r.get("finish_reason") == "abort")
+    state = f"{finished} finished, {errors} errors" + (f", {aborted} aborted" if aborted else "")
     rows = [
-        ("requests", f"{len(reqs)} ({finished} finished, {errors} errors)"),
+        # One row per sequence: a request of n samples has n ("<id>#<j>").
+        ("requests", f"{len(reqs)} ({state})"),
         ("prompt tokens", f"{prompt:,}"),
         ("cached prompt tokens", f"{cached:,}"),
         (

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from cli import main
 from kvcache import LLM, SamplingParams
+from runner.report import format_summary
 
 PROMPT = [5 + (i * 7) % 300 for i in range(70)]  # 4 full blocks of 16 and 6 tokens
 
@@ -79,6 +80,8 @@ def test_abort_stops_every_sample(tiny_llama_dir: Path) -> None:
     assert not llm.has_unfinished() and llm.abort_request("q") is None
     assert llm.block_manager.stats.blocks_in_use == 0
     llm.block_manager.check_integrity()
+    summary = format_summary(llm.metrics())
+    assert "(0 finished, 0 errors, 6 aborted)" in summary  # q: 3 samples; p#1: 1, then 2
 
 
 def test_a_failed_step_fails_its_samples(tiny_llama_dir: Path, monkeypatch: Any) -> None:
@@ -147,6 +150,8 @@ def test_batch_file_lists_the_samples(tiny_llama_dir: Path, tmp_path: Path) -> N
     assert "outputs" not in by_id["one"]
     samples = by_id["many"]["outputs"]
     assert [s["index"] for s in samples] == [0, 1, 2]
+    total = sum(s["output_tokens"] for s in samples) + by_id["one"]["output_tokens"]
+    assert f"output tokens: {total} " in result.output  # every sample counts
     assert samples[0]["token_ids"] == by_id["many"]["token_ids"]
     lone = LLM(str(tiny_llama_dir)).generate(
         [PROMPT], SamplingParams(max_tokens=5, temperature=0.8, seed=2)
