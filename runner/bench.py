@@ -85,7 +85,9 @@ def run_engine(
     query = after["query_tokens"] - before["query_tokens"]
     hits = after["hit_tokens"] - before["hit_tokens"]
     prefill = sum(s["num_prefill_tokens"] for s in steps)
-    ttft = [o.metrics["ttft_s"] for o in outs if o.metrics.get("ttft_s") is not None]
+    # Every sample of every request (one each unless the run asks for several), with its request.
+    samples = [(sample, r) for o, r in zip(outs, requests, strict=True) for sample in o.outputs]
+    ttft = [s.metrics["ttft_s"] for s, _ in samples if s.metrics.get("ttft_s") is not None]
     pure_prefill = [s for s in steps if s["num_decode_tokens"] == 0 and s["num_prefill_tokens"]]
     extra = {
         "hit_rate": hits / query if query else 0.0,
@@ -104,15 +106,10 @@ def run_engine(
         inside = sum(matmul_s.get(i, 0.0) for i, _ in decode)
         extra["decode_outside_matmul"] = 1 - inside / decode_s
     # Inter-token latency of the requests present from the start (the running decodes).
-    itl = [
-        x
-        for o, r in zip(outs, requests, strict=True)
-        if not r.arrive_after_steps
-        for x in o.metrics.get("itl_s", [])
-    ]
+    itl = [x for s, r in samples if not r.arrive_after_steps for x in s.metrics.get("itl_s", [])]
     extra["itl_p50_ms"] = _ms(_percentile(itl, 0.5))
     extra["itl_p99_ms"] = _ms(_percentile(itl, 0.99))
-    outputs = [list(sample.token_ids) for o in outs for sample in o.outputs]
+    outputs = [list(sample.token_ids) for sample, _ in samples]
     return PeerResult(outputs, wall, prefill, ttft), llm, extra
 
 

@@ -18,6 +18,7 @@ class CompletionOutput:
     finish_reason: str | None
     num_cached_tokens: int = 0  # prompt tokens this sample found in the cache
     logprobs: list[TokenLogprobs] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict, repr=False)  # its own timings
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -71,6 +72,7 @@ class RequestOutput:
                     self.finish_reason,
                     self.num_cached_tokens,
                     self.logprobs,
+                    self.metrics,
                 )
             ]
 

@@ -61,6 +61,7 @@ class SampleGroup:
                     finish_reason=s.finish_reason,
                     num_cached_tokens=s.num_cached_tokens,
                     logprobs=s.logprobs,
+                    metrics=s.metrics,
                 )
                 for j, s in enumerate(samples)
             ],
