@@ -54,6 +54,12 @@ def main() -> None:
     default=None,
     help="Write each generated token's log-probability and the N likeliest alternatives.",
 )
+@click.option(
+    "--prompt-logprobs",
+    type=int,
+    default=None,
+    help="Write each prompt token's log-probability and the N likeliest alternatives.",
+)
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--no-prefix-cache", is_flag=True, help="Turn the prefix cache off.")
 @click.option("--batching", type=click.Choice(["continuous", "static"]), default="continuous")
@@ -100,6 +106,7 @@ def generate(
     frequency_penalty: float,
     samples: int,
     logprobs: int | None,
+    prompt_logprobs: int | None,
     block_size: int,
     no_prefix_cache: bool,
     batching: str,
@@ -117,7 +124,7 @@ def generate(
     Greedy by default (--temperature 0). Each JSONL line holds one of prompt / messages /
     prompt_token_ids, an optional id, and optional sampling fields (max_tokens, temperature,
     top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, repetition_penalty,
-    presence_penalty, frequency_penalty, logprobs, n) and cache_salt."""
+    presence_penalty, frequency_penalty, logprobs, prompt_logprobs, n) and cache_salt."""
     from runner.batch_paths import check_paths
 
     try:  # before the model loads: a wrong path costs nothing yet
@@ -141,6 +148,7 @@ def generate(
         "frequency_penalty": frequency_penalty,
         "n": samples,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
     }
     engine_options: dict[str, Any] = {
         "block_size": block_size,

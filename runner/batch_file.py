@@ -25,6 +25,7 @@ SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "logprobs",
+    "prompt_logprobs",
     "n",
 )
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")

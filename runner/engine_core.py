@@ -105,12 +105,17 @@ class Engine:
         seqs = []
         for j in range(params.n):
             own = sample_params(params, j) if params.n > 1 else params
+            sample_seq_id = seq_id if j == 0 else next(self._seq_ids)
             seq = Sequence(
-                seq_id=seq_id if j == 0 else next(self._seq_ids),
+                seq_id=sample_seq_id,
                 request_id=sample_request_id(rid, j) if params.n > 1 else rid,
                 prompt_token_ids=token_ids,
                 params=own,
-                root=root,
+                # Prompt log-probabilities need every prompt position computed: a namespace
+                # of its own, so no cached block stands in for one.
+                root=root
+                if own.prompt_logprobs is None
+                else namespace_root(self.fingerprint, f"prompt-logprobs/{sample_seq_id}"),
                 generator=request_generator(own, self._rng),
                 prompt_text=text,
                 group=rid if params.n > 1 else None,
@@ -247,6 +252,7 @@ class Engine:
             finish_reason=seq.finish_reason,
             metrics=self.recorder.request_record(seq),
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs),
         )
 
     def run_until_done(

@@ -11,11 +11,14 @@ import torch
 from kvcache import BlockManager
 from kvcache.store import KVStore
 from runner.attention import AttentionMetadata
+from runner.logprobs import logprobs_of
 from runner.model import CausalLM
 from runner.scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
     from runner.cuda_graphs import DecodeGraphs
+
+PROMPT_ROWS = 256  # prompt positions put through the LM head at once for prompt_logprobs
 
 
 class ModelRunner:
@@ -102,12 +105,14 @@ class ModelRunner:
             and self.graphs.can_run(len(batch), int(meta.block_tables.shape[1]))
         ):
             logits = self.graphs.run(input_ids, positions, meta)  # [B, vocab]
+            self._record_prompt_logprobs(batch, meta.query_lens, logits=logits)
             if all(item.sample for item in batch):
                 return logits
             # A one-token prefill chunk that does not sample can share a decode step.
             keep = [i for i, item in enumerate(batch) if item.sample]
             return logits.index_select(0, torch.tensor(keep, device=logits.device))
         hidden = self.model(input_ids, positions, meta, self.kv)  # [T, H]
+        self._record_prompt_logprobs(batch, meta.query_lens, hidden=hidden)
         rows: list[int] = []  # each sampling item's last token
         end = -1
         for item, query_len in zip(batch, meta.query_lens, strict=True):
@@ -120,6 +125,46 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
         index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, index))
+
+    def _record_prompt_logprobs(
+        self,
+        batch: list[ScheduledSeq],
+        query_lens: list[int],
+        hidden: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
+    ) -> None:
+        """For the sequences that ask for prompt log-probabilities: the row of each position p
+        of this step's chunk predicts prompt token p + 1; its figures go to
+        seq.prompt_logprobs[p + 1]. From `logits` when the step made them for every row (a
+        decode graph), else through the LM head over `hidden` [T, H], PROMPT_ROWS at a time
+        (a [T, vocab] block of logits for a long prompt would take gigabytes)."""
+        rows: list[int] = []
+        targets: list[tuple[ScheduledSeq, int]] = []  # (item, prompt position predicted)
+        offset = 0
+        for item, query_len in zip(batch, query_lens, strict=True):
+            seq = item.seq
+            if seq.prompt_logprobs is not None:
+                last = min(item.start + query_len, seq.num_prompt_tokens - 1)
+                for position in range(item.start, last):
+                    rows.append(offset + position - item.start)
+                    targets.append((item, position + 1))
+            offset += query_len
+        for first in range(0, len(rows), PROMPT_ROWS):
+            index = torch.tensor(rows[first : first + PROMPT_ROWS], device=self.device)
+            if logits is not None:
+                chunk = logits.index_select(0, index)
+            else:
+                assert hidden is not None
+                chunk = self.model.compute_logits(hidden.index_select(0, index))
+            wanted = targets[first : first + PROMPT_ROWS]
+            found = logprobs_of(
+                chunk,
+                [item.seq.prompt_token_ids[p] for item, p in wanted],
+                [int(item.seq.params.prompt_logprobs or 0) for item, _ in wanted],
+            )
+            for (item, position), value in zip(wanted, found, strict=True):
+                assert item.seq.prompt_logprobs is not None
+                item.seq.prompt_logprobs[position] = value
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:

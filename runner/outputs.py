@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,8 @@ class RequestOutput:
     # Per token of token_ids, when SamplingParams.logprobs asked for them.
     logprobs: list[TokenLogprobs] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    # Per prompt token (None for the first), when SamplingParams.prompt_logprobs asked.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.outputs:
@@ -91,16 +94,24 @@ class RequestOutput:
             "prompt_tokens": len(self.prompt_token_ids),
             **sample,
             **self.metrics,
+            **(
+                {"prompt_logprobs": logprob_records(self.prompt_token_ids, self.prompt_logprobs)}
+                if self.prompt_logprobs is not None
+                else {}
+            ),
             **({"outputs": [o.to_record() for o in self.outputs]} if len(self.outputs) > 1 else {}),
             **({"error": self.error} if self.error else {}),
         }
 
 
 def logprob_records(
-    token_ids: list[int], logprobs: list[TokenLogprobs] | None
-) -> list[dict[str, Any]]:
-    """Per generated token: its id, its log-probability and the likeliest [id, logprob]."""
+    token_ids: list[int], logprobs: Sequence[TokenLogprobs | None] | None
+) -> list[dict[str, Any] | None]:
+    """Per token: its id, its log-probability and the likeliest [id, logprob] (None where
+    there is none: a prompt's first token)."""
     return [
-        {"token_id": token, "logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top]}
+        None
+        if lp is None
+        else {"token_id": token, "logprob": lp.logprob, "top_logprobs": [list(t) for t in lp.top]}
         for token, lp in zip(token_ids, logprobs or [], strict=True)
     ]

@@ -22,7 +22,9 @@ def sample_params(params: SamplingParams, index: int) -> SamplingParams:
     """Sample `index`'s own parameters: n of 1, and a seeded request's seed plus the index (as
     vLLM does), so the samples differ from each other and each repeats in any batch."""
     seed = None if params.seed is None else (params.seed + index) % SEED_RANGE
-    return dataclasses.replace(params, n=1, seed=seed)
+    # The prompt's log-probabilities are the same for every sample: sample 0 computes them.
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def sample_request_id(request_id: str, index: int) -> str:

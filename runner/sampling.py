@@ -24,7 +24,9 @@ class SamplingParams:
     far, as transformers does; `presence_penalty` and `frequency_penalty` (0 = off, in [-2, 2])
     subtract once per token present in the output and once per occurrence. `logprobs` = N
     returns the log-probability of each generated token and of the N likeliest (0: the
-    generated token's alone), from the model's own distribution (runner/logprobs.py). `n`
+    generated token's alone), from the model's own distribution (runner/logprobs.py), and
+    `prompt_logprobs` = N the same for every prompt token after the first (such a prompt is
+    computed whole, never served from the cache, so every position has its logits). `n`
     samples the prompt n times (runner/sample_groups.py); a seeded request's samples take seeds
     seed, seed + 1, ...
     """
@@ -42,6 +44,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
@@ -96,10 +99,12 @@ class SamplingParams:
         _check_int("n", self.n, minimum=1)
         if self.n > MAX_SAMPLES:
             raise ValueError(f"n must be <= {MAX_SAMPLES}, got {self.n}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, minimum=0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
 
     @property
     def penalized(self) -> bool:

@@ -38,6 +38,9 @@ class Sequence:
     sample_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs
+    # When params.prompt_logprobs: per prompt position (None for the first), set by the runner
+    # as each chunk is computed (a recomputed chunk sets the same values again).
+    prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # cached tokens found at first admission
@@ -63,6 +66,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self._tokens = self.prompt_token_ids + self.output_token_ids
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def token_ids(self) -> list[int]:

@@ -100,6 +100,12 @@ def run_soak(
             expected = None if req.params.logprobs is None else len(out.token_ids)
             if got != expected:
                 fail(f"request {out.request_id}: {got} logprobs for {expected} tokens")
+            prompt_figures = out.prompt_logprobs
+            if (req.params.prompt_logprobs is None) != (prompt_figures is None) or (
+                prompt_figures is not None
+                and [x is None for x in prompt_figures] != [i == 0 for i in range(len(req.prompt))]
+            ):
+                fail(f"request {out.request_id}: prompt logprobs do not cover its prompt")
             rep.output_tokens += len(out.token_ids)
             tally["cached"] += out.num_cached_tokens
             rep.miss_tokens += counter.misses(seq, tally)

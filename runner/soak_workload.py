@@ -1,6 +1,7 @@
 """What the soak (scripts/soak.py) feeds the engine: a tiny random Llama and a seeded, mixed
 stream of requests (shared system prompts, unique prompts, repeats, multi-turn follow-ups,
-canaries; salted or not; greedy or sampled, some penalized; some asking for logprobs)."""
+canaries; salted or not; greedy or sampled, some penalized; some asking for logprobs
+of their answers or prompts)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,8 @@ class Workload:
             kwargs["stop_token_ids"] = [r.randrange(3, VOCAB)]
         if r.random() < 0.1:
             kwargs["logprobs"] = r.choice([0, 3])
+        if r.random() < 0.05:
+            kwargs["prompt_logprobs"] = r.choice([0, 2])
         return SamplingParams(**kwargs)
 
     def next(self, index: int) -> Request:

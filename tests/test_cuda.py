@@ -295,8 +295,9 @@ def test_kv_pool_sized_from_free_memory(make_tiny_model: Callable[..., Path]) ->
 
 @cuda
 def test_penalties_and_logprobs_on_cuda(make_tiny_model: Callable[..., Path]) -> None:
-    """Penalties and log-probabilities run on the device around the decode graphs (whose
-    logits buffer they must not change): the same tokens and figures as the CPU engine."""
+    """Penalties and log-probabilities (of outputs and of prompts) run on the device around
+    the decode graphs (whose logits buffer they must not change): the same tokens and figures
+    as the CPU engine."""
     path = make_tiny_model("llama")
     params = [
         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.5),
@@ -305,6 +306,7 @@ def test_penalties_and_logprobs_on_cuda(make_tiny_model: Callable[..., Path]) ->
         SamplingParams(
             max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=1.5, logprobs=0
         ),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=3),
         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
     ]
     gpu = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton", **POOL)
@@ -313,6 +315,11 @@ def test_penalties_and_logprobs_on_cuda(make_tiny_model: Callable[..., Path]) ->
     refs = LLM(str(path)).generate(PROMPTS, params)
     for out, ref in zip(outs, refs, strict=True):
         assert out.token_ids == ref.token_ids
+        if ref.prompt_logprobs is not None:
+            assert out.prompt_logprobs is not None
+            for got, want in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
+                assert got is not None and want is not None
+                assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
         if ref.logprobs is None:
             assert out.logprobs is None
             continue

@@ -81,10 +81,11 @@ def test_greedy_token_is_the_top_logprob(tiny_qwen3_dir: Path) -> None:
         assert lp.top[0][0] == token and lp.top[0][1] == lp.logprob
 
 
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("value", [-1, 21, 2.5, True])
-def test_bad_logprobs_are_refused(value: object) -> None:
-    with pytest.raises(ValueError, match="logprobs must be"):
-        SamplingParams(logprobs=value)  # type: ignore[arg-type]
+def test_bad_logprobs_are_refused(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        SamplingParams(**{field: value})
 
 
 def test_batch_file_writes_logprobs(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -116,3 +117,62 @@ def test_batch_file_writes_logprobs(tiny_llama_dir: Path, tmp_path: Path) -> Non
         [[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, repetition_penalty=1.2)
     )
     assert by_id["a"]["token_ids"] == expected[0].token_ids
+
+
+def model_prompt_logprobs(hf: Any, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab]: the model's log-softmax before each prompt token after the
+    first."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits[:-1], dim=-1)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_num_batched_tokens": 7},  # the prompt in chunks, some of them one token long
+        {"num_kv_blocks": 40, "block_size": 4},  # preempted and recomputed
+        {"cpu_kernels": False},
+    ],
+    ids=["whole", "chunks", "tiny-pool", "torch-ops"],
+)
+def test_prompt_logprobs_equal_the_models(tiny_llama_dir: Path, options: dict[str, Any]) -> None:
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    prompts = make_prompts(hf.config.vocab_size, seed=12)
+    llm = LLM(str(tiny_llama_dir), **options)
+    llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0))  # their prefixes cached
+    params = [
+        SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=3),
+        SamplingParams(max_tokens=4, temperature=0),
+        SamplingParams(max_tokens=4, temperature=0.9, seed=1, prompt_logprobs=0, n=2),
+    ]
+    asked = [params[i % 3] for i in range(len(prompts))]
+    outs = llm.generate(prompts, asked)
+    for prompt, sp, out in zip(prompts, asked, outs, strict=True):
+        if sp.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+            continue
+        # Computed whole, though the prefix is cached: every position has its figures.
+        assert out.num_cached_tokens == 0
+        got = out.prompt_logprobs
+        assert got is not None and len(got) == len(prompt) and got[0] is None
+        reference = model_prompt_logprobs(hf, prompt)
+        for position in range(1, len(prompt)):
+            entry, row = got[position], reference[position - 1]
+            assert entry is not None
+            assert entry.logprob == pytest.approx(float(row[prompt[position]]), abs=TOLERANCE)
+            expected = torch.topk(row, sp.prompt_logprobs).values.tolist()
+            assert [lp for _, lp in entry.top] == pytest.approx(expected, abs=TOLERANCE)
+
+
+def test_batch_file_writes_prompt_logprobs(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "s", "prompt_token_ids": [5, 6, 7, 8], "prompt_logprobs": 1}))
+    out = tmp_path / "out.jsonl"
+    args = ["generate", str(src), "-o", str(out), "--model", str(tiny_llama_dir)]
+    assert CliRunner().invoke(main, [*args, "--max-tokens", "2"]).exit_code == 0
+    record = json.loads(out.read_text())
+    entries = record["prompt_logprobs"]
+    assert entries[0] is None and [e["token_id"] for e in entries[1:]] == [6, 7, 8]
+    assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 1 for e in entries[1:])
