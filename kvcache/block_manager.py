@@ -128,9 +128,10 @@ class BlockManager:
         needed = self._blocks_for(len(token_ids)) - len(nodes)
         return needed - (self.num_available_blocks() - locked_now)
 
-    def can_allocate(self, token_ids: Sequence[int], root: int) -> bool:
-        """Whether ``allocate`` would succeed now. Pure."""
-        return self._shortfall(token_ids, self._match(token_ids, root)) <= 0
+    def can_allocate(self, token_ids: Sequence[int], root: int, *, reuse: bool = True) -> bool:
+        """Whether ``allocate`` (with the same ``reuse``) would succeed now. Pure."""
+        nodes = self._match(token_ids, root) if reuse else []
+        return self._shortfall(token_ids, nodes) <= 0
 
     def can_append(self, request_id: int, num_tokens: int) -> bool:
         """Whether the request's table can grow to hold ``num_tokens`` tokens in total. Pure."""
@@ -153,17 +154,20 @@ class BlockManager:
         *,
         readmission: bool = False,
         count: bool = True,
+        reuse: bool = True,
     ) -> Allocation:
         """Admit a request. Mutates: locks the matched path (ref += 1, out of the LRU, ticks
         touched), takes fresh blocks (evicting LRU leaves when the free list is short), counts
         query/hit tokens (``readmit_*`` when ``readmission``; nothing when not ``count``, for
-        a cache being loaded rather than a request). Raises ValueError when blocks are short,
-        the prompt is empty or the id is live; nothing is mutated then."""
+        a cache being loaded rather than a request). Not ``reuse``: nothing is matched, every
+        block is fresh (a request that must compute its whole prompt); its blocks are still
+        committed for others. Raises ValueError when blocks are short, the prompt is empty or
+        the id is live; nothing is mutated then."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already allocated")
         if not token_ids:
             raise ValueError("cannot allocate an empty prompt")
-        nodes = self._match(token_ids, root)
+        nodes = self._match(token_ids, root) if reuse else []
         short = self._shortfall(token_ids, nodes)
         if short > 0:
             raise ValueError(f"request {request_id}: {short} blocks short (ask can_allocate)")

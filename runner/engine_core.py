@@ -105,17 +105,12 @@ class Engine:
         seqs = []
         for j in range(params.n):
             own = sample_params(params, j) if params.n > 1 else params
-            sample_seq_id = seq_id if j == 0 else next(self._seq_ids)
             seq = Sequence(
-                seq_id=sample_seq_id,
+                seq_id=seq_id if j == 0 else next(self._seq_ids),
                 request_id=sample_request_id(rid, j) if params.n > 1 else rid,
                 prompt_token_ids=token_ids,
                 params=own,
-                # Prompt log-probabilities need every prompt position computed: a namespace
-                # of its own, so no cached block stands in for one.
-                root=root
-                if own.prompt_logprobs is None
-                else namespace_root(self.fingerprint, f"prompt-logprobs/{sample_seq_id}"),
+                root=root,
                 generator=request_generator(own, self._rng),
                 prompt_text=text,
                 group=rid if params.n > 1 else None,
@@ -169,22 +164,37 @@ class Engine:
         return self._roots[cache_salt]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is queued or running, or has finished with its output not yet
+        handed back by `step`."""
+        return bool(self._kept) or self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it, and any that
         finished while `generate` or `stream` ran the engine for requests of their own."""
-        kept, self._kept = self._kept, []
-        return kept + self._step()
+        new = self._step()
+        kept, self._kept = self._kept, []  # after the step: an interrupted one loses nothing
+        return kept + new
 
     def step_for(self, request_ids: set[str]) -> list[RequestOutput]:
-        """Run one engine step; returns those of `request_ids` that finished in it. Other
-        requests' outputs are kept for the next `step` call, not lost."""
-        mine: list[RequestOutput] = []
+        """Those of `request_ids` that finished since the last call: kept from another
+        caller's step, or, if none was kept and any of them is still running, in one engine
+        step run now. Other requests' outputs are kept for the next `step` or `step_for` that
+        asks for them, never lost."""
+        mine = [o for o in self._kept if o.request_id in request_ids]
+        if mine:
+            self._kept = [o for o in self._kept if o.request_id not in request_ids]
+            return mine
+        if not any(self.samples_of(rid) for rid in request_ids):
+            return []
         for output in self._step():
             (mine if output.request_id in request_ids else self._kept).append(output)
         return mine
+
+    @property
+    def kept(self) -> set[str]:
+        """Ids of finished requests whose outputs wait for the `step` or `step_for` that asks."""
+        return {o.request_id for o in self._kept}
 
     def _step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()

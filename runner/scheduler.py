@@ -164,7 +164,9 @@ class Scheduler:
             if inflight is None:
                 inflight = self._inflight_prefix_hashes()
             chosen = self._pick_next(inflight)
-            if chosen is None or not self.bm.can_allocate(chosen.token_ids, chosen.root):
+            if chosen is None or not self.bm.can_allocate(
+                chosen.token_ids, chosen.root, reuse=chosen.reuses_cache
+            ):
                 break
             self.waiting.remove(chosen)
             self._admit(chosen, out)
@@ -215,7 +217,9 @@ class Scheduler:
         return size
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
-        alloc = self.bm.allocate(seq.seq_id, seq.token_ids, seq.root, readmission=seq.admitted)
+        alloc = self.bm.allocate(
+            seq.seq_id, seq.token_ids, seq.root, readmission=seq.admitted, reuse=seq.reuses_cache
+        )
         if not seq.admitted:
             seq.num_cached_tokens = alloc.num_cached_tokens
         seq.admitted = True
@@ -261,8 +265,10 @@ class Scheduler:
         for index, seq in enumerate(self.waiting):
             if index >= _ADMISSION_WINDOW:
                 break
-            cached = self._cached_prefix_length(seq)
-            if inflight and self._shares_inflight(seq, inflight) * self.bm.block_size > cached:
+            # A request that reuses nothing has no cached prefix and nothing to wait for.
+            cached = self._cached_prefix_length(seq) if seq.reuses_cache else 0
+            waits = seq.reuses_cache and bool(inflight)
+            if waits and self._shares_inflight(seq, inflight) * self.bm.block_size > cached:
                 continue
             if cached > best_len:
                 best, best_len = seq, cached

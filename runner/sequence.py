@@ -92,6 +92,12 @@ class Sequence:
         return self.num_uncomputed_tokens > 1 or not self.output_token_ids
 
     @property
+    def reuses_cache(self) -> bool:
+        """False for a prompt whose every position must be computed (its log-probabilities
+        were asked for): it is served nothing from the cache, though it still fills it."""
+        return self.params.prompt_logprobs is None
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 

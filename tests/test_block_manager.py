@@ -417,3 +417,32 @@ def test_an_uncounted_allocation_leaves_the_hit_counters_alone() -> None:
     assert (after.query_tokens, after.hit_tokens) == (before.query_tokens, before.hit_tokens)
     bm.free(1)
     bm.check_integrity()
+
+
+def test_a_request_that_reuses_nothing_still_fills_the_cache() -> None:
+    """reuse=False (a prompt whose every position must be computed): no block is matched, all
+    are fresh, and committing them pins the cached copies, so the tree neither grows nor
+    loses them; a later request still hits them."""
+    bm = BlockManager(num_blocks=16, block_size=B)
+    prompt = seq(0, 3 * B + 1)
+    run_once(bm, 0, prompt)
+    cached_before = bm.stats.blocks_cached
+    assert bm.can_allocate(prompt, ROOT, reuse=False)
+    alloc = bm.allocate(1, prompt, ROOT, reuse=False)
+    assert alloc.num_cached_tokens == 0 and len(alloc.block_table) == 4
+    bm.commit(1, prompt, len(prompt))
+    bm.check_integrity()
+    bm.free(1)
+    bm.check_integrity()
+    assert bm.stats.blocks_cached == cached_before
+    assert bm.stats.hit_tokens == 0 and bm.stats.query_tokens == 2 * len(prompt)
+    assert run_once(bm, 2, prompt) == 3 * B
+
+
+def test_reuse_false_needs_room_for_every_block() -> None:
+    bm = BlockManager(num_blocks=5, block_size=B)
+    prompt = seq(0, 3 * B + 1)
+    run_once(bm, 0, prompt)  # 3 cached blocks, 2 free
+    prefill(bm, 1, seq(0, B) + [999])  # holds the first cached block and one free one
+    assert bm.can_allocate(prompt, ROOT)  # 3 matched + 1 fresh: the last free block
+    assert not bm.can_allocate(prompt, ROOT, reuse=False)  # 4 fresh: 1 free + 2 reclaimable

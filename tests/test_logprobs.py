@@ -176,3 +176,24 @@ def test_batch_file_writes_prompt_logprobs(tiny_llama_dir: Path, tmp_path: Path)
     entries = record["prompt_logprobs"]
     assert entries[0] is None and [e["token_id"] for e in entries[1:]] == [6, 7, 8]
     assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 1 for e in entries[1:])
+
+
+def test_prompt_logprobs_of_several_samples_compute_the_prompt_once(tiny_llama_dir: Path) -> None:
+    """Sample 0 computes every prompt position (and fills the cache); the other samples reuse
+    its full blocks; the request's prompt_logprobs are sample 0's."""
+    prompt = list(range(5, 5 + 70))
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=2, prompt_logprobs=1, n=3)
+    out = LLM(str(tiny_llama_dir)).generate([prompt], params)[0]
+    assert [s.num_cached_tokens for s in out.outputs] == [0, 64, 64]
+    assert out.prompt_logprobs is not None and all(x is not None for x in out.prompt_logprobs[1:])
+
+
+def test_no_salt_reaches_a_prompt_logprob_request(tiny_llama_dir: Path) -> None:
+    """Whatever a cache holds (any salt, a loaded file), such a prompt is computed whole."""
+    prompt = list(range(5, 5 + 49))
+    llm = LLM(str(tiny_llama_dir))
+    for salt in (None, "prompt-logprobs/1", "prompt-logprobs/0"):
+        llm.generate([prompt], SamplingParams(max_tokens=1), cache_salt=salt)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    assert out.num_cached_tokens == 0
+    assert out.prompt_logprobs is not None and all(x is not None for x in out.prompt_logprobs[1:])
