@@ -84,15 +84,20 @@ class LLM(Engine):
         order = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
         results: list[RequestOutput | None] = [None] * len(prompts)
         pending = set(order)
-        with tqdm(total=len(prompts), disable=not use_tqdm, desc="generate") as bar:
-            while pending:
-                if not self.has_unfinished():
-                    missing = sorted(order[r] for r in pending)
-                    raise RuntimeError(f"engine stopped with prompts {missing} unfinished")
-                for output in self.step_for(pending):
-                    results[order[output.request_id]] = output
-                    pending.discard(output.request_id)
-                    bar.update(1)
+        try:
+            with tqdm(total=len(prompts), disable=not use_tqdm, desc="generate") as bar:
+                while pending:
+                    outputs = self.step_for(pending)
+                    if not outputs and not any(self.samples_of(r) for r in pending):
+                        missing = sorted(order[r] for r in pending)
+                        raise RuntimeError(f"engine stopped with prompts {missing} unfinished")
+                    for output in outputs:
+                        results[order[output.request_id]] = output
+                        pending.discard(output.request_id)
+                        bar.update(1)
+        finally:  # interrupted (Ctrl-C): what it queued must not run on, nor pile up outputs
+            for request_id in pending:
+                self.abort_request(request_id)
         return [r for r in results if r is not None]
 
     def _queue_all(

@@ -4,8 +4,7 @@ The text a stream hands out must add up to the request's final `text` exactly, s
 ever holds text that later tokens cannot change: a trailing incomplete UTF-8 character (decoded
 as U+FFFD until its last byte comes), a trailing piece that could be the start of a stop string
 (the final text is cut before the stop string), and, for tokenizers that clean up spaces before
-punctuation, a trailing space and the few characters after it, are held back until they settle
-or the request ends.
+punctuation, the last few characters, are held back until they settle or the request ends.
 """
 
 from __future__ import annotations
@@ -19,8 +18,10 @@ from runner.sequence import Sequence, request_id_of
 from runner.stopping import StopChecker
 
 # clean_up_tokenization_spaces rewrites " ." " ?" " !" " ," " ' " " n't" " 'm" " 's" " 've"
-# " 're": a space followed by at most three characters can still lose its space.
-CLEANUP_HOLD_CHARS = 4
+# " 're", one rule after another over the whole text: what comes next can change the last few
+# characters, and one rule's rewrite can undo another's (" ' " takes a space that " ." would
+# have taken: "a ' " reads "a'", "a ' ." reads "a '."). Characters further back than this stay.
+CLEANUP_HOLD_CHARS = 8
 
 
 @dataclass
@@ -56,10 +57,8 @@ class TextStream:
         end = len(text.rstrip("\ufffd"))
         while True:  # each hold can expose the other's case at the new end: until neither moves
             held = end - _stop_prefix_at_end(text[:end], seq.params.stop_strings)
-            if self.stopper.cleans_up_spaces:
-                space = text.rfind(" ", 0, held)
-                if space >= 0 and held - space <= CLEANUP_HOLD_CHARS:
-                    held = space  # the space may go, joining what is before it to what comes
+            if self.stopper.cleans_up_spaces:  # its rules may still rewrite the last characters
+                held = min(held, max(0, len(text) - CLEANUP_HOLD_CHARS))
             if held == end:
                 return self._take(text, end)
             end = held
@@ -105,12 +104,8 @@ def stream_requests(
     unfinished = set(index_of)  # requests whose output has not been handed out
     try:
         while running:
-            unfinished = {rid for rid in unfinished if llm.samples_of(rid)}  # not aborted
-            outputs: list[RequestOutput] = []
-            if unfinished:
-                if not llm.has_unfinished():
-                    raise RuntimeError(f"engine stopped with {sorted(unfinished)} unfinished")
-                outputs = llm.step_for(unfinished)
+            # Finished in this step, or in another caller's step since the last one.
+            outputs = llm.step_for(unfinished) if unfinished else []
             deltas: list[StreamDelta] = []
             for seq in running:
                 new_tokens = seq.output_token_ids[tokens_sent[seq.seq_id] :]
@@ -128,9 +123,18 @@ def stream_requests(
             running = [seq for seq in running if not seq.is_finished]
             for output in outputs:
                 unfinished.discard(output.request_id)
-                # Its last sample finished in this step, so this step has a delta for it.
                 ours = [d for d in deltas if d.request_id == output.request_id]
-                ours[-1].output = output
+                if ours:  # its last sample's final delta is in this step's
+                    ours[-1].output = output
+                else:  # that delta went out before its output came back
+                    deltas.append(
+                        StreamDelta(index_of[output.request_id], output.request_id, [], "")
+                    )
+                    deltas[-1].output = output
+            if not deltas and not any(llm.samples_of(rid) for rid in unfinished):
+                raise RuntimeError(f"engine stopped with {sorted(unfinished)} unfinished")
+            # Aborted by the caller meanwhile: its samples' last deltas are out; no output.
+            unfinished = {rid for rid in unfinished if llm.samples_of(rid) or rid in llm.kept}
             yield from deltas
     finally:
         for rid in unfinished:

@@ -6,6 +6,7 @@ loop early frees everything."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -117,10 +118,12 @@ def test_abort_request(tiny_llama_dir: Path) -> None:
     llm.block_manager.check_integrity()
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 # Cleanup turns "t ' b" into "t'b": the space held back before "'" joins "t", sent before it,
 # to a stop string.
 @example(pieces=["a", " ", "t", " ", "'", " ", "b"], stop="t'", cleanup=True)
+# " ' " takes the space that " ." gives back once the "." comes: "a'" becomes "a '.".
+@example(pieces=["a", " ", "'", " ", "."], stop="", cleanup=True)
 @given(
     pieces=st.lists(st.sampled_from(PIECES), min_size=1, max_size=25),
     stop=st.lists(st.sampled_from(PIECES), min_size=0, max_size=3).map("".join),
@@ -222,3 +225,57 @@ def test_static_batch_goes_on_after_an_abort(tiny_llama_dir: Path) -> None:
         break  # a stream left early aborts its batch, which must not jam the next one
     assert len(llm.generate([[11, 12]], short)[0].token_ids) == 2
     llm.block_manager.check_integrity()
+
+
+def test_kept_outputs_are_never_lost(tiny_llama_dir: Path, monkeypatch: Any) -> None:
+    """Outputs of requests that finish while generate or a stream run the engine for others:
+    run_until_done hands them back; an interrupted step keeps them; an interrupted generate
+    aborts what it queued instead of leaving it to run."""
+    llm = LLM(str(tiny_llama_dir))
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    llm.add_request([5, 6, 7], params, request_id="x")
+    llm.generate([[8, 9]], dataclasses.replace(params, max_tokens=6))
+    assert llm.has_unfinished()  # x finished, its output not yet handed back
+    run = llm.runner.run
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    llm.add_request([5, 6, 8], params, request_id="y")
+    monkeypatch.setattr(llm.runner, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    monkeypatch.setattr(llm.runner, "run", run)
+    assert sorted(o.request_id for o in llm.run_until_done()) == ["x", "y"]
+    calls = {"n": 0}
+
+    def second_fails(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(llm.runner, "run", second_fails)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[10, 11], [12, 13]], params)
+    assert not llm.has_unfinished()
+    llm.block_manager.check_integrity()
+
+
+@pytest.mark.parametrize("lengths", [(2, 6), (6, 2), (3, 3)])
+def test_two_streams_side_by_side_both_get_their_outputs(
+    tiny_llama_dir: Path, lengths: tuple[int, int]
+) -> None:
+    """Each stream's steps also run the other's request, which may finish in them."""
+    llm = LLM(str(tiny_llama_dir))
+    params = SamplingParams(temperature=0, ignore_eos=True)
+    first = llm.stream([[5, 6, 7]], dataclasses.replace(params, max_tokens=lengths[0]))
+    second = llm.stream([[8, 9, 10]], dataclasses.replace(params, max_tokens=lengths[1]))
+    outputs: dict[str, list[Any]] = {"first": [], "second": []}
+    for a, b in itertools.zip_longest(first, second):
+        for name, delta in (("first", a), ("second", b)):
+            if delta is not None and delta.output is not None:
+                outputs[name].append(delta.output)
+    assert [len(o.token_ids) for o in outputs["first"]] == [lengths[0]]
+    assert [len(o.token_ids) for o in outputs["second"]] == [lengths[1]]
+    assert not llm.has_unfinished()
