@@ -24,8 +24,11 @@ class StopChecker:
         # token can yield no byte of the final text: up to 3 tokens per byte of a stop string.
         self.cleans_up_spaces = tokenizer is not None and cleans_up_spaces(tokenizer)
         self._tokens_per_byte = 3 if self.cleans_up_spaces else 1
-        # Tokens a decode may drop (skip_special_tokens): the tail counts past them.
+        # Tokens a decode may drop (skip_special_tokens): the tail counts past them, and past
+        # ids from the tokenizer's size up (a model's vocabulary padded past its tokenizer's:
+        # they decode to nothing).
         self._textless: set[int] = set()
+        self._text_vocab = len(tokenizer) if tokenizer is not None else 0
         if tokenizer is not None:
             self._textless.update(tokenizer.all_special_ids)
             self._textless.update(getattr(tokenizer, "added_tokens_decoder", {}))
@@ -75,7 +78,7 @@ class StopChecker:
         start = len(out)
         while start > 0 and need > 0:
             start -= 1
-            if out[start] not in self._textless:
+            if out[start] < self._text_vocab and out[start] not in self._textless:
                 need -= 1
         return out[start:]
 

@@ -157,6 +157,18 @@ def test_a_stop_string_split_by_many_special_tokens_is_found() -> None:
     assert run_checker(tokenizer, [output], [["ab"]]) == [(len(output), 0)]
 
 
+def test_a_stop_string_split_by_ids_past_the_tokenizer_is_found() -> None:
+    """A model's vocabulary can be wider than its tokenizer's: those ids decode to nothing,
+    and the tail must count past them as past special tokens."""
+    tokenizer = tiny_tokenizer()
+    a, b = tokenizer("ab", add_special_tokens=False)["input_ids"]
+    x = tokenizer("X", add_special_tokens=False)["input_ids"][0]
+    padding = len(tokenizer) + 5  # an id the model can emit and the tokenizer does not know
+    output = [a] + [padding] * 10 + [b, x, a, b]
+    assert tokenizer.decode(output, skip_special_tokens=True) == "abXab"
+    assert run_checker(tokenizer, [output], [["ab"]]) == [(12, 0)]
+
+
 def cleanup_tokenizer() -> Any:
     """Unigram pieces 'a', ' ', '!', fused; its decode applies clean_up_tokenization_spaces
     (transformers does for every model but BPE), so ' !' decodes to '!': a space token yields
