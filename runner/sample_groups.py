@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from runner.outputs import CompletionOutput, RequestOutput
+from runner.outputs import RequestOutput
 from runner.sampling import SamplingParams
 
 SEED_RANGE = 2**63  # SamplingParams accepts seeds below this
@@ -55,16 +55,6 @@ class SampleGroup:
             first,
             request_id=self.request_id,
             error=f"sample {failed[0][0]}: {failed[0][1]}" if failed else None,
-            outputs=[
-                CompletionOutput(
-                    index=j,
-                    text=s.text,
-                    token_ids=s.token_ids,
-                    finish_reason=s.finish_reason,
-                    num_cached_tokens=s.num_cached_tokens,
-                    logprobs=s.logprobs,
-                    metrics=s.metrics,
-                )
-                for j, s in enumerate(samples)
-            ],
+            # Each sample's own output already holds its one CompletionOutput: renumber it.
+            outputs=[dataclasses.replace(s.outputs[0], index=j) for j, s in enumerate(samples)],
         )
