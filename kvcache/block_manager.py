@@ -48,6 +48,11 @@ class _Request:
     table: list[int]  # block table, append-only
     chain: list[Node]  # node of each committed full block, in order
     pins: list[int] = field(default_factory=list)  # blocks held only because the chain needs them
+    # False: matched nothing at admission (its every block is its own), and it publishes its
+    # blocks only while none is cached already: pinning cached copies it does not use would
+    # take blocks the scheduler never counted for it.
+    reuse: bool = True
+    publishing: bool = True
 
 
 class BlockManager:
@@ -120,10 +125,13 @@ class BlockManager:
         """Fresh blocks ``allocate`` would take now. Pure."""
         return self._blocks_for(len(token_ids)) - len(self._match(token_ids, root))
 
-    def _shortfall(self, token_ids: Sequence[int], nodes: list[Node]) -> int:
+    def _shortfall(self, token_ids: Sequence[int], nodes: list[Node], reuse: bool = True) -> int:
         """Blocks missing for allocate: fresh blocks needed minus those reclaimable once the
-        matched path is locked (locking a ref-0 node takes it out of the reclaimable set)."""
+        matched path is locked (locking a ref-0 node takes it out of the reclaimable set).
+        Not reusing, nothing is matched or locked: every block is fresh."""
         pool = self._pool
+        if not reuse:
+            return self._blocks_for(len(token_ids)) - self.num_available_blocks()
         locked_now = sum(1 for node in nodes if pool.ref(node.block_id) == 0)
         needed = self._blocks_for(len(token_ids)) - len(nodes)
         return needed - (self.num_available_blocks() - locked_now)
@@ -131,7 +139,7 @@ class BlockManager:
     def can_allocate(self, token_ids: Sequence[int], root: int, *, reuse: bool = True) -> bool:
         """Whether ``allocate`` (with the same ``reuse``) would succeed now. Pure."""
         nodes = self._match(token_ids, root) if reuse else []
-        return self._shortfall(token_ids, nodes) <= 0
+        return self._shortfall(token_ids, nodes, reuse) <= 0
 
     def can_append(self, request_id: int, num_tokens: int) -> bool:
         """Whether the request's table can grow to hold ``num_tokens`` tokens in total. Pure."""
@@ -160,22 +168,23 @@ class BlockManager:
         touched), takes fresh blocks (evicting LRU leaves when the free list is short), counts
         query/hit tokens (``readmit_*`` when ``readmission``; nothing when not ``count``, for
         a cache being loaded rather than a request). Not ``reuse``: nothing is matched, every
-        block is fresh (a request that must compute its whole prompt); its blocks are still
-        committed for others. Raises ValueError when blocks are short, the prompt is empty or
-        the id is live; nothing is mutated then."""
+        block is fresh (a request that must compute its whole prompt); ``commit`` still adds
+        its blocks to the tree for others, up to the first one that is cached already. Raises
+        ValueError when blocks are short, the prompt is empty or the id is live; nothing is
+        mutated then."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already allocated")
         if not token_ids:
             raise ValueError("cannot allocate an empty prompt")
         nodes = self._match(token_ids, root) if reuse else []
-        short = self._shortfall(token_ids, nodes)
+        short = self._shortfall(token_ids, nodes, reuse)
         if short > 0:
             raise ValueError(f"request {request_id}: {short} blocks short (ask can_allocate)")
         for node in nodes:  # lock before taking fresh blocks, so eviction cannot take them
             self._hold(node)
         table = [node.block_id for node in nodes]
         table.extend(self._take_blocks(self._blocks_for(len(token_ids)) - len(nodes)))
-        self._requests[request_id] = _Request(root, table, nodes)
+        self._requests[request_id] = _Request(root, table, nodes, reuse=reuse)
         cached = len(nodes) * self.block_size
         if count and readmission:
             self._stats.readmit_query_tokens += len(token_ids)
@@ -212,12 +221,16 @@ class BlockManager:
         if num_full > len(request.table):
             raise ValueError(f"request {request_id}: computed tokens beyond its block table")
         start = len(request.chain)
-        if not self.enable_prefix_caching or num_full <= start:
+        if not self.enable_prefix_caching or num_full <= start or not request.publishing:
             return
         B = self.block_size
         parent = request.chain[-1] if request.chain else None
         data = pack_tokens(token_ids[start * B : num_full * B])
-        result = self._tree.insert(request.root, parent, data, request.table[start:num_full])
+        blocks = request.table[start:num_full]
+        result = self._tree.insert(request.root, parent, data, blocks, only_new=not request.reuse)
+        if not request.reuse and result.existing:
+            request.publishing = False  # the rest is cached already; its copies stay private
+            return
         for node in result.existing:
             self._hold(node)
             request.pins.append(node.block_id)

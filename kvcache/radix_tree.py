@@ -122,14 +122,21 @@ class RadixTree:
         return self._walk(top, None, namespace, data, num_blocks).nodes
 
     def insert(
-        self, namespace: int, parent: Node | None, data: bytes, block_ids: Sequence[int]
+        self,
+        namespace: int,
+        parent: Node | None,
+        data: bytes,
+        block_ids: Sequence[int],
+        *,
+        only_new: bool = False,
     ) -> InsertResult:
         """Insert ``len(block_ids)`` packed blocks of ``data`` below ``parent`` (None: top level).
 
         Mutates the tree: blocks already present (same parent, equal tokens) are returned as
         ``existing`` and their ``block_ids`` stay outside the tree; the first missing block and
-        everything after it become new nodes owning ``block_ids``. On a collision nothing more is
-        inserted. ``parent`` must be a live node (the caller holds it, so it cannot be evicted).
+        everything after it become new nodes owning ``block_ids``; with ``only_new``, nothing
+        is inserted once the first block is present. On a collision nothing more is inserted.
+        ``parent`` must be a live node (the caller holds it, so it cannot be evicted).
         """
         if parent is None:
             children = self._tops.setdefault(namespace, {})
@@ -138,7 +145,7 @@ class RadixTree:
             children = parent.children
             parent_hash = parent.key
         walk = self._walk(children, parent, parent_hash, data, len(block_ids))
-        if walk.collided or walk.stop_key is None:
+        if walk.collided or walk.stop_key is None or (only_new and walk.nodes):
             return InsertResult(walk.nodes, [], walk.collided)
         if walk.nodes:
             parent = walk.nodes[-1]

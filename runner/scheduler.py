@@ -116,6 +116,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         out.scheduled = [item for item in out.scheduled if item.seq is not seq]
+        if self.config.batching == "static":
+            self._release_static_batch()  # or its finished members would hold the pool for good
 
     # ----------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
@@ -178,8 +180,8 @@ class Scheduler:
             reserved = 0
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                # Reserve room for the whole answer: a static batch never preempts.
-                total = min(seq.num_tokens + seq.params.max_tokens, self.max_model_len)
+                # Reserve room for the whole answer: a static batch should never preempt.
+                total = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
                 need = -(-total // self.bm.block_size)
                 if reserved + need > self.bm.num_available_blocks():
                     break

@@ -421,8 +421,8 @@ def test_an_uncounted_allocation_leaves_the_hit_counters_alone() -> None:
 
 def test_a_request_that_reuses_nothing_still_fills_the_cache() -> None:
     """reuse=False (a prompt whose every position must be computed): no block is matched, all
-    are fresh, and committing them pins the cached copies, so the tree neither grows nor
-    loses them; a later request still hits them."""
+    are fresh; committing them adds nothing (the blocks are cached already) and pins nothing
+    (it holds no more than it was given); a later request still hits the cached ones."""
     bm = BlockManager(num_blocks=16, block_size=B)
     prompt = seq(0, 3 * B + 1)
     run_once(bm, 0, prompt)
@@ -432,6 +432,7 @@ def test_a_request_that_reuses_nothing_still_fills_the_cache() -> None:
     assert alloc.num_cached_tokens == 0 and len(alloc.block_table) == 4
     bm.commit(1, prompt, len(prompt))
     bm.check_integrity()
+    assert bm.stats.blocks_in_use == 4  # its own four, no pinned copy
     bm.free(1)
     bm.check_integrity()
     assert bm.stats.blocks_cached == cached_before
@@ -446,3 +447,14 @@ def test_reuse_false_needs_room_for_every_block() -> None:
     prefill(bm, 1, seq(0, B) + [999])  # holds the first cached block and one free one
     assert bm.can_allocate(prompt, ROOT)  # 3 matched + 1 fresh: the last free block
     assert not bm.can_allocate(prompt, ROOT, reuse=False)  # 4 fresh: 1 free + 2 reclaimable
+
+
+def test_a_request_that_reuses_nothing_publishes_new_blocks() -> None:
+    bm = BlockManager(num_blocks=16, block_size=B)
+    prompt = seq(0, 3 * B + 1)
+    bm.allocate(0, prompt, ROOT, reuse=False)
+    bm.commit(0, prompt, 2 * B)  # in chunks, as a chunked prefill commits
+    bm.commit(0, prompt, len(prompt))
+    bm.free(0)
+    bm.check_integrity()
+    assert bm.stats.blocks_cached == 3 and run_once(bm, 1, prompt) == 3 * B

@@ -187,9 +187,9 @@ def test_constant_hash_outputs_equal_cache_off(
     collisions = 0
     real_insert = RadixTree.insert
 
-    def counting_insert(self: RadixTree, *args: Any) -> InsertResult:
+    def counting_insert(self: RadixTree, *args: Any, **kwargs: Any) -> InsertResult:
         nonlocal collisions
-        result = real_insert(self, *args)
+        result = real_insert(self, *args, **kwargs)
         collisions += result.collided
         return result
 

@@ -197,3 +197,20 @@ def test_no_salt_reaches_a_prompt_logprob_request(tiny_llama_dir: Path) -> None:
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     assert out.num_cached_tokens == 0
     assert out.prompt_logprobs is not None and all(x is not None for x in out.prompt_logprobs[1:])
+
+
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+def test_prompt_logprobs_fill_a_small_pool_without_preempting(
+    tiny_llama_dir: Path, batching: str
+) -> None:
+    """A prompt-logprobs request whose prefix is cached takes only its own blocks: in a pool
+    just big enough for it, it finishes without preemption, and the engine goes on."""
+    prompt = list(range(5, 45))  # 40 tokens + 8 new = 48 = the whole pool of 12 x 4
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=12, block_size=4, batching=batching)
+    llm.generate([prompt[:8]], SamplingParams(max_tokens=1))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    out = llm.generate([prompt], params)[0]
+    assert len(out.token_ids) == 8 and llm.scheduler.num_preemptions == 0
+    assert out.prompt_logprobs is not None and None not in out.prompt_logprobs[1:]
+    assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].token_ids) >= 1
+    llm.block_manager.check_integrity()
