@@ -84,6 +84,7 @@ class LLM(Engine):
         order = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
         results: list[RequestOutput | None] = [None] * len(prompts)
         pending = set(order)
+        self.reserve_outputs(set(order))
         try:
             with tqdm(total=len(prompts), disable=not use_tqdm, desc="generate") as bar:
                 while pending:
@@ -96,8 +97,7 @@ class LLM(Engine):
                         pending.discard(output.request_id)
                         bar.update(1)
         finally:  # interrupted (Ctrl-C): what it queued must not run on, nor pile up outputs
-            for request_id in pending:
-                self.abort_request(request_id)
+            self.release_outputs(set(order))
         return [r for r in results if r is not None]
 
     def _queue_all(

@@ -60,8 +60,11 @@ class Engine:
         self._roots: dict[str | None, int] = {}
         self._live: dict[str, Sequence] = {}  # by request id: queued or running requests
         self._groups: dict[str, SampleGroup] = {}  # requests of n > 1 samples, by request id
-        # Outputs of requests that finished while `step_for` ran the engine for others.
+        # Outputs of requests that finished while `step_for` ran the engine for others, or that
+        # belong to a running `generate` or stream (`reserve_outputs`): they wait for the call
+        # that asks for them.
         self._kept: list[RequestOutput] = []
+        self._reserved: set[str] = set()
 
     # ------------------------------------------------------------------ requests
     def apply_chat_template(self, messages: Messages) -> str:
@@ -82,7 +85,7 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        if request_id is not None and (request_id in self._live or request_id in self._groups):
+        if request_id is not None and self._taken(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
         self.validator.check(token_ids, params)
@@ -91,12 +94,12 @@ class Engine:
         first = block_hashes(token_ids[: self.config.block_size], self.config.block_size, root)
         prefix_key = f"{first[0]:016x}" if first else ""
         seq_id = next(self._seq_ids)
-        while request_id is None and (str(seq_id) in self._live or str(seq_id) in self._groups):
+        while request_id is None and self._taken(str(seq_id)):
             seq_id = next(self._seq_ids)  # a given id took this number: the next one is free
         rid = request_id if request_id is not None else str(seq_id)
         if params.n > 1:
             ids = [sample_request_id(rid, j) for j in range(params.n)]
-            taken = [i for i in ids if i in self._live or i in self._groups]
+            taken = [i for i in ids if self._taken(i)]
             if taken:
                 raise ValueError(
                     f"request id {taken[0]!r} (a sample of {rid!r}) is already running"
@@ -122,6 +125,15 @@ class Engine:
             seqs.append(seq)
         return seqs[0]
 
+    def _taken(self, request_id: str) -> bool:
+        """Whether an id is in use: queued, running, or finished with its output not yet
+        handed back."""
+        return (
+            request_id in self._live
+            or request_id in self._groups
+            or any(o.request_id == request_id for o in self._kept)
+        )
+
     def samples_of(self, request_id: str) -> list[Sequence]:
         """The live sequences of a request: its one, or those of its samples still running."""
         group = self._groups.get(request_id)
@@ -132,8 +144,12 @@ class Engine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a queued or running request (every sample of it) and free its blocks; returns
-        what it generated so far (finish_reason "abort"), or None when no such request is
-        live."""
+        what it generated so far (finish_reason "abort"), its output if it finished but was
+        not handed back yet, or None when there is no such request."""
+        kept = [o for o in self._kept if o.request_id == request_id]
+        if kept:  # it finished already: its output is all there is, and no one else gets it
+            self._kept.remove(kept[0])
+            return kept[0]
         result = None
         for seq in self.samples_of(request_id):
             result = self._abort(seq)  # the last one's is the whole request's
@@ -173,8 +189,25 @@ class Engine:
         """Run one engine step; returns the requests that finished in it, and any that
         finished while `generate` or `stream` ran the engine for requests of their own."""
         new = self._step()
-        kept, self._kept = self._kept, []  # after the step: an interrupted one loses nothing
-        return kept + new
+        # After the step, so an interrupted one loses nothing; outputs reserved by a running
+        # generate or stream stay for it.
+        outputs, self._kept = self._kept + new, []
+        for output in outputs:
+            if output.request_id in self._reserved:
+                self._kept.append(output)
+        return [o for o in outputs if o.request_id not in self._reserved]
+
+    def reserve_outputs(self, request_ids: set[str]) -> None:
+        """Hand these requests' outputs only to `step_for` (a `generate` or a stream that
+        queued them waits for them), never to `step`."""
+        self._reserved |= request_ids
+
+    def release_outputs(self, request_ids: set[str]) -> None:
+        """End `reserve_outputs` for these requests: aborted what still runs, dropped what
+        waits (the caller that reserved them is gone)."""
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        self._reserved -= request_ids
 
     def step_for(self, request_ids: set[str]) -> list[RequestOutput]:
         """Those of `request_ids` that finished since the last call: kept from another

@@ -102,6 +102,7 @@ def stream_requests(
     texts = {seq.seq_id: TextStream(llm.stopper) for seq in running}
     tokens_sent = {seq.seq_id: 0 for seq in running}
     unfinished = set(index_of)  # requests whose output has not been handed out
+    llm.reserve_outputs(set(index_of))
     try:
         while running:
             # Finished in this step, or in another caller's step since the last one.
@@ -136,6 +137,5 @@ def stream_requests(
             # Aborted by the caller meanwhile: its samples' last deltas are out; no output.
             unfinished = {rid for rid in unfinished if llm.samples_of(rid) or rid in llm.kept}
             yield from deltas
-    finally:
-        for rid in unfinished:
-            llm.abort_request(rid)
+    finally:  # left early: what still runs is aborted, what waits is dropped
+        llm.release_outputs(set(index_of))

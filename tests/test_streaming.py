@@ -279,3 +279,32 @@ def test_two_streams_side_by_side_both_get_their_outputs(
     assert [len(o.token_ids) for o in outputs["first"]] == [lengths[0]]
     assert [len(o.token_ids) for o in outputs["second"]] == [lengths[1]]
     assert not llm.has_unfinished()
+
+
+def test_outputs_go_only_to_the_caller_that_queued_them(tiny_llama_dir: Path) -> None:
+    """A waiting output keeps its id (an automatic id never takes it), step() inside a
+    stream's loop does not take the stream's outputs, and a stream closed while its output
+    waits leaves nothing behind."""
+    llm = LLM(str(tiny_llama_dir))
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.add_request([5, 6, 7], dataclasses.replace(params, max_tokens=1), request_id="3")
+    fresh = LLM(str(tiny_llama_dir))
+    for prompt in ([8, 9], [10, 11], [12, 13]):  # automatic ids run past "3"
+        assert (
+            llm.generate([prompt], params)[0].token_ids
+            == fresh.generate([prompt], params)[0].token_ids
+        )
+    assert [o.request_id for o in llm.step()] == ["3"]
+
+    finals = []
+    for delta in llm.stream([[5, 6, 7]], dataclasses.replace(params, max_tokens=4)):
+        assert llm.step() == []  # runs a step, but the stream's output is the stream's
+        if delta.output is not None:
+            finals.append(delta.output)
+    assert len(finals) == 1 and len(finals[0].token_ids) == 4
+
+    stream = llm.stream([[5, 6, 8]], dataclasses.replace(params, max_tokens=3))
+    next(stream)
+    llm.generate([[9, 10]], dataclasses.replace(params, max_tokens=8))  # finishes the stream's
+    stream.close()
+    assert not llm.has_unfinished() and llm.step() == []
