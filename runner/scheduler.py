@@ -125,6 +125,8 @@ class Scheduler:
         self.step_count += 1
         if self.config.batching == "static":
             self._schedule_static(out)
+            if out.is_empty and self.waiting and not self.running and not self.held:
+                self._schedule_static(out)  # a preemption released the batch: the next one
         else:
             self._schedule_continuous(out)
         if out.is_empty and self.waiting and not self.running:

@@ -166,3 +166,21 @@ def test_printed_results_show_each_sample(tiny_llama_dir: Path, tmp_path: Path) 
     result = CliRunner().invoke(main, [*args, "--n", "2", "--temperature", "1.0", "--seed", "4"])
     assert result.exit_code == 0, result.output
     assert "[q#0] (length)" in result.output and "[q#1] (length)" in result.output
+
+
+def test_static_batch_preempted_to_empty_admits_the_next(tiny_llama_dir: Path) -> None:
+    """Samples of one static batch computing the same prompt pin each other's cached blocks
+    and can run the pool short: the batch is preempted, released, and the next one admitted
+    in the same step, instead of the step finding nothing to run."""
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, block_size=4, batching="static")
+    base = list(range(10, 22))
+    outs = llm.generate(
+        [base, base[:6]],
+        [
+            SamplingParams(max_tokens=18, n=3, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=13, temperature=1, seed=1, ignore_eos=True),
+        ],
+    )
+    assert [len(s.token_ids) for s in outs[0].outputs] == [18, 18, 18]
+    assert len(outs[1].token_ids) == 13
+    llm.block_manager.check_integrity()
