@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -125,6 +126,37 @@ class LLM(Engine):
                 raise ValueError(f"prompt {len(queued)}: {err}") from err
             raise
         return queued
+
+    # ------------------------------------------------------------------ reports
+    def stats(self) -> dict[str, Any]:
+        """The cache's counters and the pool's state now (see CacheStats), with the hit rate
+        and the preemptions so far."""
+        stats = self.block_manager.stats
+        return {
+            **stats.as_dict(),
+            "hit_rate": stats.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "block_size": self.config.block_size,
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        """Every recorded step and request with the run's settings: what `kvcache report`
+        reads. Raises ValueError for an engine made with record_metrics=False."""
+        if not self.recorder.record:
+            raise ValueError("this LLM records no metrics: create it with record_metrics=True")
+        header = {
+            "model": self.config.model or "SmolLM2-135M-Instruct (default)",
+            "batching": self.config.batching,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
+            "block_size": self.config.block_size,
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "cpu_weight_dtype": self.config.cpu_weight_dtype,
+        }
+        return self.recorder.to_dict(
+            header, self.block_manager.stats, self.scheduler.num_preemptions
+        )
 
     # ------------------------------------------------------------------ warm starts
     def save_prefix_cache(self, path: str | Path) -> int:

@@ -16,6 +16,7 @@ from runner.config import EngineConfig
 from runner.engine_setup import build_engine_parts
 from runner.metrics import MetricsRecorder
 from runner.next_tokens import next_tokens
+from runner.output_routing import OutputRouter
 from runner.outputs import RequestOutput
 from runner.requests import (
     Messages,
@@ -60,11 +61,7 @@ class Engine:
         self._roots: dict[str | None, int] = {}
         self._live: dict[str, Sequence] = {}  # by request id: queued or running requests
         self._groups: dict[str, SampleGroup] = {}  # requests of n > 1 samples, by request id
-        # Outputs of requests that finished while `step_for` ran the engine for others, or that
-        # belong to a running `generate` or stream (`reserve_outputs`): they wait for the call
-        # that asks for them.
-        self._kept: list[RequestOutput] = []
-        self._reserved: set[str] = set()
+        self._outputs = OutputRouter()  # finished outputs waiting for the caller they belong to
 
     # ------------------------------------------------------------------ requests
     def apply_chat_template(self, messages: Messages) -> str:
@@ -94,12 +91,11 @@ class Engine:
         first = block_hashes(token_ids[: self.config.block_size], self.config.block_size, root)
         prefix_key = f"{first[0]:016x}" if first else ""
         seq_id = next(self._seq_ids)
-        while request_id is None and self._taken(str(seq_id)):
+        while request_id is None and self._ids_taken(str(seq_id), params.n):
             seq_id = next(self._seq_ids)  # a given id took this number: the next one is free
         rid = request_id if request_id is not None else str(seq_id)
         if params.n > 1:
-            ids = [sample_request_id(rid, j) for j in range(params.n)]
-            taken = [i for i in ids if self._taken(i)]
+            taken = [i for i in self._ids_taken(rid, params.n) if i != rid]
             if taken:
                 raise ValueError(
                     f"request id {taken[0]!r} (a sample of {rid!r}) is already running"
@@ -126,13 +122,18 @@ class Engine:
         return seqs[0]
 
     def _taken(self, request_id: str) -> bool:
-        """Whether an id is in use: queued, running, or finished with its output not yet
-        handed back."""
+        """Whether an id is in use: queued, running, finished with its output not yet handed
+        back, or one of a running `generate`'s or stream's."""
         return (
             request_id in self._live
             or request_id in self._groups
-            or any(o.request_id == request_id for o in self._kept)
+            or self._outputs.holds(request_id)
         )
+
+    def _ids_taken(self, request_id: str, n: int) -> list[str]:
+        """The ids in use among a request's and, with n > 1, its samples' ("<id>#<j>")."""
+        ids = [request_id] + [sample_request_id(request_id, j) for j in range(n) if n > 1]
+        return [i for i in ids if self._taken(i)]
 
     def samples_of(self, request_id: str) -> list[Sequence]:
         """The live sequences of a request: its one, or those of its samples still running."""
@@ -146,9 +147,8 @@ class Engine:
         """Stop a queued or running request (every sample of it) and free its blocks; returns
         what it generated so far (finish_reason "abort"), its output if it finished but was
         not handed back yet, or None when there is no such request."""
-        kept = [o for o in self._kept if o.request_id == request_id]
+        kept = self._outputs.take({request_id})
         if kept:  # it finished already: its output is all there is, and no one else gets it
-            self._kept.remove(kept[0])
             return kept[0]
         result = None
         for seq in self.samples_of(request_id):
@@ -180,54 +180,45 @@ class Engine:
         return self._roots[cache_salt]
 
     def has_unfinished(self) -> bool:
-        """Whether a request is queued or running, or has finished with its output not yet
-        handed back by `step`."""
-        return bool(self._kept) or self.scheduler.has_unfinished()
+        """Whether a request is queued or running, or has finished with its output waiting
+        for `step` (not counting outputs a running `generate` or stream waits for)."""
+        return self._outputs.any_for_step() or self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it, and any that
         finished while `generate` or `stream` ran the engine for requests of their own."""
-        new = self._step()
-        # After the step, so an interrupted one loses nothing; outputs reserved by a running
-        # generate or stream stay for it.
-        outputs, self._kept = self._kept + new, []
-        for output in outputs:
-            if output.request_id in self._reserved:
-                self._kept.append(output)
-        return [o for o in outputs if o.request_id not in self._reserved]
+        # Waiting outputs are taken after the step, so an interrupted one loses nothing.
+        return self._outputs.for_step(self._step())
 
     def reserve_outputs(self, request_ids: set[str]) -> None:
         """Hand these requests' outputs only to `step_for` (a `generate` or a stream that
         queued them waits for them), never to `step`."""
-        self._reserved |= request_ids
+        self._outputs.reserve(request_ids)
 
     def release_outputs(self, request_ids: set[str]) -> None:
         """End `reserve_outputs` for these requests: aborted what still runs, dropped what
         waits (the caller that reserved them is gone)."""
         for request_id in request_ids:
             self.abort_request(request_id)
-        self._reserved -= request_ids
+        self._outputs.unreserve(request_ids)
 
     def step_for(self, request_ids: set[str]) -> list[RequestOutput]:
         """Those of `request_ids` that finished since the last call: kept from another
         caller's step, or, if none was kept and any of them is still running, in one engine
         step run now. Other requests' outputs are kept for the next `step` or `step_for` that
         asks for them, never lost."""
-        mine = [o for o in self._kept if o.request_id in request_ids]
-        if mine:
-            self._kept = [o for o in self._kept if o.request_id not in request_ids]
+        mine = self._outputs.take(request_ids)
+        if mine or not any(self.samples_of(rid) for rid in request_ids):
             return mine
-        if not any(self.samples_of(rid) for rid in request_ids):
-            return []
-        for output in self._step():
-            (mine if output.request_id in request_ids else self._kept).append(output)
-        return mine
+        outputs = self._step()
+        self._outputs.keep(o for o in outputs if o.request_id not in request_ids)
+        return [o for o in outputs if o.request_id in request_ids]
 
     @property
     def kept(self) -> set[str]:
         """Ids of finished requests whose outputs wait for the `step` or `step_for` that asks."""
-        return {o.request_id for o in self._kept}
+        return self._outputs.waiting_ids()
 
     def _step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
@@ -308,30 +299,3 @@ class Engine:
                 if on_finish is not None:
                     on_finish(output)
         return done
-
-    # ------------------------------------------------------------------ reports
-    def stats(self) -> dict[str, Any]:
-        stats = self.block_manager.stats
-        return {
-            **stats.as_dict(),
-            "hit_rate": stats.hit_rate,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_kv_blocks": self.block_manager.num_blocks,
-            "block_size": self.config.block_size,
-        }
-
-    def metrics(self) -> dict[str, Any]:
-        if not self.recorder.record:
-            raise ValueError("this LLM records no metrics: create it with record_metrics=True")
-        header = {
-            "model": self.config.model or "SmolLM2-135M-Instruct (default)",
-            "batching": self.config.batching,
-            "enable_prefix_caching": self.config.enable_prefix_caching,
-            "block_size": self.config.block_size,
-            "num_kv_blocks": self.block_manager.num_blocks,
-            "max_num_batched_tokens": self.config.max_num_batched_tokens,
-            "cpu_weight_dtype": self.config.cpu_weight_dtype,
-        }
-        return self.recorder.to_dict(
-            header, self.block_manager.stats, self.scheduler.num_preemptions
-        )

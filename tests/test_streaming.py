@@ -308,3 +308,28 @@ def test_outputs_go_only_to_the_caller_that_queued_them(tiny_llama_dir: Path) ->
     llm.generate([[9, 10]], dataclasses.replace(params, max_tokens=8))  # finishes the stream's
     stream.close()
     assert not llm.has_unfinished() and llm.step() == []
+
+
+def test_a_paused_stream_neither_blocks_nor_lends_its_ids(tiny_llama_dir: Path) -> None:
+    """While a stream waits between deltas: a step() loop drains everything else and ends
+    (the stream's waiting outputs are not step()'s to wait for), its ids cannot be given to
+    new requests, and automatic ids of several samples skip ids given before."""
+    llm = LLM(str(tiny_llama_dir))
+    short = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    stream = llm.stream([[5, 6, 7], [8, 9, 10]], [short, dataclasses.replace(short, max_tokens=4)])
+    delta = next(stream)
+    while delta.output is None:
+        delta = next(stream)
+    with pytest.raises(ValueError, match="already running"):
+        llm.add_request([11, 12], short, request_id=delta.output.request_id)
+    llm.add_request([11, 12], short, request_id="mine")
+    steps = 0
+    while llm.has_unfinished() and steps < 20:
+        llm.step()
+        steps += 1
+    assert steps < 20
+    rest = list(stream)
+    assert rest[-1].output is not None and len(rest[-1].output.token_ids) == 4
+    llm.add_request([5, 6], short, request_id="1#0")
+    llm.add_request([5, 6], dataclasses.replace(short, n=2))  # its automatic id skips "1"
+    assert len(llm.run_until_done()) == 2
