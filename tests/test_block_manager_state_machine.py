@@ -37,6 +37,7 @@ class Live:
     tokens: list[int]
     root: int
     computed: int  # tokens whose KV is in the cache (committed or matched)
+    reuse: bool = True  # False: matches nothing, publishes only while its blocks are new
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -50,6 +51,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.committed: set[tuple[int, tuple[int, ...]]] = set()
         self.next_id = 0
         self.first_admissions = 0
+        # A request that reuses nothing may leave some of its committed blocks out of the
+        # tree (they were cached already, or below one that was): hits can then be shorter
+        # than the longest committed prefix, never longer.
+        self.all_committed_cached = True
 
     def _longest_committed(self, tokens: list[int], root: int) -> int:
         """Longest committed prefix of ``tokens`` (in tokens), capped as allocate caps it."""
@@ -59,16 +64,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 longest = k * B
         return longest
 
-    def _admit(self, rid: int, tokens: list[int], root: int, readmission: bool) -> bool:
+    def _admit(
+        self, rid: int, tokens: list[int], root: int, readmission: bool, reuse: bool = True
+    ) -> bool:
         bm = self.bm
-        peek = bm.cached_prefix_length(tokens, root)
+        peek = bm.cached_prefix_length(tokens, root) if reuse else 0
         evicted_before = bm.stats.evicted_blocks
-        if not bm.can_allocate(tokens, root):
+        hits_before = bm.stats.hit_tokens + bm.stats.readmit_hit_tokens
+        if not bm.can_allocate(tokens, root, reuse=reuse):
             with pytest.raises(ValueError):
-                bm.allocate(rid, tokens, root, readmission=readmission)
+                bm.allocate(rid, tokens, root, readmission=readmission, reuse=reuse)
             return False
-        alloc = bm.allocate(rid, tokens, root, readmission=readmission)
+        alloc = bm.allocate(rid, tokens, root, readmission=readmission, reuse=reuse)
         cached = alloc.num_cached_tokens
+        if not reuse:
+            assert cached == 0
+            assert bm.stats.hit_tokens + bm.stats.readmit_hit_tokens == hits_before
         assert cached == peek
         assert cached % B == 0 and 0 <= cached < len(tokens)
         assert len(alloc.block_table) == -(-len(tokens) // B)
@@ -76,18 +87,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert cached == 0
         if cached:
             assert (root, tuple(tokens[:cached])) in self.committed, "hit on an uncommitted prefix"
-        if self.caching and self.exact_hits and evicted_before == 0:
+        exact = self.exact_hits and self.all_committed_cached and evicted_before == 0
+        if self.caching and reuse and exact:
             assert cached == self._longest_committed(tokens, root)
-        self.live[rid] = Live(list(tokens), root, cached)
+        self.live[rid] = Live(list(tokens), root, cached, reuse)
         return True
 
     @rule(
-        root=st.sampled_from(ROOTS), stem=st.sampled_from(STEMS), tail=st.lists(token, max_size=9)
+        root=st.sampled_from(ROOTS),
+        stem=st.sampled_from(STEMS),
+        tail=st.lists(token, max_size=9),
+        reuse=st.sampled_from([True, True, True, False]),
     )
-    def admit(self, root: int, stem: list[int], tail: list[int]) -> None:
+    def admit(self, root: int, stem: list[int], tail: list[int], reuse: bool) -> None:
         tokens = (stem + tail) or [0]
         before = self.bm.stats.readmit_query_tokens
-        if self._admit(self.next_id, tokens, root, readmission=False):
+        if self._admit(self.next_id, tokens, root, readmission=False, reuse=reuse):
             self.first_admissions += len(tokens)
         assert self.bm.stats.readmit_query_tokens == before
         self.next_id += 1
@@ -118,6 +133,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _commit(self, rid: int, req: Live) -> None:
         self.bm.commit(rid, req.tokens, req.computed)
+        if not req.reuse and req.computed >= B:
+            self.all_committed_cached = False
         if self.caching:
             for k in range(1, req.computed // B + 1):
                 self.committed.add((req.root, tuple(req.tokens[: k * B])))
@@ -136,7 +153,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         req = self.live.pop(rid)
         self.bm.free(rid)
         before = self.bm.stats
-        if self._admit(rid, req.tokens, req.root, readmission=True):
+        if self._admit(rid, req.tokens, req.root, readmission=True, reuse=req.reuse):
             after = self.bm.stats
             assert (after.query_tokens, after.hit_tokens) == (
                 before.query_tokens,
