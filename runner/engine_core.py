@@ -156,11 +156,18 @@ class Engine:
         return result
 
     def _abort(self, seq: Sequence) -> RequestOutput | None:
-        self.scheduler.abort(seq)
-        seq.finish_reason, seq.status = "abort", SeqStatus.FINISHED
         seq.finish_time = time.perf_counter()
-        self.recorder.on_finish(seq)
-        return self._finished(seq, self._output(seq))
+        return self._drop(seq, "abort")
+
+    def _drop(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput | None:
+        """End a queued or running sequence outside a normal finish (an abort, a failed step):
+        free its blocks wherever it is, mark it finished for `reason`, and forget it."""
+        self.scheduler.abort(seq)
+        seq.finish_reason, seq.status = reason, SeqStatus.FINISHED
+        output = self._output(seq)
+        output.error = error
+        self.recorder.on_finish(seq)  # its report row says why, like its output
+        return self._finished(seq, output)
 
     def _finished(self, seq: Sequence, output: RequestOutput) -> RequestOutput | None:
         """Forget a finished sequence; returns its request's output, which for a sample of
@@ -261,18 +268,9 @@ class Engine:
         """The model or sampler raised: drop this step's requests (freeing their blocks) and
         hand them back as errors, so the rest of the queue goes on."""
         self.recorder.note_preempted(out.preempted)  # they wait, and show as preempted
-        failed = []
-        for item in out.scheduled:
-            seq = item.seq
-            self.scheduler.abort(seq)
-            seq.finish_reason, seq.status = "error", SeqStatus.FINISHED
-            output = self._output(seq)
-            output.error = f"{type(err).__name__}: {err}"
-            self.recorder.on_finish(seq)  # its report row says "error", like its output
-            request_output = self._finished(seq, output)
-            if request_output is not None:
-                failed.append(request_output)
-        return failed
+        error = f"{type(err).__name__}: {err}"
+        failed = [self._drop(item.seq, "error", error) for item in out.scheduled]
+        return [output for output in failed if output is not None]
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text = self.stopper.output_text(seq)
