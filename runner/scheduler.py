@@ -79,7 +79,7 @@ class Scheduler:
         self.running.remove(seq)
         if self.config.batching == "static":
             self.held.append(seq)
-            self._release_static_batch()
+            self._release_held()
         else:
             self.bm.free(seq.seq_id)
 
@@ -91,12 +91,12 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self.bm.free(seq.seq_id)
-            if self.config.batching == "static":
-                self._release_static_batch()
+            self._release_held()
 
-    def _release_static_batch(self) -> None:
-        """Static mode: once no member of the batch runs, the finished members held in it
-        give back their blocks, and the next batch can be admitted."""
+    def _release_held(self) -> None:
+        """Once no member of a static batch runs (whether the last one finished, failed, was
+        aborted or preempted), the finished members held in it give back their blocks, and the
+        next batch can be admitted. Nothing is ever held in continuous mode."""
         if not self.running:
             for done in self.held:
                 self.bm.free(done.seq_id)
@@ -116,8 +116,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         out.scheduled = [item for item in out.scheduled if item.seq is not seq]
-        if self.config.batching == "static":
-            self._release_static_batch()  # or its finished members would hold the pool for good
+        self._release_held()  # or a static batch's finished members would hold the pool for good
 
     # ----------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
