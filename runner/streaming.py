@@ -118,9 +118,10 @@ def stream_requests(
                     text = stream.final_delta(llm.stopper.output_text(seq))
                 else:
                     text = stream.settled_delta(seq)
-                delta = StreamDelta(index_of[rid], rid, new_tokens, text, seq.sample_index)
-                delta.finish_reason = seq.finish_reason if seq.is_finished else None
-                deltas.append(delta)
+                reason = seq.finish_reason if seq.is_finished else None
+                deltas.append(
+                    StreamDelta(index_of[rid], rid, new_tokens, text, seq.sample_index, reason)
+                )
             running = [seq for seq in running if not seq.is_finished]
             for output in outputs:
                 unfinished.discard(output.request_id)
@@ -128,10 +129,8 @@ def stream_requests(
                 if ours:  # its last sample's final delta is in this step's
                     ours[-1].output = output
                 else:  # that delta went out before its output came back
-                    deltas.append(
-                        StreamDelta(index_of[output.request_id], output.request_id, [], "")
-                    )
-                    deltas[-1].output = output
+                    index = index_of[output.request_id]
+                    deltas.append(StreamDelta(index, output.request_id, [], "", output=output))
             if not deltas and not any(llm.samples_of(rid) for rid in unfinished):
                 raise RuntimeError(f"engine stopped with {sorted(unfinished)} unfinished")
             # Aborted by the caller meanwhile: its samples' last deltas are out; no output.
