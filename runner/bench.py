@@ -17,6 +17,7 @@ from runner.bench_peers import (
     run_hf_cb,
     run_hf_static,
     run_reference,
+    samples_per_prompt,
 )
 from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.cpu_linear import PackedLinear, onednn_available
@@ -136,7 +137,7 @@ def _run_with_arrivals(
                 top_p=sampling.top_p if sampling else 1.0,
                 seed=index if sampling else None,
                 ignore_eos=req.ignore_eos,
-                n=sampling.n if sampling else 1,
+                n=samples_per_prompt(sampling),
             )
             llm.add_request(req.prompt_token_ids, params, request_id=req.request_id)
         before = timer.total_s if timer is not None else 0.0
@@ -211,7 +212,7 @@ def run_bench(
             result = run_hf_static(hf_model, requests, eos_ids, device, batch, sampling)
         else:
             result = run_hf_cb(hf_model, requests, eos_ids, sampling=sampling)
-        samples = [r for r in requests for _ in range(sampling.n if sampling else 1)]
+        samples = [r for r in requests for _ in range(samples_per_prompt(sampling))]
         outputs = [cut_output(o, eos_ids, r) for o, r in zip(result.outputs, samples, strict=True)]
         out_tokens = sum(len(o) for o in outputs)
         rows.append(

@@ -23,6 +23,11 @@ class Sampling(NamedTuple):
     n: int = 1
 
 
+def samples_per_prompt(sampling: Sampling | None) -> int:
+    """How many samples every system makes of each prompt (one when greedy)."""
+    return sampling.n if sampling else 1
+
+
 def hf_sampling(sampling: Sampling | None) -> dict[str, Any]:
     """transformers' generate options for `sampling`: its own top-k of 50 is turned off (0), so
     it filters exactly as the engine does."""
@@ -108,7 +113,7 @@ def run_hf_static(
 ) -> PeerResult:
     """Classic static batching: left-padded batches of `batch_size`, each runs until its
     longest member is done (with n samples a prompt, its rows are repeated n times)."""
-    samples = sampling.n if sampling else 1
+    samples = samples_per_prompt(sampling)
     pad = min(eos_ids)
     outputs: list[list[int]] = []
     prefill = 0
@@ -153,7 +158,7 @@ def run_hf_cb(
 ) -> PeerResult:
     """transformers' continuous batching (`generate_batch`), with its prefix block sharing;
     n samples a prompt are n requests."""
-    samples = sampling.n if sampling else 1
+    samples = samples_per_prompt(sampling)
     requests = [
         r._replace(request_id=f"{r.request_id}#{j}") if samples > 1 else r
         for r in requests
