@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -100,6 +100,19 @@ class LLM(Engine):
         finally:  # interrupted (Ctrl-C): what it queued must not run on, nor pile up outputs
             self.release_outputs(set(order))
         return [r for r in results if r is not None]
+
+    def run_until_done(
+        self, on_finish: Callable[[RequestOutput], None] | None = None
+    ) -> list[RequestOutput]:
+        """Step until nothing is queued, running or waiting for `step`; returns the outputs
+        in the order they finished, each also passed to `on_finish` as it comes."""
+        done: list[RequestOutput] = []
+        while self.has_unfinished():
+            for output in self.step():
+                done.append(output)
+                if on_finish is not None:
+                    on_finish(output)
+        return done
 
     def _queue_all(
         self,

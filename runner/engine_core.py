@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,6 +61,7 @@ class Engine:
         self._live: dict[str, Sequence] = {}  # by request id: queued or running requests
         self._groups: dict[str, SampleGroup] = {}  # requests of n > 1 samples, by request id
         self._outputs = OutputRouter()  # finished outputs waiting for the caller they belong to
+        self._unsettled: list[Sequence] = []  # given a token by a step not yet settled
 
     # ------------------------------------------------------------------ requests
     def apply_chat_template(self, messages: Messages) -> str:
@@ -195,8 +195,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it, and any that
         finished while `generate` or `stream` ran the engine for requests of their own."""
-        # Waiting outputs are taken after the step, so an interrupted one loses nothing.
-        return self._outputs.for_step(self._step())
+        self._step()
+        return self._outputs.for_step()
 
     def reserve_outputs(self, request_ids: set[str]) -> None:
         """Hand these requests' outputs only to `step_for` (a `generate` or a stream that
@@ -218,40 +218,35 @@ class Engine:
         mine = self._outputs.take(request_ids)
         if mine or not any(self.samples_of(rid) for rid in request_ids):
             return mine
-        outputs = self._step()
-        self._outputs.keep(o for o in outputs if o.request_id not in request_ids)
-        return [o for o in outputs if o.request_id in request_ids]
+        self._step()
+        return self._outputs.take(request_ids)
 
     @property
     def kept(self) -> set[str]:
         """Ids of finished requests whose outputs wait for the `step` or `step_for` that asks."""
         return self._outputs.waiting_ids()
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> None:
+        """One engine step. Outputs go to the router as each request is forgotten, and the
+        finishing of a step cut short by an interrupt (Ctrl-C) is done at the start of the
+        next, so no finished request is ever lost or runs on."""
         t_start = time.perf_counter()
+        done = self._settle(self._unsettled)  # empty unless the last step was interrupted
         out = self.scheduler.schedule()
-        finished: list[RequestOutput] = []
-        done: list[Sequence] = []
         if not out.is_empty:
             samplers = [item.seq for item in out.scheduled if item.sample]
             try:
                 logits = self.runner.run(out.scheduled)
                 tokens, logprobs = next_tokens(logits, samplers)
             except Exception as err:  # noqa: BLE001 - one step's failure must not wedge the engine
-                return self._fail_step(out, err)
+                self._fail_step(out, err)
+                return
             self.scheduler.commit(out)
             now = time.perf_counter()
+            self._unsettled = samplers
             for seq, token, token_logprobs in zip(samplers, tokens, logprobs, strict=True):
                 seq.record_token(token, now, token_logprobs)
-            reasons = self.stopper.finish_reasons(samplers, tokens)
-            for seq, reason in zip(samplers, reasons, strict=True):
-                if reason is not None:
-                    seq.finish_time = now
-                    self.scheduler.finish(seq, reason)
-                    done.append(seq)
-                    request_output = self._finished(seq, self._output(seq))
-                    if request_output is not None:
-                        finished.append(request_output)
+            done += self._settle(samplers)
         self.recorder.on_step(
             self.scheduler.step_count,
             out,
@@ -262,15 +257,33 @@ class Engine:
         )
         for seq in done:  # after on_step, which still shows them in this step's states
             self.recorder.on_finish(seq)
-        return finished
 
-    def _fail_step(self, out: SchedulerOutput, err: Exception) -> list[RequestOutput]:
+    def _settle(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Finish those of `seqs` (each just given its newest token) that it ended; returns
+        them. Checking a sequence again is harmless (its reason is the same), and each one's
+        output is built before the scheduler and `_live` let go of it: an interrupt leaves
+        either a running sequence to settle again or an output in the router."""
+        going = [seq for seq in seqs if seq.status == SeqStatus.RUNNING]
+        reasons = self.stopper.finish_reasons(going, [s.output_token_ids[-1] for s in going])
+        done = []
+        for seq, reason in zip(going, reasons, strict=True):
+            if reason is not None:
+                seq.finish_time = seq.token_times[-1]
+                seq.finish_reason = reason  # the output says why
+                output = self._output(seq)
+                self.scheduler.finish(seq, reason)
+                done.append(seq)
+                self._outputs.keep(self._finished(seq, output))
+        self._unsettled = []
+        return done
+
+    def _fail_step(self, out: SchedulerOutput, err: Exception) -> None:
         """The model or sampler raised: drop this step's requests (freeing their blocks) and
         hand them back as errors, so the rest of the queue goes on."""
         self.recorder.note_preempted(out.preempted)  # they wait, and show as preempted
         error = f"{type(err).__name__}: {err}"
-        failed = [self._drop(item.seq, "error", error) for item in out.scheduled]
-        return [output for output in failed if output is not None]
+        for item in out.scheduled:
+            self._outputs.keep(self._drop(item.seq, "error", error))
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text = self.stopper.output_text(seq)
@@ -286,14 +299,3 @@ class Engine:
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
             prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs),
         )
-
-    def run_until_done(
-        self, on_finish: Callable[[RequestOutput], None] | None = None
-    ) -> list[RequestOutput]:
-        done: list[RequestOutput] = []
-        while self.has_unfinished():
-            for output in self.step():
-                done.append(output)
-                if on_finish is not None:
-                    on_finish(output)
-        return done

@@ -8,8 +8,6 @@ A `generate` or a stream reserves its requests' ids: their outputs wait here for
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from runner.outputs import RequestOutput
 
 
@@ -20,10 +18,10 @@ class OutputRouter:
         self._waiting: list[RequestOutput] = []
         self._reserved: set[str] = set()
 
-    def for_step(self, new: list[RequestOutput]) -> list[RequestOutput]:
-        """What `step` hands back: the waiting outputs and `new`, but for reserved ones, which
-        go on waiting."""
-        outputs = self._waiting + new
+    def for_step(self) -> list[RequestOutput]:
+        """What `step` hands back: the waiting outputs but reserved ones, which go on
+        waiting."""
+        outputs = self._waiting
         self._waiting = [o for o in outputs if o.request_id in self._reserved]
         return [o for o in outputs if o.request_id not in self._reserved]
 
@@ -34,8 +32,11 @@ class OutputRouter:
             self._waiting = [o for o in self._waiting if o.request_id not in request_ids]
         return mine
 
-    def keep(self, outputs: Iterable[RequestOutput]) -> None:
-        self._waiting.extend(outputs)
+    def keep(self, output: RequestOutput | None) -> None:
+        """Hold a finished request's output for the caller it belongs to (None: a sample
+        whose siblings still run, nothing to hand back yet)."""
+        if output is not None:
+            self._waiting.append(output)
 
     def reserve(self, request_ids: set[str]) -> None:
         self._reserved |= request_ids

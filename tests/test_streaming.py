@@ -262,6 +262,49 @@ def test_kept_outputs_are_never_lost(tiny_llama_dir: Path, monkeypatch: Any) -> 
     llm.block_manager.check_integrity()
 
 
+@pytest.mark.parametrize(
+    "where",
+    [
+        ("stopper", "finish_reasons"),
+        ("stopper", "output_text"),
+        ("recorder", "on_step"),
+        ("recorder", "on_finish"),
+    ],
+)
+def test_an_interrupt_while_a_step_finishes_requests_loses_nothing(
+    tiny_llama_dir: Path, monkeypatch: Any, where: tuple[str, str]
+) -> None:
+    """Ctrl-C in the step where two requests finish (while their stops are checked, their
+    text is decoded, or the step is recorded): both outputs come from later steps, with no
+    token more than asked for."""
+    llm = LLM(str(tiny_llama_dir), record_metrics=True)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.add_request([5, 6, 7], params, request_id="a")
+    llm.add_request([8, 9], params, request_id="b")
+    llm.step()  # prefill: one token each; both finish in the next step
+    target = getattr(llm, where[0])
+    real = getattr(target, where[1])
+    calls = {"n": 0}
+
+    def interrupt_once(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, where[1], interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    outputs = {o.request_id: o for o in llm.run_until_done()}
+    assert sorted(outputs) == ["a", "b"]
+    assert [len(outputs[r].token_ids) for r in "ab"] == [2, 2]
+    assert {o.finish_reason for o in outputs.values()} == {"length"}
+    rows = {r["id"]: r["finish_reason"] for r in llm.metrics()["requests"]}
+    assert rows == {"a": "length", "b": "length"}
+    assert not llm.has_unfinished()
+    llm.block_manager.check_integrity()
+
+
 @pytest.mark.parametrize("lengths", [(2, 6), (6, 2), (3, 3)])
 def test_two_streams_side_by_side_both_get_their_outputs(
     tiny_llama_dir: Path, lengths: tuple[int, int]
