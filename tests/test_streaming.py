@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvcache import LLM, SamplingParams
 from runner.sequence import Sequence
 from runner.stopping import StopChecker
-from runner.streaming import TextStream
+from runner.streaming import OutputText, TextStream
 from tests.conftest import tiny_tokenizer
 
 # Byte tokens of the tiny tokenizer are id = 3 + position in ByteLevel's alphabet; these texts
@@ -148,6 +148,51 @@ def test_deltas_never_take_text_back(pieces: list[str], stop: str, cleanup: bool
     assert final.startswith(sent)
     sent += stream.final_delta(final)
     assert sent == final
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    token_ids=st.lists(
+        st.one_of(
+            st.integers(0, 2),  # <unk> <s> </s>: special, dropped from the text
+            st.integers(3, 258),  # single bytes: invalid UTF-8 and halves of characters
+            st.sampled_from([3 + 0xE2, 3 + 0x82, 3 + 0xAC]),  # pieces of a 3-byte character
+            st.integers(259, 300),  # past the tokenizer: a padded vocabulary's ids
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    cleanup=st.booleans(),
+)
+def test_output_text_equals_a_whole_decode(token_ids: list[int], cleanup: bool) -> None:
+    """Extended one token at a time, the decoded output is always the whole output's decode
+    less a trailing incomplete character (held back either way)."""
+    tokenizer = _byte_tokenizer(cleanup)
+    stopper = StopChecker(SimpleNamespace(eos_token_id=2), tokenizer, max_model_len=10_000)
+    output = OutputText(stopper)
+    for n in range(1, len(token_ids) + 1):
+        whole = stopper.decode(token_ids[:n])
+        assert output.of(token_ids[:n]).rstrip("\ufffd") == whole.rstrip("\ufffd")
+
+
+def test_streaming_does_not_decode_the_whole_output_each_step(
+    tiny_llama_tok_dir: Path, monkeypatch: Any
+) -> None:
+    """With a byte-level tokenizer a stream extends each sample's text by its new tokens:
+    whole outputs are decoded only when they finish (for the output and the last delta)."""
+    llm = LLM(str(tiny_llama_tok_dir))
+    whole_decodes = {"n": 0}
+    decode = llm.stopper.decode
+
+    def counted(token_ids: list[int]) -> str:
+        whole_decodes["n"] += 1
+        return decode(token_ids)
+
+    monkeypatch.setattr(llm.stopper, "decode", counted)
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+    texts, _, outputs = collect(llm.stream(["Hello", "there"], params), 2)
+    assert texts == [o.text for o in outputs]
+    assert whole_decodes["n"] <= 4  # 80 tokens streamed
 
 
 _TOKENIZERS: dict[bool, Any] = {}
