@@ -39,6 +39,13 @@ def main() -> None:
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option(
+    "--min-tokens",
+    type=int,
+    default=0,
+    show_default=True,
+    help="No EOS, stop token or stop string ends a request before this many tokens.",
+)
+@click.option(
     "--repetition-penalty",
     type=float,
     default=1.0,
@@ -101,6 +108,7 @@ def generate(
     top_k: int,
     seed: int | None,
     stop: tuple[str, ...],
+    min_tokens: int,
     repetition_penalty: float,
     presence_penalty: float,
     frequency_penalty: float,
@@ -123,8 +131,9 @@ def generate(
 
     Greedy by default (--temperature 0). Each JSONL line holds one of prompt / messages /
     prompt_token_ids, an optional id, and optional sampling fields (max_tokens, temperature,
-    top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, repetition_penalty,
-    presence_penalty, frequency_penalty, logprobs, prompt_logprobs, n) and cache_salt."""
+    top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, min_tokens, logit_bias,
+    allowed_token_ids, include_stop_str_in_output, repetition_penalty, presence_penalty,
+    frequency_penalty, logprobs, prompt_logprobs, n) and cache_salt."""
     from runner.batch_paths import check_paths
 
     try:  # before the model loads: a wrong path costs nothing yet
@@ -143,6 +152,7 @@ def generate(
         "top_k": top_k,
         "seed": seed,
         "stop": list(stop) or None,
+        "min_tokens": min_tokens,
         "repetition_penalty": repetition_penalty,
         "presence_penalty": presence_penalty,
         "frequency_penalty": frequency_penalty,

@@ -45,15 +45,16 @@ class Engine:
         self.max_model_len = parts.max_model_len
         self.kv, self.block_manager, self.runner = parts.kv, parts.block_manager, parts.runner
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
+        self.stopper = StopChecker(self.hf_config, self.tokenizer, self.max_model_len)
+        self.eos_ids = self.stopper.eos_ids
         self.validator = RequestValidator(
             vocab_size=int(self.hf_config.vocab_size),
             max_model_len=self.max_model_len,
             pool_tokens=self.block_manager.num_blocks * self.config.block_size,
             block_size=self.config.block_size,
             has_tokenizer=self.tokenizer is not None,
+            eos_ids=frozenset(self.eos_ids),
         )
-        self.stopper = StopChecker(self.hf_config, self.tokenizer, self.max_model_len)
-        self.eos_ids = self.stopper.eos_ids
         self.recorder = MetricsRecorder(record=self.config.record_metrics)
         self._seq_ids = itertools.count()
         self._rng = torch.Generator().manual_seed(seed)  # seeds requests' streams (CPU)
@@ -237,7 +238,7 @@ class Engine:
             samplers = [item.seq for item in out.scheduled if item.sample]
             try:
                 logits = self.runner.run(out.scheduled)
-                tokens, logprobs = next_tokens(logits, samplers)
+                tokens, logprobs = next_tokens(logits, samplers, self.eos_ids)
             except Exception as err:  # noqa: BLE001 - one step's failure must not wedge the engine
                 self._fail_step(out, err)
                 return

@@ -1,12 +1,14 @@
-"""A step's next tokens: penalties, then sampling, plus the log-probabilities that requests
-asked for."""
+"""A step's next tokens: the requests' logit rules, penalties, then sampling, plus the
+log-probabilities that requests asked for."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from collections.abc import Sequence as Seq
 
 import torch
 
+from runner.logit_rules import apply_rules
 from runner.logprobs import TokenLogprobs, token_logprobs
 from runner.penalties import TokenHistory, penalize
 from runner.sampling import sample
@@ -14,7 +16,7 @@ from runner.sequence import Sequence
 
 
 def next_tokens(
-    logits: torch.Tensor, samplers: Seq[Sequence]
+    logits: torch.Tensor, samplers: Seq[Sequence], eos_ids: Collection[int]
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """The next token of each sequence from its row of `logits` [len(samplers), vocab], and
     its log-probabilities (None where not asked). The logits are left as they are: the
@@ -24,8 +26,9 @@ def next_tokens(
     params = [s.params for s in samplers]
     histories = [_history(s) if s.params.penalized else None for s in samplers]
     outputs = [s.output_token_ids for s in samplers]
+    ruled = apply_rules(logits, params, [len(out) for out in outputs], eos_ids)
     tokens = sample(
-        penalize(logits, params, histories, outputs), params, [s.generator for s in samplers]
+        penalize(ruled, params, histories, outputs), params, [s.generator for s in samplers]
     )
     return tokens, token_logprobs(logits, params, tokens)
 

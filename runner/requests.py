@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from runner.logit_rules import stop_ids_of
 from runner.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -19,12 +20,14 @@ class RequestValidator:
     pool_tokens: int  # KV slots in the whole pool
     block_size: int
     has_tokenizer: bool = True
+    eos_ids: frozenset[int] = frozenset()
 
     def check(self, token_ids: list[Any], params: Any) -> None:
         """Raise ValueError naming the problem; returns quietly when the request can run."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        self._check_token_rules(params)
         if params.stop_strings and not self.has_tokenizer:
             raise ValueError(
                 "stop strings need a tokenizer to read the text, and this model has none: "
@@ -55,6 +58,24 @@ class RequestValidator:
                 f"{blocks} KV blocks, but the pool holds only {pool_blocks} blocks "
                 f"({self.pool_tokens} tokens); raise num_kv_blocks or lower max_tokens"
             )
+
+    def _check_token_rules(self, params: SamplingParams) -> None:
+        """Token ids a request's logit rules name must be in the vocabulary, and its allowed
+        tokens must leave one to sample while min_tokens bans the stop tokens."""
+        named = [("allowed_token_ids", t) for t in params.allowed_token_ids or ()]
+        named += [("logit_bias", t) for t, _ in params.bias_items]
+        for field_name, token in named:
+            if token >= self.vocab_size:
+                raise ValueError(
+                    f"{field_name} names token {token}, outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        if params.allowed_token_ids and params.min_tokens > 0:
+            if set(params.allowed_token_ids) <= stop_ids_of(params, self.eos_ids):
+                raise ValueError(
+                    "allowed_token_ids holds only tokens that end the request, which "
+                    "min_tokens bans: nothing would be left to sample"
+                )
 
     @staticmethod
     def check_messages(messages: Any) -> None:

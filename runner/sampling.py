@@ -29,6 +29,13 @@ class SamplingParams:
     computed whole, never served from the cache, so every position has its logits). `n`
     samples the prompt n times (runner/sample_groups.py); a seeded request's samples take seeds
     seed, seed + 1, ...
+
+    The request's own logit rules are vLLM's (runner/logit_rules.py), applied before the
+    penalties: `allowed_token_ids` keeps only those tokens; `min_tokens` bans EOS (unless
+    ignore_eos) and `stop_token_ids` until that many tokens are out, and no stop string ends
+    the request before then; `logit_bias` ({token id: bias in [-100, 100]}, keys may be
+    digit strings as in OpenAI's API) adds to those logits. `include_stop_str_in_output` keeps
+    the stop string that ended the request at the end of its text.
     """
 
     max_tokens: int = 16
@@ -46,7 +53,13 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
+    # logit_bias as (token id, bias) pairs, its keys read as ints.
+    bias_items: tuple[tuple[int, float], ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,15 +92,30 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list | tuple) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                for t in self.stop_token_ids
+                _is_token_id(t) for t in self.stop_token_ids
             ):
                 raise ValueError(
                     f"stop_token_ids must be a list of non-negative ints, got "
                     f"{self.stop_token_ids!r}"
                 )
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for flag in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        self.bias_items = _bias_items(self.logit_bias)
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list | tuple)
+            or not self.allowed_token_ids
+            or not all(_is_token_id(t) for t in self.allowed_token_ids)
+        ):
+            raise ValueError(
+                f"allowed_token_ids must be a non-empty list of non-negative ints, got "
+                f"{self.allowed_token_ids!r}"
+            )
         _check_number("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
@@ -120,6 +148,30 @@ class SamplingParams:
         # Below this a distribution is one-hot for any logit gap over ~1e-3 (the scaled gap is
         # past exp's float32 range), and far below it logits / temperature overflows: greedy.
         return self.temperature < _GREEDY_BELOW
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _bias_items(logit_bias: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs; ValueError naming a bad key or bias."""
+    if logit_bias is None:
+        return ()
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {logit_bias!r}")
+    items: list[tuple[int, float]] = []
+    for key, bias in logit_bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not _is_token_id(token):
+            raise ValueError(f"logit_bias key must be a token id, got {key!r}")
+        _check_number(f"logit_bias[{key!r}]", bias)
+        if not -100.0 <= bias <= 100.0:
+            raise ValueError(f"logit_bias[{key!r}] must be in [-100, 100], got {bias}")
+        if token in {seen for seen, _ in items}:
+            raise ValueError(f"logit_bias names token {token} twice")
+        items.append((int(token), float(bias)))
+    return tuple(items)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

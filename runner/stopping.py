@@ -44,8 +44,12 @@ class StopChecker:
         O(output length) per token: ~0.1 ms a sequence at 200 tokens, tens of ms a step."""
         reasons = [self._token_reason(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
         if self.tokenizer is not None:
-            going = [
-                i for i, seq in enumerate(seqs) if reasons[i] is None and seq.params.stop_strings
+            going = [  # a stop string counts once it ends past the first min_tokens tokens
+                i
+                for i, seq in enumerate(seqs)
+                if reasons[i] is None
+                and seq.params.stop_strings
+                and len(seq.output_token_ids) > seq.params.min_tokens
             ]
             if going:
                 tails = [self._tail(seqs[i]) for i in going]
@@ -63,6 +67,8 @@ class StopChecker:
 
     def _token_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
+        if len(seq.output_token_ids) < params.min_tokens:  # such tokens were banned anyway
+            return None
         if params.stop_token_ids and token in params.stop_token_ids:
             return "stop"
         if not params.ignore_eos and token in self.eos_ids:
@@ -84,13 +90,16 @@ class StopChecker:
 
     def _stopped_on_string(self, seq: Sequence, tail_text: str) -> bool:
         """Whether a stop string has appeared; sets the sequence's text cut when it has."""
-        stops = seq.params.stop_strings
-        if first_stop(tail_text, stops) is None:
+        params = seq.params
+        if first_stop(tail_text, params.stop_strings) is None:
             return False
-        cut = first_stop(self.decode(seq.output_token_ids), stops)
-        if cut is None:  # the tail's own decode made it up (a space or character its cut split)
-            return False
-        seq.stop_text_cut = cut
+        # Only a stop string that ends past the text of the first min_tokens tokens counts.
+        floor = len(self.decode(seq.output_token_ids[: params.min_tokens]))
+        found = first_stop(self.decode(seq.output_token_ids), params.stop_strings, floor)
+        if found is None:  # the tail's own decode made it up (a space or character its cut
+            return False  # split), or it ends within the first min_tokens tokens
+        cut, stop = found
+        seq.stop_text_cut = cut + len(stop) if params.include_stop_str_in_output else cut
         return True
 
     def decode(self, token_ids: list[int]) -> str:
@@ -114,10 +123,12 @@ def cleans_up_spaces(tokenizer: Any) -> bool:
         return True
 
 
-def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Index of the earliest stop string in `text`, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+def first_stop(text: str, stops: tuple[str, ...], floor: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string in `text` that ends past `floor` characters, and where it
+    starts (the first listed of those starting there), or None."""
+    hits = [(text.find(s, max(0, floor - len(s) + 1)), s) for s in stops]
+    found = [(i, s) for i, s in hits if i >= 0]
+    return min(found, key=lambda hit: hit[0]) if found else None
 
 
 def eos_ids(config: Any, tokenizer: Any) -> set[int]:

@@ -48,9 +48,9 @@ def reference_stop(tokenizer: Any, tokens: list[int], stops: list[str]) -> tuple
     """(tokens generated when it stops, text cut): the whole output decoded after each token."""
     for n in range(1, len(tokens) + 1):
         text = tokenizer.decode(tokens[:n], skip_special_tokens=True)
-        cut = first_stop(text, tuple(s for s in stops if s))
-        if cut is not None:
-            return n, cut
+        found = first_stop(text, tuple(s for s in stops if s))
+        if found is not None:
+            return n, found[0]
     return None
 
 
