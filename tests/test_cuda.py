@@ -8,6 +8,7 @@ interpreter, and the bench runs end to end at toy sizes.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -294,25 +295,28 @@ def test_kv_pool_sized_from_free_memory(make_tiny_model: Callable[..., Path]) ->
 
 
 @cuda
-def test_penalties_and_logprobs_on_cuda(make_tiny_model: Callable[..., Path]) -> None:
-    """Penalties and log-probabilities (of outputs and of prompts) run on the device around
-    the decode graphs (whose logits buffer they must not change): the same tokens and figures
-    as the CPU engine."""
+def test_penalties_rules_and_logprobs_on_cuda(make_tiny_model: Callable[..., Path]) -> None:
+    """Penalties, logit rules and log-probabilities (of outputs and of prompts) run on the
+    device around the decode graphs (whose logits buffer they must not change): the same
+    tokens and figures as the CPU engine."""
     path = make_tiny_model("llama")
+    base = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     params = [
-        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.5),
-        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=1.0),
-        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5),
-        SamplingParams(
-            max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=1.5, logprobs=0
-        ),
-        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=3),
-        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        dataclasses.replace(base, repetition_penalty=1.5),
+        dataclasses.replace(base, frequency_penalty=1.0),
+        dataclasses.replace(base, logprobs=5),
+        dataclasses.replace(base, presence_penalty=1.5, logprobs=0),
+        dataclasses.replace(base, prompt_logprobs=3),
+        base,
+        dataclasses.replace(base, logit_bias={5: 3.0, 9: -100.0}),
+        dataclasses.replace(base, allowed_token_ids=[4, 8, 15, 16, 23, 42]),
+        dataclasses.replace(base, stop_token_ids=[5], min_tokens=8, repetition_penalty=1.2),
     ]
+    prompts = (PROMPTS * 2)[: len(params)]
     gpu = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton", **POOL)
-    outs = gpu.generate(PROMPTS, params)
+    outs = gpu.generate(prompts, params)
     assert gpu.runner.graphs is not None and gpu.runner.graphs.num_replays > 0
-    refs = LLM(str(path)).generate(PROMPTS, params)
+    refs = LLM(str(path)).generate(prompts, params)
     for out, ref in zip(outs, refs, strict=True):
         assert out.token_ids == ref.token_ids
         if ref.prompt_logprobs is not None:
