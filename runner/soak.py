@@ -96,6 +96,9 @@ def run_soak(
             rep.finished += 1
             if out.finish_reason not in ("stop", "length") or not out.token_ids:
                 fail(f"request {out.request_id}: reason {out.finish_reason!r}, {out.token_ids}")
+            allowed = set(req.params.allowed_token_ids or out.token_ids)
+            if len(out.token_ids) < req.params.min_tokens or not set(out.token_ids) <= allowed:
+                fail(f"request {out.request_id}: {out.token_ids} break its logit rules")
             got = None if out.logprobs is None else len(out.logprobs)
             expected = None if req.params.logprobs is None else len(out.token_ids)
             if got != expected:

@@ -1,7 +1,7 @@
 """What the soak (scripts/soak.py) feeds the engine: a tiny random Llama and a seeded, mixed
 stream of requests (shared system prompts, unique prompts, repeats, multi-turn follow-ups,
-canaries; salted or not; greedy or sampled, some penalized; some asking for logprobs
-of their answers or prompts)."""
+canaries; salted or not; greedy or sampled, some penalized or under logit rules; some asking
+for logprobs of their answers or prompts)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,11 @@ class Workload:
                 kwargs["seed"] = r.randrange(1000)
             if r.random() < 0.3:  # sampled only: greedy answers are compared across requests
                 kwargs.update(repetition_penalty=1.2, frequency_penalty=r.choice([0.0, 0.5]))
+            if r.random() < 0.2:  # logit rules, sampled only for the same reason
+                kwargs["min_tokens"] = r.randint(0, kwargs["max_tokens"])
+                kwargs["logit_bias"] = {self.rng.randrange(VOCAB): r.uniform(-5, 5)}
+                if r.random() < 0.5:
+                    kwargs["allowed_token_ids"] = self._tokens(30)
         else:
             kwargs["temperature"] = 0.0
         if r.random() < 0.1:
