@@ -16,6 +16,7 @@ _ENGINE_NAMES = {
     "LLM": "runner.engine",
     "SamplingParams": "runner.sampling",
     "RequestOutput": "runner.outputs",
+    "StructuredOutputsParams": "runner.structured_outputs",
 }
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "CachedBlock",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "block_hashes",
     "hash_block",
     "namespace_root",

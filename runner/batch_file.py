@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from runner.sampling import SamplingParams
+from runner.structured_outputs import StructuredOutputsParams
 
 SAMPLING_FIELDS = (
     "max_tokens",
@@ -25,6 +26,7 @@ SAMPLING_FIELDS = (
     "logit_bias",
     "allowed_token_ids",
     "include_stop_str_in_output",
+    "structured_outputs",
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
@@ -123,6 +125,12 @@ def parse_line(line_no: int, text: str, defaults: dict[str, Any], is_text_file: 
 
 def _with_params(line: BatchLine, given: dict[str, Any], defaults: dict[str, Any]) -> BatchLine:
     try:
+        structure = given.get("structured_outputs")
+        if isinstance(structure, dict):  # {"json": {...}}, {"regex": "..."}, {"choice": [...]}
+            unknown = sorted(set(structure) - set(StructuredOutputsParams.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"structured_outputs has no field {unknown[0]!r}")
+            given["structured_outputs"] = StructuredOutputsParams(**structure)
         line.params = SamplingParams(**{**defaults, **given})
     except (ValueError, TypeError) as err:
         line.error = f"line {line.line_no}: {err}"

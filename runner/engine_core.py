@@ -29,6 +29,7 @@ from runner.sampling import SamplingParams, request_generator
 from runner.scheduler import Scheduler, SchedulerOutput
 from runner.sequence import SeqStatus, Sequence
 from runner.stopping import StopChecker
+from runner.structured_outputs import GrammarBook
 
 
 class Engine:
@@ -47,6 +48,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
         self.stopper = StopChecker(self.hf_config, self.tokenizer, self.max_model_len)
         self.eos_ids = self.stopper.eos_ids
+        self.grammars = GrammarBook(self.tokenizer, int(self.hf_config.vocab_size), self.eos_ids)
         self.validator = RequestValidator(
             vocab_size=int(self.hf_config.vocab_size),
             max_model_len=self.max_model_len,
@@ -87,6 +89,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
         self.validator.check(token_ids, params)
+        self.grammars.compile(params.structured_outputs)  # a bad grammar fails here, alone
         text = prompt if isinstance(prompt, str) else None
         root = self._root(cache_salt)
         first = block_hashes(token_ids[: self.config.block_size], self.config.block_size, root)
@@ -115,6 +118,7 @@ class Engine:
                 prompt_text=text,
                 group=rid if params.n > 1 else None,
                 sample_index=j,
+                grammar=self.grammars.state_for(own.structured_outputs),
             )
             self.recorder.add_request(seq, prefix_key)
             self.scheduler.add(seq)

@@ -1,4 +1,4 @@
-"""A step's next tokens: the requests' logit rules, penalties, then sampling, plus the
+"""A step's next tokens: grammars, the requests' logit rules, penalties, then sampling, plus the
 log-probabilities that requests asked for."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from runner.logprobs import TokenLogprobs, token_logprobs
 from runner.penalties import TokenHistory, penalize
 from runner.sampling import sample
 from runner.sequence import Sequence
+from runner.structured_outputs import mask_logits
 
 
 def next_tokens(
@@ -26,7 +27,8 @@ def next_tokens(
     params = [s.params for s in samplers]
     histories = [_history(s) if s.params.penalized else None for s in samplers]
     outputs = [s.output_token_ids for s in samplers]
-    ruled = apply_rules(logits, params, [len(out) for out in outputs], eos_ids)
+    structured = mask_logits(logits, [s.grammar for s in samplers])
+    ruled = apply_rules(structured, params, [len(out) for out in outputs], eos_ids)
     tokens = sample(
         penalize(ruled, params, histories, outputs), params, [s.generator for s in samplers]
     )

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runner.structured_outputs import StructuredOutputsParams
+
 _GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default cap: each costs a top-k column and a host transfer
 MAX_SAMPLES = 1024  # samples per request: each is a sequence of its own, queued at once
@@ -35,7 +37,9 @@ class SamplingParams:
     ignore_eos) and `stop_token_ids` until that many tokens are out, and no stop string ends
     the request before then; `logit_bias` ({token id: bias in [-100, 100]}, keys may be
     digit strings as in OpenAI's API) adds to those logits. `include_stop_str_in_output` keeps
-    the stop string that ended the request at the end of its text.
+    the stop string that ended the request at the end of its text. `structured_outputs` holds
+    the answer to a JSON schema, a regex, a list of choices or a grammar
+    (runner/structured_outputs.py).
     """
 
     max_tokens: int = 16
@@ -57,6 +61,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
     # logit_bias as (token id, bias) pairs, its keys read as ints.
     bias_items: tuple[tuple[int, float], ...] = field(init=False, repr=False, default=())
@@ -107,6 +112,7 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         self.bias_items = _bias_items(self.logit_bias)
+        self._check_structure()
         if self.allowed_token_ids is not None and (
             not isinstance(self.allowed_token_ids, list | tuple)
             or not self.allowed_token_ids
@@ -133,6 +139,21 @@ class SamplingParams:
                 _check_int(name, value, minimum=0)
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
+
+    def _check_structure(self) -> None:
+        structure = self.structured_outputs
+        if structure is None:
+            return
+        if not isinstance(structure, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be StructuredOutputsParams, got {structure!r}"
+            )
+        structure.validate()
+        if self.min_tokens or self.allowed_token_ids:  # either can ban all the grammar allows
+            raise ValueError(
+                "structured_outputs decides which tokens come and where the answer ends: it "
+                "cannot be combined with min_tokens or allowed_token_ids"
+            )
 
     @property
     def penalized(self) -> bool:

@@ -11,6 +11,7 @@ import torch
 from runner.logprobs import TokenLogprobs
 from runner.penalties import TokenHistory
 from runner.sampling import SamplingParams
+from runner.structured_outputs import GrammarState
 
 
 class SeqStatus(enum.Enum):
@@ -60,6 +61,8 @@ class Sequence:
     cached_prefix_memo: tuple[int, int, int] | None = field(default=None, repr=False)
     # Its token ids as tensors, made on the first step that penalizes it (runner/penalties.py).
     token_history: TokenHistory | None = field(default=None, repr=False)
+    # Its place in params.structured_outputs' grammar, fed each token as it is recorded.
+    grammar: GrammarState | None = field(default=None, repr=False)
     # prompt + output, kept in step by record_token: every step reads a decoding sequence's
     # tokens a few times, and joining the two lists each time cost ~1 ms a step at 256 of them.
     _tokens: list[int] = field(init=False, repr=False, compare=False)
@@ -105,6 +108,8 @@ class Sequence:
         self, token_id: int, now: float, logprobs: TokenLogprobs | None = None
     ) -> None:
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
         self._tokens.append(token_id)

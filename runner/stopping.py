@@ -67,6 +67,8 @@ class StopChecker:
 
     def _token_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
+        if seq.grammar is not None and seq.grammar.finished:  # it took the grammar's EOS
+            return "stop"
         if len(seq.output_token_ids) < params.min_tokens:  # such tokens were banned anyway
             return None
         if params.stop_token_ids and token in params.stop_token_ids:
