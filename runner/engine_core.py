@@ -13,6 +13,8 @@ import torch
 from kvcache import block_hashes, namespace_root
 from runner.config import EngineConfig
 from runner.engine_setup import build_engine_parts
+from runner.interrupts import interrupts_held
+from runner.logprobs import TokenLogprobs
 from runner.metrics import MetricsRecorder
 from runner.next_tokens import next_tokens
 from runner.output_routing import OutputRouter
@@ -64,7 +66,6 @@ class Engine:
         self._live: dict[str, Sequence] = {}  # by request id: queued or running requests
         self._groups: dict[str, SampleGroup] = {}  # requests of n > 1 samples, by request id
         self._outputs = OutputRouter()  # finished outputs waiting for the caller they belong to
-        self._unsettled: list[Sequence] = []  # given a token by a step not yet settled
 
     # ------------------------------------------------------------------ requests
     def apply_chat_template(self, messages: Messages) -> str:
@@ -156,8 +157,9 @@ class Engine:
         if kept:  # it finished already: its output is all there is, and no one else gets it
             return kept[0]
         result = None
-        for seq in self.samples_of(request_id):
-            result = self._abort(seq)  # the last one's is the whole request's
+        with interrupts_held():  # a half-done abort would leave blocks held by no one
+            for seq in self.samples_of(request_id):
+                result = self._abort(seq)  # the last one's is the whole request's
         return result
 
     def _abort(self, seq: Sequence) -> RequestOutput | None:
@@ -232,26 +234,50 @@ class Engine:
         return self._outputs.waiting_ids()
 
     def _step(self) -> None:
-        """One engine step. Outputs go to the router as each request is forgotten, and the
-        finishing of a step cut short by an interrupt (Ctrl-C) is done at the start of the
-        next, so no finished request is ever lost or runs on."""
+        """One engine step. Its bookkeeping runs with Ctrl-C held (runner/interrupts.py): an
+        interrupt lands before the step's requests are scheduled, during the model's forward
+        pass (which nothing has counted on yet), or once every request that finished in the
+        step has its output with the router, never between."""
         t_start = time.perf_counter()
-        done = self._settle(self._unsettled)  # empty unless the last step was interrupted
-        out = self.scheduler.schedule()
+        with interrupts_held():
+            out = self.scheduler.schedule()
+        samplers = [item.seq for item in out.scheduled if item.sample]
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
         if not out.is_empty:
-            samplers = [item.seq for item in out.scheduled if item.sample]
             try:
                 logits = self.runner.run(out.scheduled)
                 tokens, logprobs = next_tokens(logits, samplers, self.eos_ids)
             except Exception as err:  # noqa: BLE001 - one step's failure must not wedge the engine
-                self._fail_step(out, err)
+                with interrupts_held():
+                    self._fail_step(out, err)
                 return
+        with interrupts_held():
+            self._settle(out, samplers, tokens, logprobs, t_start)
+
+    def _settle(
+        self,
+        out: SchedulerOutput,
+        samplers: list[Sequence],
+        tokens: list[int],
+        logprobs: list[TokenLogprobs | None],
+        t_start: float,
+    ) -> None:
+        """After the model ran: record the step's tokens, finish the requests they end (each
+        output to the router as its request is forgotten), and record the step."""
+        done: list[Sequence] = []
+        if not out.is_empty:
             self.scheduler.commit(out)
             now = time.perf_counter()
-            self._unsettled = samplers
             for seq, token, token_logprobs in zip(samplers, tokens, logprobs, strict=True):
                 seq.record_token(token, now, token_logprobs)
-            done += self._settle(samplers)
+            reasons = self.stopper.finish_reasons(samplers, tokens)
+            for seq, reason in zip(samplers, reasons, strict=True):
+                if reason is not None:
+                    seq.finish_time = now
+                    self.scheduler.finish(seq, reason)
+                    done.append(seq)
+                    self._outputs.keep(self._finished(seq, self._output(seq)))
         self.recorder.on_step(
             self.scheduler.step_count,
             out,
@@ -263,25 +289,6 @@ class Engine:
         for seq in done:  # after on_step, which still shows them in this step's states
             self.recorder.on_finish(seq)
 
-    def _settle(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Finish those of `seqs` (each just given its newest token) that it ended; returns
-        them. Checking a sequence again is harmless (its reason is the same), and each one's
-        output is built before the scheduler and `_live` let go of it: an interrupt leaves
-        either a running sequence to settle again or an output in the router."""
-        going = [seq for seq in seqs if seq.status == SeqStatus.RUNNING]
-        reasons = self.stopper.finish_reasons(going, [s.output_token_ids[-1] for s in going])
-        done = []
-        for seq, reason in zip(going, reasons, strict=True):
-            if reason is not None:
-                seq.finish_time = seq.token_times[-1]
-                seq.finish_reason = reason  # the output says why
-                output = self._output(seq)
-                self.scheduler.finish(seq, reason)
-                done.append(seq)
-                self._outputs.keep(self._finished(seq, output))
-        self._unsettled = []
-        return done
-
     def _fail_step(self, out: SchedulerOutput, err: Exception) -> None:
         """The model or sampler raised: drop this step's requests (freeing their blocks) and
         hand them back as errors, so the rest of the queue goes on."""
@@ -291,16 +298,6 @@ class Engine:
             self._outputs.keep(self._drop(item.seq, "error", error))
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        text = self.stopper.output_text(seq)
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt_text,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=text,
-            num_cached_tokens=seq.num_cached_tokens,
-            finish_reason=seq.finish_reason,
-            metrics=self.recorder.request_record(seq),
-            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-            prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs),
+        return RequestOutput.of(
+            seq, self.stopper.output_text(seq), self.recorder.request_record(seq)
         )

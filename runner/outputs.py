@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runner.logprobs import TokenLogprobs
+from runner.sequence import Sequence as Seq
 
 
 @dataclass
@@ -78,6 +79,22 @@ class RequestOutput:
                     self.metrics,
                 )
             ]
+
+    @classmethod
+    def of(cls, seq: Seq, text: str, metrics: dict[str, Any]) -> RequestOutput:
+        """A finished (or aborted, or failed) sequence's output, with its decoded text."""
+        return cls(
+            request_id=seq.request_id,
+            prompt=seq.prompt_text,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=text,
+            num_cached_tokens=seq.num_cached_tokens,
+            finish_reason=seq.finish_reason,
+            metrics=metrics,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs),
+        )
 
     @property
     def cumulative_logprob(self) -> float | None:

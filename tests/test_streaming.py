@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -307,23 +308,32 @@ def test_kept_outputs_are_never_lost(tiny_llama_dir: Path, monkeypatch: Any) -> 
     llm.block_manager.check_integrity()
 
 
-@pytest.mark.parametrize(
-    "where",
-    [
-        ("stopper", "finish_reasons"),
-        ("stopper", "output_text"),
-        ("recorder", "on_step"),
-        ("recorder", "on_finish"),
-    ],
-)
-def test_an_interrupt_while_a_step_finishes_requests_loses_nothing(
-    tiny_llama_dir: Path, monkeypatch: Any, where: tuple[str, str]
+# Where a Ctrl-C may land while a step finishes requests: (object on the engine, method).
+INTERRUPT_POINTS = [
+    ("scheduler", "schedule"),
+    ("block_manager", "commit"),
+    ("stopper", "finish_reasons"),
+    ("stopper", "output_text"),
+    ("scheduler", "finish"),
+    ("block_manager", "free"),
+    ("recorder", "on_step"),
+    ("recorder", "on_finish"),
+]
+
+
+@pytest.mark.parametrize("where", INTERRUPT_POINTS, ids=lambda w: ".".join(w))
+@pytest.mark.parametrize("mode", ["continuous", "static", "samples"])
+def test_a_ctrl_c_while_a_step_finishes_requests_loses_nothing(
+    tiny_llama_dir: Path, monkeypatch: Any, where: tuple[str, str], mode: str
 ) -> None:
-    """Ctrl-C in the step where two requests finish (while their stops are checked, their
-    text is decoded, or the step is recorded): both outputs come from later steps, with no
-    token more than asked for."""
-    llm = LLM(str(tiny_llama_dir), record_metrics=True)
-    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    """A real SIGINT arriving inside the step where two requests finish (while it schedules,
+    commits blocks, checks stops, decodes text, frees blocks or records the step): step()
+    raises KeyboardInterrupt only once its books are whole, so both outputs come back with no
+    token more than asked for, every block is accounted for, and the engine goes on."""
+    batching = "static" if mode == "static" else "continuous"
+    llm = LLM(str(tiny_llama_dir), record_metrics=True, batching=batching)
+    params = SamplingParams(max_tokens=2, temperature=0.8, seed=1, ignore_eos=True)
+    params = dataclasses.replace(params, n=2) if mode == "samples" else params
     llm.add_request([5, 6, 7], params, request_id="a")
     llm.add_request([8, 9], params, request_id="b")
     llm.step()  # prefill: one token each; both finish in the next step
@@ -331,23 +341,26 @@ def test_an_interrupt_while_a_step_finishes_requests_loses_nothing(
     real = getattr(target, where[1])
     calls = {"n": 0}
 
-    def interrupt_once(*args: Any, **kwargs: Any) -> Any:
+    def ctrl_c_once(*args: Any, **kwargs: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:
-            raise KeyboardInterrupt
+            signal.raise_signal(signal.SIGINT)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(target, where[1], interrupt_once)
+    monkeypatch.setattr(target, where[1], ctrl_c_once)
     with pytest.raises(KeyboardInterrupt):
-        llm.step()
+        for _ in range(3):  # the patched call may come in a later step (free, in static mode)
+            llm.step()
     outputs = {o.request_id: o for o in llm.run_until_done()}
     assert sorted(outputs) == ["a", "b"]
-    assert [len(outputs[r].token_ids) for r in "ab"] == [2, 2]
-    assert {o.finish_reason for o in outputs.values()} == {"length"}
-    rows = {r["id"]: r["finish_reason"] for r in llm.metrics()["requests"]}
-    assert rows == {"a": "length", "b": "length"}
+    for output in outputs.values():
+        assert [len(s.token_ids) for s in output.outputs] == [2] * params.n
+        assert {s.finish_reason for s in output.outputs} == {"length"}
     assert not llm.has_unfinished()
     llm.block_manager.check_integrity()
+    assert llm.block_manager.stats.blocks_in_use == 0
+    again = llm.generate([[5, 6, 7]], dataclasses.replace(params, max_tokens=3))
+    assert len(again[0].token_ids) == 3
 
 
 @pytest.mark.parametrize("lengths", [(2, 6), (6, 2), (3, 3)])
