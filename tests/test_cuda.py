@@ -24,7 +24,7 @@ import torch
 if not torch.cuda.is_available():  # must precede the @triton.jit definitions imported below
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kvcache import LLM, SamplingParams  # noqa: E402
+from kvcache import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from kvcache.store import KVStore  # noqa: E402
 from runner.attention import AttentionMetadata  # noqa: E402
 from runner.config import EngineConfig  # noqa: E402
@@ -331,6 +331,21 @@ def test_penalties_rules_and_logprobs_on_cuda(make_tiny_model: Callable[..., Pat
         for got, want in zip(out.logprobs, ref.logprobs, strict=True):
             assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
             assert [t for t, _ in got.top] == [t for t, _ in want.top]
+
+
+@cuda
+def test_structured_outputs_on_cuda(make_tiny_model: Callable[..., Path]) -> None:
+    """xgrammar's bitmask applied to the device's logits (its CUDA kernel): the same tokens
+    as the CPU engine, every finished answer inside its grammar."""
+    path = make_tiny_model("llama", tokenizer=True)
+    structure = StructuredOutputsParams(regex=r"(ab|c[de])+!")
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=2, structured_outputs=structure)
+    prompts = PROMPTS[:3]
+    gpu = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton", **POOL)
+    outs = gpu.generate(prompts, params)
+    refs = LLM(str(path)).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    assert all(o.text.endswith("!") for o in outs if o.finish_reason == "stop")
 
 
 @cuda
