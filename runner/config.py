@@ -50,6 +50,9 @@ class EngineConfig:
     # `kvcache report`: about 120 bytes per generated token, so a long-lived engine that needs
     # no report turns it off to keep its memory flat.
     record_metrics: bool = True
+    # Speculative decoding by n-gram lookup (runner/speculative.py): up to this many guessed
+    # tokens checked after a plain greedy request's newest one each step; 0 turns it off.
+    speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -84,3 +87,7 @@ class EngineConfig:
             )
         if self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")
+        if not 0 <= self.speculative_tokens <= 16:
+            raise ValueError(
+                f"speculative_tokens must be in [0, 16], got {self.speculative_tokens}"
+            )

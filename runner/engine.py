@@ -149,6 +149,8 @@ class LLM(Engine):
             **stats.as_dict(),
             "hit_rate": stats.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_draft_tokens": self.spec_stats.num_draft_tokens,
+            "num_accepted_tokens": self.spec_stats.num_accepted_tokens,
             "num_kv_blocks": self.block_manager.num_blocks,
             "block_size": self.config.block_size,
         }

@@ -16,7 +16,6 @@ from runner.engine_setup import build_engine_parts
 from runner.interrupts import interrupts_held
 from runner.logprobs import TokenLogprobs
 from runner.metrics import MetricsRecorder
-from runner.next_tokens import next_tokens
 from runner.output_routing import OutputRouter
 from runner.outputs import RequestOutput
 from runner.requests import (
@@ -28,8 +27,9 @@ from runner.requests import (
 )
 from runner.sample_groups import SampleGroup, sample_params, sample_request_id
 from runner.sampling import SamplingParams, request_generator
-from runner.scheduler import Scheduler, SchedulerOutput
+from runner.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from runner.sequence import SeqStatus, Sequence
+from runner.speculative import SpecStats, step_tokens
 from runner.stopping import StopChecker
 from runner.structured_outputs import GrammarBook
 
@@ -66,6 +66,7 @@ class Engine:
         self._live: dict[str, Sequence] = {}  # by request id: queued or running requests
         self._groups: dict[str, SampleGroup] = {}  # requests of n > 1 samples, by request id
         self._outputs = OutputRouter()  # finished outputs waiting for the caller they belong to
+        self.spec_stats = SpecStats()  # drafted and accepted tokens (runner/speculative.py)
 
     # ------------------------------------------------------------------ requests
     def apply_chat_template(self, messages: Messages) -> str:
@@ -241,43 +242,56 @@ class Engine:
         t_start = time.perf_counter()
         with interrupts_held():
             out = self.scheduler.schedule()
-        samplers = [item.seq for item in out.scheduled if item.sample]
-        tokens: list[int] = []
+        sampling = [item for item in out.scheduled if item.sample]
+        emitted: list[list[int]] = []
         logprobs: list[TokenLogprobs | None] = []
         if not out.is_empty:
             try:
                 logits = self.runner.run(out.scheduled)
-                tokens, logprobs = next_tokens(logits, samplers, self.eos_ids)
+                samplers, drafts = [i.seq for i in sampling], [i.draft for i in sampling]
+                emitted, logprobs = step_tokens(logits, samplers, drafts, self.eos_ids)
             except Exception as err:  # noqa: BLE001 - one step's failure must not wedge the engine
                 with interrupts_held():
                     self._fail_step(out, err)
                 return
         with interrupts_held():
-            self._settle(out, samplers, tokens, logprobs, t_start)
+            self._settle(out, sampling, emitted, logprobs, t_start)
 
     def _settle(
         self,
         out: SchedulerOutput,
-        samplers: list[Sequence],
-        tokens: list[int],
+        sampling: list[ScheduledSeq],
+        emitted: list[list[int]],
         logprobs: list[TokenLogprobs | None],
         t_start: float,
     ) -> None:
-        """After the model ran: record the step's tokens, finish the requests they end (each
-        output to the router as its request is forgotten), and record the step."""
-        done: list[Sequence] = []
-        if not out.is_empty:
-            self.scheduler.commit(out)
-            now = time.perf_counter()
-            for seq, token, token_logprobs in zip(samplers, tokens, logprobs, strict=True):
-                seq.record_token(token, now, token_logprobs)
-            reasons = self.stopper.finish_reasons(samplers, tokens)
-            for seq, reason in zip(samplers, reasons, strict=True):
+        """After the model ran: record the step's new tokens (a drafted sequence's one at a
+        time, up to the first that ends it), cache the blocks they filled, finish the requests
+        they end (each output to the router as its request is forgotten), record the step."""
+        now = time.perf_counter()
+        finishing: list[tuple[Sequence, str]] = []
+        going = list(range(len(sampling)))
+        for j in range(max(map(len, emitted), default=0)):  # round j: each one's j-th token
+            going = [i for i in going if j < len(emitted[i])]
+            seqs = [sampling[i].seq for i in going]
+            for i, seq in zip(going, seqs, strict=True):
+                seq.record_token(emitted[i][j], now, logprobs[i] if j == 0 else None)
+            reasons = self.stopper.finish_reasons(seqs, [emitted[i][j] for i in going])
+            for i, seq, reason in zip(going, seqs, reasons, strict=True):
                 if reason is not None:
-                    seq.finish_time = now
-                    self.scheduler.finish(seq, reason)
-                    done.append(seq)
-                    self._outputs.keep(self._finished(seq, self._output(seq)))
+                    finishing.append((seq, reason))
+                    emitted[i] = emitted[i][: j + 1]  # what a stop cuts was never output
+        for item, tokens in zip(sampling, emitted, strict=True):
+            if item.draft:  # computed and kept: the newest token, then the accepted guesses
+                item.num_new_tokens = len(tokens)
+                self.spec_stats.update(drafted=len(item.draft), accepted=len(tokens) - 1)
+        self.scheduler.commit(out)
+        done: list[Sequence] = []
+        for seq, reason in finishing:
+            seq.finish_time = now
+            self.scheduler.finish(seq, reason)
+            done.append(seq)
+            self._outputs.keep(self._finished(seq, self._output(seq)))
         self.recorder.on_step(
             self.scheduler.step_count,
             out,

@@ -65,8 +65,9 @@ class ModelRunner:
             seq_index = np.arange(n)
         else:
             input_ids = []
-            for item in batch:
-                input_ids.extend(item.seq.token_ids[item.start : item.start + item.num_new_tokens])
+            for item in batch:  # a draft's guessed tokens follow the sequence's own
+                own = item.num_new_tokens - len(item.draft)
+                input_ids.extend(item.seq.token_ids[item.start : item.start + own] + item.draft)
             q_lens = np.array(query_lens, dtype=np.int64)
             # [T]: which sequence each token belongs to, and its position in that sequence.
             seq_index = np.repeat(np.arange(n), q_lens)
@@ -96,8 +97,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """One forward pass; returns float32 logits [N, vocab], one row per item that samples,
-        in batch order. Only those rows go through the LM head."""
+        """One forward pass; returns float32 logits [N, vocab], one row per item that samples
+        (1 + len(draft) for an item with a draft), in batch order. Only those rows go through
+        the LM head."""
         input_ids, positions, meta = self.prepare(batch)
         if (
             self.graphs is not None
@@ -113,12 +115,12 @@ class ModelRunner:
             return logits.index_select(0, torch.tensor(keep, device=logits.device))
         hidden = self.model(input_ids, positions, meta, self.kv)  # [T, H]
         self._record_prompt_logprobs(batch, meta.query_lens, hidden=hidden)
-        rows: list[int] = []  # each sampling item's last token
+        rows: list[int] = []  # each sampling item's last token, and a draft's every token
         end = -1
         for item, query_len in zip(batch, meta.query_lens, strict=True):
             end += query_len
             if item.sample:
-                rows.append(end)
+                rows.extend(range(end - len(item.draft), end + 1))
         if not rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         if len(rows) == hidden.shape[0]:  # every token samples (a decode step): all rows

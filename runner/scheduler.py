@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvcache import BlockManager, block_hashes
 from runner.config import EngineConfig
 from runner.sequence import SeqStatus, Sequence
+from runner.speculative import draftable, propose
 
 # How many waiting requests cache-aware admission looks at each step: bounds the per-step cost.
 _ADMISSION_WINDOW = 64
@@ -22,6 +23,13 @@ class ScheduledSeq:
     sample: bool
     # K/V positions [start, start + num_new_tokens) are computed this step.
     start: int = 0
+    # Guessed tokens fed after a decoding sequence's newest one (runner/speculative.py): the
+    # step computes 1 + len(draft) positions, and the engine keeps those the model agrees with.
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def decodes(self) -> bool:
+        return self.sample and (bool(self.draft) or self.num_new_tokens == 1)
 
 
 @dataclass
@@ -32,11 +40,12 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1 or not s.sample)
+        return sum(s.num_new_tokens for s in self.scheduled if not s.decodes)
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.sample)
+        """Decode positions computed, drafts included."""
+        return sum(1 + len(s.draft) for s in self.scheduled if s.decodes)
 
     @property
     def is_empty(self) -> bool:
@@ -154,9 +163,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if self._reserve_decode_slot(seq, out):
-                out.scheduled.append(ScheduledSeq(seq, 1, True, seq.num_computed_tokens))
-                budget -= 1
+            budget -= self._schedule_decode(seq, budget, out)
         for seq in prefilling:
             if budget <= 0:
                 break
@@ -197,10 +204,38 @@ class Scheduler:
         if prefilling:
             return  # a padded batch decodes only once every member has its prompt in
         for seq in self.running:
-            if self._reserve_decode_slot(seq, out):
-                out.scheduled.append(ScheduledSeq(seq, 1, True, seq.num_computed_tokens))
+            budget -= self._schedule_decode(seq, max(budget, 1), out)
 
     # ----------------------------------------------------------------- helpers
+    def _schedule_decode(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Schedule a running sequence's newest token, and a draft after it when speculative
+        decoding is on; returns the tokens taken from the budget (0: it was preempted)."""
+        if not self._reserve_decode_slot(seq, out):
+            return 0
+        draft = self._draft(seq, budget - 1)
+        if draft:
+            self.bm.append_slots(seq.seq_id, seq.num_tokens + len(draft))
+        out.scheduled.append(
+            ScheduledSeq(seq, 1 + len(draft), True, seq.num_computed_tokens, draft)
+        )
+        return 1 + len(draft)
+
+    def _draft(self, seq: Sequence, room: int) -> list[int]:
+        """Guessed next tokens, as many as the budget, max_tokens and the context leave room
+        for, and as the pool holds without preempting anyone: a guess is never worth that."""
+        k = min(
+            self.config.speculative_tokens,
+            room,
+            seq.params.max_tokens - len(seq.output_token_ids) - 1,
+            self.max_model_len - seq.num_tokens - 1,
+        )
+        if k < 1 or not draftable(seq.params):
+            return []
+        draft = propose(seq.token_ids, k)
+        while draft and not self.bm.can_append(seq.seq_id, seq.num_tokens + len(draft)):
+            draft.pop()
+        return draft
+
     def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Make room for one more token, preempting the newest other sequences if needed."""
         while not self.bm.can_append(seq.seq_id, seq.num_tokens):

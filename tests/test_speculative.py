@@ -1,0 +1,140 @@
+"""Speculative decoding by n-gram lookup: the proposer and acceptance against plain
+references, and greedy output with drafts equal to transformers' greedy `generate`, token for
+token, with the cache on and off, under preemption, in static batches and beside sampled
+requests (which are never drafted for), with stops and max_tokens inside an accepted run."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from kvcache import LLM, SamplingParams
+from runner.speculative import NGRAM_MAX, NGRAM_MIN, accepted, draftable, propose
+from tests.test_engine_equivalence import hf_greedy
+
+MAX_NEW = 24
+VARIANTS: dict[str, dict[str, Any]] = {
+    "cache-on": {},
+    "cache-off": {"enable_prefix_caching": False},
+    "tiny-pool": {"num_kv_blocks": 24, "block_size": 4},
+    "static": {"batching": "static"},
+    "no-cpu-kernels": {"cpu_kernels": False},
+}
+
+
+def naive_propose(tokens: list[int], k: int) -> list[int]:
+    """The longest n-gram first; its latest earlier occurrence; what followed it."""
+    for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+        if len(tokens) <= n:
+            continue
+        newest = tokens[-n:]
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i : i + n] == newest:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), max_size=40), k=st.integers(0, 6))
+def test_propose_equals_a_plain_search(tokens: list[int], k: int) -> None:
+    assert propose(tokens, k) == naive_propose(tokens, k)
+
+
+def test_propose_and_accept_examples() -> None:
+    assert propose([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]
+    assert propose([7, 8, 7, 8], 5) == [7, 8]  # "7 8" last followed position 0
+    assert propose([1, 2, 3], 2) == []
+    assert accepted([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all kept, plus the model's next
+    assert accepted([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # kept to the first miss, its fix
+    assert accepted([5], [4, 1]) == [4]
+
+
+def test_only_plain_greedy_requests_are_drafted_for() -> None:
+    greedy = SamplingParams(temperature=0)
+    assert draftable(greedy)
+    for change in (
+        {"temperature": 0.7},
+        {"repetition_penalty": 1.2},
+        {"logprobs": 1},
+        {"min_tokens": 1},
+        {"logit_bias": {3: 1.0}},
+        {"allowed_token_ids": [3, 4]},
+    ):
+        assert not draftable(dataclasses.replace(greedy, **change)), change
+
+
+def looping_prompts(vocab: int) -> list[list[int]]:
+    """Prompts that repeat themselves (so n-grams recur), and a few that do not."""
+    rng = random.Random(5)
+    prompts = []
+    for period, repeats in ((3, 6), (5, 4), (8, 3), (11, 2)):
+        unit = [rng.randrange(3, vocab) for _ in range(period)]
+        prompts.append(unit * repeats + unit[: period // 2])
+    prompts += [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 17)]
+    return prompts
+
+
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen3_dir"])
+def spec_case(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
+    path: Path = request.getfixturevalue(request.param)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = looping_prompts(hf.config.vocab_size)
+    return path, prompts, [hf_greedy(hf, p, MAX_NEW, None) for p in prompts]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_drafted_greedy_equals_transformers(
+    spec_case: tuple[Path, list[list[int]], list[list[int]]], variant: str
+) -> None:
+    path, prompts, refs = spec_case
+    llm = LLM(str(path), speculative_tokens=4, **VARIANTS[variant])
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    sampled = dataclasses.replace(greedy, temperature=0.9, seed=3)
+    outs = llm.generate(prompts + prompts[:2], [greedy] * len(prompts) + [sampled] * 2)
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=False)):
+        assert out.token_ids == ref, f"prompt {i} ({variant})"
+    alone = LLM(str(path)).generate(prompts[:2], sampled)  # never drafted: the same samples
+    assert [o.token_ids for o in outs[-2:]] == [o.token_ids for o in alone]
+    stats = llm.stats()
+    assert (
+        stats["num_accepted_tokens"] > 0
+        and stats["num_draft_tokens"] >= stats["num_accepted_tokens"]
+    )
+    llm.block_manager.check_integrity()
+    assert llm.block_manager.stats.blocks_in_use == 0
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(
+    spec_case: tuple[Path, list[list[int]], list[list[int]]],
+) -> None:
+    """A stop token or max_tokens that falls inside a step's accepted tokens ends the output
+    right there, as one token a step would."""
+    path, prompts, refs = spec_case
+    llm = LLM(str(path), speculative_tokens=6)
+    params, expected = [], []
+    for i, ref in enumerate(refs):
+        base = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+        if i % 2:
+            params.append(dataclasses.replace(base, max_tokens=7 + i))
+            expected.append(ref[: 7 + i])
+        else:
+            stop = ref[9]
+            params.append(dataclasses.replace(base, stop_token_ids=[stop]))
+            expected.append(ref[: ref.index(stop) + 1])
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.stats()["num_accepted_tokens"] > 0
+    llm.block_manager.check_integrity()
+
+
+def test_speculative_tokens_is_checked(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="speculative_tokens must be in"):
+        LLM(str(tiny_llama_dir), speculative_tokens=-1)
