@@ -160,12 +160,9 @@ class Engine:
         result = None
         with interrupts_held():  # a half-done abort would leave blocks held by no one
             for seq in self.samples_of(request_id):
-                result = self._abort(seq)  # the last one's is the whole request's
+                seq.finish_time = time.perf_counter()
+                result = self._drop(seq, "abort")  # the last one's is the whole request's
         return result
-
-    def _abort(self, seq: Sequence) -> RequestOutput | None:
-        seq.finish_time = time.perf_counter()
-        return self._drop(seq, "abort")
 
     def _drop(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput | None:
         """End a queued or running sequence outside a normal finish (an abort, a failed step):
@@ -269,18 +266,8 @@ class Engine:
         time, up to the first that ends it), cache the blocks they filled, finish the requests
         they end (each output to the router as its request is forgotten), record the step."""
         now = time.perf_counter()
-        finishing: list[tuple[Sequence, str]] = []
-        going = list(range(len(sampling)))
-        for j in range(max(map(len, emitted), default=0)):  # round j: each one's j-th token
-            going = [i for i in going if j < len(emitted[i])]
-            seqs = [sampling[i].seq for i in going]
-            for i, seq in zip(going, seqs, strict=True):
-                seq.record_token(emitted[i][j], now, logprobs[i] if j == 0 else None)
-            reasons = self.stopper.finish_reasons(seqs, [emitted[i][j] for i in going])
-            for i, seq, reason in zip(going, seqs, reasons, strict=True):
-                if reason is not None:
-                    finishing.append((seq, reason))
-                    emitted[i] = emitted[i][: j + 1]  # what a stop cuts was never output
+        seqs = [item.seq for item in sampling]
+        finishing = self.stopper.record_tokens(seqs, emitted, logprobs, now)
         for item, tokens in zip(sampling, emitted, strict=True):
             if item.draft:  # computed and kept: the newest token, then the accepted guesses
                 item.num_new_tokens = len(tokens)

@@ -1,18 +1,17 @@
 """Continuous (and static) batching over a per-step token budget, with chunked prefill,
-preemption by recompute, and cache-aware admission."""
+preemption by recompute, cache-aware admission (runner/admission.py) and speculative drafts
+for decoding sequences (runner/speculative.py)."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvcache import BlockManager, block_hashes
+from kvcache import BlockManager
+from runner.admission import Admission
 from runner.config import EngineConfig
 from runner.sequence import SeqStatus, Sequence
-from runner.speculative import draftable, propose
-
-# How many waiting requests cache-aware admission looks at each step: bounds the per-step cost.
-_ADMISSION_WINDOW = 64
+from runner.speculative import draft_for
 
 
 @dataclass
@@ -66,6 +65,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.bm = block_manager
+        self.admission = Admission(config, block_manager)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
@@ -172,8 +172,8 @@ class Scheduler:
         inflight: set[int] | None = None  # built only when something can be admitted
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             if inflight is None:
-                inflight = self._inflight_prefix_hashes()
-            chosen = self._pick_next(inflight)
+                inflight = self.admission.inflight_hashes(self.running)
+            chosen = self.admission.pick(self.waiting, inflight, self.step_count)
             if chosen is None or not self.bm.can_allocate(
                 chosen.token_ids, chosen.root, reuse=chosen.reuses_cache
             ):
@@ -181,7 +181,7 @@ class Scheduler:
             self.waiting.remove(chosen)
             self._admit(chosen, out)
             budget -= self._schedule_prefill_chunk(chosen, budget, out)
-            inflight.update(self._prompt_hashes(chosen))
+            inflight.update(self.admission.prompt_hashes(chosen))
 
     def _schedule_static(self, out: SchedulerOutput) -> None:
         if not self.running and not self.held:
@@ -212,29 +212,14 @@ class Scheduler:
         decoding is on; returns the tokens taken from the budget (0: it was preempted)."""
         if not self._reserve_decode_slot(seq, out):
             return 0
-        draft = self._draft(seq, budget - 1)
+        k = min(self.config.speculative_tokens, budget - 1)
+        draft = draft_for(seq, k, self.max_model_len, self.bm)
         if draft:
             self.bm.append_slots(seq.seq_id, seq.num_tokens + len(draft))
         out.scheduled.append(
             ScheduledSeq(seq, 1 + len(draft), True, seq.num_computed_tokens, draft)
         )
         return 1 + len(draft)
-
-    def _draft(self, seq: Sequence, room: int) -> list[int]:
-        """Guessed next tokens, as many as the budget, max_tokens and the context leave room
-        for, and as the pool holds without preempting anyone: a guess is never worth that."""
-        k = min(
-            self.config.speculative_tokens,
-            room,
-            seq.params.max_tokens - len(seq.output_token_ids) - 1,
-            self.max_model_len - seq.num_tokens - 1,
-        )
-        if k < 1 or not draftable(seq.params):
-            return []
-        draft = propose(seq.token_ids, k)
-        while draft and not self.bm.can_append(seq.seq_id, seq.num_tokens + len(draft)):
-            draft.pop()
-        return draft
 
     def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Make room for one more token, preempting the newest other sequences if needed."""
@@ -265,71 +250,3 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         out.admitted.append(seq)
-
-    def _prompt_hashes(self, seq: Sequence) -> list[int]:
-        """Full-block hashes of the sequence's tokens. Admission asks for them every step while
-        a request waits or prefills; they change only when its token count does, so they are
-        kept on the sequence for that count."""
-        cached = seq.block_hash_cache
-        if cached is None or cached[0] != seq.num_tokens:
-            hashes = block_hashes(seq.token_ids, self.bm.block_size, seq.root)
-            cached = seq.block_hash_cache = (seq.num_tokens, hashes)
-        return cached[1]
-
-    def _inflight_prefix_hashes(self) -> set[int]:
-        """Hashes of full blocks that running prefills are computing but have not cached yet."""
-        inflight: set[int] = set()
-        if self.config.enable_prefix_caching:
-            for seq in self.running:
-                if seq.in_prefill:
-                    inflight.update(self._prompt_hashes(seq))
-        return inflight
-
-    def _pick_next(self, inflight: set[int]) -> Sequence | None:
-        """Choose the next request to admit (it stays queued until it is admitted).
-
-        The oldest request goes first once it has waited `max_wait_steps`, so nothing starves.
-        Otherwise the one with the longest cached prefix goes first; a request whose prefix is
-        being computed right now by another waits a step and then reuses it instead of
-        computing it again."""
-        oldest = self.waiting[0]
-        if (
-            not self.config.enable_prefix_caching
-            or self.step_count - oldest.wait_since_step >= self.config.max_wait_steps
-        ):
-            return oldest
-        best: Sequence | None = None
-        best_len = -1
-        for index, seq in enumerate(self.waiting):
-            if index >= _ADMISSION_WINDOW:
-                break
-            # A request that reuses nothing has no cached prefix and nothing to wait for.
-            cached = self._cached_prefix_length(seq) if seq.reuses_cache else 0
-            waits = seq.reuses_cache and bool(inflight)
-            if waits and self._shares_inflight(seq, inflight) * self.bm.block_size > cached:
-                continue
-            if cached > best_len:
-                best, best_len = seq, cached
-        return best
-
-    def _cached_prefix_length(self, seq: Sequence) -> int:
-        """The block manager's cached_prefix_length, kept on the sequence while the cache does
-        not change: admission asks it of up to _ADMISSION_WINDOW waiting requests for every
-        request it admits, which walked and hashed 64 prompts per admission (0.3-0.5 s to admit
-        256 requests sharing a 400-token prefix)."""
-        version = self.bm.cache_version
-        memo = seq.cached_prefix_memo
-        if memo is None or memo[0] != version or memo[1] != seq.num_tokens:
-            length = self.bm.cached_prefix_length(seq.token_ids, seq.root)
-            memo = seq.cached_prefix_memo = (version, seq.num_tokens, length)
-        return memo[2]
-
-    def _shares_inflight(self, seq: Sequence, inflight: set[int]) -> int:
-        """Leading full blocks of `seq` that a running prefill is computing (chained hashes, so
-        membership of block i implies the whole prefix up to i matches)."""
-        shared = 0
-        for h in self._prompt_hashes(seq):
-            if h not in inflight:
-                break
-            shared += 1
-        return shared

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvcache import BlockManager
 from runner.logprobs import TokenLogprobs
 from runner.next_tokens import next_tokens
 from runner.sampling import SamplingParams
@@ -74,6 +75,20 @@ def propose(token_ids: list[int], k: int) -> list[int]:
             start = int(hits[-1]) + n
             return [int(t) for t in tokens[start : start + k]]
     return []
+
+
+def draft_for(seq: Sequence, k: int, max_model_len: int, bm: BlockManager) -> list[int]:
+    """A decoding sequence's guessed next tokens: at most `k`, as many as max_tokens and the
+    context leave room for, and as the pool holds for it without preempting anyone (a guess
+    is never worth that)."""
+    k = min(k, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+    k = min(k, max_model_len - seq.num_tokens - 1)
+    if k < 1 or not draftable(seq.params):
+        return []
+    draft = propose(seq.token_ids, k)
+    while draft and not bm.can_append(seq.seq_id, seq.num_tokens + len(draft)):
+        draft.pop()
+    return draft
 
 
 def accepted(draft: list[int], targets: list[int]) -> list[int]:

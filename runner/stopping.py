@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from runner.logprobs import TokenLogprobs
 from runner.sequence import Sequence
 
 # Tokens beyond a stop string's UTF-8 length in the tail that is decoded each step. A token
@@ -64,6 +65,30 @@ class StopChecker:
             ):
                 reasons[i] = "length"
         return reasons
+
+    def record_tokens(
+        self,
+        seqs: list[Sequence],
+        emitted: list[list[int]],
+        logprobs: list[TokenLogprobs | None],
+        now: float,
+    ) -> list[tuple[Sequence, str]]:
+        """Record each sequence's new tokens of a step (several when a draft was accepted, the
+        first with its log-probabilities), one round at a time so each is checked as if it
+        came alone; returns the (sequence, reason) of those that ended. A token after the one
+        that ends a sequence is never recorded: `emitted[i]` is cut to what was."""
+        finishing: list[tuple[Sequence, str]] = []
+        going = list(range(len(seqs)))
+        for j in range(max(map(len, emitted), default=0)):  # round j: each one's j-th token
+            going = [i for i in going if j < len(emitted[i])]
+            for i in going:
+                seqs[i].record_token(emitted[i][j], now, logprobs[i] if j == 0 else None)
+            reasons = self.finish_reasons([seqs[i] for i in going], [emitted[i][j] for i in going])
+            for i, reason in zip(going, reasons, strict=True):
+                if reason is not None:
+                    finishing.append((seqs[i], reason))
+                    emitted[i] = emitted[i][: j + 1]
+        return finishing
 
     def _token_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params

@@ -379,7 +379,7 @@ def test_pool_for_two_sequences_runs_fifty_requests_exactly(
     """A pool that holds two full sequences (2 x 7 blocks of 4) and 50 requests: all finish,
     greedy outputs equal an unconstrained run's, preemptions happen, and the block manager's
     invariants hold after every step. (Regression: before 818a26c about half of the requests
-    were dropped here: `_pick_next` took a request out of `waiting` before `can_allocate` said
+    were dropped here: admission's pick took a request out of `waiting` before `can_allocate` said
     no, and nothing put it back.)"""
     rng = random.Random(7)
     shared = [rng.randrange(3, 320) for _ in range(8)]
@@ -612,5 +612,5 @@ def test_admission_memo_agrees_with_the_block_manager(tiny_llama_dir: Path) -> N
         for seq in scheduler.waiting:
             fresh = bm.cached_prefix_length(seq.token_ids, seq.root)
             seen += seq.cached_prefix_memo is not None
-            assert scheduler._cached_prefix_length(seq) == fresh
+            assert scheduler.admission.cached_prefix_length(seq) == fresh
     assert seen > 0 and bm.stats.evicted_blocks > 0
