@@ -74,6 +74,14 @@ def main() -> None:
 @click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option(
+    "--speculative-tokens",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Greedy requests check up to K tokens guessed from their own text each step "
+    "(n-gram lookup): faster answers that repeat their prompt, the same tokens.",
+)
+@click.option(
     "--cpu-weight-dtype",
     type=click.Choice(CPU_WEIGHT_DTYPES),
     default="float32",
@@ -121,6 +129,7 @@ def generate(
     max_num_batched_tokens: int,
     num_kv_blocks: int | None,
     device: str,
+    speculative_tokens: int,
     cpu_weight_dtype: str,
     metrics_path: str | None,
     prefix_cache_path: str | None,
@@ -167,6 +176,7 @@ def generate(
         "max_num_batched_tokens": max_num_batched_tokens,
         "num_kv_blocks": num_kv_blocks,
         "device": device,
+        "speculative_tokens": speculative_tokens,
         "cpu_weight_dtype": cpu_weight_dtype,
         "record_metrics": bool(metrics_path),  # else memory would grow with every token
     }

@@ -151,6 +151,11 @@ class BatchRun:
             f"({s['hit_rate']:.1%}), {s['evicted_blocks']} blocks evicted, "
             f"{s['num_preemptions']} preemptions",
         ]
+        if s["num_draft_tokens"]:
+            lines.append(
+                f"speculative: {s['num_accepted_tokens']}/{s['num_draft_tokens']} guessed tokens "
+                f"kept ({s['num_accepted_tokens'] / s['num_draft_tokens']:.1%})"
+            )
         if output is not None:
             lines.append(f"results: {output}")
         print("\n".join(lines), file=sys.stderr)

@@ -15,6 +15,7 @@ from runner.bench_peers import (
     cut_output,
     load_hf_model,
     run_hf_cb,
+    run_hf_lookup,
     run_hf_static,
     run_reference,
     samples_per_prompt,
@@ -36,7 +37,10 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
     # hf's float32 one).
     "engine-bf16": {"cpu_weight_dtype": "bfloat16"},
     "engine-int8": {"cpu_weight_dtype": "int8"},
+    # Speculative decoding by n-gram lookup (greedy requests only; the reference's output).
+    "engine-spec": {"speculative_tokens": 4},
 }
+PEER_SYSTEMS = ("hf-static", "hf-cb", "hf-lookup")
 
 
 def matmul_peak_gflops(device: str, size: int = 1024, repeats: int = 24) -> float:
@@ -177,11 +181,11 @@ def run_bench(
     """Returns {"rows": [...], "table": str}; ratios are against hf-static of this run. With
     `sampling`, every system samples and nothing is checked (no two samplers agree)."""
     check = check and sampling is None
-    unknown = [s for s in systems if s not in ENGINE_SYSTEMS and s not in ("hf-static", "hf-cb")]
+    unknown = [s for s in systems if s not in ENGINE_SYSTEMS and s not in PEER_SYSTEMS]
     if unknown:
-        raise ValueError(
-            f"unknown systems {unknown}; known: {[*ENGINE_SYSTEMS, 'hf-static', 'hf-cb']}"
-        )
+        raise ValueError(f"unknown systems {unknown}; known: {[*ENGINE_SYSTEMS, *PEER_SYSTEMS]}")
+    if "hf-lookup" in systems and sampling is not None:
+        raise ValueError("hf-lookup (transformers' prompt lookup) is greedy only")
     peak = matmul_peak_gflops(device)
     probe = LLM(model, device=device, num_kv_blocks=16)
     requests = load_workload(workload, probe.tokenizer, max_tokens, limit)
@@ -210,6 +214,8 @@ def run_bench(
         elif system == "hf-static":
             batch = (engine_options or {}).get("max_num_seqs") or len(requests)
             result = run_hf_static(hf_model, requests, eos_ids, device, batch, sampling)
+        elif system == "hf-lookup":
+            result = run_hf_lookup(hf_model, requests, eos_ids, device)
         else:
             result = run_hf_cb(hf_model, requests, eos_ids, sampling=sampling)
         samples = [r for r in requests for _ in range(samples_per_prompt(sampling))]

@@ -1,6 +1,6 @@
 """The systems we measure against, run in the same process: transformers' static `generate`
-with a padded batch, its continuous-batching `generate_batch`, and the unbatched greedy
-reference that every system's output is checked against."""
+with a padded batch, its continuous-batching `generate_batch`, its prompt lookup decoding,
+and the unbatched greedy reference that every system's output is checked against."""
 
 from __future__ import annotations
 
@@ -84,9 +84,10 @@ def cut_at_eos(tokens: list[int], eos_ids: set[int], max_tokens: int) -> list[in
 
 @torch.inference_mode()
 def run_reference(
-    model: Any, requests: list[BenchRequest], eos_ids: set[int], device: str
+    model: Any, requests: list[BenchRequest], eos_ids: set[int], device: str, **options: Any
 ) -> list[list[int]]:
-    """Unbatched greedy `generate`, one request at a time: the ground truth."""
+    """Unbatched greedy `generate`, one request at a time: the ground truth. `options` are
+    more of generate's arguments (prompt lookup, for hf-lookup)."""
     outputs = []
     for req in requests:
         ids = torch.tensor([req.prompt_token_ids], device=device)
@@ -97,9 +98,27 @@ def run_reference(
             do_sample=False,
             eos_token_id=stop_ids([req], eos_ids),
             pad_token_id=min(eos_ids),
+            **options,
         )
         outputs.append(cut_output(gen[0, ids.shape[1] :].tolist(), eos_ids, req))
     return outputs
+
+
+# transformers' prompt lookup decoding, with the draft length its documentation suggests:
+# unbatched (its assisted generation takes one sequence at a time), greedy only.
+HF_LOOKUP_TOKENS = 10
+
+
+def run_hf_lookup(
+    model: Any, requests: list[BenchRequest], eos_ids: set[int], device: str
+) -> PeerResult:
+    """transformers' `generate(prompt_lookup_num_tokens=...)`, one request at a time."""
+    start = time.perf_counter()
+    outputs = run_reference(
+        model, requests, eos_ids, device, prompt_lookup_num_tokens=HF_LOOKUP_TOKENS
+    )
+    prefill = sum(len(r.prompt_token_ids) for r in requests)
+    return PeerResult(outputs, time.perf_counter() - start, prefill, [])
 
 
 @torch.inference_mode()

@@ -87,22 +87,22 @@ def bench(
     """Run a workload through several systems in one process and print one table.
 
     Systems: engine, engine-nocache, engine-static, engine-nochunk, engine-bf16, engine-int8,
-    hf-static, hf-cb."""
+    engine-spec, hf-static, hf-cb, hf-lookup."""
     if workload == "core":
         from kvcache.microbench import main as core_main
 
         core_main()
         return
-    from runner.bench import ENGINE_SYSTEMS, run_bench
+    from runner.bench import ENGINE_SYSTEMS, PEER_SYSTEMS, run_bench
     from runner.bench_peers import Sampling
     from runner.workloads import workload_path
 
     system_list = [s.strip() for s in systems.split(",") if s.strip()]
-    unknown = [s for s in system_list if s not in (*ENGINE_SYSTEMS, "hf-static", "hf-cb")]
+    unknown = [s for s in system_list if s not in (*ENGINE_SYSTEMS, *PEER_SYSTEMS)]
     if unknown:
         raise click.UsageError(
             f"unknown system(s) {', '.join(unknown)}; known: "
-            + ", ".join([*ENGINE_SYSTEMS, "hf-static", "hf-cb"])
+            + ", ".join([*ENGINE_SYSTEMS, *PEER_SYSTEMS])
         )
     try:
         workload_path(workload)

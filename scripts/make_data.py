@@ -212,9 +212,30 @@ def long_prompt(rng: random.Random, count: Counter) -> list[dict]:
     return reqs + [long_req]
 
 
+def rewrite(rng: random.Random, count: Counter) -> list[dict]:
+    """Answers that mostly repeat their prompt (copy, quote, reformat), where speculative
+    decoding by n-gram lookup has the most to guess from."""
+    sources = [doc_of(m) for m in LONG_DOC_MODULES] + [
+        t for _, t in sorted(license_texts().items())
+    ]
+    texts = [take_tokens(t, 100, count).strip() for t in sources]
+    texts = [t for t in texts if count(t) >= 100]
+    rng.shuffle(texts)
+    asks = [
+        "Repeat the following text exactly, word for word:",
+        "Copy the following text, keeping every word:",
+        "Rewrite the following text as one paragraph, changing nothing else:",
+    ]
+    requests = []
+    for i, text in enumerate(texts[:12]):
+        messages = [{"role": "user", "content": f"{asks[i % len(asks)]}\n\n{text}"}]
+        requests.append({"id": f"rewrite-{i:02d}", "messages": messages, "max_tokens": 128})
+    return requests
+
+
 # Each builder writes data/<its name>.jsonl.
 WORKLOADS = [sample, shared_system_prompt, few_shot, multi_turn, no_sharing, mixed_lengths,
-             long_prompt]  # fmt: skip
+             long_prompt, rewrite]  # fmt: skip
 
 
 def main() -> None:

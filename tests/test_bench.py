@@ -4,11 +4,13 @@ matrix products comes from timing the products themselves."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from runner.bench import run_bench
+from runner.bench_peers import Sampling
 from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.matmul_timer import MatmulTimer
 
@@ -33,6 +35,32 @@ def test_bench_rows_on_a_tiny_model(tiny_llama_tok_dir: Path, prepack: bool) -> 
         assert row["prefill_mfu"] > 0
     assert rows["hf-static"]["vs_hf_static"] == pytest.approx(1.0)
     assert "decode outside matmul" in result["table"].splitlines()[0]
+
+
+def test_bench_speculative_systems_match_the_reference(
+    make_tiny_model: Callable[..., Path],
+) -> None:
+    """engine-spec and transformers' prompt lookup (hf-lookup) on the rewrite workload: both
+    give greedy decoding's tokens; a sampled run refuses hf-lookup by name."""
+    path = make_tiny_model("llama", tokenizer=True, max_position_embeddings=1024)
+    result = run_bench(
+        "rewrite",
+        ["engine-spec", "hf-lookup"],
+        model=str(path),
+        max_tokens=12,
+        limit=3,
+    )
+    rows = {r["system"]: r for r in result["rows"]}
+    assert rows["engine-spec"]["matches_reference"] is True
+    assert rows["hf-lookup"]["matches_reference"] is True
+    with pytest.raises(ValueError, match="hf-lookup"):
+        run_bench(
+            "rewrite",
+            ["hf-lookup"],
+            model=str(path),
+            limit=1,
+            sampling=Sampling(temperature=0.8, top_p=1.0),
+        )
 
 
 @pytest.mark.parametrize(

@@ -351,3 +351,18 @@ def test_repeated_ids_say_which_line_took_its_line_number(
     write_lines(src, [unnamed.replace(b"{", b'{"id":"2",'), unnamed])
     assert CliRunner().invoke(main, gen_args(src, out, tiny_llama_dir, "--overwrite")).exit_code
     assert ["this line has no id" in r["error"] for r in records(out) if "error" in r] == [True]
+
+
+def test_speculative_tokens_give_the_same_answers(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """--speculative-tokens: the same greedy tokens, and the summary says how many guesses
+    were kept."""
+    looping = [json.dumps({"id": "loop", "prompt_token_ids": [7, 8, 9] * 8}).encode()]
+    src = write_lines(tmp_path / "in.jsonl", [good(i) for i in range(3)] + looping)
+    plain, spec = tmp_path / "plain.jsonl", tmp_path / "spec.jsonl"
+    args = ["generate", str(src), "--model", str(tiny_llama_dir), "--max-tokens", "20"]
+    assert CliRunner().invoke(main, [*args, "-o", str(plain)]).exit_code == 0
+    result = CliRunner().invoke(main, [*args, "-o", str(spec), "--speculative-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    answers = {r["id"]: r["token_ids"] for r in records(plain)}
+    assert {r["id"]: r["token_ids"] for r in records(spec)} == answers
+    assert "guessed tokens kept" in result.output

@@ -349,6 +349,27 @@ def test_structured_outputs_on_cuda(make_tiny_model: Callable[..., Path]) -> Non
 
 
 @cuda
+def test_speculative_decoding_on_cuda(make_tiny_model: Callable[..., Path]) -> None:
+    """Drafted steps run eagerly beside the decode graphs: the same greedy tokens as the CPU
+    engine without drafts, with guesses kept."""
+    path = make_tiny_model("llama")
+    prompts = [[7, 8, 9] * 8, [5, 300, 11, 12] * 5, *PROMPTS[:2]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    gpu = LLM(
+        str(path),
+        device="cuda",
+        dtype="float32",
+        attention_backend="triton",
+        speculative_tokens=4,
+        **POOL,
+    )
+    outs = gpu.generate(prompts, params)
+    refs = LLM(str(path)).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    assert gpu.stats()["num_accepted_tokens"] > 0
+
+
+@cuda
 def test_prefix_cache_file_on_cuda(make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     """A prefix cache saved from a CUDA engine warms another: the same tokens as a cold run
     (float32, so no rounding of the cached K/V can flip a near tie), the saved prefixes served
