@@ -12,7 +12,13 @@ from typing import Any
 import psutil
 
 from runner.engine import LLM
-from runner.soak_checks import FirstAdmissionCounter, SoakReport, check_consistency, final_checks
+from runner.soak_checks import (
+    FirstAdmissionCounter,
+    ReferenceCheck,
+    SoakReport,
+    check_consistency,
+    final_checks,
+)
 from runner.soak_workload import Request, Workload
 
 
@@ -36,6 +42,7 @@ def run_soak(
     batching: str = "continuous",
     max_num_batched_tokens: int = 2048,
     cpu_weight_dtype: str = "float32",
+    speculative_tokens: int = 0,
 ) -> SoakReport:
     """Run `requests` requests (at most `inflight` live) and return the report; a failed check
     is a line in `report.failures`, never an exception."""
@@ -49,7 +56,10 @@ def run_soak(
         max_num_batched_tokens=max_num_batched_tokens,
         record_metrics=record_metrics,
         cpu_weight_dtype=cpu_weight_dtype,
+        speculative_tokens=speculative_tokens,
     )
+    # With guesses on, greedy answers are compared with an engine that guesses nothing.
+    checker = ReferenceCheck(LLM(model, num_kv_blocks=512)) if speculative_tokens else None
     counter = FirstAdmissionCounter(llm.scheduler)
     workload = Workload(seed, max_prompt=min(max_prompt, 80))
     rep = SoakReport(requests=requests, num_blocks=num_kv_blocks)
@@ -110,6 +120,9 @@ def run_soak(
             ):
                 fail(f"request {out.request_id}: prompt logprobs do not cover its prompt")
             rep.output_tokens += len(out.token_ids)
+            if checker is not None:
+                checker.add(req, out.token_ids, rep.finished)
+                checker.flush(rep, fail)
             tally["cached"] += out.num_cached_tokens
             rep.miss_tokens += counter.misses(seq, tally)
             workload.feedback(req.prompt, out.token_ids, req.salt)
@@ -119,6 +132,8 @@ def run_soak(
     rep.seconds = time.perf_counter() - start
     rep.greedy_prompts_compared = tally["seen"]
     rep.canary_copies = rep.kinds.get("canary", 0)
+    if checker is not None:
+        checker.flush(rep, fail, at_least=1)
     final_checks(llm, rep, tally, fail)
     if max_rss_growth is not None and len(rep.rss_mb) >= 2 and rep.rss_growth > max_rss_growth:
         fail(f"RSS grew {rep.rss_growth:.1%} (> {max_rss_growth:.0%}): {rep.rss_mb}")

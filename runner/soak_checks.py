@@ -36,6 +36,9 @@ class SoakReport:
     rss_mb: list[float] = field(default_factory=list)  # after each chunk of finished requests
     recorder_steps: int = 0
     recorder_requests: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    reference_checked: int = 0  # greedy answers compared with an engine that guesses nothing
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -64,6 +67,8 @@ class SoakReport:
                 "metrics rows kept",
                 f"{self.recorder_steps} steps, {self.recorder_requests} requests",
             ),
+            ("guessed tokens kept", f"{self.accepted_tokens} / {self.draft_tokens}"),
+            ("answers checked vs no guesses", f"{self.reference_checked}"),
             ("RSS per chunk (MB)", " ".join(f"{m:.0f}" for m in self.rss_mb)),
             ("RSS growth", f"{self.rss_growth:+.1%} (first chunk end -> last chunk end)"),
             ("result", "PASS" if not self.failures else f"FAIL ({len(self.failures)})"),
@@ -148,6 +153,8 @@ def final_checks(llm: Any, rep: SoakReport, tally: dict[str, int], fail: Fail) -
     rep.readmit_hit_tokens = stats.readmit_hit_tokens
     rep.evicted_blocks, rep.blocks_in_use = stats.evicted_blocks, stats.blocks_in_use
     rep.preemptions = llm.scheduler.num_preemptions
+    rep.draft_tokens = llm.spec_stats.num_draft_tokens
+    rep.accepted_tokens = llm.spec_stats.num_accepted_tokens
     rep.recorder_steps = len(llm.recorder.steps)
     rep.recorder_requests = len(llm.recorder.requests)
     if rep.finished != rep.requests:
@@ -172,3 +179,28 @@ def final_checks(llm: Any, rep: SoakReport, tally: dict[str, int], fail: Fail) -
         fail(f"{tally['wrong_start']} requests were computed from another offset than their hit")
     if stats.readmit_hit_tokens > stats.readmit_query_tokens:
         fail("readmission hits exceed readmission queries")
+
+
+class ReferenceCheck:
+    """With speculative decoding on, every fifth greedy answer is kept and, 64 at a time,
+    compared with what an engine that guesses nothing answers to the same request."""
+
+    def __init__(self, reference: Any) -> None:
+        self.reference = reference
+        self.pending: list[tuple[Request, list[int]]] = []
+
+    def add(self, req: Request, answer: list[int], finished: int) -> None:
+        """Keep the answer of the `finished`-th request to finish, if greedy and a fifth."""
+        if req.params.greedy and finished % 5 == 0:
+            self.pending.append((req, answer))
+
+    def flush(self, rep: SoakReport, fail: Fail, at_least: int = 64) -> None:
+        if len(self.pending) < at_least:
+            return
+        prompts = [req.prompt for req, _ in self.pending]
+        outs = self.reference.generate(prompts, [req.params for req, _ in self.pending])
+        for (req, answer), out in zip(self.pending, outs, strict=True):
+            if out.token_ids != answer:
+                fail(f"{req.kind} request: {answer} with guesses, {out.token_ids} without")
+        rep.reference_checked += len(self.pending)
+        self.pending.clear()

@@ -59,6 +59,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--no-metrics", action="store_true", help="record no per-step or per-request metrics"
     )
     p.add_argument("--cpu-weight-dtype", choices=CPU_WEIGHT_DTYPES, default="float32")
+    p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="guessed tokens a step for greedy requests (its answers digest must equal the "
+        "run's without)",
+    )
     return p.parse_args(argv)
 
 
@@ -88,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             batching=args.batching,
             max_num_batched_tokens=args.max_num_batched_tokens,
             cpu_weight_dtype=args.cpu_weight_dtype,
+            speculative_tokens=args.speculative_tokens,
         )
     print(rep.table())
     return 0 if not rep.failures else 1

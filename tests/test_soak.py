@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvcache import BlockManager
+from runner import speculative
 from runner.scheduler import Scheduler
 from runner.soak import run_soak
 
@@ -40,6 +41,28 @@ def test_short_soak_holds_every_check(tiny_llama_dir: Path) -> None:
     assert rep.hit_tokens + rep.miss_tokens == rep.query_tokens == rep.prompt_tokens
     assert rep.evicted_blocks > 0 and rep.preemptions > 0
     assert rep.greedy_prompts_compared > 0 and rep.canary_copies >= 6
+
+
+def test_speculative_soak_answers_as_an_engine_without_guesses(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With guessed tokens checked each step, every fifth greedy answer equals a plain engine's;
+    and the check can fail: an acceptance that keeps one guess too many is caught."""
+    rep = run_soak(str(tiny_llama_dir), 300, chunk=100, max_rss_growth=None, speculative_tokens=4)
+    assert rep.failures == [], rep.table()
+    assert rep.accepted_tokens > 0 and rep.reference_checked > 10
+
+    def one_too_many(draft: list[int], targets: list[int]) -> list[int]:
+        kept = 0
+        while kept < len(draft) and draft[kept] == targets[kept]:
+            kept += 1
+        return draft[: kept + 1] if kept < len(draft) else targets
+
+    monkeypatch.setattr(speculative, "accepted", one_too_many)
+    broken = run_soak(
+        str(tiny_llama_dir), 300, chunk=100, max_rss_growth=None, speculative_tokens=4
+    )
+    assert any("without" in failure for failure in broken.failures), broken.table()
 
 
 def test_soak_catches_a_leaked_block(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
