@@ -91,7 +91,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
         self.validator.check(token_ids, params)
-        self.grammars.compile(params.structured_outputs)  # a bad grammar fails here, alone
+        self.grammars.check(params.structured_outputs)  # a bad structure fails here, alone
         text = prompt if isinstance(prompt, str) else None
         root = self._root(cache_salt)
         first = block_hashes(token_ids[: self.config.block_size], self.config.block_size, root)

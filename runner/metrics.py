@@ -72,7 +72,7 @@ class MetricsRecorder:
             states[str(self.index[seq.seq_id])] = "held"
         for item in out.scheduled:
             seq = item.seq
-            if item.num_new_tokens == 1 and item.sample and seq.output_token_ids:
+            if item.decodes and seq.output_token_ids:  # a draft's extra tokens included
                 state = "decode"
             elif seq.seq_id in admitted and item.start > 0:
                 state = "cached"

@@ -163,7 +163,9 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            budget -= self._schedule_decode(seq, budget, out)
+            if self._reserve_decode_slot(seq, out):
+                out.scheduled.append(ScheduledSeq(seq, 1, True, seq.num_computed_tokens))
+                budget -= 1
         for seq in prefilling:
             if budget <= 0:
                 break
@@ -182,6 +184,7 @@ class Scheduler:
             self._admit(chosen, out)
             budget -= self._schedule_prefill_chunk(chosen, budget, out)
             inflight.update(self.admission.prompt_hashes(chosen))
+        self._add_drafts(out, budget)
 
     def _schedule_static(self, out: SchedulerOutput) -> None:
         if not self.running and not self.held:
@@ -204,22 +207,28 @@ class Scheduler:
         if prefilling:
             return  # a padded batch decodes only once every member has its prompt in
         for seq in self.running:
-            budget -= self._schedule_decode(seq, max(budget, 1), out)
+            if self._reserve_decode_slot(seq, out):
+                out.scheduled.append(ScheduledSeq(seq, 1, True, seq.num_computed_tokens))
+                budget -= 1
+        self._add_drafts(out, budget)
 
     # ----------------------------------------------------------------- helpers
-    def _schedule_decode(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
-        """Schedule a running sequence's newest token, and a draft after it when speculative
-        decoding is on; returns the tokens taken from the budget (0: it was preempted)."""
-        if not self._reserve_decode_slot(seq, out):
-            return 0
-        k = min(self.config.speculative_tokens, budget - 1)
-        draft = draft_for(seq, k, self.max_model_len, self.bm)
-        if draft:
-            self.bm.append_slots(seq.seq_id, seq.num_tokens + len(draft))
-        out.scheduled.append(
-            ScheduledSeq(seq, 1 + len(draft), True, seq.num_computed_tokens, draft)
-        )
-        return 1 + len(draft)
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Give the step's decoding sequences guessed tokens (runner/speculative.py) out of
+        what the budget and the free blocks leave once every decode, prefill chunk and
+        admission has its share: a guess never delays, preempts or evicts anything."""
+        for item in out.scheduled:
+            if budget <= 0 or not self.config.speculative_tokens:
+                return
+            if not item.decodes:
+                continue
+            seq = item.seq
+            k = min(self.config.speculative_tokens, budget)
+            draft = draft_for(seq, k, self.max_model_len, self.bm)
+            if draft:
+                self.bm.append_slots(seq.seq_id, seq.num_tokens + len(draft))
+                item.draft, item.num_new_tokens = draft, 1 + len(draft)
+                budget -= len(draft)
 
     def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Make room for one more token, preempting the newest other sequences if needed."""

@@ -121,7 +121,7 @@ def run_soak(
                 fail(f"request {out.request_id}: prompt logprobs do not cover its prompt")
             rep.output_tokens += len(out.token_ids)
             if checker is not None:
-                checker.add(req, out.token_ids, rep.finished)
+                checker.add(req, out.token_ids)
                 checker.flush(rep, fail)
             tally["cached"] += out.num_cached_tokens
             rep.miss_tokens += counter.misses(seq, tally)

@@ -121,7 +121,8 @@ class StopChecker:
         if first_stop(tail_text, params.stop_strings) is None:
             return False
         # Only a stop string that ends past the text of the first min_tokens tokens counts.
-        floor = len(self.decode(seq.output_token_ids[: params.min_tokens]))
+        # A character the first min_tokens tokens leave half-decoded (U+FFFD) ends later.
+        floor = len(self.decode(seq.output_token_ids[: params.min_tokens]).rstrip("\ufffd"))
         found = first_stop(self.decode(seq.output_token_ids), params.stop_strings, floor)
         if found is None:  # the tail's own decode made it up (a space or character its cut
             return False  # split), or it ends within the first min_tokens tokens

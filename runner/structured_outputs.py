@@ -49,6 +49,11 @@ class StructuredOutputsParams:
             raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
         if self.json is not None and not isinstance(self.json, dict | str):
             raise ValueError(f"json must be a JSON schema (dict or text), got {self.json!r}")
+        if isinstance(self.json, dict):
+            try:
+                json.dumps(self.json)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"json schema is not JSON: {err}") from err
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -90,16 +95,20 @@ class GrammarState:
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
+        # Set when a token had to be taken that the grammar refuses: its mask allowed none
+        # (a dead end no answer leads out of), so the request ends there.
+        self.dead_end = False
 
     def accept(self, token: int) -> None:
         """Take in the token chosen; every token is chosen under this grammar's mask."""
-        if not self.matcher.is_terminated():
-            self.matcher.accept_token(token)
+        if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+            self.dead_end = True
 
     @property
     def finished(self) -> bool:
-        """The grammar is complete and its end-of-sequence token has been taken."""
-        return bool(self.matcher.is_terminated())
+        """The grammar is complete and its end-of-sequence token has been taken, or it came
+        to a dead end."""
+        return self.dead_end or bool(self.matcher.is_terminated())
 
 
 class GrammarBook:
@@ -125,6 +134,19 @@ class GrammarBook:
         if key not in self._compiled:
             self._compiled[key] = self._compile(key)
         return self._compiled[key]
+
+    def check(self, params: StructuredOutputsParams | None) -> None:
+        """Compile `params` (see `compile`), and refuse a structure no answer can satisfy
+        (`root ::= root "a"`): its first mask would allow no token at all."""
+        state = self.state_for(params)
+        if state is None:
+            return
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        state.matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise ValueError("structured_outputs: the structure admits no answer at all")
 
     def state_for(self, params: StructuredOutputsParams | None) -> GrammarState | None:
         """A fresh matcher for one sequence under `params` (None for none)."""

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 from kvcache import LLM, SamplingParams
 from runner.batch_file import parse_line
 from runner.logit_rules import apply_rules
+from runner.sequence import Sequence
 from tests.test_engine_equivalence import hf_greedy, make_prompts
 
 MAX_NEW = 12
@@ -241,3 +242,21 @@ def test_apply_rules_equals_a_dense_reference(
     assert torch.equal(
         logits, torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(seed))
     )
+
+
+def test_min_tokens_counts_a_character_split_across_tokens_where_it_ends(
+    tiny_llama_tok_dir: Path,
+) -> None:
+    """'€' is three byte tokens: with min_tokens=1 a stop string '€' completed by the third
+    token ends past the first token's text (one half-decoded character), so it counts."""
+    llm = LLM(str(tiny_llama_tok_dir))
+    euro = llm.tokenizer.encode("€", add_special_tokens=False)
+    assert len(euro) == 3
+    params = SamplingParams(
+        max_tokens=9, stop=["€"], include_stop_str_in_output=True, min_tokens=1, ignore_eos=True
+    )
+    seq = Sequence(seq_id=0, request_id="0", prompt_token_ids=[5], params=params, root=0)
+    emitted = [euro * 3]
+    finishing = llm.stopper.record_tokens([seq], emitted, [None], now=0.0)
+    assert finishing == [(seq, "stop")] and seq.output_token_ids == euro
+    assert llm.stopper.output_text(seq) == "€"

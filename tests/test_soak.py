@@ -46,11 +46,11 @@ def test_short_soak_holds_every_check(tiny_llama_dir: Path) -> None:
 def test_speculative_soak_answers_as_an_engine_without_guesses(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With guessed tokens checked each step, every fifth greedy answer equals a plain engine's;
+    """With guessed tokens checked each step, every greedy answer equals a plain engine's;
     and the check can fail: an acceptance that keeps one guess too many is caught."""
     rep = run_soak(str(tiny_llama_dir), 300, chunk=100, max_rss_growth=None, speculative_tokens=4)
     assert rep.failures == [], rep.table()
-    assert rep.accepted_tokens > 0 and rep.reference_checked > 10
+    assert rep.accepted_tokens > 0 and rep.reference_checked > 100
 
     def one_too_many(draft: list[int], targets: list[int]) -> list[int]:
         kept = 0

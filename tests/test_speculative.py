@@ -138,3 +138,19 @@ def test_stops_and_max_tokens_inside_an_accepted_run(
 def test_speculative_tokens_is_checked(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="speculative_tokens must be in"):
         LLM(str(tiny_llama_dir), speculative_tokens=-1)
+
+
+def test_guesses_take_only_what_the_step_leaves(tiny_llama_dir: Path) -> None:
+    """A token budget of 6 and three decoding requests: every step still decodes all three
+    (guesses get only the budget left over), and the metrics call a step that kept several
+    guessed tokens a decode, not a prefill."""
+    llm = LLM(str(tiny_llama_dir), speculative_tokens=4, max_num_batched_tokens=6)
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    sampled = dataclasses.replace(greedy, temperature=0.9, seed=1)
+    outs = llm.generate([[7, 8, 9] * 4, [5, 6], [10, 11]], [greedy, sampled, sampled])
+    assert llm.stats()["num_accepted_tokens"] > 0 and llm.scheduler.num_preemptions == 0
+    steps = llm.metrics()["steps"]
+    decoding = [s["states"] for s in steps if len(s["states"]) == 3]
+    assert decoding and all(set(states.values()) == {"decode"} for states in decoding[1:])
+    alone = LLM(str(tiny_llama_dir)).generate([[5, 6], [10, 11]], sampled)
+    assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in alone]

@@ -151,6 +151,7 @@ def test_ignore_eos_still_ends_at_the_end_of_the_grammar(tiny_llama_tok_dir: Pat
         ({"json": {"type": "object", "properties": 5}}, "the json does not compile"),
         ({"regex": "(ab"}, "the regex does not compile"),
         ({"grammar": "root ::= "}, "the grammar does not compile"),
+        ({"grammar": 'root ::= root "a"'}, "the structure admits no answer at all"),
     ],
 )
 def test_a_structure_that_does_not_compile_fails_alone(
@@ -173,6 +174,7 @@ def test_a_structure_that_does_not_compile_fails_alone(
         ({"choice": ["a", ""]}, "choice must be a non-empty list"),
         ({"json": 5}, "json must be a JSON schema"),
         ({"regex": ""}, "regex must be a non-empty string"),
+        ({"json": {"default": {1, 2}}}, "json schema is not JSON"),
     ],
 )
 def test_bad_structures_are_refused_by_name(fields: dict[str, Any], message: str) -> None:
