@@ -168,6 +168,9 @@ class LLM(Engine):
             "num_kv_blocks": self.block_manager.num_blocks,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "cpu_weight_dtype": self.config.cpu_weight_dtype,
+            "speculative_tokens": self.config.speculative_tokens,
+            "num_draft_tokens": self.spec_stats.num_draft_tokens,
+            "num_accepted_tokens": self.spec_stats.num_accepted_tokens,
         }
         return self.recorder.to_dict(
             header, self.block_manager.stats, self.scheduler.num_preemptions

@@ -143,6 +143,12 @@ def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
         ("output tokens", f"{output:,}"),
         ("evicted blocks", f"{cache.get('evicted_blocks', 0):,}"),
         ("preemptions", f"{metrics.get('num_preemptions', 0):,}"),
+    ]
+    drafted = metrics.get("num_draft_tokens", 0)
+    if drafted:  # a run with speculative decoding on
+        kept = metrics.get("num_accepted_tokens", 0)
+        rows.append(("guessed tokens kept", f"{kept:,} of {drafted:,} ({kept / drafted:.1%})"))
+    rows += [
         ("engine steps", f"{len(metrics['steps']):,}"),
         ("wall time", f"{wall:.2f} s"),
         (

@@ -190,6 +190,9 @@ def test_summary_numbers() -> None:
     assert "continuous batching" in text and "toy" in text and "3 groups" in text
     assert "weights" not in text.splitlines()[0]  # float32, the checkpoint's own model
     assert "int8 weights" in format_summary({**m, "cpu_weight_dtype": "int8"}).splitlines()[0]
+    assert "guessed tokens kept" not in rows  # speculative decoding was off
+    spec = dict(summary_rows({**m, "num_draft_tokens": 40, "num_accepted_tokens": 30}))
+    assert spec["guessed tokens kept"] == "30 of 40 (75.0%)"
 
 
 def test_percentile() -> None:
