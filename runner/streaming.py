@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import decoders
-from tokenizers.decoders import DecodeStream
+
+try:  # tokenizers 0.21+; an older one decodes each step's whole output instead
+    from tokenizers.decoders import DecodeStream
+except ImportError:
+    DecodeStream = None  # type: ignore[assignment,misc]
 
 from runner.engine_core import Engine
 from runner.outputs import RequestOutput
@@ -86,7 +90,7 @@ def _byte_level_backend(stopper: StopChecker) -> Any:
     """The tokenizers Tokenizer behind a fast tokenizer with a byte-level decoder and no space
     cleanup, or None."""
     backend = getattr(stopper.tokenizer, "backend_tokenizer", None)
-    if backend is None or stopper.cleans_up_spaces:
+    if backend is None or stopper.cleans_up_spaces or DecodeStream is None:
         return None
     return backend if isinstance(backend.decoder, decoders.ByteLevel) else None
 

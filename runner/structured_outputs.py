@@ -158,7 +158,10 @@ class GrammarBook:
         return GrammarState(xgr.GrammarMatcher(compiled))
 
     def _compile(self, key: tuple[str, str]) -> Any:
-        import xgrammar as xgr
+        try:
+            import xgrammar as xgr
+        except ImportError as err:
+            raise ValueError("structured outputs need the xgrammar package installed") from err
 
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(
