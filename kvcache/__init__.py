@@ -17,10 +17,12 @@ _ENGINE_NAMES = {
     "SamplingParams": "runner.sampling",
     "RequestOutput": "runner.outputs",
     "StructuredOutputsParams": "runner.structured_outputs",
+    "BeamSearchParams": "runner.beam_search",
 }
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "Allocation",
     "BlockManager",
     "CacheStats",

@@ -9,10 +9,18 @@ from typing import Any
 
 from tqdm import tqdm
 
+from runner.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from runner.engine_core import Engine
 from runner.outputs import RequestOutput
 from runner.prefix_cache_file import cache_identity, load_prefix_cache, save_prefix_cache
-from runner.requests import Messages, Prompt, conversation_batch, params_per_prompt, prompt_batch
+from runner.requests import (
+    Messages,
+    Prompt,
+    conversation_batch,
+    params_per_prompt,
+    prompt_batch,
+    prompt_token_ids,
+)
 from runner.sampling import SamplingParams
 from runner.sequence import Sequence, request_id_of
 from runner.streaming import StreamDelta, stream_requests
@@ -69,6 +77,22 @@ class LLM(Engine):
         """`stream` over conversations, with the model's chat template applied."""
         texts = self._chat_texts(conversations)
         return stream_requests(self, lambda: self._queue_all(texts, params, cache_salt, True))
+
+    def beam_search(
+        self, prompts: Seq[Prompt] | Prompt, params: BeamSearchParams | None = None
+    ) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best answers to each prompt (text or token ids) by beam
+        search, as transformers' `generate(num_beams=...)` finds them (runner/beam_search.py);
+        outputs come back in input order, each with its answers best first."""
+        batch = prompt_batch(prompts)
+        token_ids = []
+        for i, prompt in enumerate(batch):
+            try:
+                token_ids.append(prompt_token_ids(prompt, self.tokenizer, True))
+                self.validator.check(token_ids[-1], SamplingParams(max_tokens=1))
+            except ValueError as err:
+                raise ValueError(f"prompt {i}: {err}") from err
+        return beam_search(self, token_ids, params or BeamSearchParams())
 
     def _chat_texts(self, conversations: Seq[Messages] | Messages) -> list[Prompt]:
         return [self.apply_chat_template(list(c)) for c in conversation_batch(conversations)]
