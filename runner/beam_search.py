@@ -44,6 +44,8 @@ class BeamSearchParams:
             self.length_penalty, bool
         ):
             raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if not -10.0 <= self.length_penalty <= 10.0:  # length ** penalty stays a float
+            raise ValueError(f"length_penalty must be in [-10, 10], got {self.length_penalty}")
 
 
 @dataclass
@@ -118,12 +120,15 @@ def _advance(
 ) -> None:
     """One step of one prompt's search, from each running beam's K likeliest tokens."""
     width, length = params.beam_width, len(beams[0][0]) + 1  # new tokens after this step
-    candidates = [
-        (lp + token_lp, tokens + [token])
-        for tokens, lp, out in beams
+    ranked = [
+        (lp + token_lp, beam, token, tokens + [token])
+        for beam, (tokens, lp, out) in enumerate(beams)
         for token, token_lp in out.logprobs[0].top
     ]
-    candidates = sorted(candidates, key=lambda c: -c[0])[:k]
+    # Best first; an exact tie goes to the lower (beam, token), as an argmax over the beams'
+    # scores laid end to end would pick (transformers' topk leaves tie order unspecified).
+    ranked.sort(key=lambda c: (-c[0], c[1], c[2]))
+    candidates = [(score, tokens) for score, _, _, tokens in ranked[:k]]
     ends = [last or c[1][-1] in eos for c in candidates]
     # Running: the best that do not end (one that ends goes last, as transformers' -1e9 does).
     order = sorted(range(len(candidates)), key=lambda i: (ends[i], -candidates[i][0]))

@@ -84,15 +84,16 @@ class LLM(Engine):
         """The `params.beam_width` best answers to each prompt (text or token ids) by beam
         search, as transformers' `generate(num_beams=...)` finds them (runner/beam_search.py);
         outputs come back in input order, each with its answers best first."""
-        batch = prompt_batch(prompts)
+        params = params or BeamSearchParams()
+        whole = SamplingParams(max_tokens=params.max_tokens)  # a beam must fit the pool alone
         token_ids = []
-        for i, prompt in enumerate(batch):
+        for i, prompt in enumerate(prompt_batch(prompts)):
             try:
                 token_ids.append(prompt_token_ids(prompt, self.tokenizer, True))
-                self.validator.check(token_ids[-1], SamplingParams(max_tokens=1))
+                self.validator.check(token_ids[-1], whole)
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from err
-        return beam_search(self, token_ids, params or BeamSearchParams())
+        return beam_search(self, token_ids, params)
 
     def _chat_texts(self, conversations: Seq[Messages] | Messages) -> list[Prompt]:
         return [self.apply_chat_template(list(c)) for c in conversation_batch(conversations)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, BeamSearchParams
+from runner.beam_search import _advance, _Search
 
 MAX_NEW = 10
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -110,6 +112,7 @@ def test_text_prompts_and_decoded_answers(tiny_llama_tok_dir: Path) -> None:
         ({"beam_width": 2.5}, "beam_width must be an integer"),
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
         ({"length_penalty": "x"}, "length_penalty must be a number"),
+        ({"length_penalty": 1100}, "length_penalty must be in"),
     ],
 )
 def test_bad_params_are_refused_by_name(fields: dict[str, Any], message: str) -> None:
@@ -125,4 +128,21 @@ def test_requests_that_cannot_run_are_refused_by_name(tiny_llama_dir: Path) -> N
         llm.beam_search([[5] * 500], BeamSearchParams(max_tokens=20))
     with pytest.raises(ValueError, match="prompt 1: prompt token 0 is 100000"):
         llm.beam_search([[5, 6], [100000]], BeamSearchParams())
+    small = LLM(str(tiny_llama_dir), num_kv_blocks=4, block_size=4)  # 16 tokens in all
+    with pytest.raises(ValueError, match="prompt 1: .* needs 5 KV blocks"):
+        small.beam_search([[3, 4], [5] * 10], BeamSearchParams(beam_width=3, max_tokens=10))
+    assert small.scheduler.step_count == 0  # refused before any work
     assert not llm.has_unfinished()
+
+
+def test_exact_ties_go_to_the_lower_beam_and_token() -> None:
+    """Continuations that score exactly alike are ranked by (beam, token), as an argmax over
+    the beams' scores laid end to end would pick them."""
+    search = _Search(prompt=[1], running=[([7], -1.0), ([8], -1.0)])
+
+    def top(pairs: list[tuple[int, float]]) -> Any:
+        return SimpleNamespace(logprobs=[SimpleNamespace(top=pairs)])
+
+    beams = [([7], -1.0, top([(31, -0.5), (30, -0.5)])), ([8], -1.0, top([(9, -0.5)]))]
+    _advance(search, beams, k=3, last=False, eos=set(), params=BeamSearchParams(beam_width=2))
+    assert search.running == [([7, 30], -1.5), ([7, 31], -1.5)]
