@@ -22,6 +22,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "cache-on": {},
     "cache-off": {"enable_prefix_caching": False},
     "tiny-pool": {"num_kv_blocks": 40, "block_size": 4},
+    "block-1": {"block_size": 1},  # every token a full block: a step recomputes nothing
 }
 
 
