@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from runner.bench_beams import NO_BEAMS, hf_beam_options, run_engine_beams
 from runner.bench_peers import (
     PeerResult,
     Sampling,
@@ -20,6 +21,7 @@ from runner.bench_peers import (
     run_reference,
     samples_per_prompt,
 )
+from runner.bench_table import format_table
 from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.cpu_linear import PackedLinear, onednn_available
 from runner.engine import LLM
@@ -177,10 +179,14 @@ def run_bench(
     check: bool = True,
     engine_options: dict[str, Any] | None = None,
     sampling: Sampling | None = None,
+    beam_width: int | None = None,
 ) -> dict[str, Any]:
     """Returns {"rows": [...], "table": str}; ratios are against hf-static of this run. With
-    `sampling`, every system samples and nothing is checked (no two samplers agree)."""
+    `sampling`, every system samples and nothing is checked (no two samplers agree); with
+    `beam_width`, every system searches beams (runner/bench_beams.py)."""
     check = check and sampling is None
+    if beam_width and (sampling is not None or set(systems) & set(NO_BEAMS)):
+        raise ValueError(f"beam search is greedy, and {', '.join(NO_BEAMS)} search no beams")
     unknown = [s for s in systems if s not in ENGINE_SYSTEMS and s not in PEER_SYSTEMS]
     if unknown:
         raise ValueError(f"unknown systems {unknown}; known: {[*ENGINE_SYSTEMS, *PEER_SYSTEMS]}")
@@ -198,7 +204,8 @@ def run_bench(
         if check or any(s.startswith("hf-") for s in systems)
         else None
     )
-    reference = run_reference(hf_model, requests, eos_ids, device) if check else None
+    beams = hf_beam_options(beam_width)
+    reference = run_reference(hf_model, requests, eos_ids, device, **beams) if check else None
     rows: list[dict[str, Any]] = []
     for system in systems:
         extra: dict[str, Any] = {}
@@ -206,14 +213,17 @@ def run_bench(
         if system in ENGINE_SYSTEMS:
             options = {**(engine_options or {}), **ENGINE_SYSTEMS[system]}
             same_model = options.get("cpu_weight_dtype", "float32") == "float32"
-            result, llm, extra = run_engine(model, requests, device, options, sampling)
-            if extra["prefill_only_s"] > 0:
-                flops = 2 * matmul_params * extra["prefill_only_tokens"]
-                extra["prefill_mfu"] = flops / extra["prefill_only_s"] / (peak * 1e9)
-            del llm
+            if beam_width:
+                result = run_engine_beams(model, requests, device, options, beam_width)
+            else:
+                result, llm, extra = run_engine(model, requests, device, options, sampling)
+                if extra["prefill_only_s"] > 0:
+                    flops = 2 * matmul_params * extra["prefill_only_tokens"]
+                    extra["prefill_mfu"] = flops / extra["prefill_only_s"] / (peak * 1e9)
+                del llm
         elif system == "hf-static":
             batch = (engine_options or {}).get("max_num_seqs") or len(requests)
-            result = run_hf_static(hf_model, requests, eos_ids, device, batch, sampling)
+            result = run_hf_static(hf_model, requests, eos_ids, device, batch, sampling, beams)
         elif system == "hf-lookup":
             result = run_hf_lookup(hf_model, requests, eos_ids, device)
         else:
@@ -247,52 +257,10 @@ def run_bench(
         )
         if sampling.n > 1:
             table += f", {sampling.n} samples a prompt"
+    if beam_width:
+        table += f"\nevery system searched {beam_width} beams a prompt; its best is its answer"
     return {"rows": rows, "table": table, "peak_gflops": peak}
 
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
-
-
-def format_table(rows: list[dict[str, Any]], peak: float, rss_mib: float) -> str:
-    head = [
-        "system",
-        "wall s",
-        "out tok/s",
-        "x hf-static",
-        "prefill tok",
-        "hit rate",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "ITL p50 ms",
-        "ITL p99 ms",
-        "prefill MFU",
-        "decode outside matmul",
-        "match",
-    ]
-    lines = [" | ".join(head), " | ".join("---" for _ in head)]
-    for r in rows:
-        cells = [
-            r["system"],
-            f"{r['wall_s']:.2f}",
-            f"{r['output_tok_s']:.1f}",
-            _fmt(r.get("vs_hf_static"), "{:.2f}x"),
-            str(r["prefill_tokens"]),
-            _fmt(r.get("hit_rate"), "{:.1%}"),
-            _fmt(r["ttft_p50_ms"], "{:.0f}"),
-            _fmt(r["ttft_p99_ms"], "{:.0f}"),
-            _fmt(r.get("itl_p50_ms"), "{:.0f}"),
-            _fmt(r.get("itl_p99_ms"), "{:.0f}"),
-            _fmt(r.get("prefill_mfu"), "{:.0%}"),
-            _fmt(r.get("decode_outside_matmul"), "{:.0%}"),
-            _fmt(r["matches_reference"], "{}"),
-        ]
-        lines.append(" | ".join(cells))
-    lines.append(
-        f"\nfloat32 matmul peak measured now: {peak:.0f} GFLOP/s; peak RSS {rss_mib:.0f} MiB"
-    )
-    return "\n".join(lines)
-
-
-def _fmt(value: Any, pattern: str) -> str:
-    return "-" if value is None else pattern.format(value)

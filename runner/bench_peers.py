@@ -129,9 +129,11 @@ def run_hf_static(
     device: str,
     batch_size: int,
     sampling: Sampling | None = None,
+    options: dict[str, Any] | None = None,
 ) -> PeerResult:
     """Classic static batching: left-padded batches of `batch_size`, each runs until its
-    longest member is done (with n samples a prompt, its rows are repeated n times)."""
+    longest member is done (with n samples a prompt, its rows are repeated n times);
+    `options` are more of generate's arguments (beam search, for the bench's --beam-width)."""
     samples = samples_per_prompt(sampling)
     pad = min(eos_ids)
     outputs: list[list[int]] = []
@@ -156,6 +158,7 @@ def run_hf_static(
             **({"num_return_sequences": samples} if samples > 1 else {}),
             eos_token_id=stop_ids(batch, eos_ids),
             pad_token_id=pad,
+            **(options or {}),
         )
         prefill += ids.numel() * (samples - 1)  # each row is repeated before the prompt runs
         for row in range(len(batch) * samples):  # transformers puts a prompt's samples together

@@ -68,6 +68,19 @@ import click
     show_default=True,
     help="With --temperature: samples per prompt in every system.",
 )
+@click.option(
+    "--beam-width",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Beam search in every system (the engine's beam_search, transformers' num_beams).",
+)
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="KV block size for the engine systems (beam search recomputes each beam's last "
+    "partial block every step: smaller blocks, less of it).",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def bench(
     workload: str,
@@ -82,6 +95,8 @@ def bench(
     temperature: float | None,
     top_p: float,
     samples: int,
+    beam_width: int | None,
+    block_size: int | None,
     json_path: str | None,
 ) -> None:
     """Run a workload through several systems in one process and print one table.
@@ -110,6 +125,8 @@ def bench(
         raise click.UsageError(str(err)) from err
     if samples > 1 and temperature is None:
         raise click.UsageError("--n above 1 needs --temperature: greedy samples are all alike")
+    if beam_width and (temperature is not None or {"hf-cb", "hf-lookup"} & set(system_list)):
+        raise click.UsageError("--beam-width is greedy, and hf-cb and hf-lookup search no beams")
 
     start = time.perf_counter()
     result = run_bench(
@@ -125,10 +142,12 @@ def bench(
             for k, v in (
                 ("max_num_batched_tokens", max_num_batched_tokens),
                 ("max_num_seqs", max_num_seqs),
+                ("block_size", block_size),
             )
             if v is not None
         },
         sampling=Sampling(temperature, top_p, samples) if temperature is not None else None,
+        beam_width=beam_width,
     )
     click.echo(result["table"])
     if json_path:

@@ -37,6 +37,27 @@ def test_bench_rows_on_a_tiny_model(tiny_llama_tok_dir: Path, prepack: bool) -> 
     assert "decode outside matmul" in result["table"].splitlines()[0]
 
 
+def test_bench_beam_search_matches_the_reference(tiny_llama_tok_dir: Path) -> None:
+    """--beam-width: the engine's beam search and transformers' batched num_beams give the
+    best beam of transformers' unbatched beam search; samplers and hf-cb are refused."""
+    result = run_bench(
+        "sample",
+        ["engine", "hf-static"],
+        model=str(tiny_llama_tok_dir),
+        max_tokens=6,
+        limit=3,
+        engine_options={"block_size": 4},
+        beam_width=3,
+    )
+    rows = {r["system"]: r for r in result["rows"]}
+    assert rows["engine"]["matches_reference"] is True
+    assert rows["hf-static"]["matches_reference"] is True
+    assert rows["engine"]["prefill_tokens"] > 0  # the beams' last partial blocks, again
+    assert "searched 3 beams" in result["table"]
+    with pytest.raises(ValueError, match="beam search is greedy"):
+        run_bench("sample", ["hf-cb"], model=str(tiny_llama_tok_dir), limit=1, beam_width=2)
+
+
 def test_bench_speculative_systems_match_the_reference(
     make_tiny_model: Callable[..., Path],
 ) -> None:
