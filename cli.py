@@ -207,7 +207,7 @@ def _start_batch_run(
     model: str | None, engine_options: dict[str, Any], defaults: dict[str, Any]
 ) -> Any:
     from runner.batch_run import BatchRun
-    from runner.sampling import SamplingParams
+    from runner.sampling_params import SamplingParams
 
     try:  # a bad default would fail every line: say so once, before loading the model
         SamplingParams(**defaults)

@@ -14,7 +14,7 @@ from kvcache.stats import CacheStats
 
 _ENGINE_NAMES = {
     "LLM": "runner.engine",
-    "SamplingParams": "runner.sampling",
+    "SamplingParams": "runner.sampling_params",
     "RequestOutput": "runner.outputs",
     "StructuredOutputsParams": "runner.structured_outputs",
     "BeamSearchParams": "runner.beam_search",

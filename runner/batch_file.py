@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from runner.sampling import SamplingParams
+from runner.sampling_params import SamplingParams
 from runner.structured_outputs import StructuredOutputsParams
 
 SAMPLING_FIELDS = (

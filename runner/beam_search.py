@@ -17,7 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from runner.sampling import MAX_LOGPROBS, SamplingParams
+from runner.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @dataclass

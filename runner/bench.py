@@ -27,7 +27,7 @@ from runner.cpu_linear import PackedLinear, onednn_available
 from runner.engine import LLM
 from runner.matmul_timer import MatmulTimer
 from runner.outputs import RequestOutput
-from runner.sampling import SamplingParams
+from runner.sampling_params import SamplingParams
 from runner.workloads import BenchRequest, load_workload
 
 ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {

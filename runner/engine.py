@@ -21,7 +21,7 @@ from runner.requests import (
     prompt_batch,
     prompt_token_ids,
 )
-from runner.sampling import SamplingParams
+from runner.sampling_params import SamplingParams
 from runner.sequence import Sequence, request_id_of
 from runner.streaming import StreamDelta, stream_requests
 

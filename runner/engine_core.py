@@ -26,7 +26,8 @@ from runner.requests import (
     render_chat,
 )
 from runner.sample_groups import SampleGroup, sample_params, sample_request_id
-from runner.sampling import SamplingParams, request_generator
+from runner.sampling import request_generator
+from runner.sampling_params import SamplingParams
 from runner.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from runner.sequence import SeqStatus, Sequence
 from runner.speculative import SpecStats, step_tokens

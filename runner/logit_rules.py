@@ -14,7 +14,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from runner.sampling import SamplingParams
+from runner.sampling_params import SamplingParams
 
 
 def stop_ids_of(params: SamplingParams, eos_ids: Collection[int]) -> set[int]:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from runner.sampling import SamplingParams
+from runner.sampling_params import SamplingParams
 
 
 class TokenLogprobs(NamedTuple):

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from runner.sampling import SamplingParams
+from runner.sampling_params import SamplingParams
 
 
 class TokenHistory:

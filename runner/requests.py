@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runner.logit_rules import stop_ids_of
-from runner.sampling import SamplingParams
+from runner.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]

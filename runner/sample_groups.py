@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from runner.outputs import RequestOutput
-from runner.sampling import SamplingParams
+from runner.sampling_params import SamplingParams
 
 SEED_RANGE = 2**63  # SamplingParams accepts seeds below this
 

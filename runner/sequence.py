@@ -10,7 +10,7 @@ import torch
 
 from runner.logprobs import TokenLogprobs
 from runner.penalties import TokenHistory
-from runner.sampling import SamplingParams
+from runner.sampling_params import SamplingParams
 from runner.structured_outputs import GrammarState
 
 

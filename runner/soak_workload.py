@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.sampling import SamplingParams
+from runner.sampling_params import SamplingParams
 
 VOCAB = 320
 SALTS = [None] * 17 + ["tenant-a"] * 2 + ["tenant-b"]  # 15% of requests carry a salt

@@ -25,7 +25,7 @@ import torch
 from kvcache import BlockManager
 from runner.logprobs import TokenLogprobs
 from runner.next_tokens import next_tokens
-from runner.sampling import SamplingParams
+from runner.sampling_params import SamplingParams
 from runner.sequence import Sequence
 
 NGRAM_MAX = 4  # the longest n-gram looked up first: a longer match predicts better

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import runner.sampling as sampling
-from runner.sampling import SamplingParams, draw, filtered_probs, sample
+from runner.sampling import draw, filtered_probs, sample
+from runner.sampling_params import SamplingParams
 
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

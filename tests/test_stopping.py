@@ -12,7 +12,7 @@ from conftest import tiny_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner.sampling import SamplingParams
+from runner.sampling_params import SamplingParams
 from runner.sequence import Sequence
 from runner.stopping import StopChecker, first_stop
 
