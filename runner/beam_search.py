@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.sampling_params import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from runner.engine import LLM
 
 
 @dataclass
@@ -32,6 +35,10 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field out of range."""
         if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int):
             raise ValueError(f"beam_width must be an integer, got {self.beam_width!r}")
         if self.beam_width < 1:
@@ -80,7 +87,7 @@ class _Search:
 
 
 def beam_search(
-    llm: Any, prompts: list[list[int]], params: BeamSearchParams
+    llm: LLM, prompts: list[list[int]], params: BeamSearchParams
 ) -> list[BeamSearchOutput]:
     """Search every prompt (token ids) at once; `llm` is the engine (runner/engine.py)."""
     eos = set() if params.ignore_eos else set(llm.eos_ids)
@@ -142,7 +149,7 @@ def _advance(
     search.done = last or (full and best_running <= search.finished[-1][0])
 
 
-def _result(llm: Any, search: _Search, eos: Collection[int]) -> BeamSearchOutput:
+def _result(llm: LLM, search: _Search, eos: Collection[int]) -> BeamSearchOutput:
     sequences = [
         BeamSequence(
             token_ids=tokens,

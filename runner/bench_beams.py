@@ -28,8 +28,9 @@ def run_engine_beams(
     options: dict[str, Any],
     width: int,
 ) -> PeerResult:
-    """Every request searched at once (those of one max_tokens together); the prefill column
-    counts what the beams' steps computed again (each beam's last partial block)."""
+    """Every request searched at once (those alike in max_tokens and ignore_eos together);
+    the prefill column counts what the beams' steps computed again (each beam's last partial
+    block)."""
     llm = LLM(model, device=device, **options)
     llm.beam_search([[1, 2, 3, 4, 5]], BeamSearchParams(beam_width=width, max_tokens=2))
     first_step = len(llm.recorder.steps)

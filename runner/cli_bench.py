@@ -109,6 +109,7 @@ def bench(
         core_main()
         return
     from runner.bench import ENGINE_SYSTEMS, PEER_SYSTEMS, run_bench
+    from runner.bench_beams import NO_BEAMS
     from runner.bench_peers import Sampling
     from runner.workloads import workload_path
 
@@ -125,8 +126,10 @@ def bench(
         raise click.UsageError(str(err)) from err
     if samples > 1 and temperature is None:
         raise click.UsageError("--n above 1 needs --temperature: greedy samples are all alike")
-    if beam_width and (temperature is not None or {"hf-cb", "hf-lookup"} & set(system_list)):
-        raise click.UsageError("--beam-width is greedy, and hf-cb and hf-lookup search no beams")
+    if beam_width and (temperature is not None or set(NO_BEAMS) & set(system_list)):
+        raise click.UsageError(f"--beam-width is greedy, and {', '.join(NO_BEAMS)} search no beams")
+    if block_size is not None and block_size & (block_size - 1):
+        raise click.UsageError(f"--block-size must be a power of two, got {block_size}")
 
     start = time.perf_counter()
     result = run_bench(

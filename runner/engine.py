@@ -84,12 +84,15 @@ class LLM(Engine):
         """The `params.beam_width` best answers to each prompt (text or token ids) by beam
         search, as transformers' `generate(num_beams=...)` finds them (runner/beam_search.py);
         outputs come back in input order, each with its answers best first."""
-        params = params or BeamSearchParams()
+        params = params if params is not None else BeamSearchParams()
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        params.validate()  # it may have been changed since it was made
         whole = SamplingParams(max_tokens=params.max_tokens)  # a beam must fit the pool alone
         token_ids = []
         for i, prompt in enumerate(prompt_batch(prompts)):
             try:
-                token_ids.append(prompt_token_ids(prompt, self.tokenizer, True))
+                token_ids.append(prompt_token_ids(prompt, self.tokenizer, add_special_tokens=True))
                 self.validator.check(token_ids[-1], whole)
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from err
@@ -110,8 +113,8 @@ class LLM(Engine):
         order = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
         results: list[RequestOutput | None] = [None] * len(prompts)
         pending = set(order)
-        self.reserve_outputs(set(order))
         try:
+            self.reserve_outputs(set(order))
             with tqdm(total=len(prompts), disable=not use_tqdm, desc="generate") as bar:
                 while pending:
                     outputs = self.step_for(pending)
@@ -157,7 +160,7 @@ class LLM(Engine):
                     prompt, p, cache_salt=cache_salt, add_special_tokens=not chat
                 )
                 queued.append(self.samples_of(request_id_of(seq)))
-        except Exception as err:
+        except BaseException as err:  # Ctrl-C too: nothing queued may be left to run unseen
             for samples in queued:
                 self.abort_request(request_id_of(samples[0]))
             if isinstance(err, ValueError):

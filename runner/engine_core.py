@@ -107,26 +107,28 @@ class Engine:
                 raise ValueError(
                     f"request id {taken[0]!r} (a sample of {rid!r}) is already running"
                 )
-            self._groups[rid] = SampleGroup(rid, params.n)
         seqs = []
-        for j in range(params.n):
-            own = sample_params(params, j) if params.n > 1 else params
-            seq = Sequence(
-                seq_id=seq_id if j == 0 else next(self._seq_ids),
-                request_id=sample_request_id(rid, j) if params.n > 1 else rid,
-                prompt_token_ids=token_ids,
-                params=own,
-                root=root,
-                generator=request_generator(own, self._rng),
-                prompt_text=text,
-                group=rid if params.n > 1 else None,
-                sample_index=j,
-                grammar=self.grammars.state_for(own.structured_outputs),
-            )
-            self.recorder.add_request(seq, prefix_key)
-            self.scheduler.add(seq)
-            self._live[seq.request_id] = seq
-            seqs.append(seq)
+        with interrupts_held():  # the request is queued whole (every sample) or not at all
+            if params.n > 1:
+                self._groups[rid] = SampleGroup(rid, params.n)
+            for j in range(params.n):
+                own = sample_params(params, j) if params.n > 1 else params
+                seq = Sequence(
+                    seq_id=seq_id if j == 0 else next(self._seq_ids),
+                    request_id=sample_request_id(rid, j) if params.n > 1 else rid,
+                    prompt_token_ids=token_ids,
+                    params=own,
+                    root=root,
+                    generator=request_generator(own, self._rng),
+                    prompt_text=text,
+                    group=rid if params.n > 1 else None,
+                    sample_index=j,
+                    grammar=self.grammars.state_for(own.structured_outputs),
+                )
+                self.recorder.add_request(seq, prefix_key)
+                self.scheduler.add(seq)
+                self._live[seq.request_id] = seq
+                seqs.append(seq)
         return seqs[0]
 
     def _taken(self, request_id: str) -> bool:

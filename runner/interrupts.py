@@ -28,6 +28,7 @@ def interrupts_held() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if previous is not None:  # None: a handler set outside Python, which stays in place
+            signal.signal(signal.SIGINT, previous)
         if arrived:
             signal.raise_signal(signal.SIGINT)  # now through the handler the caller had

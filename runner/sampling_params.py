@@ -180,7 +180,7 @@ def _bias_items(logit_bias: object) -> tuple[tuple[int, float], ...]:
         raise ValueError(f"logit_bias must be a dict of token id to bias, got {logit_bias!r}")
     items: list[tuple[int, float]] = []
     for key, bias in logit_bias.items():
-        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        token = int(key) if isinstance(key, str) and key.isdecimal() else key
         if not _is_token_id(token):
             raise ValueError(f"logit_bias key must be a token id, got {key!r}")
         _check_number(f"logit_bias[{key!r}]", bias)

@@ -20,7 +20,9 @@ class ScheduledSeq:
     num_new_tokens: int
     # True when this chunk ends at the sequence's newest token: its logits pick the next token.
     sample: bool
-    # K/V positions [start, start + num_new_tokens) are computed this step.
+    # K/V positions [start, start + num_new_tokens) are computed this step. For a drafted
+    # item the engine then sets num_new_tokens to what it kept (the newest token and the
+    # accepted guesses), so `commit` caches only positions whose tokens were output.
     start: int = 0
     # Guessed tokens fed after a decoding sequence's newest one (runner/speculative.py): the
     # step computes 1 + len(draft) positions, and the engine keeps those the model agrees with.
@@ -215,8 +217,9 @@ class Scheduler:
     # ----------------------------------------------------------------- helpers
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Give the step's decoding sequences guessed tokens (runner/speculative.py) out of
-        what the budget and the free blocks leave once every decode, prefill chunk and
-        admission has its share: a guess never delays, preempts or evicts anything."""
+        what the budget and the pool leave once every decode, prefill chunk and admission has
+        its share: a guess never delays or preempts another request (its blocks may evict
+        least recently used cached ones, like any growth)."""
         for item in out.scheduled:
             if budget <= 0 or not self.config.speculative_tokens:
                 return

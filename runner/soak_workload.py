@@ -83,7 +83,7 @@ class Workload:
                 kwargs.update(repetition_penalty=1.2, frequency_penalty=r.choice([0.0, 0.5]))
             if r.random() < 0.2:  # logit rules, sampled only for the same reason
                 kwargs["min_tokens"] = r.randint(0, kwargs["max_tokens"])
-                kwargs["logit_bias"] = {self.rng.randrange(VOCAB): r.uniform(-5, 5)}
+                kwargs["logit_bias"] = {r.randrange(VOCAB): r.uniform(-5, 5)}
                 if r.random() < 0.5:
                     kwargs["allowed_token_ids"] = self._tokens(30)
         else:

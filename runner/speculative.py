@@ -43,10 +43,6 @@ class SpecStats:
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
 
 def draftable(params: SamplingParams) -> bool:
     """Whether a request's next tokens are its model's plain argmax, which a draft can check."""

@@ -70,6 +70,11 @@ class OutputText:
         self._fed = 0  # tokens given to the decoder
         self._text = ""
 
+    @property
+    def incremental(self) -> bool:
+        """Whether new tokens extend the text (else each call decodes the whole output)."""
+        return self._decoder is not None
+
     def of(self, token_ids: list[int]) -> str:
         """The decoded text of `token_ids`, which extend the ids of the last call."""
         if self._decoder is None:
@@ -154,8 +159,8 @@ def stream_requests(
     texts = {seq.seq_id: TextStream(llm.stopper) for seq in running}
     tokens_sent = {seq.seq_id: 0 for seq in running}
     unfinished = set(index_of)  # requests whose output has not been handed out
-    llm.reserve_outputs(set(index_of))
     try:
+        llm.reserve_outputs(set(index_of))
         while running:
             # Finished in this step, or in another caller's step since the last one.
             outputs = llm.step_for(unfinished) if unfinished else []

@@ -63,8 +63,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--speculative-tokens",
         type=int,
         default=0,
-        help="guessed tokens a step for greedy requests (its answers digest must equal the "
-        "run's without)",
+        help="guessed tokens a step for greedy requests (every greedy answer is compared with "
+        "an engine that guesses nothing)",
     )
     return p.parse_args(argv)
 

@@ -17,6 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
+from runner import engine_core
 from runner.sequence import Sequence
 from runner.stopping import StopChecker
 from runner.streaming import OutputText, TextStream
@@ -163,14 +164,14 @@ def test_deltas_never_take_text_back(pieces: list[str], stop: str, cleanup: bool
         min_size=1,
         max_size=30,
     ),
-    cleanup=st.booleans(),
 )
-def test_output_text_equals_a_whole_decode(token_ids: list[int], cleanup: bool) -> None:
-    """Extended one token at a time, the decoded output is always the whole output's decode
-    less a trailing incomplete character (held back either way)."""
-    tokenizer = _byte_tokenizer(cleanup)
-    stopper = StopChecker(SimpleNamespace(eos_token_id=2), tokenizer, max_model_len=10_000)
+def test_output_text_equals_a_whole_decode(token_ids: list[int]) -> None:
+    """Extended one token at a time (the byte-level tokenizer's DecodeStream), the decoded
+    output is always the whole output's decode less a trailing incomplete character (held
+    back either way)."""
+    stopper = StopChecker(SimpleNamespace(eos_token_id=2), _byte_tokenizer(False), 10_000)
     output = OutputText(stopper)
+    assert output.incremental
     for n in range(1, len(token_ids) + 1):
         whole = stopper.decode(token_ids[:n])
         assert output.of(token_ids[:n]).rstrip("\ufffd") == whole.rstrip("\ufffd")
@@ -361,6 +362,35 @@ def test_a_ctrl_c_while_a_step_finishes_requests_loses_nothing(
     assert llm.block_manager.stats.blocks_in_use == 0
     again = llm.generate([[5, 6, 7]], dataclasses.replace(params, max_tokens=3))
     assert len(again[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("call", ["generate", "stream"])
+def test_a_ctrl_c_while_prompts_are_queued_leaves_none_behind(
+    tiny_llama_dir: Path, monkeypatch: Any, call: str
+) -> None:
+    """Ctrl-C while the third of four prompts is being tokenized: the two already queued are
+    taken back, and nothing is left waiting for a step() that nobody calls."""
+    llm = LLM(str(tiny_llama_dir))
+    real = engine_core.prompt_token_ids
+    calls = {"n": 0}
+
+    def interrupted_third(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_core, "prompt_token_ids", interrupted_third)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [[5, 6], [7, 8], [9, 10], [11, 12]]
+    with pytest.raises(KeyboardInterrupt):
+        if call == "generate":
+            llm.generate(prompts, params)
+        else:
+            list(llm.stream(prompts, params))
+    assert not llm.has_unfinished() and llm.block_manager.stats.blocks_in_use == 0
+    monkeypatch.setattr(engine_core, "prompt_token_ids", real)
+    assert [len(o.token_ids) for o in llm.generate(prompts, params)] == [4] * 4
 
 
 @pytest.mark.parametrize("lengths", [(2, 6), (6, 2), (3, 3)])
