@@ -20,6 +20,7 @@ from runner.requests import (
     params_per_prompt,
     prompt_batch,
     prompt_token_ids,
+    render_chat,
 )
 from runner.sampling_params import SamplingParams
 from runner.sequence import Sequence, request_id_of
@@ -97,6 +98,10 @@ class LLM(Engine):
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from err
         return beam_search(self, token_ids, params)
+
+    def apply_chat_template(self, messages: Messages) -> str:
+        """One conversation's prompt text, through the model's chat template."""
+        return render_chat(self.tokenizer, messages)
 
     def _chat_texts(self, conversations: Seq[Messages] | Messages) -> list[Prompt]:
         return [self.apply_chat_template(list(c)) for c in conversation_batch(conversations)]

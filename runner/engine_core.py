@@ -19,11 +19,9 @@ from runner.metrics import MetricsRecorder
 from runner.output_routing import OutputRouter
 from runner.outputs import RequestOutput
 from runner.requests import (
-    Messages,
     Prompt,
     RequestValidator,
     prompt_token_ids,
-    render_chat,
 )
 from runner.sample_groups import SampleGroup, sample_params, sample_request_id
 from runner.sampling import request_generator
@@ -70,9 +68,6 @@ class Engine:
         self.spec_stats = SpecStats()  # drafted and accepted tokens (runner/speculative.py)
 
     # ------------------------------------------------------------------ requests
-    def apply_chat_template(self, messages: Messages) -> str:
-        return render_chat(self.tokenizer, messages)
-
     def add_request(
         self,
         prompt: Prompt,
