@@ -46,6 +46,14 @@ def main() -> None:
     help="No EOS, stop token or stop string ends a request before this many tokens.",
 )
 @click.option(
+    "--json-schema",
+    "json_schema_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Hold every answer to the JSON schema in this file (a line's own structured_outputs "
+    "wins).",
+)
+@click.option(
     "--repetition-penalty",
     type=float,
     default=1.0,
@@ -117,6 +125,7 @@ def generate(
     seed: int | None,
     stop: tuple[str, ...],
     min_tokens: int,
+    json_schema_path: str | None,
     repetition_penalty: float,
     presence_penalty: float,
     frequency_penalty: float,
@@ -162,6 +171,7 @@ def generate(
         "seed": seed,
         "stop": list(stop) or None,
         "min_tokens": min_tokens,
+        "structured_outputs": _json_schema(json_schema_path),
         "repetition_penalty": repetition_penalty,
         "presence_penalty": presence_penalty,
         "frequency_penalty": frequency_penalty,
@@ -203,6 +213,18 @@ def generate(
     sys.exit(code)
 
 
+def _json_schema(path: str | None) -> Any:
+    """--json-schema's file as StructuredOutputsParams (None without one)."""
+    if path is None:
+        return None
+    from runner.structured_outputs import StructuredOutputsParams
+
+    try:
+        return StructuredOutputsParams(json=json.loads(Path(path).read_text(encoding="utf-8")))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise click.UsageError(f"--json-schema {path}: {err}") from err
+
+
 def _start_batch_run(
     model: str | None, engine_options: dict[str, Any], defaults: dict[str, Any]
 ) -> Any:
@@ -214,7 +236,9 @@ def _start_batch_run(
     except ValueError as err:
         raise click.UsageError(str(err)) from err
     try:
-        return BatchRun(model, engine_options, defaults)
+        run = BatchRun(model, engine_options, defaults)
+        run.llm.grammars.check(defaults.get("structured_outputs"))  # compiles, or fails once
+        return run
     except ValueError as err:
         raise click.ClickException(str(err)) from err
 

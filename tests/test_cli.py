@@ -366,3 +366,41 @@ def test_speculative_tokens_give_the_same_answers(tiny_llama_dir: Path, tmp_path
     answers = {r["id"]: r["token_ids"] for r in records(plain)}
     assert {r["id"]: r["token_ids"] for r in records(spec)} == answers
     assert "guessed tokens kept" in result.output
+
+
+def test_json_schema_holds_every_answer(default_model_dir: Path, tmp_path: Path) -> None:
+    """--json-schema: every answer that ends is a JSON value of the schema; a line's own
+    structured_outputs wins; a schema that is not JSON, or does not compile, stops the run
+    once, before any line."""
+    schema = tmp_path / "schema.json"
+    answer = {"type": "object", "properties": {"yes": {"type": "boolean"}}, "required": ["yes"]}
+    schema.write_text(json.dumps(answer))
+    own = {"id": "own", "prompt": "x", "structured_outputs": {"choice": ["yes", "no"]}}
+    src = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": q}]}).encode()
+            for i, q in enumerate(["Is fire hot?", "Is ice hot?", "Is the sea wet?"])
+        ]
+        + [json.dumps(own).encode()],
+    )
+    out = tmp_path / "out.jsonl"
+    args = ["generate", str(src), "--model", str(default_model_dir), "--max-tokens", "24"]
+    result = CliRunner().invoke(main, [*args, "-o", str(out), "--json-schema", str(schema)])
+    assert result.exit_code == 0, result.output
+    answers = {r["id"]: r for r in records(out)}
+    assert answers["own"]["text"] in ("yes", "no")
+    for rid in ("r0", "r1", "r2"):
+        assert answers[rid]["finish_reason"] == "stop", answers[rid]
+        assert isinstance(json.loads(answers[rid]["text"])["yes"], bool)
+    schema.write_text("{not json")
+    bad = CliRunner().invoke(
+        main, [*args, "-o", str(tmp_path / "b.jsonl"), "--json-schema", str(schema)]
+    )
+    assert bad.exit_code == 2 and "--json-schema" in bad.output
+    schema.write_text(json.dumps({"type": "object", "properties": 5}))
+    bad = CliRunner().invoke(
+        main, [*args, "-o", str(tmp_path / "c.jsonl"), "--json-schema", str(schema)]
+    )
+    assert bad.exit_code == 1 and "does not compile" in bad.output
+    assert not (tmp_path / "c.jsonl").exists() or not records(tmp_path / "c.jsonl")
