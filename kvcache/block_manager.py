@@ -121,6 +121,16 @@ class BlockManager:
         """Tokens ``allocate`` would serve from the cache now. Pure: no stats, no LRU touch."""
         return len(self._match(token_ids, root)) * self.block_size
 
+    def cached_continuation(self, request_id: int, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens with which a cached path (an earlier request that shared all of
+        ``token_ids``) goes on past them, looked up from the end of the request's chain. Pure."""
+        request = self._requests[request_id]
+        if not self.enable_prefix_caching:
+            return []
+        after = request.chain[-1] if request.chain else None
+        tail = token_ids[len(request.chain) * self.block_size :]
+        return self._tree.continuation(request.root, after, tail, k)
+
     def blocks_needed(self, token_ids: Sequence[int], root: int) -> int:
         """Fresh blocks ``allocate`` would take now. Pure."""
         return self._blocks_for(len(token_ids)) - len(self._match(token_ids, root))

@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-from kvcache.hashing import TOKEN_BYTES, hash_packed_block
+from kvcache.hashing import TOKEN_BYTES, hash_packed_block, pack_tokens
 
 
 class Node:
@@ -120,6 +120,30 @@ class RadixTree:
             return []
         num_blocks = min(max_blocks, len(data) // self._width)
         return self._walk(top, None, namespace, data, num_blocks).nodes
+
+    def continuation(
+        self, namespace: int, after: Node | None, tail: Sequence[int], k: int
+    ) -> list[int]:
+        """Up to ``k`` tokens that followed ``tail`` below ``after`` (None: the namespace's top)
+        in some cached path: whatever an earlier request with the same prefix went on with.
+        Where several did, the most recently used path wins. Pure: no ticks touched."""
+        children = self._tops.get(namespace, {}) if after is None else after.children
+        width = self._width
+        packed = pack_tokens(tail)
+        while len(packed) >= width:  # whole blocks of the tail: follow them down first
+            node = next((n for n in children.values() if n.tokens == packed[:width]), None)
+            if node is None:
+                return []
+            children, packed = node.children, packed[width:]
+        out: list[int] = []
+        fits = [n for n in children.values() if n.tokens.startswith(packed)]
+        node = max(fits, key=lambda n: n.tick) if fits else None
+        skip = len(packed) // TOKEN_BYTES
+        while node is not None and len(out) < k:
+            out += node.token_ids[skip:]
+            skip = 0
+            node = max(node.children.values(), key=lambda n: n.tick, default=None)
+        return out[:k]
 
     def insert(
         self,

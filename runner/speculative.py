@@ -81,7 +81,9 @@ def draft_for(seq: Sequence, k: int, max_model_len: int, bm: BlockManager) -> li
     k = min(k, max_model_len - seq.num_tokens - 1)
     if k < 1 or not draftable(seq.params):
         return []
-    draft = propose(seq.token_ids, k)
+    # What an earlier request with this very prefix went on with (its blocks are cached),
+    # else what followed this text's newest n-gram in itself.
+    draft = bm.cached_continuation(seq.seq_id, seq.token_ids, k) or propose(seq.token_ids, k)
     while draft and not bm.can_append(seq.seq_id, seq.num_tokens + len(draft)):
         draft.pop()
     return draft

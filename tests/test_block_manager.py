@@ -458,3 +458,30 @@ def test_a_request_that_reuses_nothing_publishes_new_blocks() -> None:
     bm.free(0)
     bm.check_integrity()
     assert bm.stats.blocks_cached == 3 and run_once(bm, 1, prompt) == 3 * B
+
+
+def test_cached_continuation_is_what_an_earlier_request_went_on_with() -> None:
+    """A request whose tokens an earlier one shared is shown how that one went on: from the
+    end of its own committed chain, through a partial tail and further blocks, most recent
+    path first, never across namespaces, and nothing once the tail leaves every cached path."""
+    bm = BlockManager(64, B)
+    earlier = seq(1000, 4 * B)
+    run_once(bm, 1, earlier)
+    later = earlier[: B + 5]  # one full block committed, five tokens of the next
+    prefill(bm, 2, later[:B] + [7])  # its own chain: the first block only
+    assert bm.cached_continuation(2, later, 20) == earlier[B + 5 : B + 25]
+    assert bm.cached_continuation(2, later, 3) == earlier[B + 5 : B + 8]
+    assert bm.cached_continuation(2, later[:B] + [99], 4) == []  # left every cached path
+    assert bm.cached_continuation(2, earlier, 4) == []  # nothing cached went further
+    # Two paths below the same prefix: the most recently used one is shown.
+    other = earlier[: B + 5] + seq(5000, 3 * B)
+    run_once(bm, 3, other)
+    assert bm.cached_continuation(2, later, 4) == other[B + 5 : B + 9]
+    elsewhere = namespace_root("model", "tenant")
+    prefill(bm, 4, earlier[:3], elsewhere)
+    assert bm.cached_continuation(4, earlier[:3], 4) == []
+    bm.check_integrity()
+    off = BlockManager(64, B, enable_prefix_caching=False)
+    run_once(off, 1, earlier)
+    prefill(off, 2, later)
+    assert off.cached_continuation(2, later, 4) == []
