@@ -1,5 +1,7 @@
-"""Speculative decoding by n-gram lookup (vLLM's "ngram" method, transformers' prompt lookup):
-guess a sequence's next tokens from its own past, and check the guesses in one forward pass.
+"""Speculative decoding: guess a sequence's next tokens, and check the guesses in one forward
+pass. The guesses come from the prefix cache (what an earlier request with this very prefix
+went on with, still cached in the radix tree) or else by n-gram lookup in the sequence's own
+text (vLLM's "ngram" method, transformers' prompt lookup).
 
 A decode step streams every weight of the model from memory to compute one token a sequence;
 computing a few more positions in the same pass costs little (on the CPU, a step of 5 tokens

@@ -233,9 +233,24 @@ def rewrite(rng: random.Random, count: Counter) -> list[dict]:
     return requests
 
 
+def repeats(rng: random.Random, count: Counter) -> list[dict]:
+    """8 questions, then the same 8 again once the first answers are done (the bench submits
+    a request `arrive_after_steps` engine steps in): with speculative decoding, a repeat can
+    guess its whole answer from the first one's cached blocks."""
+    questions = short_prompts(8, rng)
+    first = [
+        {"id": f"first-{i:02d}", "messages": [{"role": "user", "content": q}], "max_tokens": 64}
+        for i, q in enumerate(questions)
+    ]
+    again = [
+        {**r, "id": r["id"].replace("first", "again"), "arrive_after_steps": 80} for r in first
+    ]
+    return first + again
+
+
 # Each builder writes data/<its name>.jsonl.
 WORKLOADS = [sample, shared_system_prompt, few_shot, multi_turn, no_sharing, mixed_lengths,
-             long_prompt, rewrite]  # fmt: skip
+             long_prompt, rewrite, repeats]  # fmt: skip
 
 
 def main() -> None:
