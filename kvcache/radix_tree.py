@@ -18,6 +18,10 @@ from typing import NamedTuple
 
 from kvcache.hashing import TOKEN_BYTES, hash_packed_block, pack_tokens
 
+# The most children `continuation` compares a partial block against (a node under which many
+# prompts diverge, a shared system prompt's last block, may have thousands): past it, no guess.
+CONTINUATION_SCAN = 256
+
 
 class Node:
     """One cached full block. ``RadixTree`` mutates its structure; the manager, its tick."""
@@ -128,13 +132,17 @@ class RadixTree:
         in some cached path: whatever an earlier request with the same prefix went on with.
         Where several did, the most recently used path wins. Pure: no ticks touched."""
         children = self._tops.get(namespace, {}) if after is None else after.children
+        h = namespace if after is None else after.key
         width = self._width
         packed = pack_tokens(tail)
-        while len(packed) >= width:  # whole blocks of the tail: follow them down first
-            node = next((n for n in children.values() if n.tokens == packed[:width]), None)
-            if node is None:
+        while len(packed) >= width:  # whole blocks of the tail: follow them down by hash
+            h = hash_packed_block(h, packed[:width])
+            node = children.get(h)
+            if node is None or node.tokens != packed[:width]:
                 return []
             children, packed = node.children, packed[width:]
+        if len(children) > CONTINUATION_SCAN:  # a partial block has no hash: a scan, bounded
+            return []
         out: list[int] = []
         fits = [n for n in children.values() if n.tokens.startswith(packed)]
         node = max(fits, key=lambda n: n.tick) if fits else None

@@ -10,6 +10,7 @@ import pytest
 
 import kvcache.hashing
 from kvcache import BlockManager, namespace_root
+from kvcache.radix_tree import CONTINUATION_SCAN
 
 B = 16
 ROOT = namespace_root("model")
@@ -477,6 +478,10 @@ def test_cached_continuation_is_what_an_earlier_request_went_on_with() -> None:
     other = earlier[: B + 5] + seq(5000, 3 * B)
     run_once(bm, 3, other)
     assert bm.cached_continuation(2, later, 4) == other[B + 5 : B + 9]
+    # A whole block of tail not committed yet is followed down by its hash first.
+    bm.allocate(5, earlier[: B + 1], ROOT)
+    bm.commit(5, earlier[: B + 1], B)
+    assert bm.cached_continuation(5, earlier[: 2 * B + 3], 4) == earlier[2 * B + 3 : 2 * B + 7]
     elsewhere = namespace_root("model", "tenant")
     prefill(bm, 4, earlier[:3], elsewhere)
     assert bm.cached_continuation(4, earlier[:3], 4) == []
@@ -485,3 +490,17 @@ def test_cached_continuation_is_what_an_earlier_request_went_on_with() -> None:
     run_once(off, 1, earlier)
     prefill(off, 2, later)
     assert off.cached_continuation(2, later, 4) == []
+
+
+def test_cached_continuation_scans_a_bounded_number_of_children() -> None:
+    """A partial block has no hash, so it is compared with the children one by one: under a
+    node with more than CONTINUATION_SCAN of them (many prompts diverging after a shared
+    block) there is no guess, rather than a scan of thousands every step."""
+    shared = seq(1000, B)
+    for count, expected in ((CONTINUATION_SCAN, True), (CONTINUATION_SCAN + 1, False)):
+        bm = BlockManager(2 * count + 8, B)
+        for i in range(count):
+            run_once(bm, i, shared + seq(10_000 + 100 * i, B))
+        prefill(bm, count, shared + [10_000])  # one block committed, a token of the next
+        guess = bm.cached_continuation(count, shared + [10_000], 3)
+        assert (guess == [10_001, 10_002, 10_003]) is expected
