@@ -64,6 +64,13 @@ def main() -> None:
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True)
 @click.option("--n", "samples", type=int, default=1, show_default=True, help="Samples per prompt.")
 @click.option(
+    "--beam-width",
+    type=click.IntRange(min=1),
+    default=None,
+    help='Beam search: each line\'s W best answers (best first under "beams"); uses each '
+    "line's max_tokens and ignore_eos. Small --block-size makes it fast.",
+)
+@click.option(
     "--logprobs",
     type=int,
     default=None,
@@ -130,6 +137,7 @@ def generate(
     presence_penalty: float,
     frequency_penalty: float,
     samples: int,
+    beam_width: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
     block_size: int,
@@ -158,6 +166,8 @@ def generate(
         check_paths(input_path, output_path, metrics_path, resume=resume, overwrite=overwrite)
     except ValueError as err:
         raise click.UsageError(str(err)) from err
+    if beam_width and (temperature != 0 or samples != 1):
+        raise click.UsageError("--beam-width searches greedily: no --temperature, no --n")
     if prefix_cache_path and (no_prefix_cache or not Path(prefix_cache_path).parent.is_dir()):
         raise click.UsageError(
             "--prefix-cache needs the prefix cache on and an existing folder"
@@ -192,7 +202,7 @@ def generate(
     }
     with start_up_without_gc():
         try:  # Ctrl-C in the imports or the model load: nothing was generated yet
-            run = _start_batch_run(model, engine_options, defaults)
+            run = _start_batch_run(model, engine_options, defaults, beam_width)
         except KeyboardInterrupt:
             click.echo("interrupted while loading the model; nothing was generated", err=True)
             sys.exit(130)
@@ -226,9 +236,13 @@ def _json_schema(path: str | None) -> Any:
 
 
 def _start_batch_run(
-    model: str | None, engine_options: dict[str, Any], defaults: dict[str, Any]
+    model: str | None,
+    engine_options: dict[str, Any],
+    defaults: dict[str, Any],
+    beam_width: int | None,
 ) -> Any:
     from runner.batch_run import BatchRun
+    from runner.beam_search import BeamSearchParams
     from runner.sampling_params import SamplingParams
 
     try:  # a bad default would fail every line: say so once, before loading the model
@@ -236,8 +250,10 @@ def _start_batch_run(
     except ValueError as err:
         raise click.UsageError(str(err)) from err
     try:
-        run = BatchRun(model, engine_options, defaults)
+        run = BatchRun(model, engine_options, defaults, beam_width)
         run.llm.grammars.check(defaults.get("structured_outputs"))  # compiles, or fails once
+        if beam_width:  # too wide for the log-probabilities a step gives: say so once
+            run.llm.beam_search([], BeamSearchParams(beam_width=beam_width))
         return run
     except ValueError as err:
         raise click.ClickException(str(err)) from err

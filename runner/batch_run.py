@@ -10,6 +10,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from runner.batch_beams import search_lines
 from runner.batch_file import BatchLine, ResultWriter, parse_line, read_lines
 from runner.engine import LLM
 from runner.outputs import RequestOutput
@@ -19,10 +20,16 @@ class BatchRun:
     """Feeds every good line to one LLM; a bad line becomes an error record and the run goes on."""
 
     def __init__(
-        self, model: str | None, engine_options: dict[str, Any], defaults: dict[str, Any]
+        self,
+        model: str | None,
+        engine_options: dict[str, Any],
+        defaults: dict[str, Any],
+        beam_width: int | None = None,
     ) -> None:
         self.llm = LLM(model, **engine_options)
         self.defaults = defaults
+        self.beam_width = beam_width  # beam search instead of sampling (runner/batch_beams.py)
+        self.beam_lines: list[BatchLine] = []
         self.num_errors = 0
         self.num_done = 0
         self.num_skipped = 0
@@ -61,10 +68,22 @@ class BatchRun:
                 line_of[line.request_id] = line_no
                 if line.id_given:
                     given_ids.add(line.request_id)
-                self._submit(writer, line)
-            bar = tqdm(total=self.num_queued, desc="generate", unit="req", file=sys.stderr)
+                if self.beam_width:
+                    self.beam_lines.append(line)
+                else:
+                    self._submit(writer, line)
+            total = len(self.beam_lines) or self.num_queued
+            bar = tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
             stack.callback(bar.close)
             try:
+                if self.beam_width:
+                    search_lines(
+                        self.llm,
+                        self.beam_lines,
+                        self.beam_width,
+                        lambda line, record: self._searched(writer, record, bar, start),
+                        lambda line: self._fail(writer, line),
+                    )
                 self.llm.run_until_done(lambda out: self._finish(writer, out, line_of, bar, start))
             except KeyboardInterrupt:
                 bar.close()
@@ -139,6 +158,17 @@ class BatchRun:
             hit=f"{self.llm.block_manager.stats.hit_rate:.1%}",
             refresh=False,
         )
+
+    def _searched(
+        self, writer: ResultWriter | PrintWriter, record: dict[str, Any], bar: tqdm, start: float
+    ) -> None:
+        """A line's beam search is done: its record out, the counts and the bar on."""
+        writer.write(record)
+        self.num_done += 1
+        self.output_tokens += len(record["token_ids"])
+        bar.update(1)
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        bar.set_postfix(tok_s=f"{self.output_tokens / elapsed:.1f}", refresh=False)
 
     def _summary(self, output: Path | None, elapsed: float) -> None:
         s = self.llm.stats()

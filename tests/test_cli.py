@@ -16,6 +16,7 @@ from typing import Any
 from click.testing import CliRunner
 
 from cli import main
+from kvcache import LLM, BeamSearchParams
 
 
 def write_lines(path: Path, lines: list[bytes]) -> Path:
@@ -404,3 +405,36 @@ def test_json_schema_holds_every_answer(default_model_dir: Path, tmp_path: Path)
     )
     assert bad.exit_code == 1 and "does not compile" in bad.output
     assert not (tmp_path / "c.jsonl").exists() or not records(tmp_path / "c.jsonl")
+
+
+def test_beam_width_writes_each_lines_best_answers(
+    tiny_llama_tok_dir: Path, tmp_path: Path
+) -> None:
+    """--beam-width: each good line's answers by beam search, best first under "beams", the
+    same as LLM.beam_search gives; a bad line fails alone; sampling flags are refused."""
+    lines = [
+        json.dumps({"id": "text", "prompt": "Hello"}).encode(),
+        json.dumps({"id": "ids", "prompt_token_ids": [5, 6, 7], "max_tokens": 4}).encode(),
+        json.dumps({"id": "chat", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        json.dumps({"id": "bad", "prompt_token_ids": [100000]}).encode(),
+    ]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    args = ["generate", str(src), "--model", str(tiny_llama_tok_dir), "--max-tokens", "6"]
+    result = CliRunner().invoke(main, [*args, "-o", str(out), "--beam-width", "3"])
+    assert result.exit_code == 1, result.output  # the bad line
+    got = {r["id"]: r for r in records(out)}
+    assert "outside the vocabulary" in got["bad"]["error"]
+    llm = LLM(str(tiny_llama_tok_dir))
+    chat = llm.tokenizer(
+        llm.apply_chat_template([{"role": "user", "content": "hi"}]), add_special_tokens=False
+    ).input_ids
+    hello = llm.tokenizer("Hello").input_ids
+    for rid, prompt, max_tokens in (("text", hello, 6), ("ids", [5, 6, 7], 4), ("chat", chat, 6)):
+        want = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=max_tokens))[0]
+        assert [b["token_ids"] for b in got[rid]["beams"]] == [s.token_ids for s in want.sequences]
+        assert got[rid]["token_ids"] == want.sequences[0].token_ids
+        assert got[rid]["prompt_tokens"] == len(prompt)
+    bad = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "b.jsonl"), "--beam-width", "2",
+                                    "--temperature", "0.5"])  # fmt: skip
+    assert bad.exit_code == 2 and "--beam-width" in bad.output

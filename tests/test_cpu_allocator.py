@@ -8,7 +8,7 @@ import ctypes.util
 
 import pytest
 
-from runner.cpu_allocator import MMAP_THRESHOLD_BYTES, keep_step_buffers_in_heap
+from runner.cpu_allocator import keep_step_buffers_in_heap
 
 
 class MallInfo2(ctypes.Structure):
@@ -53,4 +53,7 @@ def test_step_sized_blocks_stay_in_the_heap() -> None:
     # 40 MiB is above the most glibc's own adaptive threshold reaches (32 MiB): untuned, it
     # would be mapped on its own. Above our threshold a block still is.
     assert mapped_bytes_while_holding(libc, 40 << 20) == 0
-    assert mapped_bytes_while_holding(libc, 2 * MMAP_THRESHOLD_BYTES) >= 2 * MMAP_THRESHOLD_BYTES
+    # Above it a block still is mapped, once no free chunk of the heap can hold it: earlier
+    # tests in the same process may have left one of a few hundred MiB (1 GiB is only mapped,
+    # never touched).
+    assert mapped_bytes_while_holding(libc, 1 << 30) >= 1 << 30
