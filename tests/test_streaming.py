@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -197,6 +198,24 @@ def test_streaming_does_not_decode_the_whole_output_each_step(
     assert whole_decodes["n"] <= 4  # 80 tokens streamed
 
 
+def on_call(real: Callable[..., Any], n: int, action: Callable[[], None]) -> Callable[..., Any]:
+    """`real`, but its n-th call first does `action` (raises KeyboardInterrupt, or sends a
+    real SIGINT), as a Ctrl-C landing there would."""
+    calls = {"n": 0}
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == n:
+            action()
+        return real(*args, **kwargs)
+
+    return wrapped
+
+
+def raise_interrupt() -> None:
+    raise KeyboardInterrupt
+
+
 _TOKENIZERS: dict[bool, Any] = {}
 
 
@@ -294,15 +313,7 @@ def test_kept_outputs_are_never_lost(tiny_llama_dir: Path, monkeypatch: Any) -> 
         llm.step()
     monkeypatch.setattr(llm.runner, "run", run)
     assert sorted(o.request_id for o in llm.run_until_done()) == ["x", "y"]
-    calls = {"n": 0}
-
-    def second_fails(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        return run(*args, **kwargs)
-
-    monkeypatch.setattr(llm.runner, "run", second_fails)
+    monkeypatch.setattr(llm.runner, "run", on_call(run, 2, raise_interrupt))
     with pytest.raises(KeyboardInterrupt):
         llm.generate([[10, 11], [12, 13]], params)
     assert not llm.has_unfinished()
@@ -339,16 +350,8 @@ def test_a_ctrl_c_while_a_step_finishes_requests_loses_nothing(
     llm.add_request([8, 9], params, request_id="b")
     llm.step()  # prefill: one token each; both finish in the next step
     target = getattr(llm, where[0])
-    real = getattr(target, where[1])
-    calls = {"n": 0}
-
-    def ctrl_c_once(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            signal.raise_signal(signal.SIGINT)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(target, where[1], ctrl_c_once)
+    ctrl_c = on_call(getattr(target, where[1]), 1, lambda: signal.raise_signal(signal.SIGINT))
+    monkeypatch.setattr(target, where[1], ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         for _ in range(3):  # the patched call may come in a later step (free, in static mode)
             llm.step()
@@ -372,15 +375,7 @@ def test_a_ctrl_c_while_prompts_are_queued_leaves_none_behind(
     taken back, and nothing is left waiting for a step() that nobody calls."""
     llm = LLM(str(tiny_llama_dir))
     real = engine_core.prompt_token_ids
-    calls = {"n": 0}
-
-    def interrupted_third(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(engine_core, "prompt_token_ids", interrupted_third)
+    monkeypatch.setattr(engine_core, "prompt_token_ids", on_call(real, 3, raise_interrupt))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompts = [[5, 6], [7, 8], [9, 10], [11, 12]]
     with pytest.raises(KeyboardInterrupt):
