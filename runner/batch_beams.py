@@ -9,19 +9,18 @@ from typing import Any
 from runner.batch_file import BatchLine
 from runner.beam_search import BeamSearchOutput, BeamSearchParams
 from runner.engine import LLM
-from runner.requests import prompt_token_ids
+from runner.requests import Prompt, prompt_token_ids
 from runner.sampling_params import SamplingParams
 
 BEAM_CHUNK = 16  # lines searched together: their beams share the engine's steps
 
 
-def line_prompt(llm: LLM, line: BatchLine) -> list[int]:
-    """A line's prompt as token ids (a conversation through the chat template)."""
+def line_prompt(llm: LLM, line: BatchLine) -> tuple[Prompt, bool]:
+    """A line's prompt (a conversation through the chat template) and whether its tokenizing
+    adds special tokens (not to chat text: the template has put them in)."""
     if line.messages is not None:
-        return prompt_token_ids(llm.apply_chat_template(line.messages), llm.tokenizer, False)
-    if line.prompt is not None:
-        return prompt_token_ids(line.prompt, llm.tokenizer, True)
-    return list(line.prompt_token_ids or [])
+        return llm.apply_chat_template(line.messages), False
+    return line.prompt if line.prompt is not None else list(line.prompt_token_ids or []), True
 
 
 def search_lines(
@@ -38,7 +37,8 @@ def search_lines(
     for line in lines:
         params = line.params or SamplingParams()
         try:
-            ids = line_prompt(llm, line)
+            prompt, special = line_prompt(llm, line)
+            ids = prompt_token_ids(prompt, llm.tokenizer, special)
             llm.validator.check(ids, SamplingParams(max_tokens=params.max_tokens))
         except ValueError as err:
             line.error = f"line {line.line_no}: {err}"

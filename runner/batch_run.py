@@ -10,7 +10,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from runner.batch_beams import search_lines
+from runner.batch_beams import line_prompt, search_lines
 from runner.batch_file import BatchLine, ResultWriter, parse_line, read_lines
 from runner.engine import LLM
 from runner.outputs import RequestOutput
@@ -101,14 +101,7 @@ class BatchRun:
 
     def _submit(self, writer: ResultWriter | PrintWriter, line: BatchLine) -> None:
         try:
-            if line.messages is not None:
-                prompt: str | list[int] = self.llm.apply_chat_template(line.messages)
-                special = False
-            else:
-                prompt = (
-                    line.prompt if line.prompt is not None else list(line.prompt_token_ids or [])
-                )
-                special = True
+            prompt, special = line_prompt(self.llm, line)
             self.llm.add_request(
                 prompt,
                 line.params,
