@@ -8,7 +8,8 @@ access, so importing the core alone never pulls in torch or the runner.
 import importlib
 from typing import Any
 
-from kvcache.block_manager import Allocation, BlockManager, CachedBlock
+from kvcache.block_cache import CachedBlock
+from kvcache.block_manager import Allocation, BlockManager, SlotCopy
 from kvcache.hashing import block_hashes, hash_block, namespace_root
 from kvcache.stats import CacheStats
 
@@ -27,6 +28,7 @@ __all__ = [
     "BlockManager",
     "CacheStats",
     "CachedBlock",
+    "SlotCopy",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

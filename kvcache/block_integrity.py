@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from kvcache.block_pool import BlockPool
 from kvcache.radix_tree import Node, RadixTree
+from kvcache.tail_cache import TailCache
 
 if TYPE_CHECKING:
     from kvcache.block_manager import _Request
@@ -15,30 +16,33 @@ if TYPE_CHECKING:
 def check_block_manager(
     pool: BlockPool,
     tree: RadixTree,
+    tails: TailCache,
     requests: dict[int, _Request],
     num_blocks: int,
     enable_prefix_caching: bool,
 ) -> None:
     """Assert every invariant of a block manager's parts (AssertionError names the broken
     one). Beyond the pool's and tree's own checks (``BlockPool.check_integrity``,
-    ``RadixTree.check_integrity``):
+    ``RadixTree.check_integrity``, ``TailCache.check_integrity``):
 
-    1. a block is a tree node iff the pool flags it as one (so free / cached / in use is a
-       partition that agrees with the tree);
+    1. the pool flags a block as cached content iff it is a tree node or a tail (so free /
+       cached / in use is a partition that agrees with the tree and the tails);
     2. ref(b) == number of live requests holding b (table or pin); no request holds a block
        twice; a block in two requests' tables is a tree node (only cached blocks are shared);
-    3. the LRU holds exactly the tree nodes with ref 0 and no children, keyed by their tick;
+    3. the LRU holds exactly the tree nodes with ref 0 and no children, keyed by their tick,
+       and every tail (a tail has ref 0 always: it is copied, never held);
     4. ref(parent) >= ref(child) for every node (holders of a node hold its parent);
     5. each request's chain is a parent-linked path from its namespace's top level, every
        chain node is held by the request (its table block at that index, or a pin), pins are
        chain nodes, and the chain is no longer than the table;
-    6. without prefix caching the tree is empty.
+    6. without prefix caching the tree and the tails are empty.
     """
     pool.check_integrity()
     tree.check_integrity()
+    tails.check_integrity(tree)
     for block in range(num_blocks):
-        node = tree.node_of(block)
-        assert pool.is_cached_node(block) == (node is not None), f"block {block}: flag differs"
+        content = tree.node_of(block) is not None or block in tails
+        assert pool.is_cached_node(block) == content, f"block {block}: flag differs"
     holders: Counter[int] = Counter()
     in_tables: Counter[int] = Counter()
     for rid, request in requests.items():
@@ -56,13 +60,18 @@ def check_block_manager(
     evictable = {
         n.block_id: n.tick for n in tree.nodes() if pool.ref(n.block_id) == 0 and not n.children
     }
-    assert pool.lru_blocks() == evictable, "LRU != tree nodes with ref 0 and no children"
+    lru = pool.lru_blocks()
+    for tail in tails.tails():
+        assert pool.ref(tail.block_id) == 0, f"tail {tail.block_id} is held"
+        assert tail.block_id in lru, f"tail {tail.block_id} is not evictable"
+        del lru[tail.block_id]
+    assert lru == evictable, "LRU != tree nodes with ref 0 and no children, plus the tails"
     for node in tree.nodes():
         if node.parent is not None:
             assert pool.ref(node.parent.block_id) >= pool.ref(node.block_id), (
                 f"{node!r} is held more often than its parent"
             )
-    assert enable_prefix_caching or len(tree) == 0, "tree used with caching disabled"
+    assert enable_prefix_caching or len(tree) == len(tails) == 0, "cache used while disabled"
 
 
 def _check_chain(tree: RadixTree, rid: int, request: _Request) -> None:

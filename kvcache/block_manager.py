@@ -3,7 +3,10 @@
 A request's life: ``allocate`` matches the longest cached prefix (capped so at least one prompt
 token is computed), locks that path (ref += 1) and takes fresh blocks for the rest;
 ``append_slots`` grows the table during decode; ``commit`` inserts every newly computed full
-block into the radix tree; ``free`` drops the request's refs, leaving tree blocks cached.
+block into the radix tree; ``free`` drops the request's refs, leaving tree blocks cached, and
+keeps the request's partial last block as a *tail* (kvcache/tail_cache.py): a later prompt that
+goes on past the cached full blocks has its next tokens' K/V copied from a tail or from a full
+block that starts with them (``Allocation.copy``) instead of computing them again.
 
 Invariants kept here (checked by ``check_integrity``):
 * block tables are append-only while a request lives;
@@ -21,25 +24,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from kvcache.block_cache import BlockCache, CachedBlock
 from kvcache.block_integrity import check_block_manager
-from kvcache.block_pool import BlockPool
 from kvcache.hashing import pack_tokens
-from kvcache.radix_tree import Node, RadixTree
+from kvcache.radix_tree import Node
 from kvcache.stats import CacheStats
+
+
+class SlotCopy(NamedTuple):
+    """Copy the K/V of the first ``num_tokens`` slots of ``src_block`` into ``dst_block``.
+
+    Hazard: the caller must copy before any forward pass writes K/V. ``src_block`` is cached
+    with ref 0, so the very allocation that asked for the copy may have evicted it and handed
+    it out again; its K/V stay intact until something writes them."""
+
+    src_block: int
+    dst_block: int
+    num_tokens: int
 
 
 class Allocation(NamedTuple):
     block_table: list[int]
-    num_cached_tokens: int  # multiple of block_size, < len(token_ids)
-
-
-class CachedBlock(NamedTuple):
-    """One block of the tree, as `cached_blocks` lists them."""
-
-    root: int  # namespace root of its chain
-    parent: int | None  # the parent block's id; None at the top of the namespace
-    token_ids: list[int]
-    block_id: int
+    num_cached_tokens: int  # < len(token_ids): full blocks matched plus copied slots
+    copy: SlotCopy | None = None  # the copy that makes the slots past the full blocks cached
 
 
 @dataclass(slots=True)
@@ -66,8 +73,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._pool = BlockPool(num_blocks)
-        self._tree = RadixTree(block_size)
+        self._cache = BlockCache(num_blocks, block_size)
+        self._pool, self._tree = self._cache.pool, self._cache.tree
         self._requests: dict[int, _Request] = {}
         self._stats = CacheStats()
 
@@ -78,19 +85,21 @@ class BlockManager:
         pool = self._pool
         return replace(
             self._stats,
+            evicted_blocks=self._cache.evicted_blocks,
             blocks_in_use=pool.num_in_use,
             blocks_cached=pool.num_cached,
+            blocks_tails=len(self._cache.tails),
             blocks_free=pool.num_free,
         )
 
     @property
     def cache_version(self) -> int:
         """Changes whenever a block enters or leaves the cache; matches hold until then. Pure."""
-        return self._tree.version
+        return self._cache.version
 
     def num_available_blocks(self) -> int:
         """Free blocks plus cached ones no request holds (all reclaimable). Pure."""
-        return self._pool.num_free + self._pool.num_cached
+        return self._cache.num_available()
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -106,20 +115,14 @@ class BlockManager:
 
     def cached_blocks(self) -> list[CachedBlock]:
         """Every block in the tree (cached or held), each after its parent: with their K/V,
-        what it takes to rebuild this cache elsewhere. Pure."""
-        return [
-            CachedBlock(
-                node.namespace,
-                None if node.parent is None else node.parent.block_id,
-                node.token_ids,
-                node.block_id,
-            )
-            for node in self._tree.walk()
-        ]
+        what it takes to rebuild this cache elsewhere (tails are left out). Pure."""
+        return self._cache.full_blocks()
 
     def cached_prefix_length(self, token_ids: Sequence[int], root: int) -> int:
         """Tokens ``allocate`` would serve from the cache now. Pure: no stats, no LRU touch."""
-        return len(self._match(token_ids, root)) * self.block_size
+        nodes = self._match(token_ids, root)
+        copy = self._cache.copyable(token_ids, root, nodes) if self.enable_prefix_caching else None
+        return len(nodes) * self.block_size + (copy.num_tokens if copy else 0)
 
     def cached_continuation(self, request_id: int, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens with which a cached path (an earlier request that shared all of
@@ -177,9 +180,11 @@ class BlockManager:
         """Admit a request. Mutates: locks the matched path (ref += 1, out of the LRU, ticks
         touched), takes fresh blocks (evicting LRU leaves when the free list is short), counts
         query/hit tokens (``readmit_*`` when ``readmission``; nothing when not ``count``, for
-        a cache being loaded rather than a request). Not ``reuse``: nothing is matched, every
-        block is fresh (a request that must compute its whole prompt); ``commit`` still adds
-        its blocks to the tree for others, up to the first one that is cached already. Raises
+        a cache being loaded rather than a request). ``copy`` names the slots the caller must
+        copy into the first fresh block (see SlotCopy) for them to count as cached. Not
+        ``reuse``: nothing is matched or copied, every block is fresh (a request that must
+        compute its whole prompt); ``commit`` still adds its blocks to the tree for others, up
+        to the first one that is cached already. Raises
         ValueError when blocks are short, the prompt is empty or the id is live; nothing is
         mutated then."""
         if request_id in self._requests:
@@ -190,19 +195,28 @@ class BlockManager:
         short = self._shortfall(token_ids, nodes, reuse)
         if short > 0:
             raise ValueError(f"request {request_id}: {short} blocks short (ask can_allocate)")
+        copying = reuse and self.enable_prefix_caching
+        source = self._cache.copyable(token_ids, root, nodes) if copying else None
         for node in nodes:  # lock before taking fresh blocks, so eviction cannot take them
-            self._hold(node)
+            self._cache.hold(node)
         table = [node.block_id for node in nodes]
-        table.extend(self._take_blocks(self._blocks_for(len(token_ids)) - len(nodes)))
+        table.extend(self._cache.take(self._blocks_for(len(token_ids)) - len(nodes)))
         self._requests[request_id] = _Request(root, table, nodes, reuse=reuse)
         cached = len(nodes) * self.block_size
+        copy = None
+        if source is not None:
+            copy = SlotCopy(source.block_id, table[len(nodes)], source.num_tokens)
+            cached += source.num_tokens
+            self._cache.touch(source.block_id)
         if count and readmission:
             self._stats.readmit_query_tokens += len(token_ids)
             self._stats.readmit_hit_tokens += cached
         elif count:
             self._stats.query_tokens += len(token_ids)
             self._stats.hit_tokens += cached
-        return Allocation(list(table), cached)
+        if count and not readmission and copy is not None:
+            self._stats.copied_tokens += copy.num_tokens
+        return Allocation(list(table), cached, copy)
 
     def append_slots(self, request_id: int, num_tokens: int) -> list[int]:
         """Grow the table to ceil(num_tokens / B) blocks (never shrinks); returns a copy.
@@ -212,7 +226,7 @@ class BlockManager:
         if missing > 0 and missing > self.num_available_blocks():
             raise ValueError(f"request {request_id}: {missing} blocks needed (ask can_append)")
         if missing > 0:
-            request.table.extend(self._take_blocks(missing))
+            request.table.extend(self._cache.take(missing))
         return list(request.table)
 
     def commit(self, request_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -242,7 +256,7 @@ class BlockManager:
             request.publishing = False  # the rest is cached already; its copies stay private
             return
         for node in result.existing:
-            self._hold(node)
+            self._cache.hold(node)
             request.pins.append(node.block_id)
         for node in result.created:
             self._pool.mark_cached(node.block_id)
@@ -253,54 +267,32 @@ class BlockManager:
         # stays private and the next commit retries from there (it succeeds once the colliding
         # node has been evicted, since the chain's end is held by this request).
 
-    def free(self, request_id: int) -> None:
+    def free(
+        self, request_id: int, token_ids: Sequence[int] = (), num_computed_tokens: int = 0
+    ) -> None:
         """Finish (or preempt) a request. Mutates: ref -= 1 on every block it holds; tree blocks
         reaching ref 0 stay cached (ticks touched, root to leaf, and leaves become evictable);
-        private blocks return to the free list; the request is forgotten."""
+        private blocks return to the free list, except the partial block after the chain when
+        ``token_ids`` (with ``num_computed_tokens`` of them in the K/V) say what it holds:
+        that one stays cached as a tail. The request is forgotten."""
         request = self._requests.pop(request_id)
-        pool = self._pool
         for node in request.chain:  # root to leaf: a deeper block counts as more recent
-            node.tick = pool.next_tick()
-        for block in (*request.table, *request.pins):
-            if pool.release(block) and pool.is_cached_node(block):
-                cached = self._tree.node_of(block)
-                assert cached is not None, f"cached block {block} has no tree node"
-                if not cached.children:
-                    pool.lru_add(block, cached.tick)
-
-    def _hold(self, node: Node) -> None:
-        """ref += 1 on a tree node, taking it out of the LRU; touches its tick."""
-        self._pool.lru_discard(node.block_id)
-        self._pool.acquire(node.block_id)
-        node.tick = self._pool.next_tick()
-
-    def _take_blocks(self, n: int) -> list[int]:
-        """``n`` fresh blocks with ref 1, evicting LRU leaves first when the free list is short.
-        The caller has checked availability."""
-        short = n - self._pool.num_free
-        if short > 0:
-            self._evict(short)
-        return self._pool.take(n)
-
-    def _evict(self, n: int) -> None:
-        """Evict ``n`` least recently used ref-0 leaves, one at a time: a parent left childless
-        (and unheld) becomes an evictable leaf itself, so it may go next, never before."""
-        pool, tree = self._pool, self._tree
-        for _ in range(n):
-            block = pool.lru_pop()
-            node = tree.node_of(block)
-            assert node is not None, f"LRU block {block} has no tree node"
-            tree.remove_leaf(node)
-            pool.evict(block)
-            parent = node.parent
-            if parent is not None and not parent.children and pool.ref(parent.block_id) == 0:
-                pool.lru_add(parent.block_id, parent.tick)
-        self._stats.evicted_blocks += n
+            node.tick = self._pool.next_tick()
+        keep = self.enable_prefix_caching and request.publishing
+        tail = self._cache.tail_of(
+            request.root, request.chain, request.table, token_ids, num_computed_tokens
+        )
+        self._cache.release((*request.table, *request.pins), tail if keep else None)
 
     # -- checks --------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Assert every invariant (AssertionError names the broken one): see
         kvcache/block_integrity.py for the list."""
         check_block_manager(
-            self._pool, self._tree, self._requests, self.num_blocks, self.enable_prefix_caching
+            self._pool,
+            self._tree,
+            self._cache.tails,
+            self._requests,
+            self.num_blocks,
+            self.enable_prefix_caching,
         )

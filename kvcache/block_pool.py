@@ -3,7 +3,8 @@
 Every block id is in exactly one state at any time:
 
 * free:   ref 0, holds no cached KV; sits on the free list (never-cached or evicted blocks);
-* cached: ref 0, holds the KV of a radix-tree node; reclaimable by eviction;
+* cached: ref 0, holds the KV of a radix-tree node or of a tail (kvcache/tail_cache.py);
+  reclaimable by eviction;
 * in use: ref > 0, held by at least one running request (tree node or private block).
 
 The pool does not know the tree's shape. The manager tells it which blocks are tree nodes
@@ -131,11 +132,14 @@ class BlockPool:
         self._lru.add(key)
         self._lru_key[block] = key
 
-    def lru_discard(self, block: int) -> None:
-        """Take ``block`` out of the LRU if it is there. Mutates the LRU."""
+    def lru_discard(self, block: int) -> bool:
+        """Take ``block`` out of the LRU if it is there (returns whether it was). Mutates the
+        LRU."""
         key = self._lru_key.pop(block, None)
-        if key is not None:
-            self._lru.remove(key)
+        if key is None:
+            return False
+        self._lru.remove(key)
+        return True
 
     def lru_pop(self) -> int:
         """Remove and return the least recently used evictable block. Raises ValueError when

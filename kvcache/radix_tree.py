@@ -84,6 +84,11 @@ class RadixTree:
         """Every node, in no particular order. Pure."""
         return iter(self._by_block.values())
 
+    def children(self, namespace: int, parent: Node | None) -> dict[int, Node]:
+        """The nodes directly below ``parent`` (None: the namespace's top level). Pure: the
+        caller must not mutate the dict."""
+        return self._tops.get(namespace, {}) if parent is None else parent.children
+
     def walk(self) -> Iterator[Node]:
         """Every node, each after its parent (breadth first). Pure."""
         level = [node for tops in self._tops.values() for node in tops.values()]
@@ -131,7 +136,7 @@ class RadixTree:
         """Up to ``k`` tokens that followed ``tail`` below ``after`` (None: the namespace's top)
         in some cached path: whatever an earlier request with the same prefix went on with.
         Where several did, the most recently used path wins. Pure: no ticks touched."""
-        children = self._tops.get(namespace, {}) if after is None else after.children
+        children = self.children(namespace, after)
         h = namespace if after is None else after.key
         width = self._width
         packed = pack_tokens(tail)

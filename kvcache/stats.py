@@ -17,11 +17,13 @@ from typing import Any
 class CacheStats:
     query_tokens: int = 0  # prompt tokens of first admissions
     hit_tokens: int = 0  # of those, tokens served from the cache
+    copied_tokens: int = 0  # of those, served by copying a partial block's slots
     readmit_query_tokens: int = 0  # tokens of re-admissions after preemption
     readmit_hit_tokens: int = 0  # of those, tokens served from the cache
     evicted_blocks: int = 0  # cached blocks reclaimed by eviction
     blocks_in_use: int = 0  # ref > 0 now
-    blocks_cached: int = 0  # ref 0, holding a tree node's KV now (reclaimable)
+    blocks_cached: int = 0  # ref 0, holding a tree node's or a tail's KV now (reclaimable)
+    blocks_tails: int = 0  # of those, tails: partial last blocks kept to copy from
     blocks_free: int = 0  # ref 0, holding nothing now
 
     @property

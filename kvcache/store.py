@@ -54,6 +54,12 @@ class KVStore:
         """(k_cache, v_cache) of layer i, each [blocks, block_size, kv_heads, head_dim] (views)."""
         return self.tensor[i, 0], self.tensor[i, 1]
 
+    def copy_slots(self, src_block: int, dst_block: int, num_tokens: int) -> None:
+        """Copy the first ``num_tokens`` slots' keys and values of every layer from one block
+        to another (a prefix served from a cached block that the request will write past)."""
+        # [layers, 2, num_tokens, kv_heads, head_dim] in one strided copy
+        self.tensor[:, :, dst_block, :num_tokens] = self.tensor[:, :, src_block, :num_tokens]
+
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()

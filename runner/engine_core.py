@@ -46,7 +46,9 @@ class Engine:
         self.device = parts.device
         self.max_model_len = parts.max_model_len
         self.kv, self.block_manager, self.runner = parts.kv, parts.block_manager, parts.runner
-        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.config, self.block_manager, self.max_model_len, self.kv.copy_slots
+        )
         self.stopper = StopChecker(self.hf_config, self.tokenizer, self.max_model_len)
         self.eos_ids = self.stopper.eos_ids
         self.grammars = GrammarBook(self.tokenizer, int(self.hf_config.vocab_size), self.eos_ids)

@@ -5,6 +5,7 @@ for decoding sequences (runner/speculative.py)."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvcache import BlockManager
@@ -63,10 +64,17 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, max_model_len: int
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        copy_slots: Callable[[int, int, int], None],
     ) -> None:
         self.config = config
         self.bm = block_manager
+        # Runs an Allocation's SlotCopy (src, dst, tokens) on the KV store, at once: the source
+        # block may be handed out again by a later admission of the same step.
+        self.copy_slots = copy_slots
         self.admission = Admission(config, block_manager)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -92,7 +100,7 @@ class Scheduler:
             self.held.append(seq)
             self._release_held()
         else:
-            self.bm.free(seq.seq_id)
+            self.bm.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request that failed or was aborted: free its blocks wherever it is."""
@@ -101,7 +109,7 @@ class Scheduler:
             return
         if seq in self.running:
             self.running.remove(seq)
-            self.bm.free(seq.seq_id)
+            self.bm.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             self._release_held()
 
     def _release_held(self) -> None:
@@ -110,7 +118,7 @@ class Scheduler:
         next batch can be admitted. Nothing is ever held in continuous mode."""
         if not self.running:
             for done in self.held:
-                self.bm.free(done.seq_id)
+                self.bm.free(done.seq_id, done.token_ids, done.num_computed_tokens)
             self.held.clear()
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -118,7 +126,7 @@ class Scheduler:
 
         Its committed full blocks stay in the tree, so re-admission mostly hits the cache."""
         self.running.remove(seq)
-        self.bm.free(seq.seq_id)
+        self.bm.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -255,6 +263,8 @@ class Scheduler:
         alloc = self.bm.allocate(
             seq.seq_id, seq.token_ids, seq.root, readmission=seq.admitted, reuse=seq.reuses_cache
         )
+        if alloc.copy is not None:
+            self.copy_slots(*alloc.copy)
         if not seq.admitted:
             seq.num_cached_tokens = alloc.num_cached_tokens
         seq.admitted = True

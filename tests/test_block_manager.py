@@ -28,36 +28,53 @@ def prefill(bm: BlockManager, rid: int, tokens: Sequence[int], root: int = ROOT)
     return cached
 
 
-def run_once(bm: BlockManager, rid: int, tokens: Sequence[int], root: int = ROOT) -> int:
+def run_once(
+    bm: BlockManager, rid: int, tokens: Sequence[int], root: int = ROOT, keep_tail: bool = False
+) -> int:
+    """Prefill and finish a request. With ``keep_tail`` it is freed with its tokens, as the
+    scheduler does, so its partial last block stays cached as a tail."""
     cached = prefill(bm, rid, tokens, root)
-    bm.free(rid)
+    if keep_tail:
+        bm.free(rid, tokens, len(tokens))
+    else:
+        bm.free(rid)
     bm.check_integrity()
     return cached
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 6])
 @pytest.mark.parametrize("delta", [-1, 0, 1])
-def test_same_prompt_twice_reuses_full_blocks_but_computes_one_token(k: int, delta: int) -> None:
+def test_same_prompt_twice_computes_only_its_last_token(k: int, delta: int) -> None:
     n = k * B + delta
     bm = BlockManager(64, B)
     tokens = seq(1000, n)
-    assert run_once(bm, 1, tokens) == 0
-    expected = ((n - 1) // B) * B  # full blocks, minus the last one if nothing would be left
-    assert bm.cached_prefix_length(tokens, ROOT) == expected
-    assert run_once(bm, 2, tokens) == expected
+    assert run_once(bm, 1, tokens, keep_tail=True) == 0
+    # Full blocks, then the slots of the last block but one token, copied from the cached full
+    # block or the first request's tail.
+    assert bm.cached_prefix_length(tokens, ROOT) == n - 1
+    assert run_once(bm, 2, tokens) == n - 1
 
 
-def test_hundred_tokens_then_extended_prompt_hits_96() -> None:
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_without_its_tail_a_prompt_reuses_full_blocks_only(delta: int) -> None:
+    n = 3 * B + delta
+    bm = BlockManager(64, B)
+    tokens = seq(1000, n)
+    run_once(bm, 1, tokens)
+    assert run_once(bm, 2, tokens) == ((n - 1) // B) * B
+
+
+def test_hundred_tokens_then_extended_prompt_hits_100() -> None:
     bm = BlockManager(64, B)
     first = seq(1, 100)
-    run_once(bm, 1, first)
-    assert run_once(bm, 2, first + seq(500, 20)) == 96
+    run_once(bm, 1, first, keep_tail=True)
+    assert run_once(bm, 2, first + seq(500, 20)) == 100  # 6 full blocks and the 4-token tail
 
 
-def test_exact_32_tokens_twice_hits_16() -> None:
+def test_exact_32_tokens_twice_hits_31() -> None:
     bm = BlockManager(64, B)
     run_once(bm, 1, seq(1, 32))
-    assert run_once(bm, 2, seq(1, 32)) == 16
+    assert run_once(bm, 2, seq(1, 32)) == 31  # block 0, and 15 slots copied from block 1
 
 
 def test_peek_is_pure_and_matches_allocate() -> None:
@@ -116,7 +133,7 @@ def test_different_namespaces_never_share() -> None:
     run_once(bm, 1, tokens, namespace_root("model"))
     assert run_once(bm, 2, tokens, namespace_root("model", "salt")) == 0
     assert run_once(bm, 3, tokens, namespace_root("other-model")) == 0
-    assert run_once(bm, 4, tokens, namespace_root("model", "salt")) == 48
+    assert run_once(bm, 4, tokens, namespace_root("model", "salt")) == 63
 
 
 def test_forced_collision_misses_and_identical_content_still_hits(
@@ -133,7 +150,7 @@ def test_forced_collision_misses_and_identical_content_still_hits(
     assert set(bm.block_table(2)).isdisjoint(table_a)  # nothing of a's reused
     bm.free(2)
     bm.check_integrity()
-    assert run_once(bm, 3, a) == 32  # identical content: a legitimate hit
+    assert run_once(bm, 3, a) == 47  # identical content: a legitimate hit
     assert run_once(bm, 4, a[:16] + b[16:]) == 16  # first block equal, second collides
 
 

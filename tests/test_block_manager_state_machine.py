@@ -1,10 +1,15 @@
 """Random admit / prefill / decode / commit / preempt / free sequences against a reference model.
 
-The model keeps each live request's tokens and computed count, and the set of (root, prefix)
-pairs ever committed at a block boundary. After every step ``check_integrity()`` runs and:
-* a cache hit is a prefix some request committed earlier, under the same root;
-* while nothing has been evicted (and hashes are real) the hit is exactly the longest committed
-  prefix, capped so one token is computed;
+The model keeps each live request's tokens and computed count, the set of (root, prefix)
+pairs ever committed at a block boundary, and what every KV slot holds: the (root, prefix)
+whose last token's K/V a request wrote there, or copied there as ``Allocation.copy`` says. After
+every step ``check_integrity()`` runs and:
+* every slot a live request has computed (or was served from the cache) holds the K/V of
+  exactly its own prefix, under its own root: what attention reads is right;
+* a cache hit's full blocks are a prefix some request committed earlier, under the same root;
+  the slots copied past them a prefix some request computed;
+* while nothing has been evicted (and hashes are real) the hit's full blocks are exactly the
+  longest committed prefix, capped so one token is computed;
 * block tables hold ceil(tokens / B) blocks; a block in two live tables is a tree block at the
   same index of both, and both requests agree on every token up to the end of that block;
 * the pool's three states always add up to ``num_blocks``.
@@ -50,6 +55,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.live: dict[int, Live] = {}
         self.committed: set[tuple[int, tuple[int, ...]]] = set()
         self.next_id = 0
+        # block -> per slot, the (root, prefix) whose last token's K/V the slot holds
+        self.kv: dict[int, list[tuple[int, tuple[int, ...]] | None]] = {}
         self.first_admissions = 0
         # A request that reuses nothing may leave some of its committed blocks out of the
         # tree (they were cached already, or below one that was): hits can then be shorter
@@ -81,17 +88,38 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert cached == 0
             assert bm.stats.hit_tokens + bm.stats.readmit_hit_tokens == hits_before
         assert cached == peek
-        assert cached % B == 0 and 0 <= cached < len(tokens)
+        assert 0 <= cached < len(tokens)
         assert len(alloc.block_table) == -(-len(tokens) // B)
         if not self.caching:
             assert cached == 0
-        if cached:
-            assert (root, tuple(tokens[:cached])) in self.committed, "hit on an uncommitted prefix"
+        full = cached - cached % B
+        if full:
+            assert (root, tuple(tokens[:full])) in self.committed, "hit on an uncommitted prefix"
+        if cached % B:
+            copy = alloc.copy
+            assert copy is not None and copy.num_tokens == cached % B
+            assert copy.dst_block == alloc.block_table[full // B]
+            source = self.kv.setdefault(copy.src_block, [None] * B)
+            self.kv.setdefault(copy.dst_block, [None] * B)[: copy.num_tokens] = source[
+                : copy.num_tokens
+            ]
+        else:
+            assert alloc.copy is None
         exact = self.exact_hits and self.all_committed_cached and evicted_before == 0
         if self.caching and reuse and exact:
-            assert cached == self._longest_committed(tokens, root)
+            assert full == self._longest_committed(tokens, root)
         self.live[rid] = Live(list(tokens), root, cached, reuse)
         return True
+
+    def _compute(self, rid: int, req: Live, upto: int) -> None:
+        """Write the K/V of positions computed .. upto - 1 into the request's slots."""
+        table = self.bm.block_table(rid)
+        for i in range(req.computed, upto):
+            self.kv.setdefault(table[i // B], [None] * B)[i % B] = (
+                req.root,
+                tuple(req.tokens[: i + 1]),
+            )
+        req.computed = max(req.computed, upto)
 
     @rule(
         root=st.sampled_from(ROOTS),
@@ -112,7 +140,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def prefill_chunk(self, data: st.DataObject, chunk: int) -> None:
         rid = data.draw(st.sampled_from(sorted(self.live)))
         req = self.live[rid]
-        req.computed = min(len(req.tokens), req.computed + chunk)
+        self._compute(rid, req, min(len(req.tokens), req.computed + chunk))
         self._commit(rid, req)
 
     @precondition(lambda self: any(r.computed >= len(r.tokens) - 1 for r in self.live.values()))
@@ -128,7 +156,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         req.tokens.append(new)
         assert len(self.bm.append_slots(rid, len(req.tokens))) == -(-len(req.tokens) // B)
-        req.computed = len(req.tokens) - 1
+        self._compute(rid, req, len(req.tokens) - 1)
         self._commit(rid, req)
 
     def _commit(self, rid: int, req: Live) -> None:
@@ -140,18 +168,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.committed.add((req.root, tuple(req.tokens[: k * B])))
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), keep_tail=st.booleans())
+    def free(self, data: st.DataObject, keep_tail: bool) -> None:
+        """Finish a request; with ``keep_tail`` its partial last block may stay as a tail."""
         rid = data.draw(st.sampled_from(sorted(self.live)))
-        self.bm.free(rid)
-        del self.live[rid]
+        req = self.live.pop(rid)
+        if keep_tail:
+            self.bm.free(rid, req.tokens, req.computed)
+        else:
+            self.bm.free(rid)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def preempt_and_readmit(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.live)))
         req = self.live.pop(rid)
-        self.bm.free(rid)
+        self.bm.free(rid, req.tokens, req.computed)
         before = self.bm.stats
         if self._admit(rid, req.tokens, req.root, readmission=True, reuse=req.reuse):
             after = self.bm.stats
@@ -173,6 +205,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for rid, req in self.live.items():
             table = bm.block_table(rid)
             assert len(table) == -(-len(req.tokens) // B)
+            for i in range(req.computed):
+                held = self.kv.get(table[i // B], [None] * B)[i % B]
+                assert held == (req.root, tuple(req.tokens[: i + 1])), f"slot {i}: wrong K/V"
             for i, block in enumerate(table):
                 if block in owner:
                     other, j = owner[block]

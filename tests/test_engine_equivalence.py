@@ -101,7 +101,8 @@ def test_alone_matches_hf(arch_case: Any) -> None:
 
 
 def test_cached_prefix_logits_match_cold(tiny_llama_dir: Path) -> None:
-    """Logits of a prompt whose prefix comes from the cache equal a cold prefill's."""
+    """Logits of a prompt whose prefix comes from the cache (two full blocks shared, then the
+    first request's 8-token tail copied into a block of its own) equal a cold prefill's."""
     rng = random.Random(3)
     prefix = [rng.randrange(3, 200) for _ in range(40)]
     prompt = prefix + [rng.randrange(3, 200) for _ in range(9)]
@@ -113,7 +114,7 @@ def test_cached_prefix_logits_match_cold(tiny_llama_dir: Path) -> None:
         llm.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
         out = llm.scheduler.schedule()
         rows.append(llm.runner.run(out.scheduled)[0])
-        assert out.scheduled[0].start == (32 if llm is warm else 0)
+        assert out.scheduled[0].start == (40 if llm is warm else 0)
     torch.testing.assert_close(rows[0], rows[1], atol=1e-4, rtol=1e-4)
 
 
@@ -124,9 +125,11 @@ def test_num_cached_tokens_is_exact(tiny_llama_dir: Path) -> None:
     params = SamplingParams(max_tokens=2, temperature=0)
     assert llm.generate([first], params)[0].num_cached_tokens == 0
     more = first + [rng.randrange(3, 200) for _ in range(20)]
-    assert llm.generate([more], params)[0].num_cached_tokens == 96
-    # A prompt that is entirely cached still computes its last token.
-    assert llm.generate([first[:32]], params)[0].num_cached_tokens == 16
+    # 6 full blocks, and the 4 tokens of the first request's tail (its 7th block, partial).
+    assert llm.generate([more], params)[0].num_cached_tokens == 100
+    # A prompt that is entirely cached still computes its last token: block 0 is shared, and
+    # 15 slots of the cached block 1 are copied.
+    assert llm.generate([first[:32]], params)[0].num_cached_tokens == 31
 
 
 def test_shared_prefix_decode_matches_hf(arch_case: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,14 +33,15 @@ def test_cache_salt_hits_within_a_salt_and_never_across(tiny_llama_dir: Path) ->
     prompt = tokens(1, 40)  # two full blocks and a tail
     first = llm.generate([prompt], GREEDY, cache_salt="alice")[0]
     assert first.num_cached_tokens == 0
-    assert llm.generate([prompt], GREEDY, cache_salt="alice")[0].num_cached_tokens == 32
+    # The two full blocks, and 7 of the tail's 8 slots (the first run's tail, copied).
+    assert llm.generate([prompt], GREEDY, cache_salt="alice")[0].num_cached_tokens == 39
     # Each other salt (None and "" are different salts; so is a near-miss string) starts cold.
     for salt in ("bob", None, "", "alice ", "Alice"):
         out = llm.generate([prompt], GREEDY, cache_salt=salt)[0]
         assert out.num_cached_tokens == 0, f"salt {salt!r} reused another salt's blocks"
         assert out.token_ids == first.token_ids
     for salt in ("bob", None, ""):  # ... and then hits its own blocks
-        assert llm.generate([prompt], GREEDY, cache_salt=salt)[0].num_cached_tokens == 32
+        assert llm.generate([prompt], GREEDY, cache_salt=salt)[0].num_cached_tokens == 39
     llm.block_manager.check_integrity()
 
 
@@ -57,9 +58,10 @@ def test_running_requests_of_two_salts_hold_disjoint_blocks(tiny_llama_dir: Path
     llm.step()  # admits all four
     bm = llm.block_manager
     tables = {key: bm.block_table(seq.seq_id) for key, seq in seqs.items()}
-    assert all(seq.num_cached_tokens == 32 for seq in seqs.values())
-    for salt in ("alice", "bob"):  # within a salt the cached prefix is one set of blocks
+    assert all(seq.num_cached_tokens == 39 for seq in seqs.values())
+    for salt in ("alice", "bob"):  # within a salt the full blocks are one set of blocks...
         assert tables[(salt, 0)][:2] == tables[(salt, 1)][:2]
+        assert tables[(salt, 0)][2] != tables[(salt, 1)][2]  # ... each copies the tail
     alice = set(tables[("alice", 0)] + tables[("alice", 1)])
     bob = set(tables[("bob", 0)] + tables[("bob", 1)])
     assert not alice & bob, "requests of different salts share KV blocks"

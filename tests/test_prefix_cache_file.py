@@ -27,7 +27,9 @@ def saved(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     llm.generate(make_prompts(320, seed=5), GREEDY)
     path = tmp_path_factory.mktemp("cache") / "prefix.safetensors"
     blocks = llm.save_prefix_cache(path)
-    assert blocks == llm.block_manager.stats.blocks_cached > 0
+    stats = llm.block_manager.stats
+    assert stats.blocks_tails > 0  # partial last blocks stay in memory only
+    assert blocks == stats.blocks_cached - stats.blocks_tails > 0
     return path, blocks
 
 
@@ -45,8 +47,10 @@ def test_warm_start_equals_cold_and_transformers(
     warm.block_manager.check_integrity()
     outs = warm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == refs
-    # Every prompt finds its full blocks (all but the last token's) cached from the start.
-    assert [o.num_cached_tokens for o in outs] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    # Every prompt finds its full blocks (all but the last token's) cached from the start, and
+    # may copy a few slots more from a cached block that starts as its next block does.
+    for o, p in zip(outs, prompts, strict=True):
+        assert (len(p) - 1) // 16 * 16 <= o.num_cached_tokens < len(p)
     assert warm.block_manager.stats.query_tokens == sum(len(p) for p in prompts)
     warm.block_manager.check_integrity()
 

@@ -71,7 +71,7 @@ def test_soak_catches_a_leaked_block(tiny_llama_dir: Path, monkeypatch: pytest.M
 
     def leaky_finish(self: Scheduler, seq: Any, reason: str) -> None:
         if seq.seq_id == 7:
-            self.bm.free = lambda request_id: None  # type: ignore[method-assign]
+            self.bm.free = lambda request_id, *tail: None  # type: ignore[method-assign]
         real_finish(self, seq, reason)
         vars(self.bm).pop("free", None)
 
