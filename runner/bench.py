@@ -207,6 +207,7 @@ def run_bench(
     beams = hf_beam_options(beam_width)
     reference = run_reference(hf_model, requests, eos_ids, device, **beams) if check else None
     rows: list[dict[str, Any]] = []
+    engine_samples: dict[str, list[list[int]]] = {}  # sampled outputs of float32 engines
     for system in systems:
         extra: dict[str, Any] = {}
         same_model = True  # False: a system that runs other weights than the reference's
@@ -231,6 +232,8 @@ def run_bench(
         samples = [r for r in requests for _ in range(samples_per_prompt(sampling))]
         outputs = [cut_output(o, eos_ids, r) for o, r in zip(result.outputs, samples, strict=True)]
         out_tokens = sum(len(o) for o in outputs)
+        if system in ENGINE_SYSTEMS and same_model and sampling is not None:
+            engine_samples[system] = outputs
         rows.append(
             {
                 "system": system,
@@ -257,9 +260,20 @@ def run_bench(
         )
         if sampling.n > 1:
             table += f", {sampling.n} samples a prompt"
+        table += _same_samples(engine_samples)
     if beam_width:
         table += f"\nevery system searched {beam_width} beams a prompt; its best is its answer"
     return {"rows": rows, "table": table, "peak_gflops": peak}
+
+
+def _same_samples(samples: dict[str, list[list[int]]]) -> str:
+    """Whether the float32 engines sampled the same tokens (each request is seeded by its
+    index, and a seeded request samples the same whatever its batch, cache or guesses)."""
+    if len(samples) < 2:
+        return ""
+    first, *others = samples
+    verdicts = [f"{s} {'yes' if samples[s] == samples[first] else 'NO'}" for s in others]
+    return f"\nsame tokens as {first}: {', '.join(verdicts)}"
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -38,7 +38,7 @@ class SoakReport:
     recorder_requests: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    reference_checked: int = 0  # greedy answers compared with an engine that guesses nothing
+    reference_checked: int = 0  # greedy/seeded answers compared with an engine that guesses nothing
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -182,15 +182,16 @@ def final_checks(llm: Any, rep: SoakReport, tally: dict[str, int], fail: Fail) -
 
 
 class ReferenceCheck:
-    """With speculative decoding on, every greedy answer is kept and, 64 at a time, compared
-    with what an engine that guesses nothing answers to the same request."""
+    """With speculative decoding on, every greedy or seeded answer is kept and, 64 at a time,
+    compared with what an engine that guesses nothing answers to the same request (a seeded
+    request samples the same with guesses or without: runner/speculative.py)."""
 
     def __init__(self, reference: Any) -> None:
         self.reference = reference
         self.pending: list[tuple[Request, list[int]]] = []
 
     def add(self, req: Request, answer: list[int]) -> None:
-        if req.params.greedy:
+        if req.params.greedy or req.params.seed is not None:
             self.pending.append((req, answer))
 
     def flush(self, rep: SoakReport, fail: Fail, at_least: int = 64) -> None:

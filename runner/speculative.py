@@ -8,12 +8,20 @@ computing a few more positions in the same pass costs little (on the CPU, a step
 takes about as long as one of 1). When the text repeats itself (quoting or rewriting the
 prompt, code, lists, structured answers), the tokens after the newest n-gram's last earlier
 occurrence are often what comes next. The step feeds them as a draft after the newest token;
-the model's greedy choice at each position is then known, and the draft is kept up to its
-first wrong token, plus the model's own token there: the output is exactly greedy decoding's,
-one to k + 1 tokens a step.
+the model's choice at each position is then known, and the draft is kept up to its first
+wrong token, plus the model's own token there: one to k + 1 tokens a step.
 
-Only plain greedy requests are drafted for: a request that samples, is penalized, has logit
-rules or a structure, or asks for log-probabilities decodes one token a step as before.
+A greedy request's choice is the argmax. A sampling request's choice at each position is drawn
+as it would be without a draft: by inverse CDF from the next uniform number of the request's
+own stream, over the position's filtered probabilities (runner/sampling.py). Since every
+position before it held the token drawn there, position j sees exactly the context and the
+uniform that plain decoding would give its j-th token, and the stream advances by one number
+per token kept. So the output is plain decoding's token for token, greedy or sampled (a seeded
+request's answer does not depend on whether, or what, it was guessed), and a guess is kept with
+its probability under the request's own filters, the most any single guess can be.
+
+A request that is penalized, has logit rules or a structure, or asks for log-probabilities
+decodes one token a step as before.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch
 from kvcache import BlockManager
 from runner.logprobs import TokenLogprobs
 from runner.next_tokens import next_tokens
+from runner.sampling import draw, filtered_probs
 from runner.sampling_params import SamplingParams
 from runner.sequence import Sequence
 
@@ -47,10 +56,10 @@ class SpecStats:
 
 
 def draftable(params: SamplingParams) -> bool:
-    """Whether a request's next tokens are its model's plain argmax, which a draft can check."""
+    """Whether a request's next tokens depend on the model's logits and its own random stream
+    alone (argmax or a filtered draw), which a draft can check position by position."""
     return (
-        params.greedy
-        and not params.penalized
+        not params.penalized
         and params.logprobs is None
         and params.min_tokens == 0
         and not params.bias_items
@@ -109,17 +118,71 @@ def step_tokens(
 ) -> tuple[list[list[int]], list[TokenLogprobs | None]]:
     """Each sampling sequence's new tokens from a step's logits (1 + len(drafts[i]) rows for
     sampler i, in order): its usual next token (sampled, penalized, ...) where it had no
-    draft, else the draft's accepted tokens; and the usual token's log-probabilities."""
+    draft, else the draft's accepted tokens; and the usual token's log-probabilities (None for
+    a drafted sequence, which never asks for them)."""
     if not any(drafts):
-        tokens, logprobs = next_tokens(logits, samplers, eos_ids)
-        return [[t] for t in tokens], logprobs
-    sizes = torch.tensor([1 + len(d) for d in drafts])
-    ends = torch.cumsum(sizes, 0) - 1  # each sampler's last row: its usual next-token row
-    tokens, logprobs = next_tokens(
-        logits.index_select(0, ends.to(logits.device)), samplers, eos_ids
+        tokens, all_logprobs = next_tokens(logits, samplers, eos_ids)
+        return [[t] for t in tokens], all_logprobs
+    ends = (torch.cumsum(torch.tensor([1 + len(d) for d in drafts]), 0) - 1).tolist()
+    plain = [i for i, d in enumerate(drafts) if not d]
+    rows = torch.tensor([ends[i] for i in plain], dtype=torch.int64, device=logits.device)
+    tokens, plain_logprobs = next_tokens(
+        logits.index_select(0, rows), [samplers[i] for i in plain], eos_ids
     )
-    choices = logits.argmax(dim=-1).tolist()  # a drafted request is plain greedy: argmax
-    emitted = []
-    for draft, end, token in zip(drafts, ends.tolist(), tokens, strict=True):
-        emitted.append(accepted(draft, choices[end - len(draft) : end + 1]) if draft else [token])
+    emitted: list[list[int]] = [[] for _ in samplers]
+    logprobs: list[TokenLogprobs | None] = [None] * len(samplers)
+    for i, token, lp in zip(plain, tokens, plain_logprobs, strict=True):
+        emitted[i], logprobs[i] = [token], lp
+    drafted = [i for i, d in enumerate(drafts) if d]
+    choices = _choices(
+        logits,
+        [samplers[i] for i in drafted],
+        [drafts[i] for i in drafted],
+        [ends[i] for i in drafted],
+    )
+    for i, targets in zip(drafted, choices, strict=True):
+        emitted[i] = accepted(drafts[i], targets)
+        stream = samplers[i].generator
+        if stream is not None:
+            _consume(stream, len(emitted[i]))
     return emitted, logprobs
+
+
+def _choices(
+    logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], ends: list[int]
+) -> list[list[int]]:
+    """The model's token at each of a drafted sequence's positions (len(draft) + 1 of them,
+    ending at its row in `ends`): the argmax for a greedy one; for a sampling one, a draw from
+    the position's filtered probabilities with the next uniforms of its stream, read without
+    advancing it (`_consume` advances it by the tokens kept)."""
+    greedy_rows = logits.argmax(dim=-1).tolist()
+    spans = [range(end - len(draft), end + 1) for draft, end in zip(drafts, ends, strict=True)]
+    sampled = [j for j, seq in enumerate(seqs) if not seq.params.greedy]
+    drawn: dict[int, list[int]] = {}
+    if sampled:
+        rows = [r for j in sampled for r in spans[j]]
+        params = [seqs[j].params for j in sampled for _ in spans[j]]
+        uniforms = torch.cat([_peek(seqs[j].generator, len(spans[j])) for j in sampled])
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        probs = filtered_probs(logits.index_select(0, index), params)
+        picks = draw(probs, uniforms.to(logits.device)).tolist()
+        at = 0
+        for j in sampled:
+            drawn[j], at = picks[at : at + len(spans[j])], at + len(spans[j])
+    return [drawn.get(j, [greedy_rows[r] for r in spans[j]]) for j in range(len(seqs))]
+
+
+def _peek(generator: torch.Generator | None, n: int) -> torch.Tensor:
+    """The next `n` uniforms of a stream, one draw each as `sample` takes them, leaving the
+    stream where it was."""
+    assert generator is not None, "a sampling sequence has its own stream"
+    state = generator.get_state()
+    uniforms = torch.cat([torch.rand(1, generator=generator) for _ in range(n)])
+    generator.set_state(state)
+    return uniforms
+
+
+def _consume(generator: torch.Generator, n: int) -> None:
+    """Advance a stream past the `n` uniforms that the kept tokens used."""
+    for _ in range(n):
+        torch.rand(1, generator=generator)

@@ -150,7 +150,7 @@ def test_bench_can_sample_in_every_system(tiny_llama_tok_dir: Path) -> None:
     assert sampled[0] == sampled[1] != greedy
     result = run_bench(
         "mixed_lengths",
-        ["engine", "hf-static"],
+        ["engine", "engine-spec", "engine-nocache", "hf-static"],
         model=model,
         max_tokens=6,
         limit=4,
@@ -159,6 +159,8 @@ def test_bench_can_sample_in_every_system(tiny_llama_tok_dir: Path) -> None:
     assert all(row["matches_reference"] is None for row in result["rows"])
     assert all(row["output_tokens"] == 4 * 6 for row in result["rows"])  # ignore_eos workload
     assert "every system sampled: temperature 1.5, top_p 0.95" in result["table"]
+    # Guesses and the cache change no sample.
+    assert "same tokens as engine: engine-spec yes, engine-nocache yes" in result["table"]
 
 
 def test_bench_with_several_samples_a_prompt(tiny_llama_tok_dir: Path) -> None:

@@ -1,7 +1,8 @@
 """Speculative decoding by n-gram lookup: the proposer and acceptance against plain
-references, and greedy output with drafts equal to transformers' greedy `generate`, token for
+references; greedy output with drafts equal to transformers' greedy `generate`, token for
 token, with the cache on and off, under preemption, in static batches and beside sampled
-requests (which are never drafted for), with stops and max_tokens inside an accepted run."""
+requests, with stops and max_tokens inside an accepted run; sampled output with drafts equal
+to the same requests' output without them, token for token."""
 
 from __future__ import annotations
 
@@ -57,11 +58,15 @@ def test_propose_and_accept_examples() -> None:
     assert accepted([5], [4, 1]) == [4]
 
 
-def test_only_plain_greedy_requests_are_drafted_for() -> None:
+def test_only_requests_whose_tokens_need_logits_and_their_stream_alone_are_drafted_for() -> None:
     greedy = SamplingParams(temperature=0)
     assert draftable(greedy)
-    for change in (
+    for sampled in (
         {"temperature": 0.7},
+        {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 4},
+    ):
+        assert draftable(dataclasses.replace(greedy, **sampled)), sampled
+    for change in (
         {"repetition_penalty": 1.2},
         {"logprobs": 1},
         {"min_tokens": 1},
@@ -177,3 +182,34 @@ def test_a_request_that_repeats_an_earlier_one_drafts_from_the_cache(
     assert [o.token_ids for o in salted] == refs
     assert llm.stats()["num_accepted_tokens"] - after["num_accepted_tokens"] < kept
     llm.block_manager.check_integrity()
+
+
+@pytest.mark.parametrize("variant", ["cache-on", "tiny-pool", "static"])
+def test_drafted_sampling_equals_sampling_without_drafts(
+    tiny_llama_dir: Path, variant: str
+) -> None:
+    """Each position of a drafted sampling request is drawn with the uniform plain decoding
+    would give it: the answers of seeded and engine-seeded requests under several filters are
+    the same token for token, and guesses are kept."""
+    prompts = looping_prompts(320)
+    base = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    kinds = [
+        dataclasses.replace(base, temperature=0.3, seed=11),
+        dataclasses.replace(base, temperature=0.8, top_k=4, seed=12),
+        dataclasses.replace(base, temperature=0.6, top_p=0.8, min_p=0.1),  # engine-seeded
+        dataclasses.replace(base, temperature=0),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))] + kinds[:2]
+    batch = prompts + prompts[:2]
+    spec = LLM(str(tiny_llama_dir), seed=5, speculative_tokens=4, **VARIANTS[variant])
+    plain = LLM(str(tiny_llama_dir), seed=5, **VARIANTS[variant])
+    outs = spec.generate(batch, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(batch, params)]
+    kept_before = spec.stats()["num_accepted_tokens"]
+    sampled_only = spec.generate(batch[:3], params[:3])  # no greedy request to keep guesses
+    assert [o.token_ids for o in sampled_only] == [o.token_ids for o in outs[:2]] + [
+        plain.generate(batch[2:3], params[2:3])[0].token_ids
+    ]
+    if variant != "tiny-pool":  # where a pool of 24 blocks leaves room for guesses
+        assert spec.stats()["num_accepted_tokens"] > kept_before
+    spec.block_manager.check_integrity()
