@@ -171,7 +171,8 @@ class BatchRun:
             f"output tokens: {self.output_tokens} in {elapsed:.1f} s "
             f"({self.output_tokens / max(elapsed, 1e-9):.1f} tok/s)",
             f"prefix cache: {s['hit_tokens']}/{s['query_tokens']} prompt tokens hit "
-            f"({s['hit_rate']:.1%}), {s['evicted_blocks']} blocks evicted, "
+            f"({s['hit_rate']:.1%}; {s['copied_tokens']} copied from partial blocks), "
+            f"{s['evicted_blocks']} blocks evicted, "
             f"{s['num_preemptions']} preemptions",
         ]
         if s["num_draft_tokens"]:

@@ -1,14 +1,15 @@
 """Beam search over the engine, as transformers' `generate(num_beams=...)` defines it.
 
-Each step asks the engine for one token of every running beam, with the log-probabilities of
-its K likeliest next tokens; the prefix cache makes that cheap, since a beam's prompt is its
-parent's plus one token, so all but its last partial block is found cached (vLLM's
-`LLM.beam_search` works the same way). From the K best continuations of all beams (K = 2
-beams, or more with several EOS ids) the best `beam_width` that do not end go on; the ones
-among the best `beam_width` that end (EOS, or the last allowed token) are scored by their
-log-probability over their length ** length_penalty and kept if among the best `beam_width`
-so far. The search stops once no running beam can beat the worst kept one (transformers'
-heuristic for `early_stopping=False`) or at `max_tokens`.
+Each step asks the engine for one token of every running beam, with the log-probabilities of its
+K likeliest next tokens (vLLM's `LLM.beam_search` works the same way). The prefix cache makes
+that cheap: a beam's prompt is its parent's plus one token, so its parent's full blocks are
+found cached and its parent's partial last block, kept as a tail when the parent finished, is
+copied (kvcache/tail_cache.py): a step computes one token a beam. From the K best continuations
+of all beams (K = 2 beams, or more with several EOS ids) the best `beam_width` that do not end
+go on; the ones among the best `beam_width` that end (EOS, or the last allowed token) are scored
+by their log-probability over their length ** length_penalty and kept if among the best
+`beam_width` so far. The search stops once no running beam can beat the worst kept one
+(transformers' heuristic for `early_stopping=False`) or at `max_tokens`.
 """
 
 from __future__ import annotations

@@ -102,6 +102,11 @@ def _pcts(values: list[float]) -> str:
     return " / ".join(_fmt_ms(percentile(values, q)) for q in (50, 90, 99))
 
 
+def _copied(tokens: int) -> str:
+    """How many hits were copied from partial blocks (tails), when any were."""
+    return f"; {tokens:,} copied from partial blocks" if tokens else ""
+
+
 def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, value) pairs in display order; the text table and the HTML table print these."""
     reqs = metrics["requests"]
@@ -125,7 +130,9 @@ def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
         (
             "cache hit rate",
             f"{hit_rate(metrics):.1%} ({cache.get('hit_tokens', 0):,} of "
-            f"{cache.get('query_tokens', 0):,} query tokens)",
+            f"{cache.get('query_tokens', 0):,} query tokens"
+            + _copied(cache.get("copied_tokens", 0))
+            + ")",
         ),
     ]
     if cache.get("readmit_query_tokens"):

@@ -368,6 +368,29 @@ def test_speculative_decoding_on_cuda(make_tiny_model: Callable[..., Path]) -> N
     refs = LLM(str(path)).generate(prompts, params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
     assert gpu.stats()["num_accepted_tokens"] > 0
+    # Seeded sampling: the same tokens as the same GPU engine's without guesses.
+    seeded = SamplingParams(max_tokens=24, temperature=0.5, top_k=8, seed=9, ignore_eos=True)
+    plain = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton", **POOL)
+    assert [o.token_ids for o in gpu.generate(prompts, seeded)] == [
+        o.token_ids for o in plain.generate(prompts, seeded)
+    ]
+
+
+@cuda
+def test_tails_are_copied_on_cuda(make_tiny_model: Callable[..., Path]) -> None:
+    """A prompt that repeats or extends a finished one computes only its new tokens, its
+    partial block copied on the device: the same greedy tokens as transformers."""
+    path = make_tiny_model("llama")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton", **POOL)
+    first = llm.generate(PROMPTS, params)
+    extended = [p + o.token_ids[:5] for p, o in zip(PROMPTS, first, strict=True)]
+    refs = _hf_greedy(path, PROMPTS + extended, 12)
+    outs = llm.generate(PROMPTS + extended, params)
+    assert [o.token_ids for o in outs] == refs
+    assert [o.num_cached_tokens for o in outs[: len(PROMPTS)]] == [len(p) - 1 for p in PROMPTS]
+    assert llm.stats()["copied_tokens"] > 0
+    llm.block_manager.check_integrity()
 
 
 @cuda

@@ -179,6 +179,9 @@ def test_summary_numbers() -> None:
     m = hand_metrics()
     rows = dict(summary_rows(m))
     assert rows["cache hit rate"].startswith("63.2%")  # 240 / 380, not the stored 0.0
+    assert "copied" not in rows["cache hit rate"]
+    m["cache"]["copied_tokens"] = 17
+    assert dict(summary_rows(m))["cache hit rate"].endswith("; 17 copied from partial blocks)")
     assert rows["prompt tokens"] == "380" and rows["cached prompt tokens"] == "240"
     assert prefill_tokens(m) == (120, 360)  # computed + served by the cache
     assert rows["evicted blocks"] == "3" and rows["preemptions"] == "1"
