@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from kvcache.block_pool import BlockPool
 from kvcache.hashing import pack_tokens
+from kvcache.live_tails import LiveTails
 from kvcache.radix_tree import Node, RadixTree
 from kvcache.tail_cache import Tail, TailCache, TailMatch
 
@@ -34,6 +35,7 @@ class BlockCache:
         self.pool = BlockPool(num_blocks)
         self.tree = RadixTree(block_size)
         self.tails = TailCache(block_size)
+        self.live = LiveTails()  # running requests' partial blocks
         self.evicted_blocks = 0  # cached blocks reclaimed by eviction so far
 
     @property
@@ -46,16 +48,18 @@ class BlockCache:
         return self.pool.num_free + self.pool.num_cached
 
     def copyable(self, token_ids: Sequence[int], root: int, nodes: list[Node]) -> TailMatch | None:
-        """The cached block holding the longest run of the tokens after the matched ``nodes``
-        (a tail, or a full block below the last node), capped so that one prompt token is
-        still computed and never a whole block. Pure."""
+        """The block holding the longest run of the tokens after the matched ``nodes`` (a tail,
+        a full block below the last node, or a running request's partial block), capped so
+        that one prompt token is still computed and never a whole block. Pure."""
         start = len(nodes) * self.block_size
         end = min(len(token_ids) - 1, start + self.block_size - 1)
         if end <= start:
             return None
         parent = nodes[-1] if nodes else None
         children = self.tree.children(root, parent)
-        return self.tails.longest(root, parent, pack_tokens(token_ids[start:end]), children)
+        running = self.live.sources((root, None if parent is None else parent.block_id))
+        wanted = pack_tokens(token_ids[start:end])
+        return self.tails.longest(root, parent, wanted, children, running)
 
     def full_blocks(self) -> list[CachedBlock]:
         """Every block in the tree (cached or held), each after its parent. Pure."""

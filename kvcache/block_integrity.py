@@ -5,18 +5,15 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from kvcache.block_pool import BlockPool
+from kvcache.block_cache import BlockCache
 from kvcache.radix_tree import Node, RadixTree
-from kvcache.tail_cache import TailCache
 
 if TYPE_CHECKING:
     from kvcache.block_manager import _Request
 
 
 def check_block_manager(
-    pool: BlockPool,
-    tree: RadixTree,
-    tails: TailCache,
+    cache: BlockCache,
     requests: dict[int, _Request],
     num_blocks: int,
     enable_prefix_caching: bool,
@@ -35,8 +32,11 @@ def check_block_manager(
     5. each request's chain is a parent-linked path from its namespace's top level, every
        chain node is held by the request (its table block at that index, or a pin), pins are
        chain nodes, and the chain is no longer than the table;
-    6. without prefix caching the tree and the tails are empty.
+    6. without prefix caching the tree and the tails are empty;
+    7. a running request listed as a copy source (kvcache/live_tails.py) offers its own
+       private block right after its chain, in its namespace.
     """
+    pool, tree, tails = cache.pool, cache.tree, cache.tails
     pool.check_integrity()
     tree.check_integrity()
     tails.check_integrity(tree)
@@ -72,6 +72,14 @@ def check_block_manager(
                 f"{node!r} is held more often than its parent"
             )
     assert enable_prefix_caching or len(tree) == len(tails) == 0, "cache used while disabled"
+    for rid, offer in cache.live.entries().items():
+        assert rid in requests, f"request {rid} is gone but still offers block {offer}"
+        live = requests[rid]
+        full = len(live.chain)
+        assert live.table[full] == offer.block_id, f"request {rid} offers another block"
+        assert offer.parent is (live.chain[-1] if full else None), f"request {rid}: parent"
+        assert offer.namespace == live.root, f"request {rid} offers another namespace"
+        assert tree.node_of(offer.block_id) is None, f"request {rid} offers a tree block"
 
 
 def _check_chain(tree: RadixTree, rid: int, request: _Request) -> None:

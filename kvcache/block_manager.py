@@ -29,6 +29,7 @@ from kvcache.block_integrity import check_block_manager
 from kvcache.hashing import pack_tokens
 from kvcache.radix_tree import Node
 from kvcache.stats import CacheStats
+from kvcache.tail_cache import Tail
 
 
 class SlotCopy(NamedTuple):
@@ -244,6 +245,13 @@ class BlockManager:
         num_full = num_computed_tokens // self.block_size
         if num_full > len(request.table):
             raise ValueError(f"request {request_id}: computed tokens beyond its block table")
+        self._commit_full_blocks(request, token_ids, num_full)
+        # Its partial block, as a copy source while it runs (kvcache/live_tails.py).
+        self._cache.live.update(request_id, self._partial(request, token_ids, num_computed_tokens))
+
+    def _commit_full_blocks(
+        self, request: _Request, token_ids: Sequence[int], num_full: int
+    ) -> None:
         start = len(request.chain)
         if not self.enable_prefix_caching or num_full <= start or not request.publishing:
             return
@@ -276,23 +284,22 @@ class BlockManager:
         ``token_ids`` (with ``num_computed_tokens`` of them in the K/V) say what it holds:
         that one stays cached as a tail. The request is forgotten."""
         request = self._requests.pop(request_id)
+        self._cache.live.remove(request_id)
         for node in request.chain:  # root to leaf: a deeper block counts as more recent
             node.tick = self._pool.next_tick()
-        keep = self.enable_prefix_caching and request.publishing
-        tail = self._cache.tail_of(
-            request.root, request.chain, request.table, token_ids, num_computed_tokens
-        )
-        self._cache.release((*request.table, *request.pins), tail if keep else None)
+        tail = self._partial(request, token_ids, num_computed_tokens)
+        self._cache.release((*request.table, *request.pins), tail)
+
+    def _partial(self, request: _Request, token_ids: Sequence[int], computed: int) -> Tail | None:
+        """The request's partial block as a tail, if it may be copied from. Pure."""
+        if not (self.enable_prefix_caching and request.publishing):
+            return None
+        return self._cache.tail_of(request.root, request.chain, request.table, token_ids, computed)
 
     # -- checks --------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Assert every invariant (AssertionError names the broken one): see
         kvcache/block_integrity.py for the list."""
         check_block_manager(
-            self._pool,
-            self._tree,
-            self._cache.tails,
-            self._requests,
-            self.num_blocks,
-            self.enable_prefix_caching,
+            self._cache, self._requests, self.num_blocks, self.enable_prefix_caching
         )

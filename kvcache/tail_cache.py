@@ -91,17 +91,25 @@ class TailCache:
         return list(self._under.get(self._key(namespace, parent), ()))
 
     def longest(
-        self, namespace: int, parent: Node | None, wanted: bytes, children: dict[int, Node]
+        self,
+        namespace: int,
+        parent: Node | None,
+        wanted: bytes,
+        children: dict[int, Node],
+        others: list[tuple[int, bytes]],
     ) -> TailMatch | None:
         """The block whose leading slots hold the longest prefix of ``wanted`` (packed tokens
-        that follow ``parent``): one of its tails, or one of the newest MAX_FULL_CANDIDATES of
-        ``children`` (the full blocks below it). None when none shares a token. Pure."""
+        that follow ``parent``): one of its tails, one of the newest MAX_FULL_CANDIDATES of
+        ``children`` (the full blocks below it), or one of ``others`` ((block, packed tokens
+        its first slots hold): running requests' partial blocks). None when none shares a
+        token. Pure."""
         best: TailMatch | None = None
         sources: list[tuple[int, bytes]] = [
             (t.block_id, t.tokens) for t in self._under.get(self._key(namespace, parent), ())
         ]
         newest = islice(reversed(children.values()), MAX_FULL_CANDIDATES)
         sources += [(node.block_id, node.tokens) for node in newest]
+        sources += others
         for block_id, tokens in sources:
             n = common_tokens(tokens, wanted)
             if n and (best is None or n > best.num_tokens):

@@ -180,11 +180,11 @@ def test_batch_file_writes_prompt_logprobs(tiny_llama_dir: Path, tmp_path: Path)
 
 def test_prompt_logprobs_of_several_samples_compute_the_prompt_once(tiny_llama_dir: Path) -> None:
     """Sample 0 computes every prompt position (and fills the cache); the other samples reuse
-    its full blocks; the request's prompt_logprobs are sample 0's."""
+    its full blocks and copy its partial one; the request's prompt_logprobs are sample 0's."""
     prompt = list(range(5, 5 + 70))
     params = SamplingParams(max_tokens=3, temperature=1.0, seed=2, prompt_logprobs=1, n=3)
     out = LLM(str(tiny_llama_dir)).generate([prompt], params)[0]
-    assert [s.num_cached_tokens for s in out.outputs] == [0, 64, 64]
+    assert [s.num_cached_tokens for s in out.outputs] == [0, 69, 69]
     assert out.prompt_logprobs is not None and all(x is not None for x in out.prompt_logprobs[1:])
 
 

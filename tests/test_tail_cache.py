@@ -147,3 +147,34 @@ def test_next_chat_turn_computes_only_its_new_tokens(tiny_llama_dir: Path) -> No
     assert out.token_ids == cold.generate([second], greedy)[0].token_ids
     assert llm.block_manager.stats.copied_tokens > 0
     llm.block_manager.check_integrity()
+
+
+def test_a_running_requests_partial_block_is_copied_too() -> None:
+    """The same prompt admitted beside a running request copies the computed slots of its
+    partial block (never more than it has computed)."""
+    bm = BlockManager(64, B)
+    prompt = seq(1, 40)
+    first = bm.allocate(1, prompt, ROOT).block_table
+    bm.commit(1, prompt, 36)  # a chunk: 2 full blocks and 4 slots of the third computed
+    alloc = bm.allocate(2, prompt, ROOT)
+    assert alloc.copy == SlotCopy(first[2], alloc.block_table[2], 4)
+    bm.commit(1, prompt, 40)
+    alloc = bm.allocate(3, prompt, ROOT)
+    assert alloc.copy == SlotCopy(first[2], alloc.block_table[2], 7)  # its last token computed
+    bm.check_integrity()
+    bm.free(1, prompt, 40)  # now a tail: still there to copy from
+    assert bm.cached_prefix_length(prompt, ROOT) == 39
+    bm.check_integrity()
+
+
+def test_samples_of_one_prompt_copy_the_first_samples_partial_block(tiny_llama_dir: Path) -> None:
+    """n=3: the first sample computes the prompt; the others find its full blocks cached and
+    copy its partial block, computing only the last prompt token; answers are unchanged."""
+    prompt = [(i * 53) % 300 + 3 for i in range(40)]
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=1, n=3)
+    llm = LLM(str(tiny_llama_dir), block_size=16)
+    out = llm.generate([prompt], params)[0]
+    stats = llm.stats()
+    assert stats["copied_tokens"] == 2 * 7 and stats["hit_tokens"] == 2 * 39
+    cold = LLM(str(tiny_llama_dir), enable_prefix_caching=False).generate([prompt], params)[0]
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in cold.outputs]
