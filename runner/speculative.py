@@ -18,7 +18,9 @@ position before it held the token drawn there, position j sees exactly the conte
 uniform that plain decoding would give its j-th token, and the stream advances by one number
 per token kept. So the output is plain decoding's token for token, greedy or sampled (a seeded
 request's answer does not depend on whether, or what, it was guessed), and a guess is kept with
-its probability under the request's own filters, the most any single guess can be.
+its probability under the request's own filters, the most any single guess can be. Only rounding
+can tell the two apart: a guessed position's logits come from a longer step, which rounds
+otherwise (about 1e-5), and a draw or an argmax that close to a tie may go the other way.
 
 A request that is penalized, has logit rules or a structure, or asks for log-probabilities
 decodes one token a step as before.

@@ -159,8 +159,11 @@ def test_bench_can_sample_in_every_system(tiny_llama_tok_dir: Path) -> None:
     assert all(row["matches_reference"] is None for row in result["rows"])
     assert all(row["output_tokens"] == 4 * 6 for row in result["rows"])  # ignore_eos workload
     assert "every system sampled: temperature 1.5, top_p 0.95" in result["table"]
-    # Guesses and the cache change no sample.
-    assert "same tokens as engine: engine-spec yes, engine-nocache yes" in result["table"]
+    # Guesses and the cache change no draw (only rounding could, rarely).
+    assert (
+        "answers sampled exactly as engine's: engine-spec 4 of 4, engine-nocache 4 of 4"
+        in (result["table"])
+    )
 
 
 def test_bench_with_several_samples_a_prompt(tiny_llama_tok_dir: Path) -> None:
