@@ -47,6 +47,23 @@ class BlockCache:
         """Free blocks plus cached ones no request holds (all reclaimable). Pure."""
         return self.pool.num_free + self.pool.num_cached
 
+    def match(self, token_ids: Sequence[int], root: int) -> list[Node]:
+        """Cached path for the prompt, capped at (len - 1) // B blocks so that at least one
+        token is computed (its logits pick the first output token). Pure."""
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        if max_blocks <= 0:
+            return []
+        data = pack_tokens(token_ids[: max_blocks * self.block_size])
+        return self.tree.match(root, data, max_blocks)
+
+    def continuation(
+        self, root: int, chain: list[Node], token_ids: Sequence[int], k: int
+    ) -> list[int]:
+        """Up to ``k`` tokens with which a cached path goes on past ``token_ids``, looked up
+        below the end of their ``chain`` (RadixTree.continuation). Pure."""
+        after = chain[-1] if chain else None
+        return self.tree.continuation(root, after, token_ids[len(chain) * self.block_size :], k)
+
     def copyable(self, token_ids: Sequence[int], root: int, nodes: list[Node]) -> TailMatch | None:
         """The block holding the longest run of the tokens after the matched ``nodes`` (a tail,
         a full block below the last node, or a running request's partial block), capped so

@@ -106,13 +106,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _match(self, token_ids: Sequence[int], root: int) -> list[Node]:
-        """Cached path for the prompt, capped at (len - 1) // B blocks so that at least one
-        token is computed (its logits pick the first output token). Pure."""
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        if not self.enable_prefix_caching or max_blocks <= 0:
-            return []
-        data = pack_tokens(token_ids[: max_blocks * self.block_size])
-        return self._tree.match(root, data, max_blocks)
+        """Cached path for the prompt (see BlockCache.match); nothing without caching. Pure."""
+        return self._cache.match(token_ids, root) if self.enable_prefix_caching else []
 
     def cached_blocks(self) -> list[CachedBlock]:
         """Every block in the tree (cached or held), each after its parent: with their K/V,
@@ -131,9 +126,7 @@ class BlockManager:
         request = self._requests[request_id]
         if not self.enable_prefix_caching:
             return []
-        after = request.chain[-1] if request.chain else None
-        tail = token_ids[len(request.chain) * self.block_size :]
-        return self._tree.continuation(request.root, after, tail, k)
+        return self._cache.continuation(request.root, request.chain, token_ids, k)
 
     def blocks_needed(self, token_ids: Sequence[int], root: int) -> int:
         """Fresh blocks ``allocate`` would take now. Pure."""

@@ -25,6 +25,7 @@ SAMPLING_FIELDS = (
     "min_tokens",
     "logit_bias",
     "allowed_token_ids",
+    "bad_words",
     "include_stop_str_in_output",
     "structured_outputs",
     "repetition_penalty",

@@ -14,6 +14,7 @@ from kvcache import block_hashes, namespace_root
 from runner.config import EngineConfig
 from runner.engine_setup import build_engine_parts
 from runner.interrupts import interrupts_held
+from runner.logit_rules import bad_word_ids
 from runner.logprobs import TokenLogprobs
 from runner.metrics import MetricsRecorder
 from runner.output_routing import OutputRouter
@@ -90,6 +91,7 @@ class Engine:
         token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
         self.validator.check(token_ids, params)
         self.grammars.check(params.structured_outputs)  # a bad structure fails here, alone
+        bad_words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         text = prompt if isinstance(prompt, str) else None
         root = self._root(cache_salt)
         first = block_hashes(token_ids[: self.config.block_size], self.config.block_size, root)
@@ -121,6 +123,7 @@ class Engine:
                     group=rid if params.n > 1 else None,
                     sample_index=j,
                     grammar=self.grammars.state_for(own.structured_outputs),
+                    bad_words=bad_words,
                 )
                 self.recorder.add_request(seq, prefix_key)
                 self.scheduler.add(seq)

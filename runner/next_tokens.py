@@ -28,7 +28,7 @@ def next_tokens(
     histories = [_history(s) if s.params.penalized else None for s in samplers]
     outputs = [s.output_token_ids for s in samplers]
     structured = mask_logits(logits, [s.grammar for s in samplers])
-    ruled = apply_rules(structured, params, [len(out) for out in outputs], eos_ids)
+    ruled = apply_rules(structured, params, outputs, eos_ids, [s.bad_words for s in samplers])
     tokens = sample(
         penalize(ruled, params, histories, outputs), params, [s.generator for s in samplers]
     )

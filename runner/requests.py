@@ -28,6 +28,10 @@ class RequestValidator:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         self._check_token_rules(params)
+        if params.bad_words and not self.has_tokenizer:
+            raise ValueError(
+                "bad_words need a tokenizer to spell them in tokens, and this model has none"
+            )
         if params.stop_strings and not self.has_tokenizer:
             raise ValueError(
                 "stop strings need a tokenizer to read the text, and this model has none: "

@@ -33,10 +33,12 @@ class SamplingParams:
     penalties: `allowed_token_ids` keeps only those tokens; `min_tokens` bans EOS (unless
     ignore_eos) and `stop_token_ids` until that many tokens are out, and no stop string ends
     the request before then; `logit_bias` ({token id: bias in [-100, 100]}, keys may be
-    digit strings as in OpenAI's API) adds to those logits. `include_stop_str_in_output` keeps
-    the stop string that ended the request at the end of its text. `structured_outputs` holds
-    the answer to a JSON schema, a regex, a list of choices or a grammar
-    (runner/structured_outputs.py).
+    digit strings as in OpenAI's API) adds to those logits; `bad_words` (strings) are never
+    generated: the last token of each word, as the tokenizer writes it alone and after a
+    space, is banned wherever the output ends with its other tokens.
+    `include_stop_str_in_output` keeps the stop string that ended the request at the end of
+    its text. `structured_outputs` holds the answer to a JSON schema, a regex, a list of
+    choices or a grammar (runner/structured_outputs.py).
     """
 
     max_tokens: int = 16
@@ -57,6 +59,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
@@ -109,6 +112,13 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         self.bias_items = _bias_items(self.logit_bias)
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list | tuple)
+            or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            raise ValueError(
+                f"bad_words must be a list of non-blank strings, got {self.bad_words!r}"
+            )
         self._check_structure()
         if self.allowed_token_ids is not None and (
             not isinstance(self.allowed_token_ids, list | tuple)

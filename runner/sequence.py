@@ -63,6 +63,8 @@ class Sequence:
     token_history: TokenHistory | None = field(default=None, repr=False)
     # Its place in params.structured_outputs' grammar, fed each token as it is recorded.
     grammar: GrammarState | None = field(default=None, repr=False)
+    # params.bad_words as token sequences (runner/logit_rules.py), tokenized once when added.
+    bad_words: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
     # prompt + output, kept in step by record_token: every step reads a decoding sequence's
     # tokens a few times, and joining the two lists each time cost ~1 ms a step at 256 of them.
     _tokens: list[int] = field(init=False, repr=False, compare=False)

@@ -66,6 +66,7 @@ def draftable(params: SamplingParams) -> bool:
         and params.min_tokens == 0
         and not params.bias_items
         and not params.allowed_token_ids
+        and not params.bad_words
         and params.structured_outputs is None
     )
 

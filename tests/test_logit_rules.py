@@ -1,8 +1,8 @@
-"""A request's logit rules (allowed_token_ids, min_tokens, logit_bias) and
+"""A request's logit rules (allowed_token_ids, min_tokens, logit_bias, bad_words) and
 include_stop_str_in_output: greedy output equals transformers' greedy `generate` with the same
-rule (`sequence_bias`, `min_new_tokens`, a logits processor keeping the allowed tokens), in one
-batch of mixed rules with the cache on and off and under preemption; `apply_rules` equals a
-dense per-row reference; bad rules are refused by name."""
+rule (`sequence_bias`, `min_new_tokens`, a logits processor keeping the allowed tokens,
+`bad_words_ids`), in one batch of mixed rules with the cache on and off and under preemption;
+`apply_rules` equals a dense per-row reference; bad rules are refused by name."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 
 from kvcache import LLM, SamplingParams
 from runner.batch_file import parse_line
-from runner.logit_rules import apply_rules
+from runner.logit_rules import apply_rules, bad_word_ids
 from runner.sequence import Sequence
 from tests.test_engine_equivalence import hf_greedy, make_prompts
 
@@ -195,16 +195,23 @@ def test_batch_file_lines_take_the_rules() -> None:
     assert bad.error == "line 2: min_tokens (9) must be <= max_tokens (8)"
 
 
-def dense_rules(logits: torch.Tensor, params: list[SamplingParams], lengths: list[int]) -> Any:
-    """One row at a time, token by token, as the definitions read (EOS id 2)."""
+Row = tuple[SamplingParams, list[int], tuple[tuple[int, ...], ...]]  # params, output, bad words
+
+
+def dense_rules(logits: torch.Tensor, rows: list[Row]) -> Any:
+    """One row at a time, token by token, as the definitions read (EOS id 2): a bad word's
+    last token is banned when the output followed by it would end with the word."""
     out = logits.clone()
-    for row, (p, length) in enumerate(zip(params, lengths, strict=True)):
+    for row, (p, output, bad_words) in enumerate(rows):
         if p.allowed_token_ids:
             for t in range(out.shape[1]):
                 if t not in p.allowed_token_ids:
                     out[row, t] = -torch.inf
-        if length < p.min_tokens:
+        if len(output) < p.min_tokens:
             for t in (p.stop_token_ids or []) + ([] if p.ignore_eos else [2]):
+                out[row, t] = -torch.inf
+        for t in range(out.shape[1]):
+            if any((output + [t])[-len(w) :] == list(w) for w in bad_words):
                 out[row, t] = -torch.inf
         for t, b in (p.logit_bias or {}).items():
             out[row, t] += b
@@ -215,8 +222,9 @@ VOCAB = 24
 
 
 @st.composite
-def row_rules(draw: st.DrawFn) -> tuple[SamplingParams, int]:
+def row_rules(draw: st.DrawFn) -> Row:
     tokens = st.integers(0, VOCAB - 1)
+    few = st.integers(0, 3)  # a small alphabet, so outputs end with bad words' heads
     params = SamplingParams(
         max_tokens=10,
         min_tokens=draw(st.integers(0, 5)),
@@ -227,18 +235,18 @@ def row_rules(draw: st.DrawFn) -> tuple[SamplingParams, int]:
         else None,
         logit_bias=draw(st.dictionaries(tokens, st.floats(-100, 100), max_size=5)) or None,
     )
-    return params, draw(st.integers(0, 6))
+    output = draw(st.lists(few, max_size=6))
+    bad_words = draw(st.lists(st.lists(few, min_size=1, max_size=3).map(tuple), max_size=3))
+    return params, output, tuple(bad_words)
 
 
 @settings(max_examples=200, deadline=None)
 @given(rows=st.lists(row_rules(), min_size=1, max_size=5), seed=st.integers(0, 1000))
-def test_apply_rules_equals_a_dense_reference(
-    rows: list[tuple[SamplingParams, int]], seed: int
-) -> None:
+def test_apply_rules_equals_a_dense_reference(rows: list[Row], seed: int) -> None:
     logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(seed))
-    params, lengths = [p for p, _ in rows], [n for _, n in rows]
-    ruled = apply_rules(logits, params, lengths, eos_ids={2})
-    torch.testing.assert_close(ruled, dense_rules(logits, params, lengths))
+    params, outputs, bad_words = ([r[k] for r in rows] for k in range(3))
+    ruled = apply_rules(logits, params, outputs, {2}, bad_words)  # type: ignore[arg-type]
+    torch.testing.assert_close(ruled, dense_rules(logits, rows))
     assert torch.equal(
         logits, torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(seed))
     )
@@ -260,3 +268,36 @@ def test_min_tokens_counts_a_character_split_across_tokens_where_it_ends(
     finishing = llm.stopper.record_tokens([seq], emitted, [None], now=0.0)
     assert finishing == [(seq, "stop")] and seq.output_token_ids == euro
     assert llm.stopper.output_text(seq) == "€"
+
+
+def test_bad_words_equal_transformers_bad_words_ids(default_model_dir: Path) -> None:
+    """The first two words of each prompt's free answer are never generated: the answers
+    equal transformers' greedy `generate` with the words' token sequences as `bad_words_ids`."""
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    llm = LLM(str(default_model_dir))
+    tok = llm.tokenizer
+    base = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    prompts = [tok.encode(t) for t in ("The capital of France is", "My favourite colour is")]
+    params, refs = [], []
+    for prompt in prompts:
+        free = hf_greedy(hf, prompt, MAX_NEW, None)
+        words = tok.decode(free).split()[:2]
+        ids = bad_word_ids(tok, words)
+        # transformers reads a word's head across the prompt's end too; we read the output.
+        assert prompt[-1] not in {w[0] for w in ids if len(w) > 1}, "pick other prompts"
+        params.append(dataclasses.replace(base, bad_words=words))
+        ref = hf_greedy(hf, prompt, MAX_NEW, None, bad_words_ids=[list(w) for w in ids])
+        assert ref != free, "the words change nothing: a weak case"
+        refs.append(ref)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == refs
+    for out, p in zip(outs, params, strict=True):
+        assert not set(out.text.split()) & set(p.bad_words or ()), out.text
+
+
+def test_bad_words_need_a_tokenizer_and_non_blank_strings(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="bad_words need a tokenizer"):
+        LLM(str(tiny_llama_dir)).generate([[5, 6]], SamplingParams(bad_words=["x"]))
+    for bad in (["ok", " "], "word", [3]):
+        with pytest.raises(ValueError, match="bad_words must be a list of non-blank strings"):
+            SamplingParams(bad_words=bad)  # type: ignore[arg-type]
