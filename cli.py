@@ -68,7 +68,7 @@ def main() -> None:
     type=click.IntRange(min=1),
     default=None,
     help='Beam search: each line\'s W best answers (best first under "beams"); uses each '
-    "line's max_tokens and ignore_eos. Small --block-size makes it fast.",
+    "line's max_tokens and ignore_eos.",
 )
 @click.option(
     "--logprobs",
@@ -93,8 +93,9 @@ def main() -> None:
     type=int,
     default=0,
     show_default=True,
-    help="Greedy requests check up to K tokens guessed from their own text each step "
-    "(n-gram lookup): faster answers that repeat their prompt, the same tokens.",
+    help="Requests check up to K guessed tokens each step (what an earlier request with "
+    "the same prefix went on with, or n-gram lookup in their own text): faster answers that "
+    "repeat earlier text, the same tokens.",
 )
 @click.option(
     "--cpu-weight-dtype",
@@ -158,8 +159,9 @@ def generate(
     Greedy by default (--temperature 0). Each JSONL line holds one of prompt / messages /
     prompt_token_ids, an optional id, and optional sampling fields (max_tokens, temperature,
     top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, min_tokens, logit_bias,
-    allowed_token_ids, include_stop_str_in_output, structured_outputs, repetition_penalty,
-    presence_penalty, frequency_penalty, logprobs, prompt_logprobs, n) and cache_salt."""
+    allowed_token_ids, bad_words, include_stop_str_in_output, structured_outputs,
+    repetition_penalty, presence_penalty, frequency_penalty, logprobs, prompt_logprobs, n) and
+    cache_salt."""
     from runner.batch_paths import check_paths
 
     try:  # before the model loads: a wrong path costs nothing yet

@@ -78,8 +78,7 @@ import click
     "--block-size",
     type=click.IntRange(min=1),
     default=None,
-    help="KV block size for the engine systems (beam search recomputes each beam's last "
-    "partial block every step: smaller blocks, less of it).",
+    help="KV block size for the engine systems (default 16).",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def bench(
