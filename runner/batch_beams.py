@@ -19,7 +19,7 @@ def line_prompt(llm: LLM, line: BatchLine) -> tuple[Prompt, bool]:
     """A line's prompt (a conversation through the chat template) and whether its tokenizing
     adds special tokens (not to chat text: the template has put them in)."""
     if line.messages is not None:
-        return llm.apply_chat_template(line.messages), False
+        return llm.apply_chat_template(line.messages, line.template_kwargs), False
     return line.prompt if line.prompt is not None else list(line.prompt_token_ids or []), True
 
 

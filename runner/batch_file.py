@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from runner.requests import check_template_kwargs
 from runner.sampling_params import SamplingParams
 from runner.structured_outputs import StructuredOutputsParams
 
@@ -36,7 +37,9 @@ SAMPLING_FIELDS = (
     "n",
 )
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
-KNOWN_FIELDS = frozenset(("id", "cache_salt", *PROMPT_FIELDS, *SAMPLING_FIELDS))
+KNOWN_FIELDS = frozenset(
+    ("id", "cache_salt", "chat_template_kwargs", *PROMPT_FIELDS, *SAMPLING_FIELDS)
+)
 
 
 @dataclass
@@ -47,6 +50,7 @@ class BatchLine:
     request_id: str
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
+    template_kwargs: dict[str, Any] | None = None  # the chat template's, with messages
     prompt_token_ids: list[int] | None = None
     params: SamplingParams | None = None
     cache_salt: str | None = None
@@ -121,6 +125,16 @@ def parse_line(line_no: int, text: str, defaults: dict[str, Any], is_text_file: 
         line.error = f"line {line_no}: 'cache_salt' must be a string"
         return line
     line.cache_salt = salt
+    if "chat_template_kwargs" in obj:
+        if line.messages is None:
+            line.error = f"line {line_no}: chat_template_kwargs needs messages"
+            return line
+        try:
+            check_template_kwargs(obj["chat_template_kwargs"])
+        except ValueError as err:
+            line.error = f"line {line_no}: {err}"
+            return line
+        line.template_kwargs = obj["chat_template_kwargs"]
     return _with_params(line, {k: obj[k] for k in SAMPLING_FIELDS if k in obj}, defaults)
 
 

@@ -49,9 +49,11 @@ class LLM(Engine):
         *,
         use_tqdm: bool = False,
         cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
-        texts = self._chat_texts(conversations)
+        """Apply the model's chat template (with `chat_template_kwargs`, such as Qwen3's
+        `enable_thinking`) to each conversation, then generate."""
+        texts = self._chat_texts(conversations, chat_template_kwargs)
         return self._generate_all(texts, params, use_tqdm, cache_salt, chat=True)
 
     def stream(
@@ -74,9 +76,10 @@ class LLM(Engine):
         params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> Iterator[StreamDelta]:
         """`stream` over conversations, with the model's chat template applied."""
-        texts = self._chat_texts(conversations)
+        texts = self._chat_texts(conversations, chat_template_kwargs)
         return stream_requests(self, lambda: self._queue_all(texts, params, cache_salt, True))
 
     def beam_search(
@@ -99,12 +102,19 @@ class LLM(Engine):
                 raise ValueError(f"prompt {i}: {err}") from err
         return beam_search(self, token_ids, params)
 
-    def apply_chat_template(self, messages: Messages) -> str:
+    def apply_chat_template(
+        self, messages: Messages, chat_template_kwargs: dict[str, Any] | None = None
+    ) -> str:
         """One conversation's prompt text, through the model's chat template."""
-        return render_chat(self.tokenizer, messages)
+        return render_chat(self.tokenizer, messages, chat_template_kwargs)
 
-    def _chat_texts(self, conversations: Seq[Messages] | Messages) -> list[Prompt]:
-        return [self.apply_chat_template(list(c)) for c in conversation_batch(conversations)]
+    def _chat_texts(
+        self, conversations: Seq[Messages] | Messages, template_kwargs: dict[str, Any] | None
+    ) -> list[Prompt]:
+        return [
+            self.apply_chat_template(list(c), template_kwargs)
+            for c in conversation_batch(conversations)
+        ]
 
     def _generate_all(
         self,

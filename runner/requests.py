@@ -93,6 +93,22 @@ class RequestValidator:
                     raise ValueError(f"messages[{i}] needs a string {key!r}")
 
 
+def check_template_kwargs(template_kwargs: object) -> dict[str, Any]:
+    """The chat template's keyword arguments, `add_generation_prompt` True unless given;
+    ValueError for anything but a dict of names, or one that sets `tokenize`."""
+    if template_kwargs is None:
+        template_kwargs = {}
+    if not isinstance(template_kwargs, Mapping) or not all(
+        isinstance(k, str) and k.isidentifier() for k in template_kwargs
+    ):
+        raise ValueError(
+            f"chat_template_kwargs must be a dict of names to values, got {template_kwargs!r}"
+        )
+    if "tokenize" in template_kwargs:
+        raise ValueError("chat_template_kwargs cannot set tokenize: the engine tokenizes")
+    return {"add_generation_prompt": True, **template_kwargs}
+
+
 def prompt_token_ids(prompt: object, tokenizer: Any, add_special_tokens: bool) -> list[int]:
     """Token ids of a text prompt (through the tokenizer) or of a list/tuple of ids."""
     if isinstance(prompt, str):
@@ -141,15 +157,20 @@ def params_per_prompt(params: Any, num_prompts: int) -> list[SamplingParams]:
     return param_list
 
 
-def render_chat(tokenizer: Any, messages: Messages) -> str:
-    """The prompt text of one conversation, through the model's chat template."""
+def render_chat(
+    tokenizer: Any, messages: Messages, template_kwargs: Mapping[str, Any] | None = None
+) -> str:
+    """The prompt text of one conversation, through the model's chat template, which also
+    sees `template_kwargs` (such as Qwen3's `enable_thinking`; `add_generation_prompt`, True
+    by default, may be turned off)."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so no chat template: pass token ids")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template: pass prompt text instead")
     RequestValidator.check_messages(messages)
+    options = check_template_kwargs(template_kwargs)
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
     except Exception as err:  # jinja's TemplateError: "roles must alternate", ...
         raise ValueError(f"the chat template rejected the messages: {err}") from err
     return str(text)
