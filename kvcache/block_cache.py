@@ -109,6 +109,26 @@ class BlockCache:
         return Tail(table[full], tokens, parent, root)
 
     # -- mutations -----------------------------------------------------------------------------
+    def offer_partial(
+        self,
+        request_id: int,
+        root: int,
+        chain: list[Node],
+        table: list[int],
+        token_ids: Sequence[int],
+        computed: int,
+    ) -> None:
+        """Offer a running request's partial block as a copy source (kvcache/live_tails.py),
+        or withdraw its offer when its computed slots do not follow its chain. Runs for every
+        request at every step: a few comparisons while the block stays the same."""
+        live = self.live
+        full, partial = divmod(computed, self.block_size)
+        if not partial or len(chain) != full or full >= len(table):
+            live.withdraw(request_id)
+        elif not live.refresh(request_id, table[full], token_ids, computed):
+            key = (root, chain[-1].block_id if chain else None)
+            live.offer(request_id, key, table[full], full * self.block_size, token_ids, computed)
+
     def hold(self, node: Node) -> None:
         """ref += 1 on a tree node, taking it out of the LRU; touches its tick."""
         self.pool.lru_discard(node.block_id)

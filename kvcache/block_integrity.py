@@ -77,8 +77,9 @@ def check_block_manager(
         live = requests[rid]
         full = len(live.chain)
         assert live.table[full] == offer.block_id, f"request {rid} offers another block"
-        assert offer.parent is (live.chain[-1] if full else None), f"request {rid}: parent"
-        assert offer.namespace == live.root, f"request {rid} offers another namespace"
+        parent = live.chain[-1].block_id if full else None
+        assert offer.key == (live.root, parent), f"request {rid} offers under another block"
+        assert offer.start == full * tree.block_size, f"request {rid}: offer's start"
         assert tree.node_of(offer.block_id) is None, f"request {rid} offers a tree block"
 
 

@@ -239,8 +239,15 @@ class BlockManager:
         if num_full > len(request.table):
             raise ValueError(f"request {request_id}: computed tokens beyond its block table")
         self._commit_full_blocks(request, token_ids, num_full)
-        # Its partial block, as a copy source while it runs (kvcache/live_tails.py).
-        self._cache.live.update(request_id, self._partial(request, token_ids, num_computed_tokens))
+        if self.enable_prefix_caching and request.publishing:  # offer its partial block
+            self._cache.offer_partial(
+                request_id,
+                request.root,
+                request.chain,
+                request.table,
+                token_ids,
+                num_computed_tokens,
+            )
 
     def _commit_full_blocks(
         self, request: _Request, token_ids: Sequence[int], num_full: int
@@ -277,7 +284,7 @@ class BlockManager:
         ``token_ids`` (with ``num_computed_tokens`` of them in the K/V) say what it holds:
         that one stays cached as a tail. The request is forgotten."""
         request = self._requests.pop(request_id)
-        self._cache.live.remove(request_id)
+        self._cache.live.withdraw(request_id)
         for node in request.chain:  # root to leaf: a deeper block counts as more recent
             node.tick = self._pool.next_tick()
         tail = self._partial(request, token_ids, num_computed_tokens)
