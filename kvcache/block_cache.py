@@ -8,6 +8,7 @@ and the LRU holds the ref-0 tree leaves and every tail.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -19,7 +20,8 @@ from kvcache.tail_cache import Tail, TailCache, TailMatch
 
 
 class CachedBlock(NamedTuple):
-    """One block of the tree, as ``full_blocks`` lists them."""
+    """One cached block, as ``listing`` lists them: a tree node (a whole block of tokens) or a
+    tail (fewer)."""
 
     root: int  # namespace root of its chain
     parent: int | None  # the parent block's id; None at the top of the namespace
@@ -78,9 +80,10 @@ class BlockCache:
         wanted = pack_tokens(token_ids[start:end])
         return self.tails.longest(root, parent, wanted, children, running)
 
-    def full_blocks(self) -> list[CachedBlock]:
-        """Every block in the tree (cached or held), each after its parent. Pure."""
-        return [
+    def listing(self) -> list[CachedBlock]:
+        """Every block in the tree (cached or held), each after its parent, then every tail
+        (its tokens fewer than a block). Pure."""
+        full = [
             CachedBlock(
                 node.namespace,
                 None if node.parent is None else node.parent.block_id,
@@ -89,6 +92,16 @@ class BlockCache:
             )
             for node in self.tree.walk()
         ]
+        tails = [
+            CachedBlock(
+                t.namespace,
+                None if t.parent is None else t.parent.block_id,
+                array("q", t.tokens).tolist(),
+                t.block_id,
+            )
+            for t in self.tails.tails()
+        ]
+        return full + tails
 
     def tail_of(
         self,

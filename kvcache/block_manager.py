@@ -110,9 +110,10 @@ class BlockManager:
         return self._cache.match(token_ids, root) if self.enable_prefix_caching else []
 
     def cached_blocks(self) -> list[CachedBlock]:
-        """Every block in the tree (cached or held), each after its parent: with their K/V,
-        what it takes to rebuild this cache elsewhere (tails are left out). Pure."""
-        return self._cache.full_blocks()
+        """Every block in the tree (cached or held), each after its parent, then every tail
+        (fewer tokens than a block): with their K/V, what it takes to rebuild this cache
+        elsewhere. Pure."""
+        return self._cache.listing()
 
     def cached_prefix_length(self, token_ids: Sequence[int], root: int) -> int:
         """Tokens ``allocate`` would serve from the cache now. Pure: no stats, no LRU touch."""
