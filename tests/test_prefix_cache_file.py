@@ -170,3 +170,22 @@ def test_a_format_1_file_without_tails_still_loads(
     assert llm.load_prefix_cache(path) == len(full)
     assert llm.block_manager.stats.blocks_tails == 0
     llm.block_manager.check_integrity()
+
+
+@pytest.mark.parametrize("bad_length", [0, 17])
+def test_a_file_with_impossible_lengths_is_refused(
+    tiny_llama_dir: Path, saved: tuple[Path, int], tmp_path: Path, bad_length: int
+) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(saved[0]), framework="pt") as f:
+        metadata = dict(f.metadata())
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    tensors["lengths"][0] = bad_length
+    path = tmp_path / "damaged.safetensors"
+    save_file(tensors, str(path), metadata=metadata)
+    llm = LLM(str(tiny_llama_dir))
+    with pytest.raises(ValueError, match="do not fit together"):
+        llm.load_prefix_cache(path)
+    assert llm.block_manager.stats.blocks_cached == 0
