@@ -39,6 +39,9 @@ def main() -> None:
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option(
+    "--bad-word", "bad_words", multiple=True, help="Never generate this word (repeatable)."
+)
+@click.option(
     "--min-tokens",
     type=int,
     default=0,
@@ -132,6 +135,7 @@ def generate(
     top_k: int,
     seed: int | None,
     stop: tuple[str, ...],
+    bad_words: tuple[str, ...],
     min_tokens: int,
     json_schema_path: str | None,
     repetition_penalty: float,
@@ -182,6 +186,7 @@ def generate(
         "top_k": top_k,
         "seed": seed,
         "stop": list(stop) or None,
+        "bad_words": list(bad_words) or None,
         "min_tokens": min_tokens,
         "structured_outputs": _json_schema(json_schema_path),
         "repetition_penalty": repetition_penalty,

@@ -438,3 +438,22 @@ def test_beam_width_writes_each_lines_best_answers(
     bad = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "b.jsonl"), "--beam-width", "2",
                                     "--temperature", "0.5"])  # fmt: skip
     assert bad.exit_code == 2 and "--beam-width" in bad.output
+
+
+def test_bad_words_hold_for_every_line(default_model_dir: Path, tmp_path: Path) -> None:
+    """--bad-word: no answer says the word; a line's own bad_words win; a line that is chat
+    with chat_template_kwargs runs like any other."""
+    question = {"role": "user", "content": "What is the capital of France?"}
+    lines = [
+        {"id": "flag", "messages": [question]},
+        {"id": "own", "messages": [question], "bad_words": ["Berlin"]},
+        {"id": "kw", "messages": [question], "chat_template_kwargs": {"enable_thinking": False}},
+    ]
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps(line).encode() for line in lines])
+    out = tmp_path / "out.jsonl"
+    args = ["generate", str(src), "--model", str(default_model_dir), "--max-tokens", "12"]
+    result = CliRunner().invoke(main, [*args, "-o", str(out), "--bad-word", "Paris"])
+    assert result.exit_code == 0, result.output
+    answers = {r["id"]: r["text"] for r in records(out)}
+    assert "Paris" not in answers["flag"] and "Paris" not in answers["kw"]
+    assert "Paris" in answers["own"]  # its own list replaces the flag's
