@@ -20,7 +20,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # an entity: equal only to itself (value equality compared every field)
 class Sequence:
     """A request's state. Invariant: tokens [0, num_computed_tokens) have K/V in the store.
 
