@@ -27,6 +27,7 @@ SAMPLING_FIELDS = (
     "logit_bias",
     "allowed_token_ids",
     "bad_words",
+    "truncate_prompt_tokens",
     "include_stop_str_in_output",
     "structured_outputs",
     "repetition_penalty",

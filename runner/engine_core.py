@@ -89,6 +89,9 @@ class Engine:
         if request_id is not None and self._taken(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
+        if isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None:
+            params.validate()  # the cut needs a valid length; check() validates the rest again
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
         self.validator.check(token_ids, params)
         self.grammars.check(params.structured_outputs)  # a bad structure fails here, alone
         bad_words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()

@@ -27,7 +27,8 @@ class SamplingParams:
     `prompt_logprobs` = N the same for every prompt token after the first (such a prompt is
     computed whole, never served from the cache, so every position has its logits). `n`
     samples the prompt n times (runner/sample_groups.py); a seeded request's samples take seeds
-    seed, seed + 1, ...
+    seed, seed + 1, ... `truncate_prompt_tokens` = k keeps only the prompt's last k tokens
+    (what a long document's end needs in a context too short for all of it).
 
     The request's own logit rules are vLLM's (runner/logit_rules.py), applied before the
     penalties: `allowed_token_ids` keeps only those tokens; `min_tokens` bans EOS (unless
@@ -60,6 +61,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
@@ -137,6 +139,8 @@ class SamplingParams:
             _check_number(name, value)
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
         _check_int("n", self.n, minimum=1)
         if self.n > MAX_SAMPLES:
             raise ValueError(f"n must be <= {MAX_SAMPLES}, got {self.n}")
