@@ -1,9 +1,11 @@
 """What the pool holds beyond running requests: full blocks in the radix tree, tails beside them
-(kvcache/tail_cache.py), and the eviction that reclaims both.
+(kvcache/tail_cache.py), and the eviction that reclaims both; plus the running requests'
+partial blocks on offer as copy sources (kvcache/live_tails.py).
 
 The block manager decides who holds what; this class keeps the pool, the tree and the tails in
 step: a block is cached content (ref 0, reclaimable) exactly when it is a tree node or a tail,
-and the LRU holds the ref-0 tree leaves and every tail.
+and the LRU holds the ref-0 tree leaves and every tail. An offered block stays its request's
+own (ref 1) and is never cached content.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ token is computed), locks that path (ref += 1) and takes fresh blocks for the re
 ``append_slots`` grows the table during decode; ``commit`` inserts every newly computed full
 block into the radix tree; ``free`` drops the request's refs, leaving tree blocks cached, and
 keeps the request's partial last block as a *tail* (kvcache/tail_cache.py): a later prompt that
-goes on past the cached full blocks has its next tokens' K/V copied from a tail or from a full
-block that starts with them (``Allocation.copy``) instead of computing them again.
+goes on past the cached full blocks has its next tokens' K/V copied from a tail, from a full
+block that starts with them, or from a running request's partial block (kvcache/live_tails.py;
+``Allocation.copy``) instead of computing them again.
 
 Invariants kept here (checked by ``check_integrity``):
 * block tables are append-only while a request lives;
@@ -179,9 +180,8 @@ class BlockManager:
         copy into the first fresh block (see SlotCopy) for them to count as cached. Not
         ``reuse``: nothing is matched or copied, every block is fresh (a request that must
         compute its whole prompt); ``commit`` still adds its blocks to the tree for others, up
-        to the first one that is cached already. Raises
-        ValueError when blocks are short, the prompt is empty or the id is live; nothing is
-        mutated then."""
+        to the first one that is cached already. Raises ValueError when blocks are short, the
+        prompt is empty or the id is live; nothing is mutated then."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already allocated")
         if not token_ids:
@@ -197,20 +197,18 @@ class BlockManager:
         table = [node.block_id for node in nodes]
         table.extend(self._cache.take(self._blocks_for(len(token_ids)) - len(nodes)))
         self._requests[request_id] = _Request(root, table, nodes, reuse=reuse)
-        cached = len(nodes) * self.block_size
         copy = None
-        if source is not None:
+        if source is not None:  # the slots past the full blocks, from a cached or running block
             copy = SlotCopy(source.block_id, table[len(nodes)], source.num_tokens)
-            cached += source.num_tokens
             self._cache.touch(source.block_id)
+        cached = len(nodes) * self.block_size + (copy.num_tokens if copy else 0)
         if count and readmission:
             self._stats.readmit_query_tokens += len(token_ids)
             self._stats.readmit_hit_tokens += cached
         elif count:
             self._stats.query_tokens += len(token_ids)
             self._stats.hit_tokens += cached
-        if count and not readmission and copy is not None:
-            self._stats.copied_tokens += copy.num_tokens
+            self._stats.copied_tokens += copy.num_tokens if copy else 0
         return Allocation(list(table), cached, copy)
 
     def append_slots(self, request_id: int, num_tokens: int) -> list[int]:

@@ -1,8 +1,8 @@
 """Partial last blocks ("tails") kept after their request ends, to be copied, never shared.
 
-The radix tree caches full blocks only, so a prompt that goes on past its cached blocks used to
-recompute its partial block from scratch: up to ``block_size - 1`` tokens. A beam search step
-or a repeated prompt recomputes exactly those. A finished request's tail (its last partial
+The radix tree caches full blocks only, so a prompt that goes on past its cached blocks would
+compute its partial block from scratch: up to ``block_size - 1`` tokens, at every beam search
+step and for every repeated prompt. A finished request's tail (its last partial
 block, whose first ``r`` slots hold computed K/V) is therefore kept under the tree node it
 follows. A later prompt that shares those tokens has their slots copied into its own fresh
 block, since it writes the slots after them. Being copied and never held, a tail always has
