@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Any
@@ -92,6 +93,9 @@ class Engine:
         if isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None:
             params.validate()  # the cut needs a valid length; check() validates the rest again
             token_ids = token_ids[-params.truncate_prompt_tokens :]
+        if isinstance(params, SamplingParams) and params.max_tokens is None:  # the whole context
+            room = max(1, self.max_model_len - len(token_ids))
+            params = dataclasses.replace(params, max_tokens=room)
         self.validator.check(token_ids, params)
         self.grammars.check(params.structured_outputs)  # a bad structure fails here, alone
         bad_words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()

@@ -53,12 +53,13 @@ class RequestValidator:
                 f"{self.max_model_len} (prompt plus at least one new token)"
             )
         # A request whose prompt and answer cannot fit even in an empty pool would wait forever.
-        total = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        max_tokens = params.max_tokens or self.max_model_len  # None: the context's room
+        total = min(len(token_ids) + max_tokens, self.max_model_len)
         blocks = -(-total // self.block_size)
         pool_blocks = self.pool_tokens // self.block_size
         if blocks > pool_blocks:
             raise ValueError(
-                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) needs "
                 f"{blocks} KV blocks, but the pool holds only {pool_blocks} blocks "
                 f"({self.pool_tokens} tokens); raise num_kv_blocks or lower max_tokens"
             )

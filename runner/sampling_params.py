@@ -42,7 +42,7 @@ class SamplingParams:
     choices or a grammar (runner/structured_outputs.py).
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until the prompt and answer fill the model's context
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -74,7 +74,8 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range. The engine calls this again
         when a request is added, since a dataclass can be changed after construction."""
-        _check_int("max_tokens", self.max_tokens, minimum=1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -109,7 +110,7 @@ class SamplingParams:
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         _check_int("min_tokens", self.min_tokens, minimum=0)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )

@@ -202,7 +202,7 @@ class Scheduler:
             while self.waiting and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
                 # Reserve room for the whole answer: a static batch should never preempt.
-                total = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+                total = min(seq.num_prompt_tokens + seq.max_tokens, self.max_model_len)
                 need = -(-total // self.bm.block_size)
                 if reserved + need > self.bm.num_available_blocks():
                     break

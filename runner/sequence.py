@@ -88,6 +88,13 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def max_tokens(self) -> int:
+        """params.max_tokens: a number once queued (add_request turns None into the room the
+        context leaves)."""
+        assert self.params.max_tokens is not None, "max_tokens is resolved when queued"
+        return self.params.max_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 

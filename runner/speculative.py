@@ -91,7 +91,7 @@ def draft_for(seq: Sequence, k: int, max_model_len: int, bm: BlockManager) -> li
     """A decoding sequence's guessed next tokens: at most `k`, as many as max_tokens and the
     context leave room for, and as the pool can give blocks for without preempting anyone
     (like any growth it may evict least recently used cached blocks)."""
-    k = min(k, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+    k = min(k, seq.max_tokens - len(seq.output_token_ids) - 1)
     k = min(k, max_model_len - seq.num_tokens - 1)
     if k < 1 or not draftable(seq.params):
         return []

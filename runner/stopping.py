@@ -60,8 +60,7 @@ class StopChecker:
                         reasons[i] = "stop"
         for i, seq in enumerate(seqs):
             if reasons[i] is None and (
-                len(seq.output_token_ids) >= seq.params.max_tokens
-                or seq.num_tokens >= self.max_model_len
+                len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len
             ):
                 reasons[i] = "length"
         return reasons

@@ -1,4 +1,5 @@
-"""truncate_prompt_tokens (vLLM's): a request keeps only its prompt's last k tokens."""
+"""How long a prompt and an answer may be (vLLM's names): `truncate_prompt_tokens` keeps a
+prompt's last k tokens; `max_tokens=None` answers until prompt and answer fill the context."""
 
 from __future__ import annotations
 
@@ -41,3 +42,16 @@ def test_bad_lengths_are_refused_by_name(bad: object) -> None:
         SamplingParams(truncate_prompt_tokens=bad)  # type: ignore[arg-type]
     line = json.dumps({"prompt": "hi", "truncate_prompt_tokens": bad})
     assert "truncate_prompt_tokens" in (parse_line(1, line, {}, is_text_file=False).error or "")
+
+
+def test_max_tokens_none_fills_the_context(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir))
+    prompt = [3 + (i * 11) % 300 for i in range(30)]
+    params = dataclasses.replace(GREEDY, max_tokens=None, n=2)
+    out = llm.generate([prompt], params)[0]
+    for sample in out.outputs:
+        assert len(sample.token_ids) == llm.max_model_len - len(prompt)
+        assert sample.finish_reason == "length"
+    assert params.max_tokens is None  # the caller's params are left as they were
+    with pytest.raises(ValueError, match="min_tokens"):  # the room left is what min_tokens meets
+        llm.generate([prompt], dataclasses.replace(params, min_tokens=llm.max_model_len))
