@@ -163,9 +163,9 @@ def generate(
     Greedy by default (--temperature 0). Each JSONL line holds one of prompt / messages /
     prompt_token_ids, an optional id, and optional sampling fields (max_tokens, temperature,
     top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, min_tokens, logit_bias,
-    allowed_token_ids, bad_words, truncate_prompt_tokens, include_stop_str_in_output,
-    structured_outputs, repetition_penalty, presence_penalty, frequency_penalty, logprobs,
-    prompt_logprobs, n) and cache_salt."""
+    allowed_token_ids, bad_words, truncate_prompt_tokens, skip_special_tokens,
+    include_stop_str_in_output, structured_outputs, repetition_penalty, presence_penalty,
+    frequency_penalty, logprobs, prompt_logprobs, n) and cache_salt."""
     from runner.batch_paths import check_paths
 
     try:  # before the model loads: a wrong path costs nothing yet

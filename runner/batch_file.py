@@ -28,6 +28,7 @@ SAMPLING_FIELDS = (
     "allowed_token_ids",
     "bad_words",
     "truncate_prompt_tokens",
+    "skip_special_tokens",
     "include_stop_str_in_output",
     "structured_outputs",
     "repetition_penalty",

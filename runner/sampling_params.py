@@ -39,7 +39,8 @@ class SamplingParams:
     space, is banned wherever the output ends with its other tokens.
     `include_stop_str_in_output` keeps the stop string that ended the request at the end of
     its text. `structured_outputs` holds the answer to a JSON schema, a regex, a list of
-    choices or a grammar (runner/structured_outputs.py).
+    choices or a grammar (runner/structured_outputs.py). `skip_special_tokens=False` keeps
+    special tokens (EOS, chat markers) in the text, and stop strings are looked for in it.
     """
 
     max_tokens: int | None = 16  # None: until the prompt and answer fill the model's context
@@ -62,6 +63,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
@@ -106,7 +108,7 @@ class SamplingParams:
                     f"stop_token_ids must be a list of non-negative ints, got "
                     f"{self.stop_token_ids!r}"
                 )
-        for flag in ("ignore_eos", "include_stop_str_in_output"):
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         _check_int("min_tokens", self.min_tokens, minimum=0)

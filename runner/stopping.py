@@ -52,10 +52,13 @@ class StopChecker:
                 and seq.params.stop_strings
                 and len(seq.output_token_ids) > seq.params.min_tokens
             ]
-            if going:
-                tails = [self._tail(seqs[i]) for i in going]
-                decoded = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
-                for i, tail in zip(going, decoded, strict=True):
+            for skip in (True, False):  # one batched decode per kind of text
+                group = [i for i in going if seqs[i].params.skip_special_tokens is skip]
+                if not group:
+                    continue
+                tails = [self._tail(seqs[i]) for i in group]
+                decoded = self.tokenizer.batch_decode(tails, skip_special_tokens=skip)
+                for i, tail in zip(group, decoded, strict=True):
                     if self._stopped_on_string(seqs[i], tail):
                         reasons[i] = "stop"
         for i, seq in enumerate(seqs):
@@ -121,21 +124,23 @@ class StopChecker:
             return False
         # Only a stop string that ends past the text of the first min_tokens tokens counts.
         # A character the first min_tokens tokens leave half-decoded (U+FFFD) ends later.
-        floor = len(self.decode(seq.output_token_ids[: params.min_tokens]).rstrip("\ufffd"))
-        found = first_stop(self.decode(seq.output_token_ids), params.stop_strings, floor)
+        skip = params.skip_special_tokens
+        head = self.decode(seq.output_token_ids[: params.min_tokens], skip)
+        floor = len(head.rstrip("\ufffd"))
+        found = first_stop(self.decode(seq.output_token_ids, skip), params.stop_strings, floor)
         if found is None:  # the tail's own decode made it up (a space or character its cut
             return False  # split), or it ends within the first min_tokens tokens
         cut, stop = found
         seq.stop_text_cut = cut + len(stop) if params.include_stop_str_in_output else cut
         return True
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
             return ""
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def output_text(self, seq: Sequence) -> str:
-        text = self.decode(seq.output_token_ids)
+        text = self.decode(seq.output_token_ids, seq.params.skip_special_tokens)
         return text if seq.stop_text_cut is None else text[: seq.stop_text_cut]
 
 

@@ -63,10 +63,12 @@ class OutputText:
     refuses some of their outputs) and tokenizers that clean up spaces after decoding decode
     whole, as does a stream whose DecodeStream raises."""
 
-    def __init__(self, stopper: StopChecker) -> None:
+    def __init__(self, stopper: StopChecker, skip_special_tokens: bool = True) -> None:
         self.stopper = stopper
+        self.skip_special_tokens = skip_special_tokens
         self._backend = _byte_level_backend(stopper)
-        self._decoder = DecodeStream(skip_special_tokens=True) if self._backend else None
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend else None
+        self._decoder = stream
         self._fed = 0  # tokens given to the decoder
         self._text = ""
 
@@ -78,7 +80,7 @@ class OutputText:
     def of(self, token_ids: list[int]) -> str:
         """The decoded text of `token_ids`, which extend the ids of the last call."""
         if self._decoder is None:
-            return self.stopper.decode(token_ids)
+            return self.stopper.decode(token_ids, self.skip_special_tokens)
         try:
             for token in token_ids[self._fed :]:
                 piece = self._decoder.step(self._backend, token)
@@ -87,7 +89,7 @@ class OutputText:
                     self._text += piece
         except Exception:  # noqa: BLE001 - an output the decoder refuses: decode whole from now
             self._decoder = None
-            return self.stopper.decode(token_ids)
+            return self.stopper.decode(token_ids, self.skip_special_tokens)
         return self._text
 
 
@@ -103,9 +105,9 @@ def _byte_level_backend(stopper: StopChecker) -> Any:
 class TextStream:
     """One request's text handed out so far, and the rule for how much more is settled."""
 
-    def __init__(self, stopper: StopChecker) -> None:
+    def __init__(self, stopper: StopChecker, skip_special_tokens: bool = True) -> None:
         self.stopper = stopper
-        self.output = OutputText(stopper)
+        self.output = OutputText(stopper, skip_special_tokens)
         self.sent = 0  # characters of the decoded output already handed out
 
     def settled_delta(self, seq: Sequence) -> str:
@@ -156,7 +158,7 @@ def stream_requests(
     queued = queue()
     index_of = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
     running = [seq for samples in queued for seq in samples]
-    texts = {seq.seq_id: TextStream(llm.stopper) for seq in running}
+    texts = {seq.seq_id: TextStream(llm.stopper, seq.params.skip_special_tokens) for seq in running}
     tokens_sent = {seq.seq_id: 0 for seq in running}
     unfinished = set(index_of)  # requests whose output has not been handed out
     try:

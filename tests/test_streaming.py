@@ -187,9 +187,9 @@ def test_streaming_does_not_decode_the_whole_output_each_step(
     whole_decodes = {"n": 0}
     decode = llm.stopper.decode
 
-    def counted(token_ids: list[int]) -> str:
+    def counted(token_ids: list[int], skip_special_tokens: bool = True) -> str:
         whole_decodes["n"] += 1
-        return decode(token_ids)
+        return decode(token_ids, skip_special_tokens)
 
     monkeypatch.setattr(llm.stopper, "decode", counted)
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
