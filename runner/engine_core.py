@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from typing import Any
@@ -20,11 +19,7 @@ from runner.logprobs import TokenLogprobs
 from runner.metrics import MetricsRecorder
 from runner.output_routing import OutputRouter
 from runner.outputs import RequestOutput
-from runner.requests import (
-    Prompt,
-    RequestValidator,
-    prompt_token_ids,
-)
+from runner.requests import Prompt, RequestValidator, prompt_token_ids
 from runner.sample_groups import SampleGroup, sample_params, sample_request_id
 from runner.sampling import request_generator
 from runner.sampling_params import SamplingParams
@@ -90,13 +85,7 @@ class Engine:
         if request_id is not None and self._taken(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
-        if isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None:
-            params.validate()  # the cut needs a valid length; check() validates the rest again
-            token_ids = token_ids[-params.truncate_prompt_tokens :]
-        if isinstance(params, SamplingParams) and params.max_tokens is None:  # the whole context
-            room = max(1, self.max_model_len - len(token_ids))
-            params = dataclasses.replace(params, max_tokens=room)
-        self.validator.check(token_ids, params)
+        token_ids, params = self.validator.fit(token_ids, params)
         self.grammars.check(params.structured_outputs)  # a bad structure fails here, alone
         bad_words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         text = prompt if isinstance(prompt, str) else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,20 @@ class RequestValidator:
     block_size: int
     has_tokenizer: bool = True
     eos_ids: frozenset[int] = frozenset()
+
+    def fit(self, token_ids: list[Any], params: Any) -> tuple[list[Any], SamplingParams]:
+        """The prompt and params a request runs with: the prompt cut to its last
+        `truncate_prompt_tokens`, `max_tokens` None made the room the context leaves (in a
+        copy: the caller's params stay as they are); both then `check`ed."""
+        if isinstance(params, SamplingParams):
+            params.validate()  # before the cut, which needs a valid length
+            if params.truncate_prompt_tokens is not None:
+                token_ids = token_ids[-params.truncate_prompt_tokens :]
+            if params.max_tokens is None:
+                room = max(1, self.max_model_len - len(token_ids))
+                params = dataclasses.replace(params, max_tokens=room)
+        self.check(token_ids, params)
+        return token_ids, params
 
     def check(self, token_ids: list[Any], params: Any) -> None:
         """Raise ValueError naming the problem; returns quietly when the request can run."""
