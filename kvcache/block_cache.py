@@ -10,12 +10,11 @@ own (ref 1) and is never cached content.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from kvcache.block_pool import BlockPool
-from kvcache.hashing import pack_tokens
+from kvcache.hashing import pack_tokens, unpack_tokens
 from kvcache.live_tails import LiveTails
 from kvcache.radix_tree import Node, RadixTree
 from kvcache.tail_cache import Tail, TailCache, TailMatch
@@ -98,7 +97,7 @@ class BlockCache:
             CachedBlock(
                 t.namespace,
                 None if t.parent is None else t.parent.block_id,
-                array("q", t.tokens).tolist(),
+                unpack_tokens(t.tokens),
                 t.block_id,
             )
             for t in self.tails.tails()
@@ -113,15 +112,22 @@ class BlockCache:
         token_ids: Sequence[int],
         num_computed_tokens: int,
     ) -> Tail | None:
-        """A request's partial last block as a tail, when it can be kept: the full blocks
-        before it are all on its ``chain``, and it holds at least one computed token. Pure."""
-        B = self.block_size
-        full, partial = divmod(min(num_computed_tokens, len(token_ids)), B)
-        if not partial or len(chain) != full or full >= len(table):
+        """A request's partial last block as a tail, when it can be kept (see
+        ``_partial_index``). Pure."""
+        computed = min(num_computed_tokens, len(token_ids))
+        full = self._partial_index(chain, table, computed)
+        if full is None:
             return None
         parent = chain[-1] if chain else None
-        tokens = pack_tokens(token_ids[full * B : full * B + partial])
+        tokens = pack_tokens(token_ids[full * self.block_size : computed])
         return Tail(table[full], tokens, parent, root)
+
+    def _partial_index(self, chain: list[Node], table: list[int], computed: int) -> int | None:
+        """Where in ``table`` a request's partial block is, when it may be copied from: it
+        holds at least one computed token, and every full block before it is on the request's
+        ``chain``. None otherwise. Pure."""
+        full, partial = divmod(computed, self.block_size)
+        return full if partial and len(chain) == full < len(table) else None
 
     # -- mutations -----------------------------------------------------------------------------
     def offer_partial(
@@ -137,8 +143,8 @@ class BlockCache:
         or withdraw its offer when its computed slots do not follow its chain. Runs for every
         request at every step: a few comparisons while the block stays the same."""
         live = self.live
-        full, partial = divmod(computed, self.block_size)
-        if not partial or len(chain) != full or full >= len(table):
+        full = self._partial_index(chain, table, computed)
+        if full is None:
             live.withdraw(request_id)
         elif not live.refresh(request_id, table[full], token_ids, computed):
             key = (root, chain[-1].block_id if chain else None)

@@ -35,6 +35,14 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def unpack_tokens(packed: bytes) -> list[int]:
+    """The token ids of ``pack_tokens``' bytes (its inverse). Pure."""
+    tokens = array("q", packed)
+    if _BIG_ENDIAN:
+        tokens.byteswap()
+    return tokens.tolist()
+
+
 def hash_packed_block(parent_hash: int, block: bytes) -> int:
     """Hash one packed block under its parent's hash. Pure; the single place xxh3 is applied
     to a block, so every path (match, insert, ``block_hashes``) agrees bit for bit."""

@@ -12,11 +12,10 @@ on insert, a stop), never into reuse of another prefix's KV.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-from kvcache.hashing import TOKEN_BYTES, hash_packed_block, pack_tokens
+from kvcache.hashing import TOKEN_BYTES, hash_packed_block, pack_tokens, unpack_tokens
 
 # The most children `continuation` compares a partial block against (a node under which many
 # prompts diverge, a shared system prompt's last block, may have thousands): past it, no guess.
@@ -42,7 +41,7 @@ class Node:
     @property
     def token_ids(self) -> list[int]:
         """The block's tokens unpacked (for tests and debugging). Pure."""
-        return array("q", self.tokens).tolist()
+        return unpack_tokens(self.tokens)
 
     def __repr__(self) -> str:
         return f"Node(block={self.block_id}, key={self.key:#018x}, children={len(self.children)})"

@@ -44,8 +44,8 @@ def search_lines(
             line.error = f"line {line.line_no}: {err}"
             fail(line)
             continue
-        room = params.max_tokens or llm.max_model_len - len(ids)  # None: the context's room
-        groups.setdefault((room, params.ignore_eos), []).append((line, ids))
+        max_tokens = llm.validator.room(ids, params.max_tokens)
+        groups.setdefault((max_tokens, params.ignore_eos), []).append((line, ids))
     for (max_tokens, ignore_eos), group in groups.items():
         beams = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=ignore_eos)
         for first in range(0, len(group), BEAM_CHUNK):

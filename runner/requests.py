@@ -32,10 +32,14 @@ class RequestValidator:
             if params.truncate_prompt_tokens is not None:
                 token_ids = token_ids[-params.truncate_prompt_tokens :]
             if params.max_tokens is None:
-                room = max(1, self.max_model_len - len(token_ids))
-                params = dataclasses.replace(params, max_tokens=room)
+                params = dataclasses.replace(params, max_tokens=self.room(token_ids, None))
         self.check(token_ids, params)
         return token_ids, params
+
+    def room(self, token_ids: list[Any], max_tokens: int | None) -> int:
+        """The new tokens a request may make: `max_tokens`, or for None the room the context
+        leaves after the prompt (at least 1: a prompt that fills it fails `check`)."""
+        return max_tokens if max_tokens is not None else max(1, self.max_model_len - len(token_ids))
 
     def check(self, token_ids: list[Any], params: Any) -> None:
         """Raise ValueError naming the problem; returns quietly when the request can run."""

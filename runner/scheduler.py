@@ -100,7 +100,7 @@ class Scheduler:
             self.held.append(seq)
             self._release_held()
         else:
-            self.bm.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self._free(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request that failed or was aborted: free its blocks wherever it is."""
@@ -109,7 +109,7 @@ class Scheduler:
             return
         if seq in self.running:
             self.running.remove(seq)
-            self.bm.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self._free(seq)
             self._release_held()
 
     def _release_held(self) -> None:
@@ -118,15 +118,20 @@ class Scheduler:
         next batch can be admitted. Nothing is ever held in continuous mode."""
         if not self.running:
             for done in self.held:
-                self.bm.free(done.seq_id, done.token_ids, done.num_computed_tokens)
+                self._free(done)
             self.held.clear()
+
+    def _free(self, seq: Sequence) -> None:
+        """Give back a sequence's blocks, telling the block manager what its computed slots
+        hold, so that its partial last block can stay cached as a tail."""
+        self.bm.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free a running sequence's blocks and queue it first for re-admission.
 
         Its committed full blocks stay in the tree, so re-admission mostly hits the cache."""
         self.running.remove(seq)
-        self.bm.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        self._free(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

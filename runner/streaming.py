@@ -67,8 +67,9 @@ class OutputText:
         self.stopper = stopper
         self.skip_special_tokens = skip_special_tokens
         self._backend = _byte_level_backend(stopper)
-        stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend else None
-        self._decoder = stream
+        self._decoder = (
+            DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend else None
+        )
         self._fed = 0  # tokens given to the decoder
         self._text = ""
 
