@@ -155,9 +155,11 @@ class BlockManager:
         missing = self._blocks_for(num_tokens) - len(self._requests[request_id].table)
         return missing <= 0 or missing <= self.num_available_blocks()
 
-    def block_table(self, request_id: int) -> list[int]:
-        """A copy of the request's block table. Pure."""
-        return list(self._requests[request_id].table)
+    def block_table(self, request_id: int) -> Sequence[int]:
+        """The request's block table itself, read only: it grows in place as slots are
+        appended and never changes otherwise; an allocation (a readmission too) makes a new
+        one. Pure."""
+        return self._requests[request_id].table
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
@@ -211,16 +213,25 @@ class BlockManager:
             self._stats.copied_tokens += copy.num_tokens if copy else 0
         return Allocation(list(table), cached, copy)
 
-    def append_slots(self, request_id: int, num_tokens: int) -> list[int]:
-        """Grow the table to ceil(num_tokens / B) blocks (never shrinks); returns a copy.
-        Mutates the table and the pool (may evict). Raises ValueError when blocks are short."""
-        request = self._requests[request_id]
-        missing = self._blocks_for(num_tokens) - len(request.table)
-        if missing > 0 and missing > self.num_available_blocks():
-            raise ValueError(f"request {request_id}: {missing} blocks needed (ask can_append)")
-        if missing > 0:
-            request.table.extend(self._cache.take(missing))
-        return list(request.table)
+    def append_slots(self, request_id: int, num_tokens: int) -> Sequence[int]:
+        """Grow the table to ceil(num_tokens / B) blocks (never shrinks); returns it (read
+        only). Mutates the table and the pool (may evict). Raises ValueError when blocks are
+        short."""
+        if not self.grow(request_id, num_tokens):
+            raise ValueError(f"request {request_id}: too few blocks for {num_tokens} tokens")
+        return self._requests[request_id].table
+
+    def grow(self, request_id: int, num_tokens: int) -> bool:
+        """``can_append`` and ``append_slots`` in one call (a decode step makes one per
+        sequence): grows the table, or returns False and changes nothing."""
+        table = self._requests[request_id].table
+        missing = -(-num_tokens // self.block_size) - len(table)
+        if missing <= 0:
+            return True
+        if missing > self.num_available_blocks():
+            return False
+        table.extend(self._cache.take(missing))
+        return True
 
     def commit(self, request_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Insert into the tree every full block inside ``num_computed_tokens`` not yet committed.

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from runner.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from runner.engine_core import Engine
+from runner.frozen_heap import frozen_heap
 from runner.outputs import RequestOutput
 from runner.prefix_cache_file import cache_identity, load_prefix_cache, save_prefix_cache
 from runner.requests import (
@@ -100,7 +101,8 @@ class LLM(Engine):
                 self.validator.check(token_ids[-1], whole)
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from err
-        return beam_search(self, token_ids, params)
+        with frozen_heap():
+            return beam_search(self, token_ids, params)
 
     def apply_chat_template(
         self, messages: Messages, chat_template_kwargs: dict[str, Any] | None = None
@@ -130,7 +132,10 @@ class LLM(Engine):
         pending = set(order)
         try:
             self.reserve_outputs(set(order))
-            with tqdm(total=len(prompts), disable=not use_tqdm, desc="generate") as bar:
+            with (
+                frozen_heap(),
+                tqdm(total=len(prompts), disable=not use_tqdm, desc="generate") as bar,
+            ):
                 while pending:
                     outputs = self.step_for(pending)
                     if not outputs and not any(self.samples_of(r) for r in pending):
@@ -150,11 +155,12 @@ class LLM(Engine):
         """Step until nothing is queued, running or waiting for `step`; returns the outputs
         in the order they finished, each also passed to `on_finish` as it comes."""
         done: list[RequestOutput] = []
-        while self.has_unfinished():
-            for output in self.step():
-                done.append(output)
-                if on_finish is not None:
-                    on_finish(output)
+        with frozen_heap():
+            while self.has_unfinished():
+                for output in self.step():
+                    done.append(output)
+                    if on_finish is not None:
+                        on_finish(output)
         return done
 
     def _queue_all(

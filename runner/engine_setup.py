@@ -110,5 +110,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             model, kv, config.block_size, config.max_num_seqs, max_model_len, device
         )
         graphs.capture()
-    runner = ModelRunner(model, kv, block_manager, device, graphs=graphs)
+    runner = ModelRunner(
+        model, kv, block_manager, device, config.max_num_seqs, max_model_len, graphs=graphs
+    )
     return EngineParts(loaded, device, max_model_len, kv, block_manager, runner)

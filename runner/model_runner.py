@@ -11,6 +11,7 @@ import torch
 from kvcache import BlockManager
 from kvcache.store import KVStore
 from runner.attention import AttentionMetadata
+from runner.block_tables import BlockTableRows
 from runner.logprobs import logprobs_of
 from runner.model import CausalLM
 from runner.scheduler import ScheduledSeq
@@ -30,6 +31,8 @@ class ModelRunner:
         kv: KVStore,
         block_manager: BlockManager,
         device: torch.device,
+        max_num_seqs: int,
+        max_model_len: int,
         graphs: DecodeGraphs | None = None,
     ) -> None:
         self.graphs = graphs  # CUDA graphs of decode steps, captured at start-up
@@ -38,6 +41,7 @@ class ModelRunner:
         self.bm = block_manager
         self.device = device
         self.block_size = block_manager.block_size
+        self.table_rows = BlockTableRows(2 * max_num_seqs, -(-max_model_len // self.block_size))
 
     def prepare(
         self, batch: list[ScheduledSeq]
@@ -54,10 +58,8 @@ class ModelRunner:
         query_lens = [item.num_new_tokens for item in batch]
         starts = [item.start for item in batch]
         context_lens = [start + q for start, q in zip(starts, query_lens, strict=True)]
-        tables = [self.bm.block_table(item.seq.seq_id) for item in batch]
-        block_tables = np.zeros((n, max(map(len, tables))), dtype=np.int32)
-        for row, table in zip(block_tables, tables, strict=True):
-            row[: len(table)] = table
+        ids = [item.seq.seq_id for item in batch]
+        block_tables = self.table_rows.gather(ids, [self.bm.block_table(i) for i in ids])
         decode_only = all(q == 1 for q in query_lens)
         if decode_only:  # one token each: the newest, at position `start`
             input_ids = [item.seq.token_ids[item.start] for item in batch]
