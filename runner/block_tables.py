@@ -36,10 +36,11 @@ class BlockTableRows:
 
     def gather(self, seq_ids: Sequence[int], tables: Sequence[Sequence[int]]) -> np.ndarray:
         """[len(seq_ids), longest table] int32: each sequence's table, padded with 0."""
-        index = np.empty(len(seq_ids), dtype=np.int64)
+        index: list[int] = []
         width = 0
-        for i, (seq_id, table) in enumerate(zip(seq_ids, tables, strict=True)):
-            row = self._rows.get(seq_id)
+        rows = self._rows
+        for seq_id, table in zip(seq_ids, tables, strict=True):  # ~0.2 us a sequence: keep it lean
+            row = rows.get(seq_id)
             if row is None or row.table is not table:
                 row = self._assign(seq_id, table, seq_ids)
             n = len(table)
@@ -48,8 +49,9 @@ class BlockTableRows:
                     self._widen(n)
                 self._array[row.index, row.copied : n] = table[row.copied : n]
                 row.copied = n
-            index[i] = row.index
-            width = max(width, n)
+            index.append(row.index)
+            if n > width:
+                width = n
         return self._array[index, :width]
 
     def _assign(self, seq_id: int, table: Sequence[int], batch: Sequence[int]) -> _Row:

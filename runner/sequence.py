@@ -68,6 +68,7 @@ class Sequence:
     # prompt + output, kept in step by record_token: every step reads a decoding sequence's
     # tokens a few times, and joining the two lists each time cost ~1 ms a step at 256 of them.
     _tokens: list[int] = field(init=False, repr=False, compare=False)
+    _plain_logits: bool | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._tokens = self.prompt_token_ids + self.output_token_ids
@@ -108,6 +109,24 @@ class Sequence:
         """False for a prompt whose every position must be computed (its log-probabilities
         were asked for): it is served nothing from the cache, though it still fills it."""
         return self.params.prompt_logprobs is None
+
+    @property
+    def plain_logits(self) -> bool:
+        """Whether sampling takes the model's logits as they are: no grammar, logit rule,
+        penalty or log-probabilities, so a step of such sequences skips that machinery. Settled
+        when first asked (at a step), after add_request has set the grammar and bad words."""
+        if self._plain_logits is None:
+            p = self.params
+            self._plain_logits = not (
+                self.grammar is not None
+                or self.bad_words
+                or p.allowed_token_ids
+                or p.min_tokens
+                or p.bias_items
+                or p.penalized
+                or p.logprobs is not None
+            )
+        return self._plain_logits
 
     @property
     def is_finished(self) -> bool:
