@@ -11,7 +11,7 @@ import click
 
 from runner.cli_bench import bench
 from runner.cli_startup import start_up_without_gc
-from runner.config import CPU_WEIGHT_DTYPES
+from runner.config import CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES
 
 
 @click.group()
@@ -109,6 +109,14 @@ def main() -> None:
     "decode step reads; the float32 model with its weights rounded so).",
 )
 @click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(KV_CACHE_DTYPES),
+    default="auto",
+    show_default=True,
+    help="float16: CPU, keys and values in half the bytes of a float32 model's (twice the "
+    "tokens in the pool, half the bytes a decode step reads for its contexts).",
+)
+@click.option(
     "--metrics",
     "metrics_path",
     type=click.Path(dir_okay=False),
@@ -153,6 +161,7 @@ def generate(
     device: str,
     speculative_tokens: int,
     cpu_weight_dtype: str,
+    kv_cache_dtype: str,
     metrics_path: str | None,
     prefix_cache_path: str | None,
     resume: bool,
@@ -205,6 +214,7 @@ def generate(
         "device": device,
         "speculative_tokens": speculative_tokens,
         "cpu_weight_dtype": cpu_weight_dtype,
+        "kv_cache_dtype": kv_cache_dtype,
         "record_metrics": bool(metrics_path),  # else memory would grow with every token
     }
     with start_up_without_gc():

@@ -125,18 +125,21 @@ def write_kv(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """Store the new tokens' K/V [T, Hkv, D] at their flat slots of the caches."""
+    """Store the new tokens' K/V [T, Hkv, D] at their flat slots of the caches (rounded to
+    the caches' dtype where it is narrower: kv_cache_dtype)."""
     if slots.dtype != torch.int64:
         slots = slots.long()
     hkv, d = k.shape[1:]
-    k_cache.view(-1, hkv, d).index_copy_(0, slots, k)
-    v_cache.view(-1, hkv, d).index_copy_(0, slots, v)
+    k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """cache [blocks, B, Hkv, D] -> [S, Hkv, nb * B, D] for `blocks` [S * nb]."""
+def _gather(
+    cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """cache [blocks, B, Hkv, D] -> [S, Hkv, nb * B, D] in `dtype` for `blocks` [S * nb]."""
     _, block_size, hkv, d = cache.shape
-    return cache.index_select(0, blocks).view(num_seqs, -1, hkv, d).transpose(1, 2)
+    return cache.index_select(0, blocks).view(num_seqs, -1, hkv, d).transpose(1, 2).to(dtype)
 
 
 def torch_paged_attention(
@@ -154,6 +157,8 @@ def torch_paged_attention(
     block_size = k_cache.shape[1]
     # Write first, so every read below sees the new tokens through the block table.
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if k_cache.dtype != q.dtype:  # attend to the new K/V as stored, like the cached ones
+        k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
 
     plan = meta._torch_plan
     if plan is None or plan.block_size != block_size:
@@ -173,8 +178,9 @@ def torch_paged_attention(
                 qs, ks, vs, is_causal=True, scale=scale, enable_gqa=hq != hkv
             )
         else:
-            ks = _gather(k_cache, item.blocks, 1)[:, :, : item.context_len]  # [1, Hkv, C, D]
-            vs = _gather(v_cache, item.blocks, 1)[:, :, : item.context_len]
+            # [1, Hkv, C, D]
+            ks = _gather(k_cache, item.blocks, 1, q.dtype)[:, :, : item.context_len]
+            vs = _gather(v_cache, item.blocks, 1, q.dtype)[:, :, : item.context_len]
             res = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=item.mask, scale=scale, enable_gqa=hq != hkv
             )
@@ -190,16 +196,16 @@ def torch_paged_attention(
             real = qg if g.valid is None else q[g.out_rows]  # [R, Hq, D]
             res = cascade_attention(real, qs, g.valid, k_cache, v_cache, g.shared, scale)
         elif g.max_query_len == 1:
-            ks = _gather(k_cache, g.blocks, g.num_seqs)  # [S, Hkv, K, D]
-            vs = _gather(v_cache, g.blocks, g.num_seqs)
+            ks = _gather(k_cache, g.blocks, g.num_seqs, q.dtype)  # [S, Hkv, K, D]
+            vs = _gather(v_cache, g.blocks, g.num_seqs, q.dtype)
             # GQA without repeating K/V: the G query heads sharing a KV head become
             # G "query rows" of that head (q head h uses kv head h // G).
             qs = qg.reshape(g.num_seqs, hkv, hq // hkv, d)  # [S, Hkv, G, D]
             res = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, scale=scale)
             res = res.reshape(g.num_seqs, hq, d)  # [S, Hq, D]
         else:
-            ks = _gather(k_cache, g.blocks, g.num_seqs)  # [S, Hkv, K, D]
-            vs = _gather(v_cache, g.blocks, g.num_seqs)
+            ks = _gather(k_cache, g.blocks, g.num_seqs, q.dtype)  # [S, Hkv, K, D]
+            vs = _gather(v_cache, g.blocks, g.num_seqs, q.dtype)
             qs = qg.reshape(g.num_seqs, g.max_query_len, hq, d).transpose(1, 2)  # [S, Hq, L, D]
             res = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=g.mask, scale=scale, enable_gqa=hq != hkv

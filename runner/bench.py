@@ -39,6 +39,8 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
     # hf's float32 one).
     "engine-bf16": {"cpu_weight_dtype": "bfloat16"},
     "engine-int8": {"cpu_weight_dtype": "int8"},
+    # Keys and values stored as float16 (attention over rounded K/V: its own reference too).
+    "engine-kv16": {"kv_cache_dtype": "float16"},
     # Speculative decoding by n-gram lookup (greedy requests only; the reference's output).
     "engine-spec": {"speculative_tokens": 4},
 }
@@ -213,7 +215,10 @@ def run_bench(
         same_model = True  # False: a system that runs other weights than the reference's
         if system in ENGINE_SYSTEMS:
             options = {**(engine_options or {}), **ENGINE_SYSTEMS[system]}
-            same_model = options.get("cpu_weight_dtype", "float32") == "float32"
+            same_model = (
+                options.get("cpu_weight_dtype", "float32") == "float32"
+                and options.get("kv_cache_dtype", "auto") == "auto"
+            )
             if beam_width:
                 result = run_engine_beams(model, requests, device, options, beam_width)
             else:

@@ -71,12 +71,12 @@ def shared_prefix(
     )
 
 
-def _prefix_kv(cache: torch.Tensor, plan: SharedPrefix) -> torch.Tensor:
-    """The shared prefix's keys or values as [1, Hkv, P * B, D]: a view when the blocks are a
-    range of the pool, else one gathered copy."""
+def _prefix_kv(cache: torch.Tensor, plan: SharedPrefix, dtype: torch.dtype) -> torch.Tensor:
+    """The shared prefix's keys or values as [1, Hkv, P * B, D] in `dtype`: a view when the
+    blocks are a range of the pool of that dtype, else one copy."""
     _, _, hkv, d = cache.shape
     part = cache[plan.block_range] if plan.block_range else cache.index_select(0, plan.blocks)
-    return part.reshape(-1, hkv, d).transpose(0, 1)[None]
+    return part.reshape(-1, hkv, d).transpose(0, 1)[None].to(dtype)
 
 
 def cascade_attention(
@@ -97,11 +97,17 @@ def cascade_attention(
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     # Prefix: every real row against one copy of the shared keys; none needs a mask.
     out_p, lse_p = flash(
-        q.transpose(0, 1)[None], _prefix_kv(k_cache, plan), _prefix_kv(v_cache, plan), scale=scale
+        q.transpose(0, 1)[None],
+        _prefix_kv(k_cache, plan, q.dtype),
+        _prefix_kv(v_cache, plan, q.dtype),
+        scale=scale,
     )  # [1, Hq, R, D], [1, Hq, R]
     # Suffix: each sequence against its own blocks after the prefix, causally masked.
-    ks = k_cache.index_select(0, plan.suffix_blocks).view(num_seqs, -1, hkv, d).transpose(1, 2)
-    vs = v_cache.index_select(0, plan.suffix_blocks).view(num_seqs, -1, hkv, d).transpose(1, 2)
+    suffix = [
+        cache.index_select(0, plan.suffix_blocks).view(num_seqs, -1, hkv, d).transpose(1, 2)
+        for cache in (k_cache, v_cache)
+    ]
+    ks, vs = (part.to(q.dtype) for part in suffix)  # a float16 cache's values, widened
     if rows == 1:
         # Decodes: the G query heads of a KV head become G rows of it (one small product per KV
         # head instead of G; a third less time here), and the [S, 1, 1, K] mask broadcasts.

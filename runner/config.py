@@ -8,6 +8,8 @@ from typing import Literal
 Batching = Literal["continuous", "static"]
 # What the CPU's packed products may store weights as (runner/cpu_quant.py rounds to them).
 CPU_WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+# What the KV cache may store: the model's dtype ("auto"), or float16 (half the bytes of float32).
+KV_CACHE_DTYPES = ("auto", "float16")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,11 @@ class EngineConfig:
     # float32): the model is then the float32 model with every weight matrix rounded so,
     # embeddings included (runner/cpu_quant.py).
     cpu_weight_dtype: str = "float32"
+    # The KV cache's dtype: "auto" is the model's; "float16" stores a float32 model's keys and
+    # values in half the bytes (rounded as they are stored; attention reads them widened, so
+    # it is the float32 model attending to rounded K/V): twice the tokens in the same memory,
+    # and half the bytes a decode step reads for its contexts. llama.cpp's default.
+    kv_cache_dtype: str = "auto"
     # Keep every step's row and every finished request's timings for `LLM.metrics()` and
     # `kvcache report`: about 120 bytes per generated token, so a long-lived engine that needs
     # no report turns it off to keep its memory flat.
@@ -84,6 +91,10 @@ class EngineConfig:
             raise ValueError(
                 f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, "
                 f"got {self.cpu_weight_dtype!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         if self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")

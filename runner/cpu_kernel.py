@@ -18,6 +18,7 @@ from runner.cpu_panels import LANES, WEIGHT_TYPES, pack_panels, panel_rows
 ALIASING_FLOATS = 512
 # decode_attention's limits (decode_attention.c): head size, query heads per KV head, block.
 MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 256, 8, 256
+CACHE_DTYPES = (torch.float32, torch.float16)  # the attention kernels widen float16 as they read
 
 
 class StepSplit(ctypes.Structure):
@@ -51,6 +52,7 @@ class CpuKernels:
         self._gemm.restype = None
         self._decode = library.decode_attention
         self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 7 + [ctypes.c_float]
+        self._decode.argtypes += [ctypes.c_int]  # float16 caches
         self._decode.restype = ctypes.c_int
         self._prefill = library.prefill_attention
         self._prefill.argtypes = (
@@ -59,6 +61,7 @@ class CpuKernels:
             + [ctypes.c_void_p] * 7
             + [ctypes.c_long] * 6
             + [ctypes.c_float]
+            + [ctypes.c_int]  # float16 caches
         )
         self._prefill.restype = ctypes.c_int
         self._rms_norm = library.rms_norm
@@ -81,7 +84,7 @@ class CpuKernels:
             + [ctypes.c_float] * 2
             + [ctypes.c_void_p]
             + [ctypes.POINTER(ctypes.c_double)]
-            + [ctypes.c_int]
+            + [ctypes.c_int] * 2  # weight type, float16 caches
         )
         self.run_layers.restype = ctypes.c_int
         self.layers_scratch = library.layers_scratch
@@ -172,6 +175,7 @@ class CpuKernels:
             tables.shape[1],
             shared_blocks,
             scale,
+            k_cache.dtype == torch.float16,
         )
         if status != 0:
             raise ValueError(
@@ -182,12 +186,13 @@ class CpuKernels:
 
     @staticmethod
     def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """Whether prefill_attention takes these shapes: CPU float32, head size a multiple of
-        16 up to 256."""
+        """Whether prefill_attention takes these shapes: CPU float32 queries over float32 or
+        float16 caches, head size a multiple of 16 up to 256."""
         d = q.shape[-1]
         hq, hkv = q.shape[1], k_cache.shape[2]
         return (
-            q.dtype == k_cache.dtype == torch.float32
+            q.dtype == torch.float32
+            and k_cache.dtype in CACHE_DTYPES
             and q.device.type == k_cache.device.type == "cpu"
             and d % LANES == 0
             and d <= MAX_HEAD_DIM
@@ -235,6 +240,7 @@ class CpuKernels:
             block_size,
             ints[0].shape[1],
             scale,
+            k_cache.dtype == torch.float16,
         )
         if status != 0:
             raise ValueError(f"prefill_attention cannot take q {tuple(q.shape)}")

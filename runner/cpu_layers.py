@@ -110,7 +110,7 @@ class CpuLayers:
 
     def takes(self, kv: KVStore, backend: str) -> bool:
         """Whether steps can run here: the CPU kernels' attention, a contiguous store that the
-        decode kernel takes (float32 on the CPU, its block size), shaped for this model
+        decode kernel takes (float32 or float16 on the CPU, its block size), shaped for this model
         (layers.c reads it by raw offsets: a store of other shapes would be read out of
         bounds)."""
         tensor = kv.tensor
@@ -152,7 +152,7 @@ class CpuLayers:
             self._weights,
             self.num_layers,
             kv.tensor.data_ptr(),
-            kv.tensor[0, 0].numel(),  # floats of one layer's keys (or values)
+            kv.tensor[0, 0].numel(),  # elements of one layer's keys (or values)
             kv.block_size,
             ctypes.byref(_step_split(split)),
             cos.data_ptr(),
@@ -163,6 +163,7 @@ class CpuLayers:
             scratch.data_ptr(),
             ctypes.byref(self._product_s),
             self._weight_type,
+            kv.tensor.dtype == torch.float16,
         )
         if status != 0:
             raise RuntimeError("run_layers: an attention kernel refused the step")

@@ -217,6 +217,7 @@ class LLM(Engine):
             "num_kv_blocks": self.block_manager.num_blocks,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "cpu_weight_dtype": self.config.cpu_weight_dtype,
+            "kv_cache_dtype": str(self.kv.dtype).removeprefix("torch."),
             "speculative_tokens": self.config.speculative_tokens,
             "num_draft_tokens": self.spec_stats.num_draft_tokens,
             "num_accepted_tokens": self.spec_stats.num_accepted_tokens,

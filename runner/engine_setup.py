@@ -66,7 +66,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         round_matrices(model, config.cpu_weight_dtype)  # the same model, in torch's products
         log.warning("cpu_weight_dtype without prepack_weights: the rounded weights stay float32")
     max_model_len = int(hf.max_position_embeddings)
-    model_dtype = next(model.parameters()).dtype
+    kv_dtype = kv_cache_dtype_of(config.kv_cache_dtype, next(model.parameters()).dtype, device)
     activation = 0
     if (
         device.type == "cuda"
@@ -87,7 +87,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         num_layers=hf.num_hidden_layers,
         num_kv_heads=hf.num_key_value_heads,
         head_dim=head_dim_of(hf),
-        dtype=model_dtype,
+        dtype=kv_dtype,
         max_model_len=max_model_len,
         device=device,
         activation_bytes=activation,
@@ -98,7 +98,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         config.block_size,
         hf.num_key_value_heads,
         head_dim_of(hf),
-        model_dtype,
+        kv_dtype,
         device,
     )
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -114,3 +114,18 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         model, kv, block_manager, device, config.max_num_seqs, max_model_len, graphs=graphs
     )
     return EngineParts(loaded, device, max_model_len, kv, block_manager, runner)
+
+
+def kv_cache_dtype_of(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype for EngineConfig.kv_cache_dtype `name`: the model's for "auto". A
+    narrower cache is the CPU's (its C kernels and torch's attention widen what they read);
+    the Triton kernels read the model's dtype."""
+    if name == "auto":
+        return model_dtype
+    dtype: torch.dtype = getattr(torch, name)
+    if dtype != model_dtype and device.type != "cpu":
+        raise ValueError(
+            f"kv_cache_dtype={name!r} with a {str(model_dtype).removeprefix('torch.')} model "
+            "runs on the CPU only; on a GPU the cache holds the model's dtype"
+        )
+    return dtype

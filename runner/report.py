@@ -234,6 +234,8 @@ def format_summary(metrics: dict[str, Any], max_groups: int = 20) -> str:
     weights = metrics.get("cpu_weight_dtype", "float32")
     if weights != "float32":  # another model than the checkpoint's: say so
         title += f", {weights} weights"
+    if metrics.get("kv_cache_dtype", "float32") == "float16":  # rounded keys and values too
+        title += ", float16 KV cache"
     lines = [title, ""]
     lines += _table(("metric", "value"), summary_rows(metrics), right=set())
     groups = prefix_breakdown(metrics)

@@ -1,20 +1,24 @@
-"""What rounding the weights costs a model: perplexity with each `cpu_weight_dtype`.
+"""What rounding the weights or the KV cache costs a model: perplexity with each
+`cpu_weight_dtype`, and with `kv_cache_dtype="float16"`.
 
 `python -m runner.weight_quality [--model PATH] [--tokens N] [FILE ...]` reads text (by default
 the project's own docs), and prints the perplexity of transformers' float32 model on it with its
 weight matrices as they are, rounded to bfloat16, and quantized to int8 as runner/cpu_quant.py
-rounds them: the very models the CPU engine runs with `cpu_weight_dtype` set so (its greedy
-output equals transformers' on them; tests/test_rounded_weights.py).
+rounds them, then with float32 weights and a cache that rounds each key and value to float16
+(`Float16KV`): the very models the CPU engine runs with those options (its greedy output equals
+transformers' on them; tests/test_rounded_weights.py, tests/test_kv_cache_dtype.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from runner.config import CPU_WEIGHT_DTYPES
 from runner.cpu_quant import round_matrices
@@ -23,8 +27,32 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 WINDOW = 1024  # tokens scored per forward pass; each window starts fresh
 
 
-def perplexity(model_dir: Path, ids: torch.Tensor, dtype: str) -> float:
-    """exp(mean next-token loss) over ids [T], in windows of WINDOW tokens."""
+class Float16KV(DynamicCache):
+    """transformers' cache, holding each new key and value rounded to float16 (as float32):
+    what the engine's float16 KV cache holds, attended to in float32 as the engine does."""
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rounded = (key_states.half().float(), value_states.half().float())
+        return super().update(*rounded, layer_idx, *args, **kwargs)
+
+
+def float16_kv(model: Any) -> dict[str, Float16KV]:
+    """A fresh Float16KV as the keyword this transformers takes (`cache` in 5.x, where
+    `past_key_values` is deprecated; `past_key_values` before)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: Float16KV(config=model.config)}
+
+
+def perplexity(model_dir: Path, ids: torch.Tensor, dtype: str, kv16: bool = False) -> float:
+    """exp(mean next-token loss) over ids [T], in windows of WINDOW tokens; with `kv16`, each
+    window's keys and values rounded to float16 as they are cached."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     round_matrices(model, dtype)
     total, count = 0.0, 0
@@ -32,7 +60,8 @@ def perplexity(model_dir: Path, ids: torch.Tensor, dtype: str) -> float:
         for start in range(0, len(ids) - 1, WINDOW):
             window = ids[start : start + WINDOW + 1][None]
             predicted = window.shape[1] - 1
-            total += float(model(window, labels=window).loss) * predicted
+            cache = float16_kv(model) if kv16 else {}
+            total += float(model(window, labels=window, **cache).loss) * predicted
             count += predicted
     return math.exp(total / count)
 
@@ -56,6 +85,12 @@ def main(argv: list[str] | None = None) -> None:
         value = perplexity(model_dir, ids, dtype)
         base = base or value
         print(f"{dtype:9s} perplexity {value:8.3f}  ({(value / base - 1) * 100:+.2f}%)")
+    assert base is not None
+    value = perplexity(model_dir, ids, "float32", kv16=True)
+    print(
+        f"{'kv16':9s} perplexity {value:8.3f}  ({(value / base - 1) * 100:+.2f}%)  float32 "
+        "weights, keys and values rounded to float16"
+    )
 
 
 if __name__ == "__main__":

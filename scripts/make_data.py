@@ -248,9 +248,26 @@ def repeats(rng: random.Random, count: Counter) -> list[dict]:
     return first + again
 
 
+def long_documents(rng: random.Random, count: Counter) -> list[dict]:
+    """12 documents of ~1,400 tokens that share nothing (licenses; long docstrings where those
+    are missing), each with a question, and 96-token answers (ignore_eos): decode steps over
+    long, distinct contexts, where reading their keys and values costs a step as much as
+    reading the weights."""
+    texts = [t for _, t in sorted(license_texts().items()) if count(t) >= 1400]
+    texts += ["\n\n".join(doc_of(m) for m in LONG_DOC_MODULES[k::12]) for k in range(12)]
+    texts = texts[:12]
+    rng.shuffle(texts)
+    tail = "\n\nWho may use the work described above, and on what conditions? Answer briefly."
+    prompts = [take_tokens(t, 1400 - count(tail), count) + tail for t in texts]
+    return [
+        {"id": f"doc-{i:02d}", "prompt": p, "max_tokens": 96, "ignore_eos": True}
+        for i, p in enumerate(prompts)
+    ]
+
+
 # Each builder writes data/<its name>.jsonl.
 WORKLOADS = [sample, shared_system_prompt, few_shot, multi_turn, no_sharing, mixed_lengths,
-             long_prompt, rewrite, repeats]  # fmt: skip
+             long_prompt, rewrite, repeats, long_documents]  # fmt: skip
 
 
 def main() -> None:

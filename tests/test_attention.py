@@ -58,10 +58,14 @@ def run_case(
     consecutive_prefix: bool = False,
     plans: list[Any] | None = None,
     backend: str = "torch",
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(paged_attention output, naive output) for one random batch. With `shared_blocks`, every
     table starts with the same blocks (a cached prompt the sequences share). The step's attention
-    plan is appended to `plans` when given, for tests that check which path ran."""
+    plan is appended to `plans` when given, for tests that check which path ran. The caches are
+    of `cache_dtype` (default `dtype`): the new K/V are stored rounded to it, and the naive
+    reference reads them as stored."""
+    cache_dtype = cache_dtype or dtype
     rng = random.Random(seed)
     torch.manual_seed(seed)
     blocks_needed = [-(-ctx // block_size) - shared_blocks for _, ctx in seqs]
@@ -77,8 +81,8 @@ def run_case(
         tables.append(prefix + ids[taken : taken + n])
         taken += n
     # The cached prefix is random data already in the store; new tokens are written.
-    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim).to(cache_dtype)
     q_lens = [q for q, _ in seqs]
     ctxs = [c for _, c in seqs]
     t = sum(q_lens)
@@ -92,8 +96,8 @@ def run_case(
         plans.append(meta._torch_plan)
     # The new K/V must sit at their slots.
     flat_k = k_cache.view(-1, hkv, head_dim)
-    assert torch.equal(flat_k[meta.slot_mapping], k)
-    assert torch.equal(v_cache.view(-1, hkv, head_dim)[meta.slot_mapping], v)
+    assert torch.equal(flat_k[meta.slot_mapping], k.to(cache_dtype))
+    assert torch.equal(v_cache.view(-1, hkv, head_dim)[meta.slot_mapping], v.to(cache_dtype))
     ref = naive_attention(q, k_cache, v_cache, q_lens, ctxs, tables, scale)
     return out, ref
 
@@ -453,3 +457,57 @@ def test_cpu_kernels_read_q_as_a_view_of_the_fused_projection() -> None:
         )
         outs.append(paged_attention(q, k, v, k_cache, v_cache, step, d**-0.5, "cpu"))
     assert torch.equal(outs[0], outs[1])
+
+
+@needs_cpu_kernels
+@settings(max_examples=30, deadline=None)
+@given(
+    seqs=st.lists(
+        st.tuples(st.integers(1, 40), st.integers(0, 60)).map(lambda t: (t[0], t[0] + t[1])),
+        min_size=1,
+        max_size=5,
+    ),
+    decodes=st.lists(st.integers(1, 70), max_size=4),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 3, 8]),
+    head_dim=st.sampled_from([16, 64, 128]),
+    block_size=st.sampled_from([1, 8, 16]),
+    shared_blocks=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_cpu_kernels_over_a_float16_cache_match_naive(
+    seqs: list[tuple[int, int]],
+    decodes: list[int],
+    hkv: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    shared_blocks: int,
+    seed: int,
+) -> None:
+    """kv_cache_dtype="float16": float32 queries, keys and values stored as float16 (rounded
+    as torch rounds), widened as the decode and prefill kernels read them; decode-only steps
+    (with a shared prefix) and mixed ones."""
+    batch = [(1, ctx) for ctx in decodes] or seqs
+    shared = min(shared_blocks, (min(c for _, c in batch) - 1) // block_size)
+    for step in (batch, seqs + [(1, ctx) for ctx in decodes]):
+        plan = cpu_plan_against_naive(
+            step,
+            hkv * group,
+            hkv,
+            block_size,
+            head_dim=head_dim,
+            seed=seed,
+            cache_dtype=torch.float16,
+            shared_blocks=shared if step is batch else 0,
+        )
+        assert plan is None  # the kernels ran
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_torch_path_over_a_float16_cache_matches_naive(seed: int) -> None:
+    """The torch path (no C kernels) stores rounded K/V and attends to them as stored, fresh
+    prompts included."""
+    seqs = [(LONG, LONG), (5, 40), (1, 30), (1, 17), (3, 3)]
+    out, ref = run_case(seqs, 6, 2, 8, head_dim=32, seed=seed, cache_dtype=torch.float16)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

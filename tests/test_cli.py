@@ -457,3 +457,21 @@ def test_bad_words_hold_for_every_line(default_model_dir: Path, tmp_path: Path) 
     answers = {r["id"]: r["text"] for r in records(out)}
     assert "Paris" not in answers["flag"] and "Paris" not in answers["kw"]
     assert "Paris" in answers["own"]  # its own list replaces the flag's
+
+
+def test_a_float16_kv_cache_from_the_command_line(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """--kv-cache-dtype float16 reaches the engine (the metrics and the report say so), and
+    the tiny model's greedy answers stay those of the float32 cache."""
+    src = write_lines(tmp_path / "in.jsonl", [good(i, 30) for i in range(3)])
+    args = ["generate", str(src), "--model", str(tiny_llama_dir), "--max-tokens", "12"]
+    plain, half, metrics = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "m.json"
+    assert CliRunner().invoke(main, [*args, "-o", str(plain)]).exit_code == 0
+    flags = ["-o", str(half), "--kv-cache-dtype", "float16", "--metrics", str(metrics)]
+    result = CliRunner().invoke(main, [*args, *flags])
+    assert result.exit_code == 0, result.output
+    assert [r["token_ids"] for r in records(half)] == [r["token_ids"] for r in records(plain)]
+    assert json.loads(metrics.read_text())["kv_cache_dtype"] == "float16"
+    report = CliRunner().invoke(main, ["report", str(metrics)])
+    assert "float16 KV cache" in report.output
+    bad = CliRunner().invoke(main, [*args, "-o", str(half), "--kv-cache-dtype", "int4"])
+    assert bad.exit_code == 2 and "int4" in bad.output

@@ -6,6 +6,10 @@
  * sum over d of key[d] (broadcast) * q^T[d], so no horizontal sum is ever needed, and the
  * streaming softmax (running max and sum per row) is plain vector arithmetic. Values go the
  * same way: out^T[d] += value[d] (broadcast) * p. AVX-512; D a multiple of 16 up to 256.
+ *
+ * The cache holds float32, or float16 (`half`; kv_cache_dtype="float16"): a float16 row is
+ * widened to float32 as it is read (exactly: every half is a float), so the arithmetic is the
+ * same either way.
  */
 #ifndef KVCACHE_ATTENTION_TILE_H
 #define KVCACHE_ATTENTION_TILE_H
@@ -24,12 +28,23 @@ struct tile_state {
 };
 
 /* Where a tile reads its keys: token t of the sequence is row t % B of block table[t / B], at
- * head `head` of rows `row_stride` floats apart. */
+ * head `head` of rows `row_stride` elements apart; float16 elements when `half`. */
 struct paged_keys {
-    const float *k_cache, *v_cache;
+    const void *k_cache, *v_cache;
     const int *table;
     long block_size, row_stride, head, d;
+    int half;
 };
+
+/* 16 elements of a cache row from element `at` on, as float32. */
+static inline __attribute__((always_inline)) __m512 load_cache16(const void *cache, long at,
+                                                                 const int half)
+{
+    if (half)
+        return _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)((const unsigned short *)cache + at)));
+    return _mm512_loadu_ps((const float *)cache + at);
+}
 
 /* Lanes of qt [d][16] (the rows' queries, transposed and scaled) against keys 0 .. key_end - 1;
  * lane i sees the keys up to positions[i]. Every lane must see key 0. */
@@ -41,6 +56,7 @@ static void tile_attend(const float qt[][TILE], const struct paged_keys *src, lo
      * chunk in one L1 set, where they evict each other (96 against 135 GFLOP/s for a copy
      * first, at 8 KV heads of 128); 2 KB apart they fit the set's 8 ways, and copying costs. */
     const int aliasing = src->row_stride % 1024 == 0;
+    const int copy = aliasing || src->half; /* float16 rows are widened into the copies */
     float key_copy[TILE][TILE_MAX_DIM + TILE] __attribute__((aligned(64)));
     float value_copy[TILE][TILE_MAX_DIM + TILE] __attribute__((aligned(64)));
     float probs[TILE][TILE] __attribute__((aligned(64))); /* p per key, lanes = rows */
@@ -55,15 +71,18 @@ static void tile_attend(const float qt[][TILE], const struct paged_keys *src, lo
             long key = first + t < key_end ? first + t : key_end - 1;
             long offset = ((long)src->table[key / src->block_size] * src->block_size
                            + key % src->block_size) * src->row_stride + src->head * d;
-            keys[t] = src->k_cache + offset;
-            values[t] = src->v_cache + offset;
-            if (aliasing) { /* read from copies whose rows are not 4 KB apart */
-                for (long j = 0; j < d; j++) {
-                    key_copy[t][j] = keys[t][j];
-                    value_copy[t][j] = values[t][j];
+            if (copy) { /* read from copies whose rows are not 4 KB apart, in float32 */
+                for (long j = 0; j < d; j += TILE) {
+                    _mm512_store_ps(&key_copy[t][j],
+                                    load_cache16(src->k_cache, offset + j, src->half));
+                    _mm512_store_ps(&value_copy[t][j],
+                                    load_cache16(src->v_cache, offset + j, src->half));
                 }
                 keys[t] = key_copy[t];
                 values[t] = value_copy[t];
+            } else {
+                keys[t] = (const float *)src->k_cache + offset;
+                values[t] = (const float *)src->v_cache + offset;
             }
         }
         __m512 s[TILE];

@@ -15,6 +15,8 @@
  * read once per 16 rows instead of once per G), and each task then carries that softmax state
  * on through its own later keys.
  *
+ * The caches hold float32, or float16 with kv_half (widened as they are read: attention_tile.h).
+ *
  * AVX-512 intrinsics; built with -march=native by runner/cpu_kernel_loader.py, on AVX-512 machines
  * only. D must be a multiple of 16 up to 256, G at most 8 and B at most 256 (the loader checks).
  */
@@ -24,17 +26,17 @@
 
 enum { LANES = 16, MAX_GROUP = 8, MAX_VECS = 16, MAX_BLOCK = 256 };
 
-/* The task body; G and VECS (= D / 16) are constants in each instance, so q and the
- * accumulators live in registers. */
+/* The task body; G, VECS (= D / 16) and HALF (float16 caches) are constants in each instance,
+ * so q and the accumulators live in registers. */
 static inline __attribute__((always_inline)) void attend(
-    const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+    const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
     const int *restrict table, long context, float *restrict out,
     long hkv, long head, long block_size, float scale, long first_key,
     const float *start_max, const float *start_sum, const float *start_acc,
-    const int G, const int VECS)
+    const int G, const int VECS, const int HALF)
 {
     const long d = (long)VECS * LANES;
-    const long row_stride = hkv * d; /* floats from one token's row to the next in a block */
+    const long row_stride = hkv * d; /* elements from one token's row to the next in a block */
     __m512 qv[MAX_GROUP][MAX_VECS], acc[MAX_GROUP][MAX_VECS];
     float running_max[MAX_GROUP], running_sum[MAX_GROUP];
     float scores[MAX_GROUP][MAX_BLOCK] __attribute__((aligned(64)));
@@ -49,14 +51,15 @@ static inline __attribute__((always_inline)) void attend(
     }
     for (long first = first_key; first < context; first += block_size) {
         long n = context - first < block_size ? context - first : block_size;
-        long offset = ((long)table[first / block_size] * block_size * hkv + head) * d;
-        const float *keys = k_cache + offset, *values = v_cache + offset;
+        const long offset = ((long)table[first / block_size] * block_size * hkv + head) * d;
         for (long t = 0; t < n; t++) {
-            const float *key = keys + t * row_stride;
+            __m512 key[MAX_VECS]; /* loaded (and widened) once for the G heads */
+            for (int v = 0; v < VECS; v++)
+                key[v] = load_cache16(k_cache, offset + t * row_stride + v * LANES, HALF);
             for (int g = 0; g < G; g++) {
-                __m512 dot = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(key));
+                __m512 dot = _mm512_mul_ps(qv[g][0], key[0]);
                 for (int v = 1; v < VECS; v++)
-                    dot = _mm512_fmadd_ps(qv[g][v], _mm512_loadu_ps(key + v * LANES), dot);
+                    dot = _mm512_fmadd_ps(qv[g][v], key[v], dot);
                 scores[g][t] = _mm512_reduce_add_ps(dot);
             }
         }
@@ -86,9 +89,8 @@ static inline __attribute__((always_inline)) void attend(
             running_sum[g] += _mm512_reduce_add_ps(total);
         }
         for (long t = 0; t < n; t++) {
-            const float *value = values + t * row_stride;
             for (int v = 0; v < VECS; v++) {
-                __m512 vv = _mm512_loadu_ps(value + v * LANES);
+                __m512 vv = load_cache16(v_cache, offset + t * row_stride + v * LANES, HALF);
                 for (int g = 0; g < G; g++)
                     acc[g][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g][t]), vv, acc[g][v]);
             }
@@ -101,17 +103,24 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-#define ATTEND(G, V)                                                                    \
+#define ATTEND(G, V, H)                                                                 \
     attend(qs, k_cache, v_cache, table, context, os, hkv, head, block_size, scale, first_key, \
            start ? start->max + s * hq + head * group : NULL,                            \
            start ? start->sum + s * hq + head * group : NULL,                            \
-           start ? start->acc + (s * hq + head * group) * d : NULL, G, V)
-#define GROUP_CASES(V)                                                              \
+           start ? start->acc + (s * hq + head * group) * d : NULL, G, V, H)
+#define GROUP_CASES(V, H)                                                           \
     switch (group) {                                                                \
-    case 1: ATTEND(1, V); break; case 2: ATTEND(2, V); break;                      \
-    case 3: ATTEND(3, V); break; case 4: ATTEND(4, V); break;                      \
-    case 5: ATTEND(5, V); break; case 6: ATTEND(6, V); break;                      \
-    case 7: ATTEND(7, V); break; case 8: ATTEND(8, V); break;                      \
+    case 1: ATTEND(1, V, H); break; case 2: ATTEND(2, V, H); break;                \
+    case 3: ATTEND(3, V, H); break; case 4: ATTEND(4, V, H); break;                \
+    case 5: ATTEND(5, V, H); break; case 6: ATTEND(6, V, H); break;                \
+    case 7: ATTEND(7, V, H); break; case 8: ATTEND(8, V, H); break;                \
+    }
+/* Head sizes 64 and 128 get constant-size code, float32 and float16 caches each. */
+#define SIZE_CASES(H)                                                               \
+    switch (d / LANES) {                                                            \
+    case 4: GROUP_CASES(4, H); break;                                               \
+    case 8: GROUP_CASES(8, H); break;                                               \
+    default: ATTEND(group, d / LANES, H); break;                                    \
     }
 
 /* The softmax state of every (sequence, query head) over the shared prefix: max, sum, and
@@ -122,9 +131,9 @@ struct prefix_state {
 
 /* Every row against the first `keys` tokens, which all sequences share (read through
  * sequence 0's table); 16 rows a task, row i being sequence i / G, query head head * G + i % G. */
-static void score_shared_prefix(const float *q, const float *k_cache, const float *v_cache,
+static void score_shared_prefix(const float *q, const void *k_cache, const void *v_cache,
                                 const int *table, long keys, long num_seqs, long hq, long hkv,
-                                long d, long block_size, float scale,
+                                long d, long block_size, float scale, int kv_half,
                                 const struct prefix_state *state)
 {
     const long group = hq / hkv, rows = num_seqs * group;
@@ -142,7 +151,8 @@ static void score_shared_prefix(const float *q, const float *k_cache, const floa
                 qt[j][i] = q[slot[i] * d + j] * scale;
             positions[i] = (int)keys; /* past every shared key: all visible */
         }
-        const struct paged_keys src = {k_cache, v_cache, table, block_size, hkv * d, head, d};
+        const struct paged_keys src = {k_cache, v_cache, table, block_size, hkv * d, head, d,
+                                       kv_half};
         struct tile_state tile;
         tile_attend(qt, &src, keys, positions, &tile);
         float max[TILE], sum[TILE];
@@ -160,10 +170,10 @@ static void score_shared_prefix(const float *q, const float *k_cache, const floa
 /* Returns 0, or -1 when the shapes are outside what the kernel handles or memory runs out
  * (nothing written). With shared_blocks > 0, every sequence's table starts with the same
  * shared_blocks blocks and every context is longer than they are (the caller checks). */
-int decode_attention(const float *q, const float *k_cache, const float *v_cache,
+int decode_attention(const float *q, const void *k_cache, const void *v_cache,
                      const int *block_tables, const int *context_lens, float *out,
                      long num_seqs, long hq, long hkv, long d, long block_size,
-                     long max_blocks, long shared_blocks, float scale)
+                     long max_blocks, long shared_blocks, float scale, int kv_half)
 {
     long group = hkv > 0 ? hq / hkv : 0;
     if (group < 1 || group > MAX_GROUP || group * hkv != hq || d % LANES || d > MAX_VECS * LANES
@@ -179,7 +189,7 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
         shared.sum = shared.max + num_seqs * hq;
         shared.acc = shared.sum + num_seqs * hq;
         score_shared_prefix(q, k_cache, v_cache, block_tables, first_key, num_seqs, hq, hkv, d,
-                            block_size, scale, &shared);
+                            block_size, scale, kv_half, &shared);
         start = &shared;
     }
     /* Head-major: consecutive tasks read the same KV head's rows, so a prefix the sequences
@@ -196,10 +206,10 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
                     os[i] = 0.0f;
                 continue;
             }
-            switch (d / LANES) { /* head sizes 64 and 128 get constant-size code */
-            case 4: GROUP_CASES(4); break;
-            case 8: GROUP_CASES(8); break;
-            default: ATTEND(group, d / LANES); break;
+            if (kv_half) {
+                SIZE_CASES(1)
+            } else {
+                SIZE_CASES(0)
             }
         }
     }

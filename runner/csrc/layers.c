@@ -11,6 +11,7 @@
  * runner/model.py and runner/cpu_attention.py, so h comes out bit for bit as the Python path
  * computes it. Widths must be multiples of 16; runner/cpu_layers.py checks before calling.
  */
+#include <immintrin.h>
 #include <string.h>
 #include <time.h>
 
@@ -92,12 +93,22 @@ static void product(const float *x, long ldx, const void *packed, int wtype, con
             y[r * n + i] = y[r * n + i] + bias[i];
 }
 
+/* n floats (a multiple of 16) as float16, rounded to nearest even as torch's .half() does. */
+static void store_half(unsigned short *restrict dst, const float *restrict src, long n)
+{
+    for (long i = 0; i < n; i += LANES)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 /* RoPE (after the per-head norm where the model has one) of one token's q heads into q, and
- * of its k heads into the cache slot k; v copied beside them. row: the token's qkv. normed:
- * scratch of (hq + hkv) * d floats. */
+ * of its k heads into the cache slot k; v copied beside them (float32 slots, or float16 ones
+ * when kv_half: rounded as they are stored). row: the token's qkv. normed: scratch of
+ * (hq + hkv) * d floats. */
 static void rotate_and_store(const float *row, const float *const *w, const float *c,
-                             const float *s, float *q, float *k, float *v, long hq, long hkv,
-                             long d, float eps, float *normed)
+                             const float *s, float *q, void *k, void *v, long hq, long hkv,
+                             long d, float eps, float *normed, int kv_half)
 {
     const float *q_src = row, *k_src = row + hq * d;
     if (w[Q_NORM]) {
@@ -110,9 +121,18 @@ static void rotate_and_store(const float *row, const float *const *w, const floa
         rotate(q_src + head * d, c, s, q + head * d, d);
     if (!k)
         return;
+    const float *v_src = row + (hq + hkv) * d;
+    if (!kv_half) {
+        for (long head = 0; head < hkv; head++)
+            rotate(k_src + head * d, c, s, (float *)k + head * d, d);
+        memcpy(v, v_src, hkv * d * sizeof(float));
+        return;
+    }
+    float rotated[hkv * d];
     for (long head = 0; head < hkv; head++)
-        rotate(k_src + head * d, c, s, k + head * d, d);
-    memcpy(v, row + (hq + hkv) * d, hkv * d * sizeof(float));
+        rotate(k_src + head * d, c, s, rotated + head * d, d);
+    store_half(k, rotated, hkv * d);
+    store_half(v, v_src, hkv * d);
 }
 
 static void add_rows(float *restrict h, const float *restrict a, long n)
@@ -123,21 +143,22 @@ static void add_rows(float *restrict h, const float *restrict a, long n)
 
 /* attn [rows, hq * d] = attention of q [rows, hq * d] over the paged cache. decoded, decode_q:
  * scratch of rows * hq * d floats each. Returns 0 or -1 (a kernel refused). */
-static int attend(const float *q, float *k_cache, float *v_cache, float *attn, long rows,
-                  long hq, long hkv, long d, long block_size, const struct step_split *split,
-                  float scale, float *decode_q, float *decoded)
+static int attend(const float *q, const void *k_cache, const void *v_cache, float *attn,
+                  long rows, long hq, long hkv, long d, long block_size,
+                  const struct step_split *split, float scale, float *decode_q, float *decoded,
+                  int kv_half)
 {
     const long width = hq * d;
     if (split->num_decodes == rows) /* decodes only, in row order: q and attn as they are */
         return decode_attention(q, k_cache, v_cache, split->decode_tables, split->decode_lens,
                                 attn, rows, hq, hkv, d, block_size, split->decode_max_blocks,
-                                split->shared_blocks, scale);
+                                split->shared_blocks, scale, kv_half);
     if (split->num_decodes) {
         for (long i = 0; i < split->num_decodes; i++)
             memcpy(decode_q + i * width, q + split->decode_rows[i] * width, width * sizeof(float));
         if (decode_attention(decode_q, k_cache, v_cache, split->decode_tables, split->decode_lens,
                              decoded, split->num_decodes, hq, hkv, d, block_size,
-                             split->decode_max_blocks, split->shared_blocks, scale))
+                             split->decode_max_blocks, split->shared_blocks, scale, kv_half))
             return -1;
         for (long i = 0; i < split->num_decodes; i++)
             memcpy(attn + split->decode_rows[i] * width, decoded + i * width, width * sizeof(float));
@@ -146,23 +167,25 @@ static int attend(const float *q, float *k_cache, float *v_cache, float *attn, l
         return prefill_attention(q, width, k_cache, v_cache, split->longer_tables,
                                  split->longer_starts, split->longer_lens, split->longer_contexts,
                                  attn, split->num_longer, hq, hkv, d, block_size,
-                                 split->longer_max_blocks, scale);
+                                 split->longer_max_blocks, scale, kv_half);
     return 0;
 }
 
 /* h [rows, hidden] float32, updated in place through all layers. weights: WEIGHTS_PER_LAYER per
  * layer (see the enum: norms, packed products, their biases, q/k norms; NULL where the model
- * has none). kv: the store, layer l's keys at kv + 2l * cache_floats and values at
- * kv + (2l + 1) * cache_floats, each [blocks, block_size, hkv, d]. cos/sin [rows, d] per token;
+ * has none). kv: the store of float32 elements, or float16 ones when kv_half; layer l's keys at
+ * element 2l * cache_elems and values at (2l + 1) * cache_elems, each [blocks, block_size,
+ * hkv, d]. cos/sin [rows, d] per token;
  * slots [rows] (negative: skip). scratch: layers_scratch floats. The products' wall time is
  * added to *product_seconds. Returns 0, or -1 if an attention kernel refused (h is then partly
  * updated). weight_type: what the packed products hold (panel_gemm.c's WEIGHTS_*). */
 int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, long d,
-               const float *const *weights, long num_layers, float *kv, long cache_floats,
+               const float *const *weights, long num_layers, void *kv, long cache_elems,
                long block_size, const struct step_split *split, const float *cos,
                const float *sin, const long *slots, float eps, float scale, float *scratch,
-               double *product_seconds, int weight_type)
+               double *product_seconds, int weight_type, int kv_half)
 {
+    const long elem = kv_half ? 2 : 4; /* bytes of one cache element */
     const long q_width = hq * d, qkv_width = (hq + 2 * hkv) * d;
     /* in: the x of each product, rows product_ld(its K) apart within in_ld floats a row. */
     const long in_ld = max3(product_ld(hidden), product_ld(q_width), product_ld(inter));
@@ -173,19 +196,20 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
     double *seconds = product_seconds;
     for (long layer = 0; layer < num_layers; layer++) {
         const float *const *w = weights + layer * WEIGHTS_PER_LAYER;
-        float *k_cache = kv + 2 * layer * cache_floats, *v_cache = k_cache + cache_floats;
+        char *k_cache = (char *)kv + 2 * layer * cache_elems * elem;
+        char *v_cache = k_cache + cache_elems * elem;
         rms_norm_rows(h, hidden, w[INPUT_NORM], in, product_ld(hidden), rows, hidden, eps);
         product(in, product_ld(hidden), w[QKV], weight_type, w[QKV_BIAS], qkv, rows, hidden,
                 qkv_width / LANES, seconds);
         for (long t = 0; t < rows; t++) {
             long slot = slots[t];
-            float *k = slot < 0 ? NULL : k_cache + slot * hkv * d;
-            float *v = slot < 0 ? NULL : v_cache + slot * hkv * d;
+            char *k = slot < 0 ? NULL : k_cache + slot * hkv * d * elem;
+            char *v = slot < 0 ? NULL : v_cache + slot * hkv * d * elem;
             rotate_and_store(qkv + t * qkv_width, w, cos + t * d, sin + t * d, q + t * q_width,
-                             k, v, hq, hkv, d, eps, normed + t * qkv_width);
+                             k, v, hq, hkv, d, eps, normed + t * qkv_width, kv_half);
         }
         if (attend(q, k_cache, v_cache, attn, rows, hq, hkv, d, block_size, split, scale,
-                   decode_q, decoded))
+                   decode_q, decoded, kv_half))
             return -1;
         const float *o_in = attn;
         if (product_ld(q_width) != q_width) {

@@ -2,7 +2,8 @@
  *
  * q [T, Hq, D]: the new tokens of S sequences, sequence s owning query_lens[s] rows from
  * query_start[s] on, whose positions are the last ones of its context_lens[s] tokens;
- * caches [blocks, B, Hkv, D] already hold the new K/V; block_tables [S, max_blocks] int32;
+ * caches [blocks, B, Hkv, D] already hold the new K/V (float32, or float16 with kv_half);
+ * block_tables [S, max_blocks] int32;
  * out [T, Hq, D] contiguous; q may have wider token rows (q_token_stride floats: q is a view
  * of the fused q/k projection). Each query sees the keys up to its own position, read in place.
  *
@@ -18,11 +19,12 @@ struct task_shape {
     long hq, hkv, d, block_size, max_blocks;
     long q_token_stride; /* floats between two tokens' rows of q (heads are d apart) */
     float scale;
+    int kv_half;
 };
 
 /* Rows first_row .. first_row + rows - 1 of the (query, head-in-group) list of sequence
  * `seq` and KV head `head`; row i is query i / G of the sequence, head head * G + i % G. */
-static void attend_tile(const float *q, const float *k_cache, const float *v_cache,
+static void attend_tile(const float *q, const void *k_cache, const void *v_cache,
                         const int *table, long q_start, long q_len, long context,
                         float *out, long head, long first_row, long rows,
                         const struct task_shape *shape)
@@ -43,7 +45,7 @@ static void attend_tile(const float *q, const float *k_cache, const float *v_cac
         last_position = positions[i] > last_position ? positions[i] : last_position;
     }
     const struct paged_keys keys = {k_cache, v_cache, table, shape->block_size,
-                                    shape->hkv * d, head, d};
+                                    shape->hkv * d, head, d, shape->kv_half};
     tile_attend(qt, &keys, last_position + 1, positions, &state);
     __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), state.running_sum);
     for (long j = 0; j < d; j++)
@@ -58,15 +60,16 @@ static void attend_tile(const float *q, const float *k_cache, const float *v_cac
 }
 
 /* Returns 0, or -1 when the shapes are outside what the kernel handles (nothing written). */
-int prefill_attention(const float *q, long q_token_stride, const float *k_cache,
-                      const float *v_cache, const int *block_tables, const int *query_start,
+int prefill_attention(const float *q, long q_token_stride, const void *k_cache,
+                      const void *v_cache, const int *block_tables, const int *query_start,
                       const int *query_lens, const int *context_lens, float *out,
                       long num_seqs, long hq, long hkv, long d, long block_size,
-                      long max_blocks, float scale)
+                      long max_blocks, float scale, int kv_half)
 {
     if (hkv < 1 || hq % hkv || d % LANES || d > MAX_DIM || block_size < 1)
         return -1;
-    const struct task_shape shape = {hq, hkv, d, block_size, max_blocks, q_token_stride, scale};
+    const struct task_shape shape = {hq,  hkv, d, block_size, max_blocks, q_token_stride,
+                                     scale, kv_half};
     const long group = hq / hkv;
     long tiles_before[num_seqs + 1]; /* tasks are (sequence, KV head, tile of 16 rows) */
     tiles_before[0] = 0;
