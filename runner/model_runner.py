@@ -58,8 +58,8 @@ class ModelRunner:
         query_lens = [item.num_new_tokens for item in batch]
         starts = [item.start for item in batch]
         context_lens = [start + q for start, q in zip(starts, query_lens, strict=True)]
-        ids = [item.seq.seq_id for item in batch]
-        block_tables = self.table_rows.gather(ids, [self.bm.block_table(i) for i in ids])
+        seq_ids = [item.seq.seq_id for item in batch]
+        block_tables = self.table_rows.gather(seq_ids, [self.bm.block_table(i) for i in seq_ids])
         decode_only = all(q == 1 for q in query_lens)
         if decode_only:  # one token each: the newest, at position `start`
             input_ids = [item.seq.token_ids[item.start] for item in batch]

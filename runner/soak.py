@@ -43,6 +43,7 @@ def run_soak(
     max_num_batched_tokens: int = 2048,
     cpu_weight_dtype: str = "float32",
     speculative_tokens: int = 0,
+    kv_cache_dtype: str = "auto",
 ) -> SoakReport:
     """Run `requests` requests (at most `inflight` live) and return the report; a failed check
     is a line in `report.failures`, never an exception."""
@@ -57,9 +58,14 @@ def run_soak(
         record_metrics=record_metrics,
         cpu_weight_dtype=cpu_weight_dtype,
         speculative_tokens=speculative_tokens,
+        kv_cache_dtype=kv_cache_dtype,
     )
     # With guesses on, greedy answers are compared with an engine that guesses nothing.
-    checker = ReferenceCheck(LLM(model, num_kv_blocks=512)) if speculative_tokens else None
+    checker = (
+        ReferenceCheck(LLM(model, num_kv_blocks=512, kv_cache_dtype=kv_cache_dtype))
+        if speculative_tokens
+        else None
+    )
     counter = FirstAdmissionCounter(llm.scheduler)
     workload = Workload(seed, max_prompt=min(max_prompt, 80))
     rep = SoakReport(requests=requests, num_blocks=num_kv_blocks)

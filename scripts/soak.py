@@ -36,7 +36,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # and requests) and runner/soak_checks.py (checks and report).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runner.config import CPU_WEIGHT_DTYPES  # noqa: E402  (light: no torch)
+from runner.config import CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES  # noqa: E402  (light: no torch)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -59,6 +59,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--no-metrics", action="store_true", help="record no per-step or per-request metrics"
     )
     p.add_argument("--cpu-weight-dtype", choices=CPU_WEIGHT_DTYPES, default="float32")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     p.add_argument(
         "--speculative-tokens",
         type=int,
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             cpu_weight_dtype=args.cpu_weight_dtype,
             speculative_tokens=args.speculative_tokens,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     print(rep.table())
     return 0 if not rep.failures else 1
