@@ -88,7 +88,12 @@ def main() -> None:
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--no-prefix-cache", is_flag=True, help="Turn the prefix cache off.")
 @click.option("--batching", type=click.Choice(["continuous", "static"]), default="continuous")
-@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True)
+@click.option(
+    "--max-num-batched-tokens",
+    type=int,
+    default=None,
+    help="Tokens one step may compute [default: 512 on the CPU, 2048 on a GPU].",
+)
 @click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option(
@@ -156,7 +161,7 @@ def generate(
     block_size: int,
     no_prefix_cache: bool,
     batching: str,
-    max_num_batched_tokens: int,
+    max_num_batched_tokens: int | None,
     num_kv_blocks: int | None,
     device: str,
     speculative_tokens: int,

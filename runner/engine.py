@@ -215,7 +215,7 @@ class LLM(Engine):
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "block_size": self.config.block_size,
             "num_kv_blocks": self.block_manager.num_blocks,
-            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "max_num_batched_tokens": self.config.token_budget,
             "cpu_weight_dtype": self.config.cpu_weight_dtype,
             "kv_cache_dtype": str(self.kv.dtype).removeprefix("torch."),
             "speculative_tokens": self.config.speculative_tokens,

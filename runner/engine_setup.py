@@ -76,9 +76,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         from runner.gpu_memory import profile_activation_bytes
 
         # Without chunking a whole prompt can exceed the token budget in one step.
-        step = config.max_num_batched_tokens + (
-            0 if config.enable_chunked_prefill else max_model_len
-        )
+        step = config.token_budget + (0 if config.enable_chunked_prefill else max_model_len)
         activation = profile_activation_bytes(
             model, step, max_model_len, config.block_size, device, config.max_num_seqs
         )

@@ -168,7 +168,7 @@ class Scheduler:
             self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _schedule_continuous(self, out: SchedulerOutput) -> None:
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.token_budget
         decoding: list[Sequence] = []
         prefilling: list[Sequence] = []
         for seq in self.running:
@@ -213,7 +213,7 @@ class Scheduler:
                     break
                 reserved += need
                 self._admit(self.waiting.popleft(), out)
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.token_budget
         prefilling = [s for s in self.running if s.in_prefill]
         for seq in prefilling:
             if budget <= 0:

@@ -488,9 +488,13 @@ def test_cpu_kernels_over_a_float16_cache_match_naive(
     """kv_cache_dtype="float16": float32 queries, keys and values stored as float16 (rounded
     as torch rounds), widened as the decode and prefill kernels read them; decode-only steps
     (with a shared prefix) and mixed ones."""
-    batch = [(1, ctx) for ctx in decodes] or seqs
-    shared = min(shared_blocks, (min(c for _, c in batch) - 1) // block_size)
-    for step in (batch, seqs + [(1, ctx) for ctx in decodes]):
+    # Decodes alone may share leading blocks (their queries are past them); prefill chunks
+    # write their own blocks.
+    shared = min(shared_blocks, (min(decodes, default=1) - 1) // block_size)
+    steps = [([(1, ctx) for ctx in decodes], shared), (seqs + [(1, ctx) for ctx in decodes], 0)]
+    for step, prefix in steps:
+        if not step:
+            continue
         plan = cpu_plan_against_naive(
             step,
             hkv * group,
@@ -499,7 +503,7 @@ def test_cpu_kernels_over_a_float16_cache_match_naive(
             head_dim=head_dim,
             seed=seed,
             cache_dtype=torch.float16,
-            shared_blocks=shared if step is batch else 0,
+            shared_blocks=prefix,
         )
         assert plan is None  # the kernels ran
 
