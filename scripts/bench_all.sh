@@ -19,4 +19,5 @@ run few_shot --workload few_shot --systems engine,engine-nocache,hf-static
 run multi_turn --workload multi_turn --systems engine,engine-nocache,hf-static
 run long_prompt --workload long_prompt --systems engine,engine-nochunk \
   --max-num-batched-tokens 64 --no-check
+run long_documents --workload long_documents --systems engine,engine-kv16,hf-static
 kvcache bench --workload core | tee "$out/core.txt"
