@@ -2,7 +2,8 @@
  *
  * q [T, Hq, D]: the new tokens of S sequences, sequence s owning query_lens[s] rows from
  * query_start[s] on, whose positions are the last ones of its context_lens[s] tokens;
- * caches [blocks, B, Hkv, D] already hold the new K/V (float32, or float16 with kv_half);
+ * caches [blocks, B, Hkv, D] already hold the new K/V (float32, or float16 with kv_half:
+ * widened once per step, see attend_half_cache);
  * block_tables [S, max_blocks] int32;
  * out [T, Hq, D] contiguous; q may have wider token rows (q_token_stride floats: q is a view
  * of the fused q/k projection). Each query sees the keys up to its own position, read in place.
@@ -11,6 +12,8 @@
  * that KV head), one per vector lane, through the tile of attention_tile.h: scores and values
  * as small matrix products, with the exp and the rescaling around them.
  */
+#include <stdlib.h>
+
 #include "attention_tile.h"
 
 enum { LANES = TILE, MAX_DIM = TILE_MAX_DIM };
@@ -19,7 +22,6 @@ struct task_shape {
     long hq, hkv, d, block_size, max_blocks;
     long q_token_stride; /* floats between two tokens' rows of q (heads are d apart) */
     float scale;
-    int kv_half;
 };
 
 /* Rows first_row .. first_row + rows - 1 of the (query, head-in-group) list of sequence
@@ -44,8 +46,9 @@ static void attend_tile(const float *q, const void *k_cache, const void *v_cache
         positions[i] = (int)(context - q_len + query);
         last_position = positions[i] > last_position ? positions[i] : last_position;
     }
+    /* float32 keys: a float16 cache was widened by attend_half_cache */
     const struct paged_keys keys = {k_cache, v_cache, table, shape->block_size,
-                                    shape->hkv * d, head, d, shape->kv_half};
+                                    shape->hkv * d, head, d, 0};
     tile_attend(qt, &keys, last_position + 1, positions, &state);
     __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), state.running_sum);
     for (long j = 0; j < d; j++)
@@ -59,7 +62,57 @@ static void attend_tile(const float *q, const void *k_cache, const void *v_cache
     }
 }
 
-/* Returns 0, or -1 when the shapes are outside what the kernel handles (nothing written). */
+static int attend_float_cache(const float *q, long q_token_stride, const void *k_cache,
+                              const void *v_cache, const int *block_tables,
+                              const int *query_start, const int *query_lens,
+                              const int *context_lens, float *out, long num_seqs, long hq,
+                              long hkv, long d, long block_size, long max_blocks, float scale);
+
+/* A float16 cache: each sequence's context is widened once into float32 blocks of its own, and
+ * attended to there. A tile reads every key up to its last row's position, so widening as the
+ * tiles read (as the decode kernel does) would widen a long context once per tile of 16 rows:
+ * +26% on a 1,400-token prompt, against ~2% for this pass. */
+static int attend_half_cache(const float *q, long q_token_stride, const void *k_cache,
+                             const void *v_cache, const int *block_tables,
+                             const int *query_start, const int *query_lens,
+                             const int *context_lens, float *out, long num_seqs, long hq,
+                             long hkv, long d, long block_size, long max_blocks, float scale)
+{
+    const long row = block_size * hkv * d; /* elements of one block */
+    long first[num_seqs + 1];              /* each sequence's first widened block */
+    first[0] = 0;
+    for (long s = 0; s < num_seqs; s++)
+        first[s + 1] = first[s] + (context_lens[s] + block_size - 1) / block_size;
+    const long blocks = first[num_seqs];
+    float *wide = malloc((size_t)(2 * blocks * row) * sizeof(float));
+    int *tables = malloc((size_t)(num_seqs * max_blocks + 1) * sizeof(int));
+    if (!wide || !tables) {
+        free(wide);
+        free(tables);
+        return -1;
+    }
+    #pragma omp parallel for schedule(static)
+    for (long b = 0; b < blocks; b++) {
+        long s = 0;
+        while (first[s + 1] <= b)
+            s++;
+        const long src = (long)block_tables[s * max_blocks + b - first[s]] * row;
+        tables[s * max_blocks + b - first[s]] = (int)b;
+        for (long i = 0; i < row; i += LANES) {
+            _mm512_storeu_ps(wide + b * row + i, load_cache16(k_cache, src + i, 1));
+            _mm512_storeu_ps(wide + (blocks + b) * row + i, load_cache16(v_cache, src + i, 1));
+        }
+    }
+    int status = attend_float_cache(q, q_token_stride, wide, wide + blocks * row, tables,
+                                    query_start, query_lens, context_lens, out, num_seqs, hq, hkv,
+                                    d, block_size, max_blocks, scale);
+    free(wide);
+    free(tables);
+    return status;
+}
+
+/* Returns 0, or -1 when the shapes are outside what the kernel handles or memory runs out
+ * (nothing written). */
 int prefill_attention(const float *q, long q_token_stride, const void *k_cache,
                       const void *v_cache, const int *block_tables, const int *query_start,
                       const int *query_lens, const int *context_lens, float *out,
@@ -68,8 +121,22 @@ int prefill_attention(const float *q, long q_token_stride, const void *k_cache,
 {
     if (hkv < 1 || hq % hkv || d % LANES || d > MAX_DIM || block_size < 1)
         return -1;
-    const struct task_shape shape = {hq,  hkv, d, block_size, max_blocks, q_token_stride,
-                                     scale, kv_half};
+    if (kv_half)
+        return attend_half_cache(q, q_token_stride, k_cache, v_cache, block_tables, query_start,
+                                 query_lens, context_lens, out, num_seqs, hq, hkv, d, block_size,
+                                 max_blocks, scale);
+    return attend_float_cache(q, q_token_stride, k_cache, v_cache, block_tables, query_start,
+                              query_lens, context_lens, out, num_seqs, hq, hkv, d, block_size,
+                              max_blocks, scale);
+}
+
+static int attend_float_cache(const float *q, long q_token_stride, const void *k_cache,
+                              const void *v_cache, const int *block_tables,
+                              const int *query_start, const int *query_lens,
+                              const int *context_lens, float *out, long num_seqs, long hq,
+                              long hkv, long d, long block_size, long max_blocks, float scale)
+{
+    const struct task_shape shape = {hq, hkv, d, block_size, max_blocks, q_token_stride, scale};
     const long group = hq / hkv;
     long tiles_before[num_seqs + 1]; /* tasks are (sequence, KV head, tile of 16 rows) */
     tiles_before[0] = 0;
