@@ -326,6 +326,12 @@ needs_cpu_kernels = pytest.mark.skipif(
 )
 
 
+def chunk_lists(max_cached: int) -> st.SearchStrategy[list[tuple[int, int]]]:
+    """1-5 prefill chunks as (query_len, context_len): 1-40 new tokens after 0..max_cached."""
+    chunk = st.tuples(st.integers(1, 40), st.integers(0, max_cached))
+    return st.lists(chunk.map(lambda t: (t[0], t[0] + t[1])), min_size=1, max_size=5)
+
+
 def cpu_plan_against_naive(
     seqs: list[tuple[int, int]], hq: int, hkv: int, block_size: int, **options: Any
 ) -> Any:
@@ -369,11 +375,7 @@ def test_cpu_decode_kernel_matches_naive(
 @needs_cpu_kernels
 @settings(max_examples=30, deadline=None)
 @given(
-    seqs=st.lists(
-        st.tuples(st.integers(1, 40), st.integers(0, 40)).map(lambda t: (t[0], t[0] + t[1])),
-        min_size=1,
-        max_size=5,
-    ),
+    seqs=chunk_lists(max_cached=40),
     hkv=st.integers(1, 3),
     group=st.sampled_from([1, 2, 3, 9]),  # 9: over the decode kernel's 8, decodes go along
     head_dim=st.sampled_from([16, 64, 128]),
@@ -462,11 +464,7 @@ def test_cpu_kernels_read_q_as_a_view_of_the_fused_projection() -> None:
 @needs_cpu_kernels
 @settings(max_examples=30, deadline=None)
 @given(
-    seqs=st.lists(
-        st.tuples(st.integers(1, 40), st.integers(0, 60)).map(lambda t: (t[0], t[0] + t[1])),
-        min_size=1,
-        max_size=5,
-    ),
+    seqs=chunk_lists(max_cached=60),
     decodes=st.lists(st.integers(1, 70), max_size=4),
     hkv=st.integers(1, 3),
     group=st.sampled_from([1, 3, 8]),

@@ -55,6 +55,18 @@ def hf_greedy(
     return out[0, len(prompt) :].tolist()
 
 
+def assert_greedy_matches(
+    llm: LLM, prompts: list[list[int]], refs: list[list[int]], alone: bool = False
+) -> None:
+    """10 greedy tokens of each prompt (EOS ignored) equal `refs`, batched cold, batched warm
+    (the cache hits), and with `alone` the first three one at a time."""
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == refs
+    assert [o.token_ids for o in llm.generate(prompts, params)] == refs  # warm: cache hits
+    if alone:
+        assert [llm.generate([p], params)[0].token_ids for p in prompts[:3]] == refs[:3]
+
+
 @pytest.fixture(scope="module", params=ARCH_FIXTURES)
 def arch_case(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]], int]:
     """(model dir, prompts, reference outputs, stop token) for one architecture."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_engine_equivalence import hf_greedy, make_prompts
+from test_engine_equivalence import assert_greedy_matches, hf_greedy, make_prompts
 from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
@@ -46,12 +46,7 @@ def test_greedy_matches_hf_with_a_rounding_cache(f16_case: Any, variant: str) ->
     path, prompts, refs = f16_case
     llm = LLM(str(path), **F16, **VARIANTS[variant])
     assert llm.kv.tensor.dtype == torch.float16
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == refs
-    assert [o.token_ids for o in llm.generate(prompts, params)] == refs  # warm: cache hits
-    if variant == "c-layers":
-        alone = [llm.generate([p], params)[0].token_ids for p in prompts[:3]]
-        assert alone == refs[:3]
+    assert_greedy_matches(llm, prompts, refs, alone=variant == "c-layers")
 
 
 def test_the_rounding_is_what_the_reference_tests(tiny_llama_dir: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine_equivalence import hf_greedy, make_prompts
+from test_engine_equivalence import assert_greedy_matches, hf_greedy, make_prompts
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -78,12 +78,7 @@ def rounded_case(
 def test_greedy_matches_hf_on_rounded_weights(rounded_case: Any, variant: str) -> None:
     path, dtype, prompts, refs = rounded_case
     llm = LLM(str(path), cpu_weight_dtype=dtype, **VARIANTS[variant])
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == refs
-    assert [o.token_ids for o in llm.generate(prompts, params)] == refs  # warm: cache hits
-    if variant == "c-layers":
-        alone = [llm.generate([p], params)[0].token_ids for p in prompts[:3]]
-        assert alone == refs[:3]
+    assert_greedy_matches(llm, prompts, refs, alone=variant == "c-layers")
 
 
 @needs_kernel
