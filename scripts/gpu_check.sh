@@ -2,8 +2,9 @@
 # GPU check of the CUDA runner: the CUDA tests, then the throughput bench against transformers'
 # continuous batching. Every stage runs under `timeout` (SIGINT first, so pytest still prints its
 # summary and Python a traceback of where it stuck): typically about 7 minutes, and about 9 1/2
-# at most whatever hangs (every stage at its limit). Everything, the bench JSON included, lands
-# in one file, and goes to stdout too (the device tool returns the output's tail).
+# at most whatever hangs (every stage at its limit; the last, optional one only starts before
+# 520 s). Everything, the bench JSON included, lands in one file, and goes to stdout too (the
+# device tool returns the output's tail).
 #
 # usage: scripts/gpu_check.sh [RESULT_FILE]     default: $OUT/gpu_check.txt (else /tmp/...)
 # knobs: GPU_CHECK_TESTS_S (default 170), GPU_CHECK_BENCH_S (default 290),
@@ -56,6 +57,17 @@ print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "
 
   section "bench results (JSON; partial if the bench was cut short)"
   cat "$BENCH_JSON" 2>/dev/null || echo "(no bench JSON written)"
+
+  # This host's Python between steps, on its own CPU (tiny model, ~10 s): set against the
+  # bench's decode_step_ms_median, it says whether the GPU waits on the host. Only with time
+  # to spare: the whole check must stay inside the device tool's 10 minutes a command.
+  section "host time per step (limit 30s)"
+  if [ $(($(date +%s) - START)) -lt 520 ]; then
+    timeout -s INT -k 5 30 "$PY" scripts/host_step.py
+    verdict "host step" $?
+  else
+    echo "-- host step: skipped (the check has run for over 520 s)"
+  fi
   section "done"
 } 2>&1 | tee "$RESULT"
 
