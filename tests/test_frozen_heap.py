@@ -81,3 +81,14 @@ def test_engine_batch_calls_run_frozen(tiny_llama_dir: Path) -> None:
     llm.run_until_done()
     assert len(seen) >= 9 and all(count > 0 for count in seen)
     assert gc.get_freeze_count() == 0
+
+
+def test_a_stream_left_early_unfreezes(tiny_llama_dir: Path) -> None:
+    """A stream holds the freeze while the caller iterates; closing it early (a `break`)
+    hands the old objects back to the collector."""
+    llm = LLM(str(tiny_llama_dir))
+    stream = llm.stream([[1, 2, 3], [4, 5, 6]], SamplingParams(max_tokens=8, temperature=0))
+    next(stream)
+    assert gc.get_freeze_count() > 0
+    stream.close()
+    assert gc.get_freeze_count() == 0
