@@ -72,7 +72,7 @@ class EngineConfig:
         """max_num_batched_tokens, or the device's default when it is None."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return CPU_TOKEN_BUDGET if self.device.startswith("cpu") else GPU_TOKEN_BUDGET
+        return CPU_TOKEN_BUDGET if str(self.device).startswith("cpu") else GPU_TOKEN_BUDGET
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

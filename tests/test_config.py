@@ -1,0 +1,47 @@
+"""EngineConfig: the per-device default of the token budget, and bad values refused by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcache import LLM, SamplingParams
+from runner.config import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, EngineConfig
+
+
+def test_the_token_budget_defaults_per_device() -> None:
+    assert EngineConfig().token_budget == CPU_TOKEN_BUDGET == 512
+    assert EngineConfig(device=torch.device("cpu")).token_budget == CPU_TOKEN_BUDGET
+    assert EngineConfig(device="cuda:0").token_budget == GPU_TOKEN_BUDGET == 2048
+    assert EngineConfig(max_num_batched_tokens=7, device="cuda").token_budget == 7
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_num_batched_tokens", 0), ("kv_cache_dtype", "int4"), ("block_size", 3)],
+)
+def test_bad_values_are_refused_by_name(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_the_default_budget_reaches_the_scheduler(
+    make_tiny_model: Callable[..., Path],
+) -> None:
+    """A 600-token prompt on the CPU is prefilled in chunks of 512 by default, in one step
+    when the budget says so; the answer is the same."""
+    path = make_tiny_model("llama", max_position_embeddings=1024)
+    prompt = [3 + i % 200 for i in range(600)]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    answers, chunks = [], []
+    for options in ({}, {"max_num_batched_tokens": 1024}):
+        llm = LLM(str(path), **options)
+        answers.append(llm.generate([prompt], params)[0].token_ids)
+        chunks.append(
+            [s["num_prefill_tokens"] for s in llm.recorder.steps if s["num_prefill_tokens"]]
+        )
+    assert chunks == [[512, 88], [600]]
+    assert answers[0] == answers[1]
