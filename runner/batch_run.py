@@ -174,6 +174,9 @@ class BatchRun:
             f"({s['hit_rate']:.1%}; {s['copied_tokens']} copied from partial blocks), "
             f"{s['evicted_blocks']} blocks evicted, "
             f"{s['num_preemptions']} preemptions",
+            f"KV pool: {self.llm.kv.num_blocks} blocks of {self.llm.kv.block_size} tokens "
+            f"({self.llm.kv.num_slots:,} tokens of {str(self.llm.kv.dtype).removeprefix('torch.')}"
+            " keys and values)",
         ]
         if s["num_draft_tokens"]:
             lines.append(

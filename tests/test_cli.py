@@ -471,6 +471,7 @@ def test_a_float16_kv_cache_from_the_command_line(tiny_llama_dir: Path, tmp_path
     assert result.exit_code == 0, result.output
     assert [r["token_ids"] for r in records(half)] == [r["token_ids"] for r in records(plain)]
     assert json.loads(metrics.read_text())["kv_cache_dtype"] == "float16"
+    assert "tokens of float16 keys and values" in result.output
     report = CliRunner().invoke(main, ["report", str(metrics)])
     assert "float16 KV cache" in report.output
     bad = CliRunner().invoke(main, [*args, "-o", str(half), "--kv-cache-dtype", "int4"])
