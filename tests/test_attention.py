@@ -411,13 +411,19 @@ def test_cpu_prefill_kernel_with_token_rows_4kb_apart() -> None:
 
 
 @needs_cpu_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("hq", "hkv", "block_size"), [(9, 3, 16), (4, 1, 8), (16, 2, 32)])
 def test_cpu_decode_kernel_scores_a_shared_prefix_once(
-    hq: int, hkv: int, block_size: int, monkeypatch: pytest.MonkeyPatch
+    hq: int,
+    hkv: int,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Decodes whose tables start with the same blocks: the kernel is told to score the prefix
     for all rows in 16-lane tiles, then each sequence carries on through its own keys. Decodes
-    beside a prefill chunk in the same step get the shared pass too."""
+    beside a prefill chunk in the same step get the shared pass too. A float16 cache's shared
+    blocks are widened once for the pass."""
     from runner.cpu_kernel import CpuKernels
 
     passed: list[int] = []
@@ -431,11 +437,12 @@ def test_cpu_decode_kernel_scores_a_shared_prefix_once(
     shared = -(-80 // block_size)  # at least 80 tokens, over MIN_SHARED_TOKENS
     contexts = [shared * block_size + extra for extra in (1, 5, 17, 30, 2, 44, 9)]
     decodes = [(1, c) for c in contexts]
-    cpu_plan_against_naive(decodes, hq, hkv, block_size, head_dim=64, shared_blocks=shared)
+    options = {"shared_blocks": shared, "cache_dtype": cache_dtype}
+    cpu_plan_against_naive(decodes, hq, hkv, block_size, head_dim=64, **options)
     assert passed == [shared]
     passed.clear()
     chunk = (7, shared * block_size + 12)
-    cpu_plan_against_naive([chunk, *decodes], hq, hkv, block_size, shared_blocks=shared)
+    cpu_plan_against_naive([chunk, *decodes], hq, hkv, block_size, **options)
     assert passed == [shared]
 
 

@@ -131,9 +131,9 @@ struct prefix_state {
 
 /* Every row against the first `keys` tokens, which all sequences share (read through
  * sequence 0's table); 16 rows a task, row i being sequence i / G, query head head * G + i % G. */
-static void score_shared_prefix(const float *q, const void *k_cache, const void *v_cache,
+static void score_shared_prefix(const float *q, const float *k_cache, const float *v_cache,
                                 const int *table, long keys, long num_seqs, long hq, long hkv,
-                                long d, long block_size, float scale, int kv_half,
+                                long d, long block_size, float scale,
                                 const struct prefix_state *state)
 {
     const long group = hq / hkv, rows = num_seqs * group;
@@ -151,8 +151,7 @@ static void score_shared_prefix(const float *q, const void *k_cache, const void 
                 qt[j][i] = q[slot[i] * d + j] * scale;
             positions[i] = (int)keys; /* past every shared key: all visible */
         }
-        const struct paged_keys src = {k_cache, v_cache, table, block_size, hkv * d, head, d,
-                                       kv_half};
+        const struct paged_keys src = {k_cache, v_cache, table, block_size, hkv * d, head, d};
         struct tile_state tile;
         tile_attend(qt, &src, keys, positions, &tile);
         float max[TILE], sum[TILE];
@@ -165,6 +164,32 @@ static void score_shared_prefix(const float *q, const void *k_cache, const void 
                 state->acc[slot[i] * d + j] = tile.acc[j][i];
         }
     }
+}
+
+/* score_shared_prefix over float16 caches: the shared blocks widened to float32 once
+ * (attention_tile.h, widen_blocks), not once per tile of 16 rows. 0, or -1 without memory. */
+static int score_half_prefix(const float *q, const void *k_cache, const void *v_cache,
+                             const int *table, long shared_blocks, long num_seqs, long hq,
+                             long hkv, long d, long block_size, float scale,
+                             const struct prefix_state *state)
+{
+    const long row = block_size * hkv * d;
+    float *wide = malloc((size_t)(2 * shared_blocks * row) * sizeof(float));
+    int *identity = malloc((size_t)shared_blocks * sizeof(int));
+    if (!wide || !identity) {
+        free(wide);
+        free(identity);
+        return -1;
+    }
+    widen_blocks(k_cache, v_cache, table, shared_blocks, row, wide, wide + shared_blocks * row);
+    for (long b = 0; b < shared_blocks; b++)
+        identity[b] = (int)b;
+    score_shared_prefix(q, wide, wide + shared_blocks * row, identity,
+                        shared_blocks * block_size, num_seqs, hq, hkv, d, block_size, scale,
+                        state);
+    free(wide);
+    free(identity);
+    return 0;
 }
 
 /* Returns 0, or -1 when the shapes are outside what the kernel handles or memory runs out
@@ -188,8 +213,14 @@ int decode_attention(const float *q, const void *k_cache, const void *v_cache,
             return -1;
         shared.sum = shared.max + num_seqs * hq;
         shared.acc = shared.sum + num_seqs * hq;
-        score_shared_prefix(q, k_cache, v_cache, block_tables, first_key, num_seqs, hq, hkv, d,
-                            block_size, scale, kv_half, &shared);
+        if (!kv_half)
+            score_shared_prefix(q, k_cache, v_cache, block_tables, first_key, num_seqs, hq, hkv,
+                                d, block_size, scale, &shared);
+        else if (score_half_prefix(q, k_cache, v_cache, block_tables, shared_blocks, num_seqs,
+                                   hq, hkv, d, block_size, scale, &shared)) {
+            free(shared.max);
+            return -1;
+        }
         start = &shared;
     }
     /* Head-major: consecutive tasks read the same KV head's rows, so a prefix the sequences

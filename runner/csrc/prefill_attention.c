@@ -26,7 +26,7 @@ struct task_shape {
 
 /* Rows first_row .. first_row + rows - 1 of the (query, head-in-group) list of sequence
  * `seq` and KV head `head`; row i is query i / G of the sequence, head head * G + i % G. */
-static void attend_tile(const float *q, const void *k_cache, const void *v_cache,
+static void attend_tile(const float *q, const float *k_cache, const float *v_cache,
                         const int *table, long q_start, long q_len, long context,
                         float *out, long head, long first_row, long rows,
                         const struct task_shape *shape)
@@ -46,9 +46,8 @@ static void attend_tile(const float *q, const void *k_cache, const void *v_cache
         positions[i] = (int)(context - q_len + query);
         last_position = positions[i] > last_position ? positions[i] : last_position;
     }
-    /* float32 keys: a float16 cache was widened by attend_half_cache */
     const struct paged_keys keys = {k_cache, v_cache, table, shape->block_size,
-                                    shape->hkv * d, head, d, 0};
+                                    shape->hkv * d, head, d};
     tile_attend(qt, &keys, last_position + 1, positions, &state);
     __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), state.running_sum);
     for (long j = 0; j < d; j++)
@@ -62,16 +61,14 @@ static void attend_tile(const float *q, const void *k_cache, const void *v_cache
     }
 }
 
-static int attend_float_cache(const float *q, long q_token_stride, const void *k_cache,
-                              const void *v_cache, const int *block_tables,
+static int attend_float_cache(const float *q, long q_token_stride, const float *k_cache,
+                              const float *v_cache, const int *block_tables,
                               const int *query_start, const int *query_lens,
                               const int *context_lens, float *out, long num_seqs, long hq,
                               long hkv, long d, long block_size, long max_blocks, float scale);
 
-/* A float16 cache: each sequence's context is widened once into float32 blocks of its own, and
- * attended to there. A tile reads every key up to its last row's position, so widening as the
- * tiles read (as the decode kernel does) would widen a long context once per tile of 16 rows:
- * +26% on a 1,400-token prompt, against ~2% for this pass. */
+/* A float16 cache: each sequence's context is widened once into float32 blocks of its own
+ * (attention_tile.h, widen_blocks), and attended to there. */
 static int attend_half_cache(const float *q, long q_token_stride, const void *k_cache,
                              const void *v_cache, const int *block_tables,
                              const int *query_start, const int *query_lens,
@@ -91,17 +88,12 @@ static int attend_half_cache(const float *q, long q_token_stride, const void *k_
         free(tables);
         return -1;
     }
-    #pragma omp parallel for schedule(static)
-    for (long b = 0; b < blocks; b++) {
-        long s = 0;
-        while (first[s + 1] <= b)
-            s++;
-        const long src = (long)block_tables[s * max_blocks + b - first[s]] * row;
-        tables[s * max_blocks + b - first[s]] = (int)b;
-        for (long i = 0; i < row; i += LANES) {
-            _mm512_storeu_ps(wide + b * row + i, load_cache16(k_cache, src + i, 1));
-            _mm512_storeu_ps(wide + (blocks + b) * row + i, load_cache16(v_cache, src + i, 1));
-        }
+    for (long s = 0; s < num_seqs; s++) {
+        const long n = first[s + 1] - first[s];
+        widen_blocks(k_cache, v_cache, block_tables + s * max_blocks, n, row,
+                     wide + first[s] * row, wide + (blocks + first[s]) * row);
+        for (long j = 0; j < n; j++)
+            tables[s * max_blocks + j] = (int)(first[s] + j);
     }
     int status = attend_float_cache(q, q_token_stride, wide, wide + blocks * row, tables,
                                     query_start, query_lens, context_lens, out, num_seqs, hq, hkv,
@@ -125,13 +117,13 @@ int prefill_attention(const float *q, long q_token_stride, const void *k_cache,
         return attend_half_cache(q, q_token_stride, k_cache, v_cache, block_tables, query_start,
                                  query_lens, context_lens, out, num_seqs, hq, hkv, d, block_size,
                                  max_blocks, scale);
-    return attend_float_cache(q, q_token_stride, k_cache, v_cache, block_tables, query_start,
-                              query_lens, context_lens, out, num_seqs, hq, hkv, d, block_size,
-                              max_blocks, scale);
+    return attend_float_cache(q, q_token_stride, (const float *)k_cache, (const float *)v_cache,
+                              block_tables, query_start, query_lens, context_lens, out, num_seqs,
+                              hq, hkv, d, block_size, max_blocks, scale);
 }
 
-static int attend_float_cache(const float *q, long q_token_stride, const void *k_cache,
-                              const void *v_cache, const int *block_tables,
+static int attend_float_cache(const float *q, long q_token_stride, const float *k_cache,
+                              const float *v_cache, const int *block_tables,
                               const int *query_start, const int *query_lens,
                               const int *context_lens, float *out, long num_seqs, long hq,
                               long hkv, long d, long block_size, long max_blocks, float scale)
