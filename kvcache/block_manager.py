@@ -225,7 +225,7 @@ class BlockManager:
         """``can_append`` and ``append_slots`` in one call (a decode step makes one per
         sequence): grows the table, or returns False and changes nothing."""
         table = self._requests[request_id].table
-        missing = -(-num_tokens // self.block_size) - len(table)
+        missing = self._blocks_for(num_tokens) - len(table)
         if missing <= 0:
             return True
         if missing > self.num_available_blocks():

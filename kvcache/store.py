@@ -61,6 +61,11 @@ class KVStore:
         self.tensor[:, :, dst_block, :num_tokens] = self.tensor[:, :, src_block, :num_tokens]
 
     @property
+    def dtype_name(self) -> str:
+        """The elements' dtype as torch names it, without "torch." ("float16")."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 

@@ -175,8 +175,7 @@ class BatchRun:
             f"{s['evicted_blocks']} blocks evicted, "
             f"{s['num_preemptions']} preemptions",
             f"KV pool: {self.llm.kv.num_blocks} blocks of {self.llm.kv.block_size} tokens "
-            f"({self.llm.kv.num_slots:,} tokens of {str(self.llm.kv.dtype).removeprefix('torch.')}"
-            " keys and values)",
+            f"({self.llm.kv.num_slots:,} tokens of {self.llm.kv.dtype_name} keys and values)",
         ]
         if s["num_draft_tokens"]:
             lines.append(

@@ -217,7 +217,7 @@ class LLM(Engine):
             "num_kv_blocks": self.block_manager.num_blocks,
             "max_num_batched_tokens": self.config.token_budget,
             "cpu_weight_dtype": self.config.cpu_weight_dtype,
-            "kv_cache_dtype": str(self.kv.dtype).removeprefix("torch."),
+            "kv_cache_dtype": self.kv.dtype_name,
             "speculative_tokens": self.config.speculative_tokens,
             "num_draft_tokens": self.spec_stats.num_draft_tokens,
             "num_accepted_tokens": self.spec_stats.num_accepted_tokens,

@@ -36,7 +36,7 @@ def cache_identity(kv: KVStore, fingerprint: str, weights: str) -> dict[str, str
         "weights": weights,
         "block_size": str(kv.block_size),
         "kv_layout": f"{kv.num_layers} layers x {kv.num_kv_heads} heads x {kv.head_dim}",
-        "kv_dtype": str(kv.dtype).removeprefix("torch."),
+        "kv_dtype": kv.dtype_name,
     }
 
 
