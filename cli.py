@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from runner.cli_bench import bench
+from runner.cli_report import report
 from runner.cli_startup import start_up_without_gc
 from runner.config import CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES
 
@@ -281,33 +282,7 @@ def _start_batch_run(
         raise click.ClickException(str(err)) from err
 
 
-@main.command()
-@click.argument("metrics_path", metavar="METRICS", type=click.Path(exists=True, dir_okay=False))
-@click.option(
-    "--html",
-    "html_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Also write a self-contained HTML page with the schedule pictures.",
-)
-def report(metrics_path: str, html_path: str | None) -> None:
-    """Summarise a run recorded with `kvcache generate --metrics`."""
-    from runner.report import format_summary, load_metrics
-
-    if html_path and not Path(html_path).resolve().parent.is_dir():
-        raise click.UsageError(f"--html: folder {Path(html_path).parent} does not exist")
-    try:
-        metrics = load_metrics(Path(metrics_path))
-    except ValueError as err:
-        raise click.ClickException(str(err)) from err
-    click.echo(format_summary(metrics))
-    if html_path:
-        from runner.report_html import write_html
-
-        write_html(metrics, Path(html_path))
-        click.echo(f"report page written to {html_path}")
-
-
+main.add_command(report)
 main.add_command(bench)
 
 
