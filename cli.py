@@ -10,9 +10,9 @@ from typing import Any
 import click
 
 from runner.cli_bench import bench
+from runner.cli_engine import engine_options
 from runner.cli_report import report
 from runner.cli_startup import start_up_without_gc
-from runner.config import CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES
 
 
 @click.group()
@@ -37,6 +37,13 @@ def main() -> None:
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=-1, show_default=True)
+@click.option(
+    "--min-p",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Drop tokens less likely than this share of the likeliest one's probability.",
+)
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option(
@@ -86,42 +93,6 @@ def main() -> None:
     default=None,
     help="Write each prompt token's log-probability and the N likeliest alternatives.",
 )
-@click.option("--block-size", type=int, default=16, show_default=True)
-@click.option("--no-prefix-cache", is_flag=True, help="Turn the prefix cache off.")
-@click.option("--batching", type=click.Choice(["continuous", "static"]), default="continuous")
-@click.option(
-    "--max-num-batched-tokens",
-    type=int,
-    default=None,
-    help="Tokens one step may compute [default: 512 on the CPU, 2048 on a GPU].",
-)
-@click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks.")
-@click.option("--device", default="cpu", show_default=True)
-@click.option(
-    "--speculative-tokens",
-    type=int,
-    default=0,
-    show_default=True,
-    help="Requests check up to K guessed tokens each step (what an earlier request with "
-    "the same prefix went on with, or n-gram lookup in their own text): faster answers that "
-    "repeat earlier text, the same tokens.",
-)
-@click.option(
-    "--cpu-weight-dtype",
-    type=click.Choice(CPU_WEIGHT_DTYPES),
-    default="float32",
-    show_default=True,
-    help="CPU: store weight matrices as bfloat16 or int8 (a half or a quarter of the bytes a "
-    "decode step reads; the float32 model with its weights rounded so).",
-)
-@click.option(
-    "--kv-cache-dtype",
-    type=click.Choice(KV_CACHE_DTYPES),
-    default="auto",
-    show_default=True,
-    help="float16: CPU, keys and values in half the bytes of a float32 model's (twice the "
-    "tokens in the pool, half the bytes a decode step reads for its contexts).",
-)
 @click.option(
     "--metrics",
     "metrics_path",
@@ -139,6 +110,7 @@ def main() -> None:
 )
 @click.option("--resume", is_flag=True, help="Skip ids already in OUTPUT and append the rest.")
 @click.option("--overwrite", is_flag=True, help="Replace an OUTPUT that holds results.")
+@engine_options
 def generate(
     input_path: str,
     output_path: str | None,
@@ -147,6 +119,7 @@ def generate(
     temperature: float,
     top_p: float,
     top_k: int,
+    min_p: float,
     seed: int | None,
     stop: tuple[str, ...],
     bad_words: tuple[str, ...],
@@ -159,19 +132,11 @@ def generate(
     beam_width: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
-    block_size: int,
-    no_prefix_cache: bool,
-    batching: str,
-    max_num_batched_tokens: int | None,
-    num_kv_blocks: int | None,
-    device: str,
-    speculative_tokens: int,
-    cpu_weight_dtype: str,
-    kv_cache_dtype: str,
     metrics_path: str | None,
     prefix_cache_path: str | None,
     resume: bool,
     overwrite: bool,
+    engine_options: dict[str, Any],
 ) -> None:
     """Generate for every request in INPUT (JSONL, .txt, or - for stdin).
 
@@ -189,7 +154,9 @@ def generate(
         raise click.UsageError(str(err)) from err
     if beam_width and (temperature != 0 or samples != 1):
         raise click.UsageError("--beam-width searches greedily: no --temperature, no --n")
-    if prefix_cache_path and (no_prefix_cache or not Path(prefix_cache_path).parent.is_dir()):
+    if prefix_cache_path and (
+        not engine_options["enable_prefix_caching"] or not Path(prefix_cache_path).parent.is_dir()
+    ):
         raise click.UsageError(
             "--prefix-cache needs the prefix cache on and an existing folder"
             f" ({Path(prefix_cache_path).parent})"
@@ -199,6 +166,7 @@ def generate(
         "temperature": temperature,
         "top_p": top_p,
         "top_k": top_k,
+        "min_p": min_p,
         "seed": seed,
         "stop": list(stop) or None,
         "bad_words": list(bad_words) or None,
@@ -211,18 +179,7 @@ def generate(
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
     }
-    engine_options: dict[str, Any] = {
-        "block_size": block_size,
-        "enable_prefix_caching": not no_prefix_cache,
-        "batching": batching,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "num_kv_blocks": num_kv_blocks,
-        "device": device,
-        "speculative_tokens": speculative_tokens,
-        "cpu_weight_dtype": cpu_weight_dtype,
-        "kv_cache_dtype": kv_cache_dtype,
-        "record_metrics": bool(metrics_path),  # else memory would grow with every token
-    }
+    engine_options["record_metrics"] = bool(metrics_path)  # else memory grows with every token
     with start_up_without_gc():
         try:  # Ctrl-C in the imports or the model load: nothing was generated yet
             run = _start_batch_run(model, engine_options, defaults, beam_width)

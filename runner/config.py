@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -13,6 +14,11 @@ CPU_WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 # ~0.8 s a step instead of ~3 s (measured with kvcache bench, README). On a GPU a step of 2,048
 # tokens costs little more than one of 512, and fewer steps mean less host work.
 CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET = 512, 2048
+# What a model's weights may be loaded as (None or "auto": float32 on the CPU, bfloat16 on a
+# GPU).
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+# Where the engine runs: the CPU or one CUDA device (torch's spelling).
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 # What the KV cache may store: the model's dtype ("auto"), or float16 (half the bytes of float32).
 KV_CACHE_DTYPES = ("auto", "float16")
 
@@ -75,6 +81,14 @@ class EngineConfig:
         return CPU_TOKEN_BUDGET if str(self.device).startswith("cpu") else GPU_TOKEN_BUDGET
 
     def __post_init__(self) -> None:
+        if not DEVICE_PATTERN.fullmatch(str(self.device)):  # a torch.device passes as its name
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.dtype == "auto":  # vLLM's name for the default
+            object.__setattr__(self, "dtype", None)
+        if self.dtype is not None and self.dtype not in MODEL_DTYPES:
+            raise ValueError(
+                f"dtype must be one of {MODEL_DTYPES}, 'auto' or None, got {self.dtype!r}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.batching not in ("continuous", "static"):

@@ -476,3 +476,38 @@ def test_a_float16_kv_cache_from_the_command_line(tiny_llama_dir: Path, tmp_path
     assert "float16 KV cache" in report.output
     bad = CliRunner().invoke(main, [*args, "-o", str(half), "--kv-cache-dtype", "int4"])
     assert bad.exit_code == 2 and "int4" in bad.output
+
+
+def test_engine_options_reach_the_engine(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """--max-num-seqs caps the sequences a step runs and --dtype loads the weights so; the
+    greedy answers are those of the defaults (float32 is the tiny model's own dtype)."""
+    src = write_lines(tmp_path / "in.jsonl", [good(i, 20) for i in range(5)])
+    args = ["generate", str(src), "--model", str(tiny_llama_dir), "--max-tokens", "6"]
+    plain, capped, metrics = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "m.json"
+    assert CliRunner().invoke(main, [*args, "-o", str(plain)]).exit_code == 0
+    flags = ["--max-num-seqs", "2", "--dtype", "float32", "--metrics", str(metrics)]
+    result = CliRunner().invoke(main, [*args, "-o", str(capped), *flags])
+    assert result.exit_code == 0, result.output
+    assert [r["token_ids"] for r in records(capped)] == [r["token_ids"] for r in records(plain)]
+    steps = json.loads(metrics.read_text())["steps"]
+    running = [
+        sum(s in ("prefill", "cached", "decode") for s in st["states"].values()) for st in steps
+    ]
+    assert max(running) == 2 and len(steps) > 6  # five requests, two at a time
+
+
+def test_bad_engine_options_fail_before_the_model_loads(tmp_path: Path) -> None:
+    """Each names its option and exits with a usage error; the model path is never read."""
+    src = write_lines(tmp_path / "in.jsonl", [good(0)])
+    base = ["generate", str(src), "--model", str(tmp_path / "no-such-model")]
+    for flags, named in [
+        (["--device", "gpu"], "--device"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--block-size", "3"], "--block-size"),
+        (["--dtype", "float8"], "--dtype"),
+        (["--min-p", "2"], "min_p"),
+    ]:
+        result = CliRunner().invoke(main, [*base, *flags])
+        assert result.exit_code == 2, (flags, result.output)
+        assert named in result.output and "no-such-model" not in result.output

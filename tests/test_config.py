@@ -21,11 +21,26 @@ def test_the_token_budget_defaults_per_device() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("max_num_batched_tokens", 0), ("kv_cache_dtype", "int4"), ("block_size", 3)],
+    [
+        ("max_num_batched_tokens", 0),
+        ("kv_cache_dtype", "int4"),
+        ("block_size", 3),
+        ("dtype", "float8"),
+        ("dtype", "float64"),
+        ("device", "gpu"),
+        ("device", "cuda:x"),
+        ("max_num_seqs", 0),
+        ("gpu_memory_utilization", 1.5),
+    ],
 )
 def test_bad_values_are_refused_by_name(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_auto_dtype_is_the_default() -> None:
+    assert EngineConfig(dtype="auto").dtype is None is EngineConfig().dtype
+    assert EngineConfig(dtype="bfloat16").dtype == "bfloat16"
 
 
 def test_the_default_budget_reaches_the_scheduler(
