@@ -39,6 +39,8 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
     # hf's float32 one).
     "engine-bf16": {"cpu_weight_dtype": "bfloat16"},
     "engine-int8": {"cpu_weight_dtype": "int8"},
+    # bfloat16 weights and bfloat16-rounded product inputs (AVX512-BF16 dot products).
+    "engine-bf16dot": {"cpu_weight_dtype": "bfloat16-dot"},
     # Keys and values stored as float16 (attention over rounded K/V: its own reference too).
     "engine-kv16": {"kv_cache_dtype": "float16"},
     # Speculative decoding by n-gram lookup (greedy requests only; the reference's output).

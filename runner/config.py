@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 Batching = Literal["continuous", "static"]
-# What the CPU's packed products may store weights as (runner/cpu_quant.py rounds to them).
-CPU_WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+# What the CPU's packed products may store weights as (runner/cpu_quant.py rounds to them);
+# "bfloat16-dot" also rounds each product's inputs to bfloat16 (AVX512-BF16 dot products).
+CPU_WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "bfloat16-dot")
 # Default tokens per step. On the CPU a step's time grows with its tokens, and prefill runs as
 # fast in chunks of 512 as of 2,048, so a prompt that arrives among running answers delays them
 # ~0.8 s a step instead of ~3 s (measured with kvcache bench, README). On a GPU a step of 2,048
@@ -58,7 +59,9 @@ class EngineConfig:
     # decode step streams, "int8" (a scale per 32 weights) quarters them (the C kernels widen
     # each weight to float32 as they read it; activations, norms and the KV cache stay
     # float32): the model is then the float32 model with every weight matrix rounded so,
-    # embeddings included (runner/cpu_quant.py).
+    # embeddings included (runner/cpu_quant.py). "bfloat16-dot" stores bfloat16 weights and
+    # rounds each product's input rows to bfloat16 too, summing exact products in float32
+    # (twice the multiply-adds per instruction; needs AVX512-BF16 and the C kernels).
     cpu_weight_dtype: str = "float32"
     # The KV cache's dtype: "auto" is the model's; "float16" stores a float32 model's keys and
     # values in half the bytes (rounded as they are stored; attention reads them widened, so

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from runner.cpu_panels import LANES, WEIGHT_TYPES, pack_panels, panel_rows
+from runner.cpu_panels import BF16_PAIRS, LANES, fits, pack_pairs, pack_panels, weight_type
 
 # Rows of x this many floats long (2 KB) alias in the L1 cache (see panel_gemm.c).
 ALIASING_FLOATS = 512
@@ -50,6 +50,8 @@ class CpuKernels:
         self._gemm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
         self._gemm.argtypes += [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
         self._gemm.restype = None
+        # Whether the library was built with AVX512-BF16, for bfloat16 pair panels.
+        self.has_pairs = bool(library.panel_gemm_has_pairs())
         self._decode = library.decode_attention
         self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 7 + [ctypes.c_float]
         self._decode.argtypes += [ctypes.c_int]  # float16 caches
@@ -91,7 +93,8 @@ class CpuKernels:
         self.layers_scratch.argtypes = [ctypes.c_long] * 6
         self.layers_scratch.restype = ctypes.c_long
 
-    pack = staticmethod(pack_panels)  # the layout lives in runner/cpu_panels.py
+    pack = staticmethod(pack_panels)  # the layouts live in runner/cpu_panels.py
+    pack_pairs = staticmethod(pack_pairs)
 
     def matmul(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
@@ -101,7 +104,7 @@ class CpuKernels:
             # The kernel reads raw float32 memory: anything else would be read as garbage.
             raise TypeError(f"the panel kernel takes CPU float32 rows, got {x.dtype} on {x.device}")
         k = x.shape[-1]
-        if packed.shape[1] != panel_rows(k, packed.dtype):
+        if not fits(packed, k):
             raise ValueError(f"x rows of {k} do not fit panels {tuple(packed.shape)}")
         m = math.prod(x.shape[:-1])
         rows = x.reshape(m, k)
@@ -116,7 +119,9 @@ class CpuKernels:
         panels = packed.shape[0]
         # The kernel writes whole panels: rows of panels * 16 floats, trimmed to n below.
         out = torch.empty((m, panels * LANES), dtype=torch.float32)
-        wtype = WEIGHT_TYPES[packed.dtype]
+        wtype = weight_type(packed)
+        if wtype == BF16_PAIRS and not self.has_pairs:
+            raise ValueError("bfloat16 pair panels need a CPU with AVX512-BF16")
         self._gemm(
             rows.data_ptr(), rows.stride(0), packed.data_ptr(), wtype, out.data_ptr(), m, k, panels
         )

@@ -24,7 +24,7 @@ from runner.attention import AttentionMetadata
 from runner.cpu_attention import CpuSplit
 from runner.cpu_kernel import LANES, CpuKernels, StepSplit
 from runner.cpu_linear import PackedLinear
-from runner.cpu_panels import WEIGHT_TYPES
+from runner.cpu_panels import weight_type
 
 if TYPE_CHECKING:
     from runner.layers import RMSNorm
@@ -57,7 +57,7 @@ class CpuLayers:
         # tensor. The tensors stay owned by the model; the array only points at them.
         tensors: list[torch.Tensor | None] = []
         # One weight type for every product (for_model checks): panel_gemm.c's WEIGHTS_* code.
-        self._weight_type = WEIGHT_TYPES[_product(layers[0].mlp.down_proj).packed.dtype]
+        self._weight_type = weight_type(_product(layers[0].mlp.down_proj).packed)
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, o = _product(attn.qkv_proj), _product(attn.o_proj)
@@ -103,8 +103,8 @@ class CpuLayers:
         eps = {norm.eps for layer in layers for norm in _norms(layer)}
         if len(eps) != 1 or not all(_fits(layer) for layer in layers):
             return None
-        panel_dtypes = {_product(p).packed.dtype for layer in layers for p in _products(layer)}
-        if len(panel_dtypes) != 1:  # layers.c takes one weight type for the whole model
+        types = {weight_type(_product(p).packed) for layer in layers for p in _products(layer)}
+        if len(types) != 1:  # layers.c takes one weight type for the whole model
             return None
         return cls(model, kernels)
 

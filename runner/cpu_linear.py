@@ -72,7 +72,8 @@ class PackedLinear(nn.Module):
     `weight_dtype=torch.bfloat16` rounds W to bfloat16, `torch.int8` quantizes it (to `int8`
     where given, else runner/cpu_quant.py's quantize_int8 of W): the panel kernel then stores
     half or a quarter of the bytes and widens each weight as it reads it; oneDNN keeps the
-    rounded values as float32 (the same products, no faster).
+    rounded values as float32 (the same products, no faster). `bfloat16_dot=True` stores W as
+    bfloat16 pairs and rounds x to bfloat16 too (panel kernel with AVX512-BF16 only).
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class PackedLinear(nn.Module):
         panel_kernel: bool = True,
         weight_dtype: torch.dtype = torch.float32,
         int8: Int8Weight | None = None,
+        bfloat16_dot: bool = False,
     ) -> None:
         super().__init__()
         if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
@@ -94,6 +96,11 @@ class PackedLinear(nn.Module):
         # Not a parameter or buffer: the model never saves, moves or trains a packed weight.
         if weight_dtype == torch.int8 and int8 is None:
             int8 = quantize_int8(weight.detach())
+        if bfloat16_dot:
+            if self._kernel is None or not self._kernel.has_pairs:
+                raise ValueError("bfloat16 dot products need the C kernels and AVX512-BF16")
+            self.packed = self._kernel.pack_pairs(weight.detach())
+            return
         if self._kernel is not None:
             self.packed = self._kernel.pack(weight.detach(), weight_dtype, int8)
             return
@@ -127,6 +134,7 @@ def prepack_linears(
     panel_kernel: bool = True,
     weight_dtype: torch.dtype = torch.float32,
     int8: dict[nn.Module, Int8Weight] | None = None,
+    bfloat16_dot: bool = False,
 ) -> int:
     """Replace every float32 CPU nn.Linear under `module` by a PackedLinear (weights stored as
     `weight_dtype`; int8 ones as `int8[linear]` where given), in place. Returns how many were
@@ -143,7 +151,9 @@ def prepack_linears(
     ]
     for parent, name, child in targets:
         quantized = (int8 or {}).get(child)
-        packed = PackedLinear(child.weight, child.bias, panel_kernel, weight_dtype, quantized)
+        packed = PackedLinear(
+            child.weight, child.bias, panel_kernel, weight_dtype, quantized, bfloat16_dot
+        )
         setattr(parent, name, packed)
     return len(targets)
 

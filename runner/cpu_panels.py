@@ -3,7 +3,9 @@
 W [N, K] becomes panels [ceil(N / 16), K, 16]: panel p holds output columns 16p .. 16p + 15, one
 row of 16 weights per k, zero-padded past N, so a product streams each panel front to back.
 float32, bfloat16 (rounded to nearest even, as torch rounds) or int8 weights, an int8 panel's K
-rows followed by its scales (runner/cpu_quant.py).
+rows followed by its scales (runner/cpu_quant.py). Bfloat16 pairs, for products that round x
+too (`cpu_weight_dtype="bfloat16-dot"`), hold each column's weights of k and k + 1 side by side:
+[ceil(N / 16), ceil(K / 2), 16, 2], the only panels with four dimensions.
 """
 
 from __future__ import annotations
@@ -16,6 +18,19 @@ LANES = 16  # floats per vector: panel width, and the unit of a head size
 # What a panel can hold, and panel_gemm.c's code for it: float32 weights, bfloat16 ones widened
 # as they are read, or int8 ones with a float32 scale per column and group of INT8_GROUP rows.
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+BF16_PAIRS = 3  # panel_gemm.c's WEIGHTS_BF16_PAIRS: bfloat16 pairs, x rounded to bfloat16 too
+
+
+def weight_type(packed: torch.Tensor) -> int:
+    """panel_gemm.c's code for what `packed` holds (pair panels are the four-dimensional ones)."""
+    return BF16_PAIRS if packed.dim() == 4 else WEIGHT_TYPES[packed.dtype]
+
+
+def fits(packed: torch.Tensor, k: int) -> bool:
+    """Whether `packed` takes rows of k inputs."""
+    if packed.dim() == 4:
+        return packed.shape[1] == -(-k // 2)
+    return packed.shape[1] == panel_rows(k, packed.dtype)
 
 
 def panel_rows(k: int, dtype: torch.dtype) -> int:
@@ -44,6 +59,17 @@ def pack_panels(
         padded = weight.new_zeros((panels * LANES, k))
         padded[:n] = weight
     return padded.reshape(panels, LANES, k).transpose(1, 2).to(dtype).contiguous()
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 -> bfloat16 pair panels [ceil(N / 16), ceil(K / 2), 16, 2] (rounded
+    to nearest even), zero-padded past N and to an even K."""
+    n, k = weight.shape
+    panels, pairs = -(-n // LANES), -(-k // 2)
+    padded = weight.new_zeros((panels * LANES, 2 * pairs))
+    padded[:n, :k] = weight
+    grouped = padded.reshape(panels, LANES, pairs, 2).transpose(1, 2)  # [P, pairs, 16, 2]
+    return grouped.to(torch.bfloat16).contiguous()
 
 
 def _pack_int8(int8: Int8Weight) -> torch.Tensor:

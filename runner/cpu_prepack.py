@@ -25,19 +25,26 @@ def prepack_for_cpu(
     steps in the CPU kernels too), else for oneDNN. A tied head gets its own packed
     copy; the embedding keeps the plain one for lookups. With `weight_dtype` "bfloat16" or
     "int8", every weight matrix is first rounded in place (runner/cpu_quant.py), and the panels
-    store it in 2 bytes, or 1 and a scale per group. Call after loading the weights. Returns
-    how many matrices were packed."""
-    int8 = round_matrices(model, weight_dtype)
-    dtype = getattr(torch, weight_dtype)
-    packed = prepack_linears(model, cpu_kernels, dtype, int8)
+    store it in 2 bytes, or 1 and a scale per group; "bfloat16-dot" stores bfloat16 pairs and
+    its products round their inputs too (raises ValueError where the kernels cannot). Call after
+    loading the weights. Returns how many matrices were packed."""
     kernels = load_cpu_kernels() if cpu_kernels else None
+    dot = weight_dtype == "bfloat16-dot"
+    if dot and (kernels is None or not kernels.has_pairs):
+        raise ValueError(
+            "cpu_weight_dtype='bfloat16-dot' needs the C kernels on a CPU with AVX512-BF16 "
+            "(this one " + ("has no such kernels" if kernels is None else "lacks AVX512-BF16") + ")"
+        )
+    int8 = round_matrices(model, weight_dtype)
+    dtype = torch.bfloat16 if dot else getattr(torch, weight_dtype)
+    packed = prepack_linears(model, cpu_kernels, dtype, int8, dot)
     for module in model.modules():
         if isinstance(module, RMSNorm | MLP):
             module.kernels = kernels
     weight = model.embed_tokens.weight
     if packed and model.lm_head is None and weight.dtype in PACKED_DTYPES:
         tied = int8.get(model.embed_tokens)
-        model.lm_head = PackedLinear(weight, None, cpu_kernels, dtype, tied)
+        model.lm_head = PackedLinear(weight, None, cpu_kernels, dtype, tied, dot)
         packed += 1
     model.cpu_layers = CpuLayers.for_model(model, kernels)
     if weight_dtype != "float32" and kernels is None:

@@ -60,8 +60,8 @@ def _grouped(matrix: torch.Tensor, groups: int) -> torch.Tensor:
 @torch.no_grad()
 def round_matrices(model: nn.Module, dtype: str) -> dict[nn.Module, Int8Weight]:
     """Replace every float32 nn.Linear and nn.Embedding weight of `model` by its `dtype`
-    ("bfloat16" or "int8") rounding, in place, kept as float32. Returns the int8 form of each
-    module's weight (empty for bfloat16), which the packed products store."""
+    ("bfloat16", "bfloat16-dot" or "int8") rounding, in place, kept as float32. Returns the
+    int8 form of each module's weight (empty otherwise), which the packed products store."""
     if dtype not in CPU_WEIGHT_DTYPES:
         raise ValueError(f"weight dtype must be one of {CPU_WEIGHT_DTYPES}, got {dtype!r}")
     quantized: dict[nn.Module, Int8Weight] = {}
@@ -73,7 +73,7 @@ def round_matrices(model: nn.Module, dtype: str) -> dict[nn.Module, Int8Weight]:
         weight = module.weight
         if weight.dtype != torch.float32:
             continue
-        if dtype == "bfloat16":
+        if dtype.startswith("bfloat16"):  # "bfloat16-dot" stores the same rounded weights
             weight.copy_(weight.to(torch.bfloat16))
         else:
             quantized[module] = quantize_int8(weight)

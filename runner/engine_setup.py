@@ -62,6 +62,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         model.attention_backend = "cpu"  # the torch path wherever the kernel cannot run
     if device.type == "cpu" and config.prepack_weights:
         prepack_for_cpu(model, config.cpu_kernels, config.cpu_weight_dtype)
+    elif config.cpu_weight_dtype == "bfloat16-dot":  # its products are the panel kernel's
+        raise ValueError("cpu_weight_dtype='bfloat16-dot' needs prepack_weights")
     elif device.type == "cpu" and config.cpu_weight_dtype != "float32":
         round_matrices(model, config.cpu_weight_dtype)  # the same model, in torch's products
         log.warning("cpu_weight_dtype without prepack_weights: the rounded weights stay float32")

@@ -3,10 +3,12 @@
 
 `python -m runner.weight_quality [--model PATH] [--tokens N] [FILE ...]` reads text (by default
 the project's own docs), and prints the perplexity of transformers' float32 model on it with its
-weight matrices as they are, rounded to bfloat16, and quantized to int8 as runner/cpu_quant.py
-rounds them, then with float32 weights and a cache that rounds each key and value to float16
-(`Float16KV`): the very models the CPU engine runs with those options (its greedy output equals
-transformers' on them; tests/test_rounded_weights.py, tests/test_kv_cache_dtype.py).
+weight matrices as they are, rounded to bfloat16, quantized to int8 as runner/cpu_quant.py
+rounds them, and rounded to bfloat16 with every product's input rounded too
+(`round_product_inputs`), then with float32 weights and a cache that rounds each key and value
+to float16 (`Float16KV`): the very models the CPU engine runs with those options (its greedy
+output equals transformers' on them; tests/test_rounded_weights.py, tests/test_bfloat16_dot.py,
+tests/test_kv_cache_dtype.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from runner.config import CPU_WEIGHT_DTYPES
@@ -50,11 +53,27 @@ def float16_kv(model: Any) -> dict[str, Float16KV]:
     return {name: Float16KV(config=model.config)}
 
 
+def round_product_inputs(model: nn.Module) -> None:
+    """Make every nn.Linear of `model` round its input to bfloat16 (kept as float32) before
+    its product. With the weights rounded to bfloat16 too, each product is then a float32 sum
+    of exact products of bfloat16 values: what `cpu_weight_dtype="bfloat16-dot"` computes (in
+    another order of the sum)."""
+
+    def rounded(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0].to(torch.bfloat16).float(), *args[1:])
+
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_pre_hook(rounded)
+
+
 def perplexity(model_dir: Path, ids: torch.Tensor, dtype: str, kv16: bool = False) -> float:
     """exp(mean next-token loss) over ids [T], in windows of WINDOW tokens; with `kv16`, each
     window's keys and values rounded to float16 as they are cached."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     round_matrices(model, dtype)
+    if dtype == "bfloat16-dot":
+        round_product_inputs(model)
     total, count = 0.0, 0
     with torch.inference_mode():
         for start in range(0, len(ids) - 1, WINDOW):
@@ -84,11 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     for dtype in CPU_WEIGHT_DTYPES:
         value = perplexity(model_dir, ids, dtype)
         base = base or value
-        print(f"{dtype:9s} perplexity {value:8.3f}  ({(value / base - 1) * 100:+.2f}%)")
+        print(f"{dtype:12s} perplexity {value:8.3f}  ({(value / base - 1) * 100:+.2f}%)")
     assert base is not None
     value = perplexity(model_dir, ids, "float32", kv16=True)
     print(
-        f"{'kv16':9s} perplexity {value:8.3f}  ({(value / base - 1) * 100:+.2f}%)  float32 "
+        f"{'kv16':12s} perplexity {value:8.3f}  ({(value / base - 1) * 100:+.2f}%)  float32 "
         "weights, keys and values rounded to float16"
     )
 

@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=300)
     p.add_argument("--profile", action="store_true", help="print cProfile's top functions")
+    p.add_argument("--sort", default="tottime", help="with --profile: tottime or cumulative")
     args = p.parse_args()
     torch.set_num_threads(1)  # the forward is not what is measured; keep it off the other core
 
@@ -90,7 +91,7 @@ def main() -> None:
         f"{max(host_ms):.1f} ms; forward median {1000 * statistics.median(forward_s):.3f} ms"
     )
     if profile is not None:
-        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profile).sort_stats(args.sort).print_stats(40)
 
 
 if __name__ == "__main__":
