@@ -71,7 +71,8 @@ _OPTIONS = [
         default="float32",
         show_default=True,
         help="CPU: store weight matrices as bfloat16 or int8 (a half or a quarter of the bytes a "
-        "decode step reads; the float32 model with its weights rounded so).",
+        "decode step reads; the float32 model with its weights rounded so); bfloat16-dot also "
+        "rounds each product's inputs (AVX512-BF16: about twice the arithmetic speed).",
     ),
     click.option(
         "--kv-cache-dtype",

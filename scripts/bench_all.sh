@@ -20,4 +20,11 @@ run multi_turn --workload multi_turn --systems engine,engine-nocache,hf-static
 run long_prompt --workload long_prompt --systems engine,engine-nochunk \
   --max-num-batched-tokens 64 --no-check
 run long_documents --workload long_documents --systems engine,engine-kv16,hf-static
+run weights_shared --workload shared_system_prompt \
+  --systems engine,engine-bf16,engine-bf16dot,hf-static
+run weights_no_sharing --workload no_sharing --systems engine,engine-bf16,engine-bf16dot,hf-static
+run weights_batch8 --workload mixed_lengths \
+  --systems engine,engine-bf16,engine-int8,engine-bf16dot --max-num-seqs 8 --no-check
+run weights_one_stream --workload mixed_lengths \
+  --systems engine,engine-bf16,engine-int8,engine-bf16dot --max-num-seqs 1 --no-check
 kvcache bench --workload core | tee "$out/core.txt"
