@@ -143,3 +143,28 @@ def test_weight_quality_scores_it(tiny_llama_dir: Path) -> None:
     plain = perplexity(tiny_llama_dir, ids, "bfloat16")
     dot = perplexity(tiny_llama_dir, ids, "bfloat16-dot")
     assert 1.0 < dot < float("inf") and dot != plain  # the inputs' rounding is scored too
+
+
+@needs_pairs
+def test_a_prefix_cache_of_bfloat16_weights_does_not_load(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Its keys and values come from other products than bfloat16-dot's: refused by name, and
+    the engine's own saved cache loads back."""
+    prompt = make_prompts(320, seed=5)[0]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    plain, dot = (
+        LLM(str(tiny_llama_dir), cpu_weight_dtype="bfloat16"),
+        LLM(str(tiny_llama_dir), **DOT),
+    )
+    plain.generate([prompt], params)
+    dot.generate([prompt], params)
+    plain.save_prefix_cache(tmp_path / "plain.safetensors")
+    dot.save_prefix_cache(tmp_path / "dot.safetensors")
+    fresh = LLM(str(tiny_llama_dir), **DOT)
+    with pytest.raises(ValueError, match="saved for weights"):
+        fresh.load_prefix_cache(tmp_path / "plain.safetensors")
+    assert fresh.load_prefix_cache(tmp_path / "dot.safetensors") > 0
+    assert (
+        fresh.generate([prompt], params)[0].token_ids == dot.generate([prompt], params)[0].token_ids
+    )
