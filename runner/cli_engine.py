@@ -34,6 +34,12 @@ _OPTIONS = [
         show_default=True,
         help="Sequences one step may run (samples and beams count one each).",
     ),
+    click.option(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="Longest prompt plus answer [default: the model's context].",
+    ),
     click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks."),
     click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
     click.option(
@@ -90,6 +96,7 @@ _NAMES = (
     "batching",
     "max_num_batched_tokens",
     "max_num_seqs",
+    "max_model_len",
     "num_kv_blocks",
     "device",
     "dtype",

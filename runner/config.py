@@ -41,6 +41,10 @@ class EngineConfig:
     # Tokens one step may compute (decodes first, then prefill chunks); None: `token_budget`.
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
+    # The longest prompt plus answer a request may reach; None: the model's own context
+    # (max_position_embeddings). Less bounds each sequence's block table, the default KV pool
+    # and, on CUDA, the decode graphs' grid (one program per 512 tokens of it a sequence).
+    max_model_len: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -102,6 +106,8 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

@@ -67,7 +67,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     elif device.type == "cpu" and config.cpu_weight_dtype != "float32":
         round_matrices(model, config.cpu_weight_dtype)  # the same model, in torch's products
         log.warning("cpu_weight_dtype without prepack_weights: the rounded weights stay float32")
-    max_model_len = int(hf.max_position_embeddings)
+    max_model_len = context_length(config, int(hf.max_position_embeddings))
     kv_dtype = kv_cache_dtype_of(config.kv_cache_dtype, next(model.parameters()).dtype, device)
     activation = 0
     if (
@@ -114,6 +114,19 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         model, kv, block_manager, device, config.max_num_seqs, max_model_len, graphs=graphs
     )
     return EngineParts(loaded, device, max_model_len, kv, block_manager, runner)
+
+
+def context_length(config: EngineConfig, model_context: int) -> int:
+    """EngineConfig.max_model_len, or the model's context when it is None; refused past the
+    model's (its rotary positions were never trained there)."""
+    if config.max_model_len is None:
+        return model_context
+    if config.max_model_len > model_context:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} is longer than the model's context "
+            f"({model_context} tokens)"
+        )
+    return config.max_model_len
 
 
 def kv_cache_dtype_of(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -504,6 +504,7 @@ def test_bad_engine_options_fail_before_the_model_loads(tmp_path: Path) -> None:
         (["--device", "gpu"], "--device"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--max-model-len", "1"], "--max-model-len"),
         (["--block-size", "3"], "--block-size"),
         (["--dtype", "float8"], "--dtype"),
         (["--min-p", "2"], "min_p"),

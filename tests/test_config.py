@@ -60,3 +60,24 @@ def test_the_default_budget_reaches_the_scheduler(
         )
     assert chunks == [[512, 88], [600]]
     assert answers[0] == answers[1]
+
+
+def test_max_model_len_bounds_requests_and_the_pool(
+    make_tiny_model: Callable[..., Path],
+) -> None:
+    """A shorter context than the model's: a longer prompt is refused naming it, an answer stops
+    there ("length"), the default pool shrinks to it, and the answers up to
+    there are the full-context engine's."""
+    path = make_tiny_model("llama", max_position_embeddings=512)
+    full, short = LLM(str(path)), LLM(str(path), max_model_len=48)
+    assert (full.max_model_len, short.max_model_len) == (512, 48)
+    assert short.block_manager.num_blocks * 512 == full.block_manager.num_blocks * 48
+    with pytest.raises(ValueError, match="48"):
+        short.generate([[5] * 48], SamplingParams(max_tokens=1))
+    prompt = [3 + i % 200 for i in range(40)]
+    out = short.generate([prompt], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
+    assert (len(out[0].token_ids), out[0].finish_reason) == (8, "length")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert full.generate([prompt], params)[0].token_ids == out[0].token_ids
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        LLM(str(path), max_model_len=513)
