@@ -41,6 +41,7 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
     "engine-int8": {"cpu_weight_dtype": "int8"},
     # bfloat16 weights and bfloat16-rounded product inputs (AVX512-BF16 dot products).
     "engine-bf16dot": {"cpu_weight_dtype": "bfloat16-dot"},
+    "engine-bf16dot-kv16": {"cpu_weight_dtype": "bfloat16-dot", "kv_cache_dtype": "float16"},
     # Keys and values stored as float16 (attention over rounded K/V: its own reference too).
     "engine-kv16": {"kv_cache_dtype": "float16"},
     # Speculative decoding by n-gram lookup (greedy requests only; the reference's output).

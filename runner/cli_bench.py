@@ -101,7 +101,7 @@ def bench(
     """Run a workload through several systems in one process and print one table.
 
     Systems: engine, engine-nocache, engine-static, engine-nochunk, engine-bf16, engine-int8,
-    engine-bf16dot, engine-kv16, engine-spec, hf-static, hf-cb, hf-lookup."""
+    engine-bf16dot, engine-bf16dot-kv16, engine-kv16, engine-spec, hf-static, hf-cb, hf-lookup."""
     if workload == "core":
         from kvcache.microbench import main as core_main
 

@@ -22,7 +22,7 @@ from test_rounded_weights import rounded_hf
 from kvcache import LLM, SamplingParams
 from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.cpu_linear import PackedLinear
-from runner.weight_quality import round_product_inputs
+from runner.weight_quality import float16_kv, round_product_inputs
 
 KERNELS = load_cpu_kernels()
 needs_pairs = pytest.mark.skipif(
@@ -168,3 +168,15 @@ def test_a_prefix_cache_of_bfloat16_weights_does_not_load(
     assert (
         fresh.generate([prompt], params)[0].token_ids == dot.generate([prompt], params)[0].token_ids
     )
+
+
+@needs_pairs
+def test_with_a_float16_kv_cache_too(tiny_qwen2_dir: Path) -> None:
+    """The two roundings together (the fastest setting for long contexts): the reference rounds
+    the products' inputs and caches float16 keys and values."""
+    hf = dot_hf(tiny_qwen2_dir)
+    prompts = make_prompts(hf.config.vocab_size, seed=17)
+    with torch.inference_mode():
+        refs = [hf_greedy(hf, p, 10, None, **float16_kv(hf)) for p in prompts]
+    llm = LLM(str(tiny_qwen2_dir), **DOT, kv_cache_dtype="float16")
+    assert_greedy_matches(llm, prompts, refs, alone=True)
