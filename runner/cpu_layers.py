@@ -79,12 +79,17 @@ class CpuLayers:
         pointers = [None if t is None else t.data_ptr() for t in tensors]
         self._weights = (ctypes.c_void_p * len(pointers))(*pointers)
         self._scratch = torch.empty(0)
-        # Wall time spent in the products so far (runner/matmul_timer.py reads it).
-        self._product_s = ctypes.c_double(0.0)
+        # Wall time spent so far in the products and in the attention kernels, layers.c's
+        # seconds[0] and [1] (runner/matmul_timer.py and the step metrics read them).
+        self._seconds = (ctypes.c_double * 2)(0.0, 0.0)
 
     @property
     def product_s(self) -> float:
-        return self._product_s.value
+        return float(self._seconds[0])
+
+    @property
+    def attention_s(self) -> float:
+        return float(self._seconds[1])
 
     @classmethod
     def for_model(cls, model: CausalLM, kernels: CpuKernels | None) -> CpuLayers | None:
@@ -161,7 +166,7 @@ class CpuLayers:
             self.eps,
             self.scale,
             scratch.data_ptr(),
-            ctypes.byref(self._product_s),
+            self._seconds,
             self._weight_type,
             kv.tensor.dtype == torch.float16,
         )

@@ -14,18 +14,20 @@ from kvcache import block_hashes, namespace_root
 from runner.config import EngineConfig
 from runner.engine_setup import build_engine_parts
 from runner.interrupts import interrupts_held
+from runner.live_requests import LiveRequests
 from runner.logit_rules import bad_word_ids
 from runner.logprobs import TokenLogprobs
 from runner.metrics import MetricsRecorder
 from runner.output_routing import OutputRouter
 from runner.outputs import RequestOutput
 from runner.requests import Prompt, RequestValidator, prompt_token_ids
-from runner.sample_groups import SampleGroup, sample_params, sample_request_id
+from runner.sample_groups import sample_params, sample_request_id
 from runner.sampling import request_generator
 from runner.sampling_params import SamplingParams
 from runner.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from runner.sequence import SeqStatus, Sequence
 from runner.speculative import SpecStats, step_tokens
+from runner.step_clock import StepClock, StepTiming
 from runner.stopping import StopChecker
 from runner.structured_outputs import GrammarBook
 
@@ -58,11 +60,11 @@ class Engine:
             eos_ids=frozenset(self.eos_ids),
         )
         self.recorder = MetricsRecorder(record=self.config.record_metrics)
+        self.clock = StepClock(self.model, on_cpu=self.device.type == "cpu")
         self._seq_ids = itertools.count()
         self._rng = torch.Generator().manual_seed(seed)  # seeds requests' streams (CPU)
         self._roots: dict[str | None, int] = {}
-        self._live: dict[str, Sequence] = {}  # by request id: queued or running requests
-        self._groups: dict[str, SampleGroup] = {}  # requests of n > 1 samples, by request id
+        self._requests = LiveRequests()  # queued or running requests by id, and sample groups
         self._outputs = OutputRouter()  # finished outputs waiting for the caller they belong to
         self.spec_stats = SpecStats()  # drafted and accepted tokens (runner/speculative.py)
 
@@ -105,7 +107,7 @@ class Engine:
         seqs = []
         with interrupts_held():  # the request is queued whole (every sample) or not at all
             if params.n > 1:
-                self._groups[rid] = SampleGroup(rid, params.n)
+                self._requests.add_group(rid, params.n)
             for j in range(params.n):
                 own = sample_params(params, j) if params.n > 1 else params
                 seq = Sequence(
@@ -123,18 +125,14 @@ class Engine:
                 )
                 self.recorder.add_request(seq, prefix_key)
                 self.scheduler.add(seq)
-                self._live[seq.request_id] = seq
+                self._requests.add(seq)
                 seqs.append(seq)
         return seqs[0]
 
     def _taken(self, request_id: str) -> bool:
         """Whether an id is in use: queued, running, finished with its output not yet handed
         back, or one of a running `generate`'s or stream's."""
-        return (
-            request_id in self._live
-            or request_id in self._groups
-            or self._outputs.holds(request_id)
-        )
+        return request_id in self._requests or self._outputs.holds(request_id)
 
     def _ids_taken(self, request_id: str, n: int) -> list[str]:
         """The ids in use among a request's and, with n > 1, its samples' ("<id>#<j>")."""
@@ -143,11 +141,7 @@ class Engine:
 
     def samples_of(self, request_id: str) -> list[Sequence]:
         """The live sequences of a request: its one, or those of its samples still running."""
-        group = self._groups.get(request_id)
-        if group is None:
-            return [self._live[request_id]] if request_id in self._live else []
-        ids = (sample_request_id(request_id, j) for j in range(group.n))
-        return [self._live[rid] for rid in ids if rid in self._live]
+        return self._requests.samples_of(request_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a queued or running request (every sample of it) and free its blocks; returns
@@ -171,19 +165,7 @@ class Engine:
         output = self._output(seq)
         output.error = error
         self.recorder.on_finish(seq)  # its report row says why, like its output
-        return self._finished(seq, output)
-
-    def _finished(self, seq: Sequence, output: RequestOutput) -> RequestOutput | None:
-        """Forget a finished sequence; returns its request's output, which for a sample of
-        several is there only once the last one has finished."""
-        del self._live[seq.request_id]
-        if seq.group is None:
-            return output
-        group = self._groups[seq.group]
-        merged = group.add(seq.sample_index, output)
-        if merged is not None:
-            del self._groups[seq.group]
-        return merged
+        return self._requests.finish(seq, output)
 
     def _root(self, cache_salt: str | None) -> int:
         if cache_salt not in self._roots:
@@ -241,9 +223,12 @@ class Engine:
         sampling = [item for item in out.scheduled if item.sample]
         emitted: list[list[int]] = []
         logprobs: list[TokenLogprobs | None] = []
+        timing: StepTiming | None = None
         if not out.is_empty:
             try:
+                self.clock.start()
                 logits = self.runner.run(out.scheduled)
+                timing = self.clock.stop()
                 samplers, drafts = [i.seq for i in sampling], [i.draft for i in sampling]
                 emitted, logprobs = step_tokens(logits, samplers, drafts, self.eos_ids)
             except Exception as err:  # noqa: BLE001 - one step's failure must not wedge the engine
@@ -251,7 +236,7 @@ class Engine:
                     self._fail_step(out, err)
                 return
         with interrupts_held():
-            self._settle(out, sampling, emitted, logprobs, t_start)
+            self._settle(out, sampling, emitted, logprobs, t_start, timing)
 
     def _settle(
         self,
@@ -260,6 +245,7 @@ class Engine:
         emitted: list[list[int]],
         logprobs: list[TokenLogprobs | None],
         t_start: float,
+        timing: StepTiming | None,
     ) -> None:
         """After the model ran: record the step's new tokens (a drafted sequence's one at a
         time, up to the first that ends it), cache the blocks they filled, finish the requests
@@ -277,7 +263,7 @@ class Engine:
             seq.finish_time = now
             self.scheduler.finish(seq, reason)
             done.append(seq)
-            self._outputs.keep(self._finished(seq, self._output(seq)))
+            self._outputs.keep(self._requests.finish(seq, self._output(seq)))
         self.recorder.on_step(
             self.scheduler.step_count,
             out,
@@ -285,6 +271,7 @@ class Engine:
             t_start,
             time.perf_counter() - t_start,
             self.block_manager.stats,
+            timing,
         )
         for seq in done:  # after on_step, which still shows them in this step's states
             self.recorder.on_finish(seq)

@@ -8,6 +8,7 @@ from typing import Any
 from kvcache import CacheStats
 from runner.scheduler import SchedulerOutput
 from runner.sequence import SeqStatus, Sequence
+from runner.step_clock import StepTiming
 
 
 class MetricsRecorder:
@@ -56,6 +57,7 @@ class MetricsRecorder:
         t_start: float,
         duration: float,
         stats: CacheStats,
+        timing: StepTiming | None = None,
     ) -> None:
         if not self.record:
             return
@@ -92,6 +94,10 @@ class MetricsRecorder:
                 "hit_tokens_cum": stats.hit_tokens,
                 "query_tokens_cum": stats.query_tokens,
                 "states": states,
+                # Where the step's time went (CPU only; runner/step_clock.py): None if unknown.
+                "model_s": timing.model_s if timing else None,
+                "product_s": timing.product_s if timing else None,
+                "attention_s": timing.attention_s if timing else None,
             }
         )
 

@@ -8,6 +8,7 @@ into the fused ones. K/V live in a KVStore and are read through paged_attention(
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -172,6 +173,7 @@ class CausalLM(nn.Module):
         self.attention_backend = "torch"
         # A step's layers in one C call, once the model is packed for the CPU kernels.
         self.cpu_layers: CpuLayers | None = None
+        self.head_s = 0.0  # seconds in compute_logits so far
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, self.architecture) for _ in range(self.num_layers)
@@ -223,10 +225,12 @@ class CausalLM(nn.Module):
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] (only the rows that need sampling) -> logits [N, vocab] float32."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        logits: torch.Tensor = self.lm_head(hidden)
+        """hidden [N, H] (only the rows that need sampling) -> logits [N, vocab] float32. Its
+        wall time adds to `head_s` (runner/step_clock.py; on a GPU only the launch)."""
+        start = time.perf_counter()
+        head = self.lm_head
+        logits = F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)
+        self.head_s += time.perf_counter() - start
         return logits.float()
 
     def num_matmul_params(self, include_head: bool = True) -> int:

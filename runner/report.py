@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from runner.report_time import TIME_HEADER, time_breakdown, time_cells
+
 SCHEMA_VERSION = 1
 REQUIRED_KEYS = ("version", "cache", "requests", "steps", "wall_time_s")
 NO_PREFIX = "(no full block)"
@@ -223,7 +225,8 @@ def _preview(text: str, width: int = 48) -> str:
 
 
 def format_summary(metrics: dict[str, Any], max_groups: int = 20) -> str:
-    """The run's headline numbers, then which shared prefixes paid off."""
+    """The run's headline numbers, where the steps' time went, then which shared prefixes
+    paid off."""
     caching = "on" if metrics.get("enable_prefix_caching", True) else "off"
     title = (
         f"kvcache report: {metrics.get('model', '?')}, {metrics.get('batching', '?')} batching, "
@@ -238,6 +241,10 @@ def format_summary(metrics: dict[str, Any], max_groups: int = 20) -> str:
         title += ", float16 KV cache"
     lines = [title, ""]
     lines += _table(("metric", "value"), summary_rows(metrics), right=set())
+    timing = time_breakdown(metrics["steps"])
+    if timing:
+        lines += ["", "Where the time went (shares of each kind's wall time):"]
+        lines += _table(TIME_HEADER, [time_cells(r) for r in timing], right=set(range(1, 8)))
     groups = prefix_breakdown(metrics)
     lines += ["", f"By shared prefix (first full block), {len(groups)} groups:"]
     rows = [

@@ -159,7 +159,7 @@ def final_checks(llm: Any, rep: SoakReport, tally: dict[str, int], fail: Fail) -
     rep.recorder_requests = len(llm.recorder.requests)
     if rep.finished != rep.requests:
         fail(f"{rep.requests - rep.finished} requests never finished")
-    if llm.has_unfinished() or llm._live:
+    if llm.has_unfinished() or not llm._requests.is_empty():
         fail("requests are still live after all finished")
     if stats.blocks_in_use != 0:
         fail(f"leak: {stats.blocks_in_use} blocks still in use")

@@ -88,5 +88,5 @@ def test_add_step_abort_in_any_order(tiny_llama_dir: Path, seed: int, operations
                 assert sample.logprobs is not None
                 assert len(sample.logprobs) == len(sample.token_ids)
     assert not llm.has_unfinished()
-    assert not llm._live and not llm._groups  # no request or sample group kept after it ended
+    assert llm._requests.is_empty()  # no request or sample group kept after it ended
     assert llm.block_manager.stats.blocks_in_use == 0

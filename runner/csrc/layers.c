@@ -177,13 +177,14 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
  * element 2l * cache_elems and values at (2l + 1) * cache_elems, each [blocks, block_size,
  * hkv, d]. cos/sin [rows, d] per token;
  * slots [rows] (negative: skip). scratch: layers_scratch floats. The products' wall time is
- * added to *product_seconds. Returns 0, or -1 if an attention kernel refused (h is then partly
+ * added to seconds[0] and the attention kernels' to seconds[1] (`kvcache report`'s breakdown of
+ * a step). Returns 0, or -1 if an attention kernel refused (h is then partly
  * updated). weight_type: what the packed products hold (panel_gemm.c's WEIGHTS_*). */
 int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, long d,
                const float *const *weights, long num_layers, void *kv, long cache_elems,
                long block_size, const struct step_split *split, const float *cos,
                const float *sin, const long *slots, float eps, float scale, float *scratch,
-               double *product_seconds, int weight_type, int kv_half)
+               double *seconds, int weight_type, int kv_half)
 {
     const long elem = kv_half ? 2 : 4; /* bytes of one cache element */
     const long q_width = hq * d, qkv_width = (hq + 2 * hkv) * d;
@@ -193,7 +194,6 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
     float *q = normed + rows * qkv_width, *attn = q + rows * q_width;
     float *decode_q = attn + rows * q_width, *decoded = decode_q + rows * q_width;
     float *out = decoded + rows * q_width, *gate_up = out + rows * hidden;
-    double *seconds = product_seconds;
     for (long layer = 0; layer < num_layers; layer++) {
         const float *const *w = weights + layer * WEIGHTS_PER_LAYER;
         char *k_cache = (char *)kv + 2 * layer * cache_elems * elem;
@@ -208,9 +208,11 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
             rotate_and_store(qkv + t * qkv_width, w, cos + t * d, sin + t * d, q + t * q_width,
                              k, v, hq, hkv, d, eps, normed + t * qkv_width, kv_half);
         }
+        const double attention_start = now();
         if (attend(q, k_cache, v_cache, attn, rows, hq, hkv, d, block_size, split, scale,
                    decode_q, decoded, kv_half))
             return -1;
+        seconds[1] += now() - attention_start;
         const float *o_in = attn;
         if (product_ld(q_width) != q_width) {
             for (long t = 0; t < rows; t++)
