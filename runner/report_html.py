@@ -20,6 +20,13 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from runner.report import NO_PREFIX, prefix_breakdown, summary_rows
+from runner.report_time import (
+    TIME_HEADER,
+    draw_step_parts,
+    step_parts_ms,
+    time_breakdown,
+    time_cells,
+)
 
 # Index in this list = the code stored in the timeline matrix; 0 is "not in the engine".
 STATES = ["absent", "waiting", "cached", "prefill", "decode", "preempted", "held"]
@@ -251,12 +258,20 @@ def render_html(metrics: dict[str, Any]) -> str:
         "<h2>Summary</h2>",
         summary,
     ]
+    timing = [list(time_cells(r)) for r in time_breakdown(metrics["steps"])]
+    if timing:
+        parts += ["<h2>Where the time went</h2>", _table_html(list(TIME_HEADER), timing, set())]
     if metrics["steps"]:
         figures = [
             ("Schedule timeline", timeline_figure(metrics)),
             ("Cache hit rate over time", hit_rate_figure(metrics)),
             ("Tokens per step", tokens_figure(metrics)),
         ]
+        step_parts = step_parts_ms(metrics["steps"])
+        if step_parts is not None:
+            fig, ax = _figure(3.2)
+            draw_step_parts(ax, step_parts, _step_edges(metrics))
+            figures.append(("Step time", fig))
         for heading, fig in figures:
             parts.append(f"<h2>{esc(heading)}</h2>")
             parts.append(f'<img alt="{esc(heading)}" src="data:image/png;base64,{_png(fig)}">')

@@ -6,7 +6,12 @@ forward leaves is the host's: scheduling, sampling, stop checks, caching blocks,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 KINDS = ("prefill only", "decode only", "prefill + decode")
 
@@ -66,3 +71,45 @@ def time_cells(row: TimeRow) -> tuple[str, ...]:
 
 
 TIME_HEADER = ("steps", "count", "wall s", "ms/step", "model", "products", "attention", "host")
+
+
+# What each step's wall time is split into for the picture, bottom to top, and its colour.
+PARTS = (
+    ("products", "#1f77b4"),
+    ("attention", "#2ca02c"),
+    ("rest of the model", "#9467bd"),
+    ("host", "#7f7f7f"),
+)
+
+
+def step_parts_ms(steps: Sequence[dict[str, Any]]) -> np.ndarray | None:
+    """[4, steps] milliseconds of each step in PARTS order, or None unless every step that
+    computed something recorded its products and attention (a step that computed nothing is
+    all host)."""
+    parts = np.zeros((len(PARTS), len(steps)))
+    for i, step in enumerate(steps):
+        wall = float(step.get("duration_s", 0.0))
+        model, products, attention = (step.get(k) for k in ("model_s", "product_s", "attention_s"))
+        if model is None or products is None or attention is None:
+            if step.get("num_prefill_tokens", 0) or step.get("num_decode_tokens", 0):
+                return None
+            model = products = attention = 0.0
+        rest = max(0.0, float(model) - float(products) - float(attention))
+        parts[:, i] = (products, attention, rest, max(0.0, wall - float(model)))
+    return parts * 1000.0
+
+
+def draw_step_parts(ax: Axes, parts: np.ndarray, edges: np.ndarray) -> None:
+    """Each step's split as filled stairs stacked bottom to top (one artist a part, so long
+    runs draw quickly), on the engine-step axis the other pictures use."""
+    base = np.zeros(parts.shape[1])
+    for (label, color), values in zip(PARTS, parts, strict=True):
+        ax.stairs(base + values, edges, baseline=base, fill=True, color=color, label=label)
+        base = base + values
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_ylim(0, max(float(base.max()), 1e-3) * 1.3)  # room for the legend
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("ms")
+    ax.set_title("Where each step's time went")
+    ax.legend(loc="upper right", ncol=4, fontsize=9)
+    ax.grid(alpha=0.3, axis="y")

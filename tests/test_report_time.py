@@ -1,6 +1,6 @@
 """Where the time went: steps grouped by kind with the shares of their wall time that the
-model, its products and its attention took (runner/report_time.py), and a real CPU run
-recording them (runner/step_clock.py)."""
+model, its products and its attention took, each step's split for the HTML page
+(runner/report_time.py), and a real CPU run recording them (runner/step_clock.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 
 from kvcache import LLM, SamplingParams
 from runner.report import format_summary
-from runner.report_time import TimeRow, time_breakdown, time_cells
+from runner.report_html import render_html
+from runner.report_time import TimeRow, step_parts_ms, time_breakdown, time_cells
 
 
 def step(prefill: int, decode: int, wall: float, **timing: float | None) -> dict[str, Any]:
@@ -69,3 +70,31 @@ def test_torch_operators_record_only_the_model(tiny_llama_dir: Path) -> None:
     for s in llm.recorder.steps:
         assert 0 < s["model_s"] <= s["duration_s"]
         assert s["product_s"] is None and s["attention_s"] is None
+
+
+def test_each_step_splits_into_four_parts() -> None:
+    steps = [
+        step(64, 0, 0.4, model_s=0.36, product_s=0.3, attention_s=0.04),
+        step(0, 0, 0.01),  # computed nothing: all host
+        step(0, 4, 0.1, model_s=0.08, product_s=0.05, attention_s=0.02),
+    ]
+    parts = step_parts_ms(steps)
+    assert parts is not None and parts.shape == (4, 3)
+    assert parts[:, 0] == pytest.approx([300, 40, 20, 40])
+    assert parts[:, 1] == pytest.approx([0, 0, 0, 10])
+    assert parts.sum(axis=0) == pytest.approx([400, 10, 100])  # each step's whole wall time
+    steps.append(step(0, 4, 0.1, model_s=0.08))  # one step without the split: no picture
+    assert step_parts_ms(steps) is None
+
+
+def test_the_html_page_shows_where_the_time_went(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir))
+    llm.generate([[5, 6, 7, 8] * 5], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    page = render_html(llm.metrics())
+    assert "<h2>Where the time went</h2>" in page and 'alt="Step time"' in page
+    metrics = llm.metrics()  # as a file written before the timings existed
+    for row in metrics["steps"]:
+        for key in ("model_s", "product_s", "attention_s"):
+            del row[key]
+    untimed = render_html(metrics)
+    assert "<h2>Where the time went</h2>" in untimed and 'alt="Step time"' not in untimed
