@@ -15,6 +15,7 @@ from runner.cpu_prepack import prepack_for_cpu
 from runner.cpu_quant import round_matrices
 from runner.loader import LoadedModel, load_model
 from runner.memory import kv_pool_blocks
+from runner.model import CausalLM
 from runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     elif device.type == "cpu" and config.cpu_weight_dtype != "float32":
         round_matrices(model, config.cpu_weight_dtype)  # the same model, in torch's products
         log.warning("cpu_weight_dtype without prepack_weights: the rounded weights stay float32")
-    max_model_len = context_length(config, int(hf.max_position_embeddings))
+    max_model_len = context_length(config, model)
     kv_dtype = kv_cache_dtype_of(config.kv_cache_dtype, next(model.parameters()).dtype, device)
     activation = 0
     if (
@@ -116,15 +117,21 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     return EngineParts(loaded, device, max_model_len, kv, block_manager, runner)
 
 
-def context_length(config: EngineConfig, model_context: int) -> int:
+def context_length(config: EngineConfig, model: CausalLM) -> int:
     """EngineConfig.max_model_len, or the model's context when it is None; refused past the
-    model's (its rotary positions were never trained there)."""
+    model's. Mistral attends only to its last `sliding_window` tokens (when one is set), which
+    no kernel here cuts off: its contexts stop at the window, within which full attention is
+    the same thing."""
+    limit, why = int(model.max_position_embeddings), "its positions"
+    window = getattr(model.config, "sliding_window", None)
+    if model.architecture == "MistralForCausalLM" and window and window < limit:
+        limit, why = int(window), "its sliding window"
     if config.max_model_len is None:
-        return model_context
-    if config.max_model_len > model_context:
+        return limit
+    if config.max_model_len > limit:
         raise ValueError(
             f"max_model_len={config.max_model_len} is longer than the model's context "
-            f"({model_context} tokens)"
+            f"({limit} tokens: {why})"
         )
     return config.max_model_len
 

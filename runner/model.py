@@ -166,8 +166,6 @@ class CausalLM(nn.Module):
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
         self.max_position_embeddings = config.max_position_embeddings
-        # Mistral's window is ignored: callers must keep contexts within it.
-        self.sliding_window: int | None = getattr(config, "sliding_window", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # "torch", "cpu" or "triton"; the engine may switch it after loading.
         self.attention_backend = "torch"
