@@ -119,12 +119,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 def context_length(config: EngineConfig, model: CausalLM) -> int:
     """EngineConfig.max_model_len, or the model's context when it is None; refused past the
-    model's. Mistral attends only to its last `sliding_window` tokens (when one is set), which
-    no kernel here cuts off: its contexts stop at the window, within which full attention is
-    the same thing."""
+    model's. Mistral and Phi-3 attend only to their last `sliding_window` tokens (when one is
+    set), which no kernel here cuts off: their contexts stop at the window, within which full
+    attention is the same thing."""
     limit, why = int(model.max_position_embeddings), "its positions"
     window = getattr(model.config, "sliding_window", None)
-    if model.architecture == "MistralForCausalLM" and window and window < limit:
+    windowed = model.architecture in ("MistralForCausalLM", "Phi3ForCausalLM")
+    if windowed and window and window < limit:
         limit, why = int(window), "its sliding window"
     if config.max_model_len is None:
         return limit

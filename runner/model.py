@@ -31,12 +31,15 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool | None, bool]] = {
     "MistralForCausalLM": (False, False, False),
     "Qwen2ForCausalLM": (True, False, False),
     "Qwen3ForCausalLM": (None, None, True),
+    "Phi3ForCausalLM": (False, False, False),  # q/k/v and gate/up already fused on disk
 }
+FUSED_ON_DISK = -1  # _map_name's part for a checkpoint tensor that fills a fused one whole
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -258,7 +261,8 @@ class CausalLM(nn.Module):
             name, part = target
             if name not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for {self.architecture}")
-            dest = self._part_view(params[name].data, name, part)
+            whole = part == FUSED_ON_DISK
+            dest = params[name].data if whole else self._part_view(params[name].data, name, part)
             tensor = state[hf_name]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(
@@ -266,7 +270,7 @@ class CausalLM(nn.Module):
                     f"expected {tuple(dest.shape)}"
                 )
             dest.copy_(tensor)
-            parts_done[name].add(part)
+            parts_done[name].update(range(parts_needed[name]) if whole else (part,))
         missing = [n for n, k in parts_needed.items() if len(parts_done[n]) != k]
         if missing:
             raise ValueError(f"weights missing for {len(missing)} parameters, e.g. {missing[:3]}")
@@ -287,6 +291,8 @@ class CausalLM(nn.Module):
         ):
             if hf in name:
                 return name.replace(hf, ours), part
+        if ".qkv_proj." in name or ".gate_up_proj." in name:  # Phi-3 stores them fused
+            return name, FUSED_ON_DISK
         return name, 0
 
     def _part_view(self, data: torch.Tensor, name: str, part: int) -> torch.Tensor:

@@ -39,7 +39,8 @@ TINY_BASE: dict[str, Any] = {
     "initializer_range": 0.1,
 }
 # Per architecture: the HF class name and what differs from the base. Llama keeps an
-# untied head, Qwen2 ties it (and has q/k/v bias), Qwen3 has head_dim != hidden / heads.
+# untied head, Qwen2 ties it (and has q/k/v bias), Qwen3 has head_dim != hidden / heads,
+# Phi-3 stores q/k/v and gate/up fused.
 TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaForCausalLM", {"tie_word_embeddings": False, "rope_theta": 10000.0}),
     "mistral": ("MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}),
@@ -48,6 +49,7 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen3ForCausalLM",
         {"tie_word_embeddings": False, "head_dim": 32, "rope_theta": 1e6},
     ),
+    "phi3": ("Phi3ForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}),
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
@@ -127,6 +129,11 @@ def tiny_qwen2_dir(make_tiny_model: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(make_tiny_model: Callable[..., Path]) -> Path:
     return make_tiny_model("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(make_tiny_model: Callable[..., Path]) -> Path:
+    return make_tiny_model("phi3")
 
 
 @pytest.fixture(scope="session")

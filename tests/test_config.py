@@ -85,13 +85,15 @@ def test_max_model_len_bounds_requests_and_the_pool(
         LLM(str(path), max_model_len=513)
 
 
-def test_a_mistral_sliding_window_bounds_the_context(
-    make_tiny_model: Callable[..., Path],
+@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+def test_a_sliding_window_bounds_the_context(
+    make_tiny_model: Callable[..., Path], arch: str
 ) -> None:
-    """Mistral attends only to its last `sliding_window` tokens, which no kernel here cuts: its
-    context stops at the window, where answers are still transformers' own, and a longer one
-    is refused by name. Without a window (Mistral v0.2 on) the positions bound it."""
-    windowed = make_tiny_model("mistral", sliding_window=32, max_position_embeddings=128)
+    """Mistral and Phi-3 attend only to their last `sliding_window` tokens, which no kernel
+    here cuts: the context stops at the window, where answers are still transformers' own, and
+    a longer one is refused by name. Without a window (Mistral v0.2 on) the positions bound
+    it."""
+    windowed = make_tiny_model(arch, sliding_window=32, max_position_embeddings=128)
     llm = LLM(str(windowed))
     assert llm.max_model_len == 32
     with pytest.raises(ValueError, match="32"):
@@ -105,5 +107,5 @@ def test_a_mistral_sliding_window_bounds_the_context(
     hf = AutoModelForCausalLM.from_pretrained(windowed, dtype=torch.float32).eval()
     with torch.inference_mode():
         assert out.token_ids == hf_greedy(hf, prompt, 8, None)
-    unwindowed = make_tiny_model("mistral", max_position_embeddings=128)
+    unwindowed = make_tiny_model(arch, max_position_embeddings=128)
     assert LLM(str(unwindowed)).max_model_len == 128

@@ -218,3 +218,14 @@ def test_load_hf_state_dict_checks_names_and_shapes(tiny_llama_dir: Path) -> Non
     extra["model.layers.0.self_attn.mystery.weight"] = torch.ones(3)
     with pytest.raises(ValueError, match="mystery"):
         model.load_hf_state_dict(extra)
+
+
+def test_phi3_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
+    """Phi-3's checkpoint holds q/k/v and gate/up fused already: loaded whole, same logits."""
+    path = make_tiny_model("phi3")
+    ours = load_model(str(path)).model
+    assert ours.architecture == "Phi3ForCausalLM"
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = random_tokens(30, seed=6)
+    (logits,) = Driver(ours).step([(0, tokens)])
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
