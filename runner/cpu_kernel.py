@@ -82,7 +82,9 @@ class CpuKernels:
             + [ctypes.c_void_p]
             + [ctypes.c_long] * 2
             + [ctypes.POINTER(StepSplit)]
-            + [ctypes.c_void_p] * 3
+            + [ctypes.c_void_p] * 2  # cos, sin
+            + [ctypes.c_long]  # rotary dims of a head
+            + [ctypes.c_void_p]  # slots
             + [ctypes.c_float] * 2
             + [ctypes.c_void_p]
             + [ctypes.POINTER(ctypes.c_double)]

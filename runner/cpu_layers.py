@@ -130,7 +130,7 @@ class CpuLayers:
     def run(
         self,
         h: torch.Tensor,  # [T, H] embeddings of the step's tokens
-        cos: torch.Tensor,  # [T, D] by position
+        cos: torch.Tensor,  # [T, R] by position (R = rotary dims, at most D)
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv: KVStore,
@@ -162,6 +162,7 @@ class CpuLayers:
             ctypes.byref(_step_split(split)),
             cos.data_ptr(),
             sin.data_ptr(),
+            cos.shape[1],  # rotary dims: fewer than head_dim with partial rotary
             slots.data_ptr(),
             self.eps,
             self.scale,

@@ -13,6 +13,7 @@ from runner.config import EngineConfig
 from runner.cpu_allocator import keep_step_buffers_in_heap
 from runner.cpu_prepack import prepack_for_cpu
 from runner.cpu_quant import round_matrices
+from runner.layers import rope_context_limit
 from runner.loader import LoadedModel, load_model
 from runner.memory import kv_pool_blocks
 from runner.model import CausalLM
@@ -121,12 +122,15 @@ def context_length(config: EngineConfig, model: CausalLM) -> int:
     """EngineConfig.max_model_len, or the model's context when it is None; refused past the
     model's. Mistral and Phi-3 attend only to their last `sliding_window` tokens (when one is
     set), which no kernel here cuts off: their contexts stop at the window, within which full
-    attention is the same thing."""
+    attention is the same thing. A longrope model stops at its original context (layers.py)."""
     limit, why = int(model.max_position_embeddings), "its positions"
     window = getattr(model.config, "sliding_window", None)
     windowed = model.architecture in ("MistralForCausalLM", "Phi3ForCausalLM")
     if windowed and window and window < limit:
         limit, why = int(window), "its sliding window"
+    original = rope_context_limit(model.config)
+    if original is not None and original < limit:
+        limit, why = original, "its longrope original context"
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:

@@ -14,10 +14,11 @@ from torch import nn
 
 from runner.cpu_kernel import CpuKernels
 
-# RoPE types whose inverse frequencies are fixed at load time. "dynamic" / "longrope"
-# change with the sequence length, which a KV cache cannot follow (cached keys would
-# carry stale rotations), so they are refused.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# RoPE types whose inverse frequencies are fixed at load time. "dynamic" changes with the
+# sequence length, which a KV cache cannot follow (cached keys would carry stale rotations), so
+# it is refused; "longrope" (Phi-3.5, Phi-4-mini) is fixed up to its original context, where it
+# uses its short factors, and the engine's context stops there (rope_context_limit).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 class RMSNorm(nn.Module):
@@ -56,15 +57,39 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
+def rotary_dim(config: Any, head_dim: int) -> int:
+    """How many leading dimensions of each head RoPE rotates (partial_rotary_factor: Phi-4-mini
+    rotates 3/4 of each head and passes the rest through)."""
+    factor = rope_parameters(config).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", None) or 1.0
+    dim = int(head_dim * float(factor))
+    if dim < 2 or dim % 2 or dim > head_dim:
+        raise ValueError(f"partial_rotary_factor={factor} leaves {dim} rotary dims of {head_dim}")
+    return dim
+
+
+def rope_context_limit(config: Any) -> int | None:
+    """The longest context the RoPE tables serve, where that is shorter than the model's
+    positions: a longrope model's original context (past it, transformers switches every
+    position to the long factors, which cached keys cannot follow). None otherwise."""
+    params = rope_parameters(config)
+    if params["rope_type"] != "longrope":
+        return None
+    original = params.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
+    return int(original) if original else None
+
+
 def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim // 2] (float32, CPU) and the cos/sin scale factor."""
+    """Inverse frequencies [rotary_dim // 2] (float32, CPU) and the cos/sin scale factor."""
     params = rope_parameters(config)
     rope_type = params["rope_type"]
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
     if rope_type == "default":
         base = float(params["rope_theta"])
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        dim = rotary_dim(config, head_dim)
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (base**exponent), 1.0
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -81,7 +106,7 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 def rope_cos_sin(
     config: Any, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_positions, head_dim] in `dtype`, indexed by position: cos repeated
+    """cos, sin tables [max_positions, rotary_dim] in `dtype`, indexed by position: cos repeated
     over both halves, sin negated over the first (so apply_rope needs no negation)."""
     inv_freq, scale = rope_inv_freq(config, head_dim)
     positions = torch.arange(max_positions, dtype=torch.int64).float()
@@ -92,10 +117,14 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [T, H, D]; cos/sin [T, D] from rope_cos_sin, gathered by position.
+    """Rotate-half RoPE. x [T, H, D]; cos/sin [T, R] from rope_cos_sin, gathered by position:
+    the first R dims of each head rotate (rotate-half within them), the rest pass through.
 
     HF computes x * cat(c, c) + cat(-x2, x1) * cat(s, s); here the second product is
     cat(x2, x1) * cat(-s, s), the same numbers, with one operation fewer."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     out = x * cos[:, None, :]
     rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)

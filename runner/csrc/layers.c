@@ -57,17 +57,20 @@ long layers_scratch(long rows, long hidden, long inter, long hq, long hkv, long 
 /* Rotate-half RoPE of one head, as runner/layers.py apply_rope computes it: x * cos, then
  * cat(x2, x1) * sin, then their sum, each rounded on its own (no fused multiply-add, which
  * would round once and differ from torch in the last bit). cos/sin as rope_cos_sin lays them
- * out: cos repeated over both halves, sin negated over the first. */
+ * out: cos repeated over both halves, sin negated over the first. Only the first `rot` of the
+ * d dimensions rotate (rotate-half among themselves: partial rotary); the rest pass through. */
 __attribute__((optimize("fp-contract=off")))
 static void rotate(const float *restrict x, const float *restrict cos, const float *restrict sin,
-                   float *restrict y, long d)
+                   float *restrict y, long d, long rot)
 {
-    long half = d / 2;
-    for (long i = 0; i < d; i++) {
+    long half = rot / 2;
+    for (long i = 0; i < rot; i++) {
         float direct = x[i] * cos[i];
         float rotated = x[i < half ? i + half : i - half] * sin[i];
         y[i] = direct + rotated;
     }
+    for (long i = rot; i < d; i++)
+        y[i] = x[i];
 }
 
 static double now(void)
@@ -108,7 +111,7 @@ static void store_half(unsigned short *restrict dst, const float *restrict src, 
  * (hq + hkv) * d floats. */
 static void rotate_and_store(const float *row, const float *const *w, const float *c,
                              const float *s, float *q, void *k, void *v, long hq, long hkv,
-                             long d, float eps, float *normed, int kv_half)
+                             long d, long rot, float eps, float *normed, int kv_half)
 {
     const float *q_src = row, *k_src = row + hq * d;
     if (w[Q_NORM]) {
@@ -118,19 +121,19 @@ static void rotate_and_store(const float *row, const float *const *w, const floa
         k_src = normed + hq * d;
     }
     for (long head = 0; head < hq; head++)
-        rotate(q_src + head * d, c, s, q + head * d, d);
+        rotate(q_src + head * d, c, s, q + head * d, d, rot);
     if (!k)
         return;
     const float *v_src = row + (hq + hkv) * d;
     if (!kv_half) {
         for (long head = 0; head < hkv; head++)
-            rotate(k_src + head * d, c, s, (float *)k + head * d, d);
+            rotate(k_src + head * d, c, s, (float *)k + head * d, d, rot);
         memcpy(v, v_src, hkv * d * sizeof(float));
         return;
     }
     float rotated[hkv * d];
     for (long head = 0; head < hkv; head++)
-        rotate(k_src + head * d, c, s, rotated + head * d, d);
+        rotate(k_src + head * d, c, s, rotated + head * d, d, rot);
     store_half(k, rotated, hkv * d);
     store_half(v, v_src, hkv * d);
 }
@@ -175,7 +178,7 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
  * layer (see the enum: norms, packed products, their biases, q/k norms; NULL where the model
  * has none). kv: the store of float32 elements, or float16 ones when kv_half; layer l's keys at
  * element 2l * cache_elems and values at (2l + 1) * cache_elems, each [blocks, block_size,
- * hkv, d]. cos/sin [rows, d] per token;
+ * hkv, d]. cos/sin [rows, rot] per token (rot <= d: the rotated dims of a head);
  * slots [rows] (negative: skip). scratch: layers_scratch floats. The products' wall time is
  * added to seconds[0] and the attention kernels' to seconds[1] (`kvcache report`'s breakdown of
  * a step). Returns 0, or -1 if an attention kernel refused (h is then partly
@@ -183,7 +186,7 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
 int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, long d,
                const float *const *weights, long num_layers, void *kv, long cache_elems,
                long block_size, const struct step_split *split, const float *cos,
-               const float *sin, const long *slots, float eps, float scale, float *scratch,
+               const float *sin, long rot, const long *slots, float eps, float scale, float *scratch,
                double *seconds, int weight_type, int kv_half)
 {
     const long elem = kv_half ? 2 : 4; /* bytes of one cache element */
@@ -205,8 +208,9 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
             long slot = slots[t];
             char *k = slot < 0 ? NULL : k_cache + slot * hkv * d * elem;
             char *v = slot < 0 ? NULL : v_cache + slot * hkv * d * elem;
-            rotate_and_store(qkv + t * qkv_width, w, cos + t * d, sin + t * d, q + t * q_width,
-                             k, v, hq, hkv, d, eps, normed + t * qkv_width, kv_half);
+            rotate_and_store(qkv + t * qkv_width, w, cos + t * rot, sin + t * rot,
+                             q + t * q_width, k, v, hq, hkv, d, rot, eps, normed + t * qkv_width,
+                             kv_half);
         }
         const double attention_start = now();
         if (attend(q, k_cache, v_cache, attn, rows, hq, hkv, d, block_size, split, scale,
