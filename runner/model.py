@@ -20,6 +20,7 @@ from kvcache.store import KVStore
 from runner.attention import AttentionMetadata, paged_attention
 from runner.cpu_kernel import CpuKernels
 from runner.cpu_linear import PackedLinear
+from runner.hf_weights import load_hf_weights
 from runner.layers import RMSNorm, apply_rope, rope_cos_sin
 
 if TYPE_CHECKING:
@@ -33,7 +34,6 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool | None, bool]] = {
     "Qwen3ForCausalLM": (None, None, True),
     "Phi3ForCausalLM": (False, False, False),  # q/k/v and gate/up already fused on disk
 }
-FUSED_ON_DISK = -1  # _map_name's part for a checkpoint tensor that fills a fused one whole
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -245,63 +245,5 @@ class CausalLM(nn.Module):
         return total + (self.vocab_size * self.hidden_size if include_head else 0)
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors into our (fused) parameters; converts dtype/device.
-
-        Raises ValueError on unknown names, shape mismatches or missing tensors. Tensors
-        are read one at a time, so `state` may be a lazy mapping over files."""
-        params = dict(self.named_parameters())
-        parts_needed = {
-            n: 3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 1 for n in params
-        }
-        parts_done: dict[str, set[int]] = {n: set() for n in params}
-        for hf_name in state.keys():
-            target = self._map_name(hf_name)
-            if target is None:
-                continue
-            name, part = target
-            if name not in params:
-                raise ValueError(f"unexpected weight {hf_name!r} for {self.architecture}")
-            whole = part == FUSED_ON_DISK
-            dest = params[name].data if whole else self._part_view(params[name].data, name, part)
-            tensor = state[hf_name]
-            if tuple(tensor.shape) != tuple(dest.shape):
-                raise ValueError(
-                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            parts_done[name].update(range(parts_needed[name]) if whole else (part,))
-        missing = [n for n, k in parts_needed.items() if len(parts_done[n]) != k]
-        if missing:
-            raise ValueError(f"weights missing for {len(missing)} parameters, e.g. {missing[:3]}")
-
-    def _map_name(self, hf_name: str) -> tuple[str, int] | None:
-        """HF name -> (our parameter, part index in a fused tensor); None = ignore."""
-        name = hf_name.removeprefix("model.")
-        if name.endswith("rotary_emb.inv_freq"):
-            return None
-        if name == "lm_head.weight" and self.tie_word_embeddings:
-            return None  # tied: the embedding is the head
-        for hf, ours, part in (
-            (".self_attn.q_proj.", ".self_attn.qkv_proj.", 0),
-            (".self_attn.k_proj.", ".self_attn.qkv_proj.", 1),
-            (".self_attn.v_proj.", ".self_attn.qkv_proj.", 2),
-            (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
-            (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
-        ):
-            if hf in name:
-                return name.replace(hf, ours), part
-        if ".qkv_proj." in name or ".gate_up_proj." in name:  # Phi-3 stores them fused
-            return name, FUSED_ON_DISK
-        return name, 0
-
-    def _part_view(self, data: torch.Tensor, name: str, part: int) -> torch.Tensor:
-        """The rows of a fused parameter that HF tensor `part` fills."""
-        if ".qkv_proj." in name:
-            sizes = self._qkv_sizes
-        elif ".gate_up_proj." in name:
-            sizes = [data.shape[0] // 2] * 2
-        else:
-            return data
-        start = sum(sizes[:part])
-        return data[start : start + sizes[part]]
+        """Copy HF-named tensors into our (fused) parameters (runner/hf_weights.py)."""
+        load_hf_weights(self, state, self._qkv_sizes)

@@ -84,10 +84,3 @@ def test_a_longrope_context_stops_at_its_original_length(
         llm.generate([[5] * 70], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="longrope"):
         LLM(str(longrope(make_tiny_model)), max_model_len=128)
-
-
-def test_dynamic_rope_is_still_refused(make_tiny_model: Callable[..., Path]) -> None:
-    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
-    path = make_tiny_model("llama", rope_parameters=rope)
-    with pytest.raises(ValueError, match="dynamic"):
-        LLM(str(path))
