@@ -85,7 +85,7 @@ class CpuKernels:
             + [ctypes.c_void_p] * 2  # cos, sin
             + [ctypes.c_long]  # rotary dims of a head
             + [ctypes.c_void_p]  # slots
-            + [ctypes.c_float] * 2
+            + [ctypes.c_float] * 3  # eps, attention scale, residual multiplier
             + [ctypes.c_void_p]
             + [ctypes.POINTER(ctypes.c_double)]
             + [ctypes.c_int] * 2  # weight type, float16 caches

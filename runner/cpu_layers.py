@@ -51,6 +51,7 @@ class CpuLayers:
         )
         self.eps = layers[0].input_layernorm.eps
         self.scale = layers[0].self_attn.scale
+        self.residual_multiplier = layers[0].residual_multiplier
         self.num_layers = len(layers)
         self._query_probe = _query_probe(self.num_heads, self.head_dim)
         # Per layer, in the order of layers.c's enum; None (NULL) where the model has no such
@@ -166,6 +167,7 @@ class CpuLayers:
             slots.data_ptr(),
             self.eps,
             self.scale,
+            self.residual_multiplier,
             scratch.data_ptr(),
             self._seconds,
             self._weight_type,

@@ -33,6 +33,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool | None, bool]] = {
     "Qwen2ForCausalLM": (True, False, False),
     "Qwen3ForCausalLM": (None, None, True),
     "Phi3ForCausalLM": (False, False, False),  # q/k/v and gate/up already fused on disk
+    "GraniteForCausalLM": (None, None, False),  # Llama with four scalar multipliers
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -40,6 +41,7 @@ _MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 
 
@@ -71,7 +73,8 @@ class Attention(nn.Module):
             raise ValueError(f"{self.num_heads} heads not a multiple of {self.num_kv_heads}")
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        # Granite sets the attention's scale itself; everyone else scales by 1/sqrt(head_dim).
+        self.scale = float(getattr(config, "attention_multiplier", None) or self.head_dim**-0.5)
         self.qkv_proj = nn.Linear(
             hidden,
             self.q_size + 2 * self.kv_size,
@@ -141,6 +144,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Granite scales each branch before adding it back (residual + branch * m).
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
 
     def forward(
         self,
@@ -152,10 +157,11 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         backend: str,
     ) -> torch.Tensor:
+        m = self.residual_multiplier
         x = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, backend)
-        h = x.add_(h)  # residual; x is a fresh tensor so the in-place add is safe
+        h = (x if m == 1.0 else x.mul_(m)).add_(h)  # x is a fresh tensor: in place is safe
         x = self.mlp(self.post_attention_layernorm(h))
-        return x.add_(h)
+        return (x if m == 1.0 else x.mul_(m)).add_(h)
 
 
 class CausalLM(nn.Module):
@@ -170,6 +176,9 @@ class CausalLM(nn.Module):
         self.vocab_size = config.vocab_size
         self.max_position_embeddings = config.max_position_embeddings
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # Granite: embeddings scaled up, logits scaled down (1 elsewhere).
+        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
+        self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
         # "torch", "cpu" or "triton"; the engine may switch it after loading.
         self.attention_backend = "torch"
         # A step's layers in one C call, once the model is packed for the CPU kernels.
@@ -214,6 +223,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, H]; writes K/V of all T tokens."""
         h = self.embed_tokens(input_ids)  # [T, H]
+        if self.embedding_multiplier != 1.0:
+            h = h * self.embedding_multiplier
         cos = self.rope_cos.index_select(0, positions)  # [T, D]
         sin = self.rope_sin.index_select(0, positions)
         if self.cpu_layers is not None and self.cpu_layers.takes(kv, self.attention_backend):
@@ -232,7 +243,8 @@ class CausalLM(nn.Module):
         head = self.lm_head
         logits = F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)
         self.head_s += time.perf_counter() - start
-        return logits.float()
+        logits = logits.float()
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def num_matmul_params(self, include_head: bool = True) -> int:
         """Weights that take part in a token's matrix products: the projections, and the head

@@ -40,7 +40,8 @@ TINY_BASE: dict[str, Any] = {
 }
 # Per architecture: the HF class name and what differs from the base. Llama keeps an
 # untied head, Qwen2 ties it (and has q/k/v bias), Qwen3 has head_dim != hidden / heads,
-# Phi-3 stores q/k/v and gate/up fused.
+# Phi-3 stores q/k/v and gate/up fused, Granite scales embeddings, attention, residuals and
+# logits.
 TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaForCausalLM", {"tie_word_embeddings": False, "rope_theta": 10000.0}),
     "mistral": ("MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}),
@@ -50,6 +51,16 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         {"tie_word_embeddings": False, "head_dim": 32, "rope_theta": 1e6},
     ),
     "phi3": ("Phi3ForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}),
+    "granite": (
+        "GraniteForCausalLM",
+        {
+            "tie_word_embeddings": True,
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.1,
+            "logits_scaling": 2.0,
+        },
+    ),
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
@@ -134,6 +145,11 @@ def tiny_qwen3_dir(make_tiny_model: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_phi3_dir(make_tiny_model: Callable[..., Path]) -> Path:
     return make_tiny_model("phi3")
+
+
+@pytest.fixture(scope="session")
+def tiny_granite_dir(make_tiny_model: Callable[..., Path]) -> Path:
+    return make_tiny_model("granite")
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,13 @@ from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
 
-ARCH_FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_phi3_dir"]
+ARCH_FIXTURES = [
+    "tiny_llama_dir",
+    "tiny_qwen2_dir",
+    "tiny_qwen3_dir",
+    "tiny_phi3_dir",
+    "tiny_granite_dir",
+]
 
 ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "cache-on": {},

@@ -229,3 +229,15 @@ def test_phi3_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
     tokens = random_tokens(30, seed=6)
     (logits,) = Driver(ours).step([(0, tokens)])
     torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_granite_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
+    """Granite's four multipliers (embeddings, attention scale, residual branches, logits),
+    each far from 1 here: the same logits as transformers' model."""
+    path = make_tiny_model("granite")
+    ours = load_model(str(path)).model
+    assert ours.architecture == "GraniteForCausalLM"
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = random_tokens(30, seed=7)
+    (logits,) = Driver(ours).step([(0, tokens)])
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)

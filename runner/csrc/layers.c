@@ -138,10 +138,13 @@ static void rotate_and_store(const float *row, const float *const *w, const floa
     store_half(v, v_src, hkv * d);
 }
 
-static void add_rows(float *restrict h, const float *restrict a, long n)
+/* h += a * m, rounded as torch's residual + branch * m (two roundings: no fused multiply-add);
+ * m is 1 (exact) except for Granite's residual_multiplier. */
+__attribute__((optimize("fp-contract=off")))
+static void add_rows(float *restrict h, const float *restrict a, long n, float m)
 {
     for (long i = 0; i < n; i++)
-        h[i] = a[i] + h[i];
+        h[i] = a[i] * m + h[i];
 }
 
 /* attn [rows, hq * d] = attention of q [rows, hq * d] over the paged cache. decoded, decode_q:
@@ -179,14 +182,17 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
  * has none). kv: the store of float32 elements, or float16 ones when kv_half; layer l's keys at
  * element 2l * cache_elems and values at (2l + 1) * cache_elems, each [blocks, block_size,
  * hkv, d]. cos/sin [rows, rot] per token (rot <= d: the rotated dims of a head);
- * slots [rows] (negative: skip). scratch: layers_scratch floats. The products' wall time is
- * added to seconds[0] and the attention kernels' to seconds[1] (`kvcache report`'s breakdown of
- * a step). Returns 0, or -1 if an attention kernel refused (h is then partly
- * updated). weight_type: what the packed products hold (panel_gemm.c's WEIGHTS_*). */
+ * slots [rows] (negative: skip). residual: what each branch is multiplied by before it is
+ * added back (1, or Granite's residual_multiplier). scratch: layers_scratch floats. The
+ * products' wall time is added to seconds[0] and the attention kernels' to seconds[1]
+ * (`kvcache report`'s breakdown of a step). Returns 0, or -1 if an attention kernel refused (h
+ * is then partly updated). weight_type: what the packed products hold (panel_gemm.c's
+ * WEIGHTS_*). */
 int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, long d,
                const float *const *weights, long num_layers, void *kv, long cache_elems,
                long block_size, const struct step_split *split, const float *cos,
-               const float *sin, long rot, const long *slots, float eps, float scale, float *scratch,
+               const float *sin, long rot, const long *slots, float eps, float scale,
+               float residual, float *scratch,
                double *seconds, int weight_type, int kv_half)
 {
     const long elem = kv_half ? 2 : 4; /* bytes of one cache element */
@@ -225,14 +231,14 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
         }
         product(o_in, product_ld(q_width), w[O], weight_type, w[O_BIAS], out, rows, q_width,
                 hidden / LANES, seconds);
-        add_rows(h, out, rows * hidden);
+        add_rows(h, out, rows * hidden, residual);
         rms_norm_rows(h, hidden, w[POST_NORM], in, product_ld(hidden), rows, hidden, eps);
         product(in, product_ld(hidden), w[GATE_UP], weight_type, w[GATE_UP_BIAS], gate_up, rows,
                 hidden, 2 * inter / LANES, seconds);
         silu_and_mul_rows(gate_up, in, product_ld(inter), rows, inter);
         product(in, product_ld(inter), w[DOWN], weight_type, w[DOWN_BIAS], out, rows, inter,
                 hidden / LANES, seconds);
-        add_rows(h, out, rows * hidden);
+        add_rows(h, out, rows * hidden, residual);
     }
     return 0;
 }
