@@ -32,6 +32,7 @@ SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in (
         "panel_gemm.c",
+        "pair_gemm.c",
         "decode_attention.c",
         "prefill_attention.c",
         "elementwise.c",

@@ -25,7 +25,7 @@
  * A fourth type, bfloat16 pairs, rounds x too: the products take both inputs rounded to
  * bfloat16 and sum in float32 (torch's float32 matmul precision "medium"; llama.cpp's bf16
  * products on the CPU), through AVX512-BF16's dot product of bfloat16 pairs, which does twice
- * the multiply-adds of a float32 FMA per instruction. See pair_gemm at the end.
+ * the multiply-adds of a float32 FMA per instruction. See pair_gemm.c.
  *
  * Built at run time with -march=native, on AVX-512 machines only (see
  * runner/cpu_kernel_loader.py); the vector type becomes one AVX-512 register, the widening of
@@ -34,24 +34,11 @@
  */
 #include <immintrin.h>
 #include <omp.h>
-#include <stdlib.h>
 #include <string.h>
 
 typedef float vec16 __attribute__((vector_size(64)));
 
-enum { LANES = 16, MAX_ROWS = 16 };
-/* What a panel holds (runner/cpu_panels.py WEIGHT_TYPES); int8 scales cover INT8_GROUP k. */
-enum { WEIGHTS_F32 = 0, WEIGHTS_BF16 = 1, WEIGHTS_INT8 = 2, WEIGHTS_BF16_PAIRS = 3 };
-enum { INT8_GROUP = 32 };
-/* Up to FEW_ROWS rows of x are multiplied with WIDE panels at a time (see few_rows_panels). */
-enum { FEW_ROWS = 3, WIDE = 4 };
-/* Prefetch this many bytes ahead in the panel (4 KB), into the outer caches only (locality
- * 1): on the EPYC this was tuned on that beat no prefetch, nearer distances and L1 prefetches
- * by 5-10% at 16 rows. */
-enum { PREFETCH_AHEAD = 4096, PREFETCH_LOCALITY = 1 };
-/* Rows per pass over the weights, at most: a pass's rows of x (about 512 KB) stay within a
- * core's L2 however long the batch (no cost measured where they fit anyway). */
-enum { CHUNK_BYTES = 1 << 19 };
+#include "panel_tiling.h"
 
 /* Bytes of one weight of each type. */
 static inline long weight_bytes(int wtype)
@@ -231,9 +218,6 @@ static void partial_tile(const float *x, long ldx, const void *packed, int wtype
  * Rows past the last multiple of 16 take a pass of their own over the weights: handled inside
  * the full tiles' loop (one by one, or by a switch on their count) they cost those tiles
  * 5-10%, more than the extra pass. */
-static void pair_gemm(const float *x, long ldx, const void *packed, float *y, long M, long K,
-                      long panels);
-
 void panel_gemm(const float *x, long ldx, const void *packed, int wtype, float *y, long M, long K,
                 long panels)
 {
@@ -256,158 +240,3 @@ void panel_gemm(const float *x, long ldx, const void *packed, int wtype, float *
 
 /* Lets the loader check that the library matches the layout it packs for. */
 long panel_gemm_lanes(void) { return LANES; }
-
-/* ---- bfloat16 pairs (WEIGHTS_BF16_PAIRS) ------------------------------------------------------
- *
- * Layout: panel p holds columns 16p .. 16p + 15 as [ceil(K / 2)][16][2] bfloat16: for each pair
- * of k (k, k + 1) and each column, its two weights side by side, K zero-padded to even. x is
- * first rounded to bfloat16 (to nearest even, as torch rounds; the instruction reads subnormals
- * as zero) into groups of 16 rows, [pairs][16] 32-bit pairs a group, so a tile's 16 rows of
- * one pair are one cache line and each multiply takes its row's pair as an embedded broadcast
- * (row pointers of their own spill registers: 1.2x slower). One 64-byte load of the panel then
- * feeds 16 instructions of 32 multiply-adds. A pair's two products are exact in float32 and
- * summed before they are added to the accumulator: a sequential sum over pairs, so a row's
- * result still does not depend on the other rows of the call. */
-
-#ifdef __AVX512BF16__
-enum { PARALLEL_ROUNDING = 1 << 15 }; /* elements of x: below, one thread rounds them all */
-
-long panel_gemm_has_pairs(void) { return 1; }
-
-/* rows x panels of y from group g of xg (x's pairs, as above), as panel_tile. */
-static inline __attribute__((always_inline)) void pair_tile(
-    const unsigned *restrict xg, const void *restrict panel, long stride, float *restrict y,
-    long pairs, long ldy, long col0, long row0, const int rows, const int panels)
-{
-    __m512 acc[MAX_ROWS][WIDE];
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < panels; j++)
-            acc[r][j] = _mm512_setzero_ps();
-    const unsigned *xk = xg + row0 / MAX_ROWS * pairs * MAX_ROWS;
-    for (long k = 0; k < pairs; k++, xk += MAX_ROWS) {
-        __m512bh w[WIDE];
-        for (int j = 0; j < panels; j++) {
-            const char *at = (const char *)panel + j * stride + k * 64;
-            w[j] = (__m512bh)_mm512_loadu_si512((const void *)at);
-            __builtin_prefetch(at + PREFETCH_AHEAD, 0, PREFETCH_LOCALITY);
-        }
-        for (int r = 0; r < rows; r++) {
-            __m512bh s = (__m512bh)_mm512_set1_epi32((int)xk[r]);
-            for (int j = 0; j < panels; j++)
-                acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w[j], s);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < panels; j++)
-            _mm512_storeu_ps(y + (row0 + r) * ldy + col0 + j * LANES, acc[r][j]);
-}
-
-#define PAIR_CASE(R, W) \
-    case R: \
-        pair_tile(xg, panel, stride, y, pairs, ldy, p * LANES, row0, R, W); \
-        break;
-
-/* Rows row0 .. row0 + rows - 1 (rows <= 16, row0 a multiple of 16) against panel p, or
- * against WIDE panels from p when `wide` (rows <= FEW_ROWS, p + WIDE <= panels): the switch
- * makes both constants. */
-static void pair_block(const unsigned *xg, const void *packed, float *y, long pairs, long panels,
-                       long p, long row0, int rows, int wide)
-{
-    const long stride = pairs * 64, ldy = panels * LANES;
-    const char *panel = (const char *)packed + p * stride;
-    if (wide) {
-        switch (rows) { PAIR_CASE(1, WIDE) PAIR_CASE(2, WIDE) PAIR_CASE(3, WIDE) }
-        return;
-    }
-    switch (rows) {
-        PAIR_CASE(1, 1) PAIR_CASE(2, 1) PAIR_CASE(3, 1) PAIR_CASE(4, 1) PAIR_CASE(5, 1)
-        PAIR_CASE(6, 1) PAIR_CASE(7, 1) PAIR_CASE(8, 1) PAIR_CASE(9, 1) PAIR_CASE(10, 1)
-        PAIR_CASE(11, 1) PAIR_CASE(12, 1) PAIR_CASE(13, 1) PAIR_CASE(14, 1) PAIR_CASE(15, 1)
-        PAIR_CASE(16, 1)
-    }
-}
-
-/* x [M, K] float32 rounded to bfloat16 pairs in groups of 16 rows (layout above), the odd
- * K's last pair padded with a zero. The buffer is the calling thread's, kept and grown
- * between calls (a fresh one would be page-faulted in on every product of a prefill). */
-static const unsigned *pair_groups(const float *x, long ldx, long M, long K, long pairs)
-{
-    static __thread unsigned *buffer;
-    static __thread long capacity;
-    const long groups = (M + MAX_ROWS - 1) / MAX_ROWS;
-    const long need = groups * pairs * MAX_ROWS;
-    if (need > capacity) {
-        free(buffer);
-        capacity = need;
-        buffer = aligned_alloc(64, ((need * 4 + 63) / 64) * 64);
-        if (buffer == NULL) {
-            capacity = 0;
-            return NULL;
-        }
-    }
-    unsigned *out = buffer;
-    /* A decode step's few rows are not worth a parallel region of their own. */
-#pragma omp parallel for schedule(static) if (M * K >= PARALLEL_ROUNDING)
-    for (long r = 0; r < M; r++) {
-        const float *row = x + r * ldx;
-        unsigned *dst = out + r / MAX_ROWS * pairs * MAX_ROWS + r % MAX_ROWS;
-        for (long k = 0; k < K; k += 32) {
-            const long left = K - k;
-            const __mmask16 lo = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-            const __mmask16 hi = left >= 32 ? 0xFFFF
-                                 : left > 16 ? (__mmask16)((1u << (left - 16)) - 1)
-                                             : 0;
-            __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, row + k + 16),
-                                                        _mm512_maskz_loadu_ps(lo, row + k));
-            unsigned lanes[16] __attribute__((aligned(64)));
-            _mm512_store_si512((void *)lanes, both);
-            const long n = left >= 32 ? 16 : (left + 1) / 2;
-            for (long i = 0; i < n; i++)
-                dst[(k / 2 + i) * MAX_ROWS] = lanes[i];
-        }
-    }
-    return out;
-}
-
-static void pair_gemm(const float *x, long ldx, const void *packed, float *y, long M, long K,
-                      long panels)
-{
-    const long pairs = (K + 1) / 2;
-    const unsigned *xg = pair_groups(x, ldx, M, K, pairs);
-    if (xg == NULL)
-        return;
-    const long full = M / MAX_ROWS * MAX_ROWS;
-    long chunk = CHUNK_BYTES / (pairs * 4) / MAX_ROWS * MAX_ROWS;
-    chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk;
-    for (long first = 0; first < full; first += chunk) {
-        const long last = full - first < chunk ? full : first + chunk;
-#pragma omp parallel for schedule(static)
-        for (long p = 0; p < panels; p++)
-            for (long row0 = first; row0 < last; row0 += MAX_ROWS)
-                pair_block(xg, packed, y, pairs, panels, p, row0, MAX_ROWS, 0);
-    }
-    const int rest = (int)(M - full);
-    if (rest == 0)
-        return;
-    const long wide_tasks = panels / WIDE;
-    if (rest <= FEW_ROWS && wide_tasks >= omp_get_max_threads()) {
-#pragma omp parallel for schedule(static)
-        for (long t = 0; t < wide_tasks; t++)
-            pair_block(xg, packed, y, pairs, panels, t * WIDE, full, rest, 1);
-        for (long p = wide_tasks * WIDE; p < panels; p++)
-            pair_block(xg, packed, y, pairs, panels, p, full, rest, 0);
-    } else {
-#pragma omp parallel for schedule(static)
-        for (long p = 0; p < panels; p++)
-            pair_block(xg, packed, y, pairs, panels, p, full, rest, 0);
-    }
-}
-#else
-long panel_gemm_has_pairs(void) { return 0; }
-
-static void pair_gemm(const float *x, long ldx, const void *packed, float *y, long M, long K,
-                      long panels)
-{
-    (void)x, (void)ldx, (void)packed, (void)y, (void)M, (void)K, (void)panels;
-}
-#endif
