@@ -3,6 +3,7 @@ returns the logits of the rows that sample."""
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
     from runner.cuda_graphs import DecodeGraphs
 
 PROMPT_ROWS = 256  # prompt positions put through the LM head at once for prompt_logprobs
+# Per-item fields read over a whole batch each step, by C-level scans.
+_PROMPT_LOGPROBS = operator.attrgetter("seq.prompt_logprobs")  # a list while it is wanted
+_SAMPLES = operator.attrgetter("sample")
 
 
 class ModelRunner:
@@ -110,13 +114,15 @@ class ModelRunner:
         ):
             logits = self.graphs.run(input_ids, positions, meta)  # [B, vocab]
             self._record_prompt_logprobs(batch, meta.query_lens, logits=logits)
-            if all(item.sample for item in batch):
+            if all(map(_SAMPLES, batch)):
                 return logits
             # A one-token prefill chunk that does not sample can share a decode step.
             keep = [i for i, item in enumerate(batch) if item.sample]
             return logits.index_select(0, torch.tensor(keep, device=logits.device))
         hidden = self.model(input_ids, positions, meta, self.kv)  # [T, H]
         self._record_prompt_logprobs(batch, meta.query_lens, hidden=hidden)
+        if len(batch) == hidden.shape[0] and all(map(_SAMPLES, batch)):
+            return self.model.compute_logits(hidden)  # one token an item, each samples: all rows
         rows: list[int] = []  # each sampling item's last token, and a draft's every token
         end = -1
         for item, query_len in zip(batch, meta.query_lens, strict=True):
@@ -142,6 +148,8 @@ class ModelRunner:
         seq.prompt_logprobs[p + 1]. From `logits` when the step made them for every row (a
         decode graph), else through the LM head over `hidden` [T, H], PROMPT_ROWS at a time
         (a [T, vocab] block of logits for a long prompt would take gigabytes)."""
+        if not any(map(_PROMPT_LOGPROBS, batch)):
+            return  # the usual step: no one asks
         rows: list[int] = []
         targets: list[tuple[ScheduledSeq, int]] = []  # (item, prompt position predicted)
         offset = 0

@@ -2,6 +2,7 @@
 
     python scripts/host_step.py                      # 256 sequences, 100-token prompts, 300 out
     python scripts/host_step.py --num-seqs 64 --profile
+    python scripts/host_step.py --skip-forward       # the host alone, caches as a GPU leaves them
 
 On a GPU a decode step of the bench's model is a few milliseconds, and the engine's Python
 before and after it (scheduling, building inputs, sampling bookkeeping, stop checks, caching
@@ -37,6 +38,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=300)
     p.add_argument("--profile", action="store_true", help="print cProfile's top functions")
     p.add_argument("--sort", default="tottime", help="with --profile: tottime or cumulative")
+    p.add_argument(
+        "--skip-forward",
+        action="store_true",
+        help="replace the model's forward and LM head by zeros: the host's own time, with the "
+        "caches as a GPU step leaves them (a CPU forward evicts every sequence's objects)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)  # the forward is not what is measured; keep it off the other core
 
@@ -68,6 +75,8 @@ def main() -> None:
         forward_s.append(time.perf_counter() - started.pop())
 
     model = llm.runner.model
+    if args.skip_forward:
+        skip_forward(model)
     model.register_forward_pre_hook(before)
     model.register_forward_hook(after)
     first_step = len(llm.recorder.steps)
@@ -92,6 +101,23 @@ def main() -> None:
     )
     if profile is not None:
         pstats.Stats(profile).sort_stats(args.sort).print_stats(40)
+
+
+def skip_forward(model: Any) -> None:
+    """The model's forward returns zeros [T, hidden] and its LM head zeros [N, vocab] (greedy
+    then picks token 0 every step): what is left of a step is the host's work, touching objects
+    that a CPU forward has not pushed out of the caches, as on a GPU, where the CPU only
+    launches the step. Nothing is written to the KV cache."""
+    hidden, vocab = model.hidden_size, model.vocab_size
+
+    def zeros_hidden(input_ids: torch.Tensor, *_: Any) -> torch.Tensor:
+        return torch.zeros(input_ids.shape[0], hidden)
+
+    def zeros_logits(rows: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(rows.shape[0], vocab)
+
+    model.forward = zeros_hidden
+    model.compute_logits = zeros_logits
 
 
 if __name__ == "__main__":
