@@ -13,7 +13,9 @@
  * result still does not depend on the other rows of the call. */
 
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "panel_tiling.h"
@@ -123,8 +125,12 @@ void pair_gemm(const float *x, long ldx, const void *packed, float *y, long M, l
 {
     const long pairs = (K + 1) / 2;
     const unsigned *xg = pair_groups(x, ldx, M, K, pairs);
-    if (xg == NULL)
+    if (xg == NULL) { /* no memory for the rounded rows: NaN, never stale numbers, and a word */
+        fprintf(stderr, "pair_gemm: no memory to round %ld rows of %ld\n", M, K);
+        for (long i = 0; i < M * panels * LANES; i++)
+            y[i] = NAN;
         return;
+    }
     const long full = M / MAX_ROWS * MAX_ROWS;
     long chunk = CHUNK_BYTES / (pairs * 4) / MAX_ROWS * MAX_ROWS;
     chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk;
