@@ -4,8 +4,8 @@ forward, inputs to logits), and within it the weight products and the attention 
 Only on the CPU, where each call has finished when it returns: on a GPU the forward returns
 once its kernels are queued, so the split would measure launches, and nothing is recorded.
 The products and attention are timed by the C code of runner/cpu_layers.py (two clock reads
-per kernel call, well under 0.1% of a step) and the LM head here; a step that ran elsewhere
-(torch's operators) records only the model's share.
+per kernel call, well under 0.1% of a step) and the LM head by CausalLM.compute_logits; a step
+that ran elsewhere (torch's operators) records only the model's share.
 """
 
 from __future__ import annotations
