@@ -480,7 +480,8 @@ def test_a_float16_kv_cache_from_the_command_line(tiny_llama_dir: Path, tmp_path
 
 def test_engine_options_reach_the_engine(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """--max-num-seqs caps the sequences a step runs and --dtype loads the weights so; the
-    greedy answers are those of the defaults (float32 is the tiny model's own dtype)."""
+    greedy answers are those of the defaults (float32 is the tiny model's own dtype), and so
+    are the samples that --min-p 1 leaves."""
     src = write_lines(tmp_path / "in.jsonl", [good(i, 20) for i in range(5)])
     args = ["generate", str(src), "--model", str(tiny_llama_dir), "--max-tokens", "6"]
     plain, capped, metrics = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "m.json"
@@ -489,6 +490,11 @@ def test_engine_options_reach_the_engine(tiny_llama_dir: Path, tmp_path: Path) -
     result = CliRunner().invoke(main, [*args, "-o", str(capped), *flags])
     assert result.exit_code == 0, result.output
     assert [r["token_ids"] for r in records(capped)] == [r["token_ids"] for r in records(plain)]
+    # --min-p 1 keeps only the likeliest token: sampling at any temperature is then greedy.
+    hot = tmp_path / "c.jsonl"
+    flags = ["--temperature", "1.5", "--seed", "3", "--min-p", "1"]
+    assert CliRunner().invoke(main, [*args, "-o", str(hot), *flags]).exit_code == 0
+    assert [r["token_ids"] for r in records(hot)] == [r["token_ids"] for r in records(plain)]
     steps = json.loads(metrics.read_text())["steps"]
     running = [
         sum(s in ("prefill", "cached", "decode") for s in st["states"].values()) for st in steps
