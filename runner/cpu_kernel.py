@@ -84,7 +84,7 @@ class CpuKernels:
             + [ctypes.POINTER(StepSplit)]
             + [ctypes.c_void_p] * 2  # cos, sin
             + [ctypes.c_long]  # rotary dims of a head
-            + [ctypes.c_void_p]  # slots
+            + [ctypes.c_void_p] * 2  # which layers use RoPE (NULL: all), slots
             + [ctypes.c_float] * 3  # eps, attention scale, residual multiplier
             + [ctypes.c_void_p]
             + [ctypes.POINTER(ctypes.c_double)]

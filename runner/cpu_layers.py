@@ -52,6 +52,9 @@ class CpuLayers:
         self.eps = layers[0].input_layernorm.eps
         self.scale = layers[0].self_attn.scale
         self.residual_multiplier = layers[0].residual_multiplier
+        # Which layers rotate q and k (SmolLM3 leaves RoPE out of some); None: all of them.
+        uses = [int(layer.self_attn.use_rope) for layer in layers]
+        self._rope_layers = None if all(uses) else (ctypes.c_int * len(uses))(*uses)
         self.num_layers = len(layers)
         self._query_probe = _query_probe(self.num_heads, self.head_dim)
         # Per layer, in the order of layers.c's enum; None (NULL) where the model has no such
@@ -164,6 +167,7 @@ class CpuLayers:
             cos.data_ptr(),
             sin.data_ptr(),
             cos.shape[1],  # rotary dims: fewer than head_dim with partial rotary
+            self._rope_layers,
             slots.data_ptr(),
             self.eps,
             self.scale,

@@ -34,6 +34,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool | None, bool]] = {
     "Qwen3ForCausalLM": (None, None, True),
     "Phi3ForCausalLM": (False, False, False),  # q/k/v and gate/up already fused on disk
     "GraniteForCausalLM": (None, None, False),  # Llama with four scalar multipliers
+    "SmolLM3ForCausalLM": (None, None, False),  # Llama without RoPE in every 4th layer
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -42,6 +43,7 @@ _MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 
 
@@ -61,8 +63,10 @@ def resolve_architecture(config: Any) -> str:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, arch: str) -> None:
+    def __init__(self, config: Any, arch: str, layer: int) -> None:
         super().__init__()
+        # SmolLM3 leaves RoPE out of some layers (no_rope_layers[i] == 0: no rotation there).
+        self.use_rope = bool((getattr(config, "no_rope_layers", None) or [1] * (layer + 1))[layer])
         qkv_bias, o_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         attention_bias = bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
@@ -102,15 +106,18 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             # Qwen3: norm per head, before RoPE
-            q = apply_rope(self.q_norm(q.view(t, self.num_heads, self.head_dim)), cos, sin)
-            k = apply_rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+            q = self._rope(self.q_norm(q.view(t, self.num_heads, self.head_dim)), cos, sin)
+            k = self._rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
         else:
             # q and k heads side by side rotate in one pass: [T, Hq + Hkv, D], then split.
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
-            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = self._rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, backend)  # [T, Hq, D]
         out: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
         return out
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, cos, sin) if self.use_rope else x
 
 
 class MLP(nn.Module):
@@ -138,9 +145,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, arch: str) -> None:
+    def __init__(self, config: Any, arch: str, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, arch)
+        self.self_attn = Attention(config, arch, layer)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -186,7 +193,7 @@ class CausalLM(nn.Module):
         self.head_s = 0.0  # seconds in compute_logits so far
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.architecture) for _ in range(self.num_layers)
+            DecoderLayer(config, self.architecture, i) for i in range(self.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Module | None = (

@@ -20,6 +20,7 @@ ARCH_FIXTURES = [
     "tiny_qwen3_dir",
     "tiny_phi3_dir",
     "tiny_granite_dir",
+    "tiny_smollm3_dir",
 ]
 
 ENGINE_VARIANTS: dict[str, dict[str, Any]] = {

@@ -241,3 +241,14 @@ def test_granite_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
     tokens = random_tokens(30, seed=7)
     (logits,) = Driver(ours).step([(0, tokens)])
     torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_smollm3_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
+    """SmolLM3 leaves RoPE out of some layers (here the second of two): same logits."""
+    path = make_tiny_model("smollm3")
+    ours = load_model(str(path)).model
+    assert [layer.self_attn.use_rope for layer in ours.layers] == [True, False]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = random_tokens(30, seed=8)
+    (logits,) = Driver(ours).step([(0, tokens)])
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)

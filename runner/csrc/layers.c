@@ -182,6 +182,7 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
  * has none). kv: the store of float32 elements, or float16 ones when kv_half; layer l's keys at
  * element 2l * cache_elems and values at (2l + 1) * cache_elems, each [blocks, block_size,
  * hkv, d]. cos/sin [rows, rot] per token (rot <= d: the rotated dims of a head);
+ * rope_layers [num_layers]: 0 where a layer uses no RoPE (NULL: every layer does);
  * slots [rows] (negative: skip). residual: what each branch is multiplied by before it is
  * added back (1, or Granite's residual_multiplier). scratch: layers_scratch floats. The
  * products' wall time is added to seconds[0] and the attention kernels' to seconds[1]
@@ -191,7 +192,8 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
 int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, long d,
                const float *const *weights, long num_layers, void *kv, long cache_elems,
                long block_size, const struct step_split *split, const float *cos,
-               const float *sin, long rot, const long *slots, float eps, float scale,
+               const float *sin, long rot, const int *rope_layers, const long *slots,
+               float eps, float scale,
                float residual, float *scratch,
                double *seconds, int weight_type, int kv_half)
 {
@@ -207,6 +209,8 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
         const float *const *w = weights + layer * WEIGHTS_PER_LAYER;
         char *k_cache = (char *)kv + 2 * layer * cache_elems * elem;
         char *v_cache = k_cache + cache_elems * elem;
+        /* A layer without RoPE (SmolLM3's every 4th) rotates no dims: q and k copied as they are. */
+        const long layer_rot = rope_layers && !rope_layers[layer] ? 0 : rot;
         rms_norm_rows(h, hidden, w[INPUT_NORM], in, product_ld(hidden), rows, hidden, eps);
         product(in, product_ld(hidden), w[QKV], weight_type, w[QKV_BIAS], qkv, rows, hidden,
                 qkv_width / LANES, seconds);
@@ -215,8 +219,8 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
             char *k = slot < 0 ? NULL : k_cache + slot * hkv * d * elem;
             char *v = slot < 0 ? NULL : v_cache + slot * hkv * d * elem;
             rotate_and_store(qkv + t * qkv_width, w, cos + t * rot, sin + t * rot,
-                             q + t * q_width, k, v, hq, hkv, d, rot, eps, normed + t * qkv_width,
-                             kv_half);
+                             q + t * q_width, k, v, hq, hkv, d, layer_rot, eps,
+                             normed + t * qkv_width, kv_half);
         }
         const double attention_start = now();
         if (attend(q, k_cache, v_cache, attn, rows, hq, hkv, d, block_size, split, scale,
