@@ -25,10 +25,11 @@ from runner.cpu_attention import CpuSplit
 from runner.cpu_kernel import LANES, CpuKernels, StepSplit
 from runner.cpu_linear import PackedLinear
 from runner.cpu_panels import weight_type
+from runner.model import DecoderLayer
 
 if TYPE_CHECKING:
     from runner.layers import RMSNorm
-    from runner.model import CausalLM, DecoderLayer
+    from runner.model import CausalLM
 
 # Steps up to this many tokens keep their scratch for the next step; a longer prefill step's
 # (about 30 KB a token for SmolLM2) is freed after it.
@@ -99,6 +100,8 @@ class CpuLayers:
     def for_model(cls, model: CausalLM, kernels: CpuKernels | None) -> CpuLayers | None:
         """The layers in C where the model fits layers.c, else None."""
         if kernels is None or not model.layers:
+            return None
+        if not all(isinstance(layer, DecoderLayer) for layer in model.layers):  # OLMo 2's
             return None
         layers = _layers(model)
         heads = _query_probe(model.num_heads, model.head_dim)

@@ -22,10 +22,13 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, scale_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # OLMo 2 scales before rounding to the input dtype, the others after (the same thing
+        # in float32; one rounding apart in bfloat16).
+        self.scale_in_float32 = scale_in_float32
         # The CPU kernels, once the model is packed for them: one pass instead of five.
         self.kernels: CpuKernels | None = None
 
@@ -38,6 +41,8 @@ class RMSNorm(nn.Module):
         # HF order: normalise in float32, round to the input dtype, then scale.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_float32:
+            return (self.weight.float() * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 

@@ -35,7 +35,11 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool | None, bool]] = {
     "Phi3ForCausalLM": (False, False, False),  # q/k/v and gate/up already fused on disk
     "GraniteForCausalLM": (None, None, False),  # Llama with four scalar multipliers
     "SmolLM3ForCausalLM": (None, None, False),  # Llama without RoPE in every 4th layer
+    "Olmo2ForCausalLM": (None, None, True),  # q/k norms over whole projections; post-norm
 }
+# Architectures whose layers norm each branch on its way out instead of in (PostNormLayer), and
+# whose q/k norms span the whole projection rather than each head.
+POST_NORM_ARCHITECTURES = ("Olmo2ForCausalLM",)
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -44,6 +48,7 @@ _MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 
 
@@ -87,8 +92,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(
             self.q_size, hidden, bias=attention_bias if o_bias is None else o_bias
         )
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.qk_norm_per_head = arch not in POST_NORM_ARCHITECTURES  # Qwen3's; OLMo 2's whole
+        q_width, k_width = (
+            (self.head_dim, self.head_dim) if self.qk_norm_per_head else (self.q_size, self.kv_size)
+        )
+        olmo = not self.qk_norm_per_head
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, olmo) if qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, olmo) if qk_norm else None
 
     def forward(
         self,
@@ -105,9 +115,13 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            # Qwen3: norm per head, before RoPE
-            q = self._rope(self.q_norm(q.view(t, self.num_heads, self.head_dim)), cos, sin)
-            k = self._rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+            if self.qk_norm_per_head:  # Qwen3: norm per head, before RoPE
+                q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+                k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+            else:  # OLMo 2: norm across all heads, before RoPE
+                q = self.q_norm(q).view(t, self.num_heads, self.head_dim)
+                k = self.k_norm(k).view(t, self.num_kv_heads, self.head_dim)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         else:
             # q and k heads side by side rotate in one pass: [T, Hq + Hkv, D], then split.
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
@@ -171,6 +185,33 @@ class DecoderLayer(nn.Module):
         return (x if m == 1.0 else x.mul_(m)).add_(h)
 
 
+class PostNormLayer(nn.Module):
+    """OLMo 2's layer: each branch is normed on its way out, none on its way in:
+    h += norm(attention(h)); h += norm(mlp(h)). (runner/cpu_layers.py runs only DecoderLayer
+    models in C: these run module by module, on the same C kernels.)"""
+
+    def __init__(self, config: Any, arch: str, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, arch, layer)
+        self.mlp = MLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, True)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, True)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        backend: str,
+    ) -> torch.Tensor:
+        x = self.self_attn(h, cos, sin, meta, k_cache, v_cache, backend)
+        h = self.post_attention_layernorm(x).add_(h)  # a norm's output is fresh: in place
+        return self.post_feedforward_layernorm(self.mlp(h)).add_(h)
+
+
 class CausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -193,7 +234,10 @@ class CausalLM(nn.Module):
         self.head_s = 0.0  # seconds in compute_logits so far
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.architecture, i) for i in range(self.num_layers)
+            (PostNormLayer if self.architecture in POST_NORM_ARCHITECTURES else DecoderLayer)(
+                config, self.architecture, i
+            )
+            for i in range(self.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Module | None = (

@@ -41,7 +41,7 @@ TINY_BASE: dict[str, Any] = {
 # Per architecture: the HF class name and what differs from the base. Llama keeps an
 # untied head, Qwen2 ties it (and has q/k/v bias), Qwen3 has head_dim != hidden / heads,
 # Phi-3 stores q/k/v and gate/up fused, Granite scales embeddings, attention, residuals and
-# logits, SmolLM3 leaves RoPE out of some layers.
+# logits, SmolLM3 leaves RoPE out of some layers, OLMo 2 norms each branch on its way out.
 TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaForCausalLM", {"tie_word_embeddings": False, "rope_theta": 10000.0}),
     "mistral": ("MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}),
@@ -52,6 +52,7 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "phi3": ("Phi3ForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}),
     "smollm3": ("SmolLM3ForCausalLM", {"no_rope_layer_interval": 2}),  # RoPE every other layer
+    "olmo2": ("Olmo2ForCausalLM", {"tie_word_embeddings": False}),
     "granite": (
         "GraniteForCausalLM",
         {
@@ -156,6 +157,11 @@ def tiny_granite_dir(make_tiny_model: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_smollm3_dir(make_tiny_model: Callable[..., Path]) -> Path:
     return make_tiny_model("smollm3")
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo2_dir(make_tiny_model: Callable[..., Path]) -> Path:
+    return make_tiny_model("olmo2")
 
 
 @pytest.fixture(scope="session")

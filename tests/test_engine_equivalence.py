@@ -21,6 +21,7 @@ ARCH_FIXTURES = [
     "tiny_phi3_dir",
     "tiny_granite_dir",
     "tiny_smollm3_dir",
+    "tiny_olmo2_dir",
 ]
 
 ENGINE_VARIANTS: dict[str, dict[str, Any]] = {

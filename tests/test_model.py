@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from kvcache import LLM
 from kvcache.store import KVStore
 from runner.attention import AttentionMetadata
 from runner.loader import load_model
@@ -252,3 +253,35 @@ def test_smollm3_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
     tokens = random_tokens(30, seed=8)
     (logits,) = Driver(ours).step([(0, tokens)])
     torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_olmo2_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
+    """OLMo 2 norms q and k across all heads and each branch on its way out: same logits. The
+    engine runs it module by module (layers.c takes pre-norm layers only)."""
+    path = make_tiny_model("olmo2")
+    ours = load_model(str(path)).model
+    assert ours.architecture == "Olmo2ForCausalLM"
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = random_tokens(30, seed=9)
+    (logits,) = Driver(ours).step([(0, tokens)])
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+    assert LLM(str(path)).model.cpu_layers is None
+
+
+def test_olmo2_norms_round_as_transformers_does_in_bfloat16(
+    make_tiny_model: Callable[..., Path],
+) -> None:
+    """OLMo 2 scales its norms in float32 before rounding: in bfloat16 our norms give exactly
+    transformers' numbers, where the other order would be one rounding apart."""
+    path = make_tiny_model("olmo2")
+    ours = load_model(str(path), dtype=torch.bfloat16).model
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    mine, theirs = (
+        ours.layers[0].post_attention_layernorm,
+        hf.model.layers[0].post_attention_layernorm,
+    )
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(64).bfloat16() * 3)
+        mine.weight.copy_(theirs.weight)
+        assert torch.equal(mine(x), theirs(x))
