@@ -25,7 +25,7 @@ from runner.cpu_attention import CpuSplit
 from runner.cpu_kernel import LANES, CpuKernels, StepSplit
 from runner.cpu_linear import PackedLinear
 from runner.cpu_panels import weight_type
-from runner.model import DecoderLayer
+from runner.decoder_layers import DecoderLayer
 
 if TYPE_CHECKING:
     from runner.layers import RMSNorm

@@ -11,8 +11,9 @@ from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.cpu_layers import CpuLayers
 from runner.cpu_linear import PACKED_DTYPES, PackedLinear, prepack_linears
 from runner.cpu_quant import round_matrices
+from runner.decoder_layers import MLP
 from runner.layers import RMSNorm
-from runner.model import MLP, CausalLM
+from runner.model import CausalLM
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ import torch
 import xxhash
 from torch.overrides import TorchFunctionMode
 
+from runner.architectures import resolve_architecture
 from runner.gguf import convert_gguf, default_gguf_path
-from runner.model import CausalLM, resolve_architecture
+from runner.model import CausalLM
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _DTYPES = {
