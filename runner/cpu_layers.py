@@ -25,7 +25,7 @@ from runner.cpu_attention import CpuSplit
 from runner.cpu_kernel import LANES, CpuKernels, StepSplit
 from runner.cpu_linear import PackedLinear
 from runner.cpu_panels import weight_type
-from runner.decoder_layers import DecoderLayer
+from runner.decoder_layers import DecoderLayer, PostNormLayer
 
 if TYPE_CHECKING:
     from runner.layers import RMSNorm
@@ -50,9 +50,12 @@ class CpuLayers:
             model.num_kv_heads,
             model.head_dim,
         )
-        self.eps = layers[0].input_layernorm.eps
+        self.eps = layers[0].post_attention_layernorm.eps
         self.scale = layers[0].self_attn.scale
-        self.residual_multiplier = layers[0].residual_multiplier
+        self.residual_multiplier = getattr(layers[0], "residual_multiplier", 1.0)
+        # OLMo 2's layers norm each branch on its way out (and q/k across heads); for_model
+        # checks that all layers are of one kind.
+        self.post_norm = isinstance(layers[0], PostNormLayer)
         # Which layers rotate q and k (SmolLM3 leaves RoPE out of some); None: all of them.
         uses = [int(layer.self_attn.use_rope) for layer in layers]
         self._rope_layers = None if all(uses) else (ctypes.c_int * len(uses))(*uses)
@@ -67,8 +70,10 @@ class CpuLayers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, o = _product(attn.qkv_proj), _product(attn.o_proj)
             gate_up, down = _product(mlp.gate_up_proj), _product(mlp.down_proj)
+            pre = layer if isinstance(layer, DecoderLayer) else None
+            post = layer if isinstance(layer, PostNormLayer) else None
             tensors += [
-                layer.input_layernorm.weight,
+                pre.input_layernorm.weight if pre is not None else None,
                 qkv.packed,
                 qkv.bias,
                 attn.q_norm.weight if attn.q_norm is not None else None,
@@ -80,6 +85,7 @@ class CpuLayers:
                 gate_up.bias,
                 down.packed,
                 down.bias,
+                post.post_feedforward_layernorm.weight if post is not None else None,
             ]
         pointers = [None if t is None else t.data_ptr() for t in tensors]
         self._weights = (ctypes.c_void_p * len(pointers))(*pointers)
@@ -101,7 +107,8 @@ class CpuLayers:
         """The layers in C where the model fits layers.c, else None."""
         if kernels is None or not model.layers:
             return None
-        if not all(isinstance(layer, DecoderLayer) for layer in model.layers):  # OLMo 2's
+        kinds = {type(layer) for layer in model.layers}
+        if kinds not in ({DecoderLayer}, {PostNormLayer}):  # layers.c takes one kind a model
             return None
         layers = _layers(model)
         heads = _query_probe(model.num_heads, model.head_dim)
@@ -175,6 +182,7 @@ class CpuLayers:
             self.eps,
             self.scale,
             self.residual_multiplier,
+            self.post_norm,
             scratch.data_ptr(),
             self._seconds,
             self._weight_type,
@@ -213,26 +221,31 @@ def _query_probe(num_heads: int, head_dim: int) -> torch.Tensor:
     return torch.empty((0, num_heads, head_dim))
 
 
-def _layers(model: CausalLM) -> list[DecoderLayer]:
-    return [cast("DecoderLayer", layer) for layer in model.layers]
+Layer = DecoderLayer | PostNormLayer
 
 
-def _norms(layer: DecoderLayer) -> list[RMSNorm]:
+def _layers(model: CausalLM) -> list[Layer]:
+    return [cast(Layer, layer) for layer in model.layers]
+
+
+def _norms(layer: Layer) -> list[RMSNorm]:
     attn = layer.self_attn
-    per_head = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
-    return [layer.input_layernorm, layer.post_attention_layernorm, *per_head]
+    qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    if isinstance(layer, PostNormLayer):
+        return [layer.post_attention_layernorm, layer.post_feedforward_layernorm, *qk]
+    return [layer.input_layernorm, layer.post_attention_layernorm, *qk]
 
 
 def _product(module: torch.nn.Module) -> PackedLinear:
     return cast(PackedLinear, module)
 
 
-def _products(layer: DecoderLayer) -> list[torch.nn.Module]:
+def _products(layer: Layer) -> list[torch.nn.Module]:
     attn, mlp = layer.self_attn, layer.mlp
     return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
 
 
-def _fits(layer: DecoderLayer) -> bool:
+def _fits(layer: Layer) -> bool:
     """A layer packed for the panel kernel, every product's width a whole number of panels
     (layers.c reads the outputs unpadded), q and k normed both or neither."""
     attn = layer.self_attn

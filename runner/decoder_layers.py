@@ -136,8 +136,7 @@ class DecoderLayer(nn.Module):
 
 class PostNormLayer(nn.Module):
     """OLMo 2's layer: each branch is normed on its way out, none on its way in:
-    h += norm(attention(h)); h += norm(mlp(h)). (runner/cpu_layers.py runs only DecoderLayer
-    models in C: these run module by module, on the same C kernels.)"""
+    h += norm(attention(h)); h += norm(mlp(h)). layers.c runs it too (its post_norm)."""
 
     def __init__(self, config: Any, arch: str, layer: int) -> None:
         super().__init__()

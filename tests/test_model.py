@@ -256,8 +256,8 @@ def test_smollm3_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
 
 
 def test_olmo2_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
-    """OLMo 2 norms q and k across all heads and each branch on its way out: same logits. The
-    engine runs it module by module (layers.c takes pre-norm layers only)."""
+    """OLMo 2 norms q and k across all heads and each branch on its way out: same logits, and
+    the engine runs its steps in layers.c too (post-norm layers)."""
     path = make_tiny_model("olmo2")
     ours = load_model(str(path)).model
     assert ours.architecture == "Olmo2ForCausalLM"
@@ -265,7 +265,8 @@ def test_olmo2_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
     tokens = random_tokens(30, seed=9)
     (logits,) = Driver(ours).step([(0, tokens)])
     torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
-    assert LLM(str(path)).model.cpu_layers is None
+    layers = LLM(str(path)).model.cpu_layers
+    assert layers is not None and layers.post_norm
 
 
 def test_olmo2_norms_round_as_transformers_does_in_bfloat16(

@@ -7,9 +7,11 @@
  *   o = attention(q): decodes in decode_attention, longer queries in prefill_attention;
  *   h += o Wo; x = rms_norm(h); h += silu_and_mul(x Wgu) Wdown,
  * with each product's bias where it has one (Qwen2) and q and k normed per head before RoPE
- * where the model does (Qwen3); the operations and their order per element are those of
- * runner/model.py and runner/cpu_attention.py, so h comes out bit for bit as the Python path
- * computes it. Widths must be multiples of 16; runner/cpu_layers.py checks before calling.
+ * where the model does (Qwen3); OLMo 2's post-norm layers instead norm q and k across heads
+ * and each branch's output, not its input (post_norm). The operations and their order per
+ * element are those of runner/decoder_layers.py and runner/cpu_attention.py, so h comes out bit
+ * for bit as the Python path computes it. Widths must be multiples of 16; runner/cpu_layers.py
+ * checks before calling.
  */
 #include <immintrin.h>
 #include <string.h>
@@ -19,10 +21,12 @@
 
 enum { LANES = 16, ALIASING_FLOATS = 512 };
 
-/* A layer's tensors in run_layers' weights array; a bias or q/k norm it lacks is NULL. */
+/* A layer's tensors in run_layers' weights array; a bias or norm it lacks is NULL. A pre-norm
+ * layer norms each branch's input (INPUT_NORM, then POST_NORM before the MLP); a post-norm one
+ * (OLMo 2) each branch's output (POST_NORM after attention, FFN_NORM after the MLP). */
 enum {
     INPUT_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O, O_BIAS, POST_NORM, GATE_UP, GATE_UP_BIAS,
-    DOWN, DOWN_BIAS, WEIGHTS_PER_LAYER
+    DOWN, DOWN_BIAS, FFN_NORM, WEIGHTS_PER_LAYER
 };
 
 /* How a step's sequences split between the attention kernels (runner/cpu_attention.py
@@ -111,10 +115,16 @@ static void store_half(unsigned short *restrict dst, const float *restrict src, 
  * (hq + hkv) * d floats. */
 static void rotate_and_store(const float *row, const float *const *w, const float *c,
                              const float *s, float *q, void *k, void *v, long hq, long hkv,
-                             long d, long rot, float eps, float *normed, int kv_half)
+                             long d, long rot, float eps, float *normed, int kv_half,
+                             int qk_across)
 {
     const float *q_src = row, *k_src = row + hq * d;
-    if (w[Q_NORM]) {
+    if (w[Q_NORM] && qk_across) { /* OLMo 2: one norm across all heads */
+        rms_norm_rows(q_src, hq * d, w[Q_NORM], normed, hq * d, 1, hq * d, eps);
+        rms_norm_rows(k_src, hkv * d, w[K_NORM], normed + hq * d, hkv * d, 1, hkv * d, eps);
+        q_src = normed;
+        k_src = normed + hq * d;
+    } else if (w[Q_NORM]) { /* Qwen3: one per head */
         rms_norm_rows(q_src, d, w[Q_NORM], normed, d, hq, d, eps);
         rms_norm_rows(k_src, d, w[K_NORM], normed + hq * d, d, hkv, d, eps);
         q_src = normed;
@@ -138,10 +148,17 @@ static void rotate_and_store(const float *row, const float *const *w, const floa
     store_half(v, v_src, hkv * d);
 }
 
+/* rows of width floats from x (rows width apart) to y (rows ldy apart). */
+static void copy_rows(const float *x, float *y, long ldy, long rows, long width)
+{
+    for (long r = 0; r < rows; r++)
+        memcpy(y + r * ldy, x + r * width, width * sizeof(float));
+}
+
 /* h += a * m, rounded as torch's residual + branch * m (two roundings: no fused multiply-add);
  * m is 1 (exact) except for Granite's residual_multiplier. */
 __attribute__((optimize("fp-contract=off")))
-static void add_rows(float *restrict h, const float *restrict a, long n, float m)
+static void add_rows(float *h, const float *a, long n, float m)
 {
     for (long i = 0; i < n; i++)
         h[i] = a[i] * m + h[i];
@@ -183,6 +200,7 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
  * element 2l * cache_elems and values at (2l + 1) * cache_elems, each [blocks, block_size,
  * hkv, d]. cos/sin [rows, rot] per token (rot <= d: the rotated dims of a head);
  * rope_layers [num_layers]: 0 where a layer uses no RoPE (NULL: every layer does);
+ * post_norm: OLMo 2's layers (each branch normed on its way out, q/k norms across heads);
  * slots [rows] (negative: skip). residual: what each branch is multiplied by before it is
  * added back (1, or Granite's residual_multiplier). scratch: layers_scratch floats. The
  * products' wall time is added to seconds[0] and the attention kernels' to seconds[1]
@@ -194,7 +212,7 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
                long block_size, const struct step_split *split, const float *cos,
                const float *sin, long rot, const int *rope_layers, const long *slots,
                float eps, float scale,
-               float residual, float *scratch,
+               float residual, int post_norm, float *scratch,
                double *seconds, int weight_type, int kv_half)
 {
     const long elem = kv_half ? 2 : 4; /* bytes of one cache element */
@@ -211,7 +229,10 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
         char *v_cache = k_cache + cache_elems * elem;
         /* A layer without RoPE (SmolLM3's every 4th) rotates no dims: q and k copied as they are. */
         const long layer_rot = rope_layers && !rope_layers[layer] ? 0 : rot;
-        rms_norm_rows(h, hidden, w[INPUT_NORM], in, product_ld(hidden), rows, hidden, eps);
+        if (post_norm) /* the branch takes h as it is */
+            copy_rows(h, in, product_ld(hidden), rows, hidden);
+        else
+            rms_norm_rows(h, hidden, w[INPUT_NORM], in, product_ld(hidden), rows, hidden, eps);
         product(in, product_ld(hidden), w[QKV], weight_type, w[QKV_BIAS], qkv, rows, hidden,
                 qkv_width / LANES, seconds);
         for (long t = 0; t < rows; t++) {
@@ -220,7 +241,7 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
             char *v = slot < 0 ? NULL : v_cache + slot * hkv * d * elem;
             rotate_and_store(qkv + t * qkv_width, w, cos + t * rot, sin + t * rot,
                              q + t * q_width, k, v, hq, hkv, d, layer_rot, eps,
-                             normed + t * qkv_width, kv_half);
+                             normed + t * qkv_width, kv_half, post_norm);
         }
         const double attention_start = now();
         if (attend(q, k_cache, v_cache, attn, rows, hq, hkv, d, block_size, split, scale,
@@ -235,13 +256,20 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
         }
         product(o_in, product_ld(q_width), w[O], weight_type, w[O_BIAS], out, rows, q_width,
                 hidden / LANES, seconds);
+        if (post_norm) /* in place: each row is read whole before it is written */
+            rms_norm_rows(out, hidden, w[POST_NORM], out, hidden, rows, hidden, eps);
         add_rows(h, out, rows * hidden, residual);
-        rms_norm_rows(h, hidden, w[POST_NORM], in, product_ld(hidden), rows, hidden, eps);
+        if (post_norm)
+            copy_rows(h, in, product_ld(hidden), rows, hidden);
+        else
+            rms_norm_rows(h, hidden, w[POST_NORM], in, product_ld(hidden), rows, hidden, eps);
         product(in, product_ld(hidden), w[GATE_UP], weight_type, w[GATE_UP_BIAS], gate_up, rows,
                 hidden, 2 * inter / LANES, seconds);
         silu_and_mul_rows(gate_up, in, product_ld(inter), rows, inter);
         product(in, product_ld(inter), w[DOWN], weight_type, w[DOWN_BIAS], out, rows, inter,
                 hidden / LANES, seconds);
+        if (post_norm)
+            rms_norm_rows(out, hidden, w[FFN_NORM], out, hidden, rows, hidden, eps);
         add_rows(h, out, rows * hidden, residual);
     }
     return 0;
