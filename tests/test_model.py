@@ -150,15 +150,6 @@ def test_llama3_rope_scaling_matches_hf(make_tiny_model: Callable[..., Path]) ->
     torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
 
 
-def test_mistral_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
-    path = make_tiny_model("mistral")
-    ours = load_model(str(path)).model
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokens = random_tokens(20, seed=5)
-    (logits,) = Driver(ours).step([(0, tokens)])
-    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
-
-
 def test_default_model_matches_hf(default_model_dir: Path) -> None:
     loaded = load_model(None)
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
@@ -221,52 +212,31 @@ def test_load_hf_state_dict_checks_names_and_shapes(tiny_llama_dir: Path) -> Non
         model.load_hf_state_dict(extra)
 
 
-def test_phi3_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
-    """Phi-3's checkpoint holds q/k/v and gate/up fused already: loaded whole, same logits."""
-    path = make_tiny_model("phi3")
+@pytest.mark.parametrize(
+    ("arch", "seed"), [("mistral", 5), ("phi3", 6), ("granite", 7), ("smollm3", 8), ("olmo2", 9)]
+)
+def test_each_architecture_matches_hf(
+    make_tiny_model: Callable[..., Path], arch: str, seed: int
+) -> None:
+    """Same logits as transformers' own model, over each one's particulars: Phi-3 holds q/k/v
+    and gate/up fused on disk (loaded whole), Granite's four multipliers are far from 1 here,
+    SmolLM3 leaves RoPE out of its second layer, OLMo 2 norms q and k across heads and each
+    branch on its way out."""
+    path = make_tiny_model(arch)
     ours = load_model(str(path)).model
-    assert ours.architecture == "Phi3ForCausalLM"
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokens = random_tokens(30, seed=6)
+    tokens = random_tokens(30, seed=seed)
     (logits,) = Driver(ours).step([(0, tokens)])
     torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
 
 
-def test_granite_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
-    """Granite's four multipliers (embeddings, attention scale, residual branches, logits),
-    each far from 1 here: the same logits as transformers' model."""
-    path = make_tiny_model("granite")
-    ours = load_model(str(path)).model
-    assert ours.architecture == "GraniteForCausalLM"
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokens = random_tokens(30, seed=7)
-    (logits,) = Driver(ours).step([(0, tokens)])
-    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
-
-
-def test_smollm3_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
-    """SmolLM3 leaves RoPE out of some layers (here the second of two): same logits."""
-    path = make_tiny_model("smollm3")
-    ours = load_model(str(path)).model
-    assert [layer.self_attn.use_rope for layer in ours.layers] == [True, False]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokens = random_tokens(30, seed=8)
-    (logits,) = Driver(ours).step([(0, tokens)])
-    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
-
-
-def test_olmo2_matches_hf(make_tiny_model: Callable[..., Path]) -> None:
-    """OLMo 2 norms q and k across all heads and each branch on its way out: same logits, and
-    the engine runs its steps in layers.c too (post-norm layers)."""
-    path = make_tiny_model("olmo2")
-    ours = load_model(str(path)).model
-    assert ours.architecture == "Olmo2ForCausalLM"
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokens = random_tokens(30, seed=9)
-    (logits,) = Driver(ours).step([(0, tokens)])
-    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
-    layers = LLM(str(path)).model.cpu_layers
-    assert layers is not None and layers.post_norm
+def test_architecture_particulars_reach_the_c_layers(make_tiny_model: Callable[..., Path]) -> None:
+    """What the C layers are told: SmolLM3's layers without RoPE, OLMo 2's post-norm layout."""
+    smollm3 = LLM(str(make_tiny_model("smollm3"))).model
+    assert [layer.self_attn.use_rope for layer in smollm3.layers] == [True, False]
+    olmo2 = LLM(str(make_tiny_model("olmo2"))).model
+    assert olmo2.architecture == "Olmo2ForCausalLM"
+    assert olmo2.cpu_layers is not None and olmo2.cpu_layers.post_norm
 
 
 def test_olmo2_norms_round_as_transformers_does_in_bfloat16(
