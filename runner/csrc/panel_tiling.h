@@ -18,7 +18,8 @@ enum { PREFETCH_AHEAD = 4096, PREFETCH_LOCALITY = 1 };
 enum { CHUNK_BYTES = 1 << 19 };
 
 /* pair_gemm.c: y [M, panels * 16] = x [M, K] @ bfloat16 pair panels (WEIGHTS_BF16_PAIRS), x
- * rounded to bfloat16 first; writes nothing where AVX512-BF16 or memory is missing. */
+ * rounded to bfloat16 first; NaN where there is no memory to round x, nothing where the build
+ * lacks AVX512-BF16 (runner/cpu_kernel.py refuses such panels before calling). */
 void pair_gemm(const float *x, long ldx, const void *packed, float *y, long M, long K,
                long panels);
 
