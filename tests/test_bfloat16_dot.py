@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine_equivalence import assert_greedy_matches, hf_greedy, make_prompts
+from test_engine_equivalence import ARCH_FIXTURES, assert_greedy_matches, hf_greedy, make_prompts
 from test_rounded_weights import rounded_hf
 
 from kvcache import LLM, SamplingParams
@@ -38,7 +38,7 @@ def dot_hf(path: Path) -> Any:
     return hf
 
 
-@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@pytest.fixture(scope="module", params=ARCH_FIXTURES)  # every layout the C layers run
 def dot_case(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     path: Path = request.getfixturevalue(request.param)
     hf = dot_hf(path)
