@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_engine_equivalence import assert_greedy_matches, hf_greedy, make_prompts
+from test_engine_equivalence import ARCH_FIXTURES, assert_greedy_matches, hf_greedy, make_prompts
 from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
@@ -31,7 +31,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@pytest.fixture(scope="module", params=ARCH_FIXTURES)  # every layout the C layers run
 def f16_case(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     path: Path = request.getfixturevalue(request.param)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
