@@ -20,6 +20,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool | None, bool]] = {
 # Architectures whose layers norm each branch on its way out instead of in (PostNormLayer), and
 # whose q/k norms span the whole projection rather than each head.
 POST_NORM_ARCHITECTURES = ("Olmo2ForCausalLM",)
+# Architectures that attend only to their last `sliding_window` tokens whenever their config
+# sets one (Qwen2's window needs use_sliding_window as well, which the model refuses): no
+# kernel here cuts a window off, so their context stops at it (engine_setup.context_length).
+SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "Phi3ForCausalLM")
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
