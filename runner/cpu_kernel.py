@@ -86,7 +86,6 @@ class CpuKernels:
             + [ctypes.c_long]  # rotary dims of a head
             + [ctypes.c_void_p] * 2  # which layers use RoPE (NULL: all), slots
             + [ctypes.c_float] * 3  # eps, attention scale, residual multiplier
-            + [ctypes.c_int]  # post-norm layers (OLMo 2)
             + [ctypes.c_void_p]
             + [ctypes.POINTER(ctypes.c_double)]
             + [ctypes.c_int] * 2  # weight type, float16 caches

@@ -54,7 +54,7 @@ class CpuLayers:
         self.scale = layers[0].self_attn.scale
         self.residual_multiplier = getattr(layers[0], "residual_multiplier", 1.0)
         # OLMo 2's layers norm each branch on its way out (and q/k across heads); for_model
-        # checks that all layers are of one kind.
+        # checks that all layers are of one kind. layers.c tells them by their FFN_NORM.
         self.post_norm = isinstance(layers[0], PostNormLayer)
         # Which layers rotate q and k (SmolLM3 leaves RoPE out of some); None: all of them.
         uses = [int(layer.self_attn.use_rope) for layer in layers]
@@ -182,7 +182,6 @@ class CpuLayers:
             self.eps,
             self.scale,
             self.residual_multiplier,
-            self.post_norm,
             scratch.data_ptr(),
             self._seconds,
             self._weight_type,

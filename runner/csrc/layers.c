@@ -8,7 +8,7 @@
  *   h += o Wo; x = rms_norm(h); h += silu_and_mul(x Wgu) Wdown,
  * with each product's bias where it has one (Qwen2) and q and k normed per head before RoPE
  * where the model does (Qwen3); OLMo 2's post-norm layers instead norm q and k across heads
- * and each branch's output, not its input (post_norm). The operations and their order per
+ * and each branch's output, not its input (FFN_NORM set). The operations and their order per
  * element are those of runner/decoder_layers.py and runner/cpu_attention.py, so h comes out bit
  * for bit as the Python path computes it. Widths must be multiples of 16; runner/cpu_layers.py
  * checks before calling.
@@ -200,7 +200,6 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
  * element 2l * cache_elems and values at (2l + 1) * cache_elems, each [blocks, block_size,
  * hkv, d]. cos/sin [rows, rot] per token (rot <= d: the rotated dims of a head);
  * rope_layers [num_layers]: 0 where a layer uses no RoPE (NULL: every layer does);
- * post_norm: OLMo 2's layers (each branch normed on its way out, q/k norms across heads);
  * slots [rows] (negative: skip). residual: what each branch is multiplied by before it is
  * added back (1, or Granite's residual_multiplier). scratch: layers_scratch floats. The
  * products' wall time is added to seconds[0] and the attention kernels' to seconds[1]
@@ -212,7 +211,7 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
                long block_size, const struct step_split *split, const float *cos,
                const float *sin, long rot, const int *rope_layers, const long *slots,
                float eps, float scale,
-               float residual, int post_norm, float *scratch,
+               float residual, float *scratch,
                double *seconds, int weight_type, int kv_half)
 {
     const long elem = kv_half ? 2 : 4; /* bytes of one cache element */
@@ -227,6 +226,9 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
         const float *const *w = weights + layer * WEIGHTS_PER_LAYER;
         char *k_cache = (char *)kv + 2 * layer * cache_elems * elem;
         char *v_cache = k_cache + cache_elems * elem;
+        /* OLMo 2's layout, told by its FFN_NORM: each branch normed on its way out, q/k norms
+         * across heads. */
+        const int post_norm = w[FFN_NORM] != NULL;
         /* A layer without RoPE (SmolLM3's every 4th) rotates no dims: q and k copied as they are. */
         const long layer_rot = rope_layers && !rope_layers[layer] ? 0 : rot;
         if (post_norm) /* the branch takes h as it is */
