@@ -108,10 +108,14 @@ class CpuKernels:
         k = x.shape[-1]
         if not fits(packed, k):
             raise ValueError(f"x rows of {k} do not fit panels {tuple(packed.shape)}")
+        wtype = weight_type(packed)
+        if wtype == BF16_PAIRS and not self.has_pairs:
+            raise ValueError("bfloat16 pair panels need a CPU with AVX512-BF16")
         m = math.prod(x.shape[:-1])
         rows = x.reshape(m, k)
-        if k % ALIASING_FLOATS == 0 and m >= LANES:
-            # 16 rows 2 KB apart share one L1 set: read them from a copy 64 bytes wider.
+        if k % ALIASING_FLOATS == 0 and m >= LANES and wtype != BF16_PAIRS:
+            # 16 rows 2 KB apart share one L1 set: read them from a copy 64 bytes wider. (Pair
+            # panels read x from a rounded copy of their own, laid out 16 rows to a line.)
             rows = torch.empty((m, k + LANES)).narrow(1, 0, k).copy_(rows)
         elif not (rows.stride(1) == 1 and rows.stride(0) >= k):
             rows = rows.contiguous()
@@ -121,9 +125,6 @@ class CpuKernels:
         panels = packed.shape[0]
         # The kernel writes whole panels: rows of panels * 16 floats, trimmed to n below.
         out = torch.empty((m, panels * LANES), dtype=torch.float32)
-        wtype = weight_type(packed)
-        if wtype == BF16_PAIRS and not self.has_pairs:
-            raise ValueError("bfloat16 pair panels need a CPU with AVX512-BF16")
         self._gemm(
             rows.data_ptr(), rows.stride(0), packed.data_ptr(), wtype, out.data_ptr(), m, k, panels
         )
