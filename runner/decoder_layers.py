@@ -20,7 +20,8 @@ class Attention(nn.Module):
     def __init__(self, config: Any, arch: str, layer: int) -> None:
         super().__init__()
         # SmolLM3 leaves RoPE out of some layers (no_rope_layers[i] == 0: no rotation there).
-        self.use_rope = bool((getattr(config, "no_rope_layers", None) or [1] * (layer + 1))[layer])
+        no_rope_layers = getattr(config, "no_rope_layers", None)
+        self.use_rope = bool(no_rope_layers[layer]) if no_rope_layers else True
         qkv_bias, o_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         attention_bias = bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
