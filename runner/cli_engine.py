@@ -5,6 +5,7 @@ loads (a wrong value costs nothing yet)."""
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -89,23 +90,6 @@ _OPTIONS = [
         "tokens in the pool, half the bytes a decode step reads for its contexts).",
     ),
 ]
-# The parameter names click gives those options, in the same order.
-_NAMES = (
-    "block_size",
-    "no_prefix_cache",
-    "batching",
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "max_model_len",
-    "num_kv_blocks",
-    "device",
-    "dtype",
-    "gpu_memory_utilization",
-    "enforce_eager",
-    "speculative_tokens",
-    "cpu_weight_dtype",
-    "kv_cache_dtype",
-)
 
 
 def engine_config_kwargs(values: dict[str, Any]) -> dict[str, Any]:
@@ -127,9 +111,11 @@ def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
     of EngineConfig's keyword arguments, already checked. Put it below every other option
     decorator: its options come last in --help."""
 
+    own = set(inspect.signature(command).parameters)  # the rest of kwargs are these options
+
     @functools.wraps(command)
     def with_engine_options(**kwargs: Any) -> Any:
-        values = {name: kwargs.pop(name) for name in _NAMES}
+        values = {name: kwargs.pop(name) for name in list(kwargs) if name not in own}
         return command(engine_options=engine_config_kwargs(values), **kwargs)
 
     for option in reversed(_OPTIONS):
