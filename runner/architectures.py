@@ -16,13 +16,16 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool | None, bool]] = {
     "GraniteForCausalLM": (None, None, False),  # Llama with four scalar multipliers
     "SmolLM3ForCausalLM": (None, None, False),  # Llama without RoPE in every 4th layer
     "Olmo2ForCausalLM": (None, None, True),  # q/k norms over whole projections; post-norm
+    "Gemma3ForCausalLM": (None, None, True),  # sandwich norms, GeLU, local and global layers
 }
 # Architectures whose layers norm each branch on its way out instead of in (PostNormLayer), and
 # whose q/k norms span the whole projection rather than each head.
 POST_NORM_ARCHITECTURES = ("Olmo2ForCausalLM",)
-# Architectures that attend only to their last `sliding_window` tokens whenever their config
-# sets one (Qwen2's window needs use_sliding_window as well, which the model refuses): no
-# kernel here cuts a window off, so their context stops at it (engine_setup.context_length).
+# Architectures whose layers norm each branch on its way in and out (SandwichNormLayer), whose
+# norms scale by 1 + weight, and whose embeddings are scaled by sqrt(hidden_size): Gemma's.
+GEMMA_ARCHITECTURES = ("Gemma3ForCausalLM",)
+# Architectures whose every layer attends only to its last `sliding_window` tokens whenever
+# their config sets one. The others say per layer, in `layer_types` (layer_windows).
 SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "Phi3ForCausalLM")
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -33,6 +36,7 @@ _MODEL_TYPES = {
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -49,3 +53,34 @@ def resolve_architecture(config: Any) -> str:
     raise ValueError(
         f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
+
+
+def layer_windows(config: Any, arch: str) -> list[int | None]:
+    """Each layer's sliding window (its last W tokens, itself included), None where it attends
+    to the whole context: every layer of SLIDING_WINDOW_ARCHITECTURES when `sliding_window` is
+    set; else the layers that `layer_types` names "sliding_attention" (Qwen2 and Qwen3 with
+    use_sliding_window, Gemma 3's five local layers of every six)."""
+    num_layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return [None] * num_layers
+    if arch in SLIDING_WINDOW_ARCHITECTURES:
+        return [int(window)] * num_layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types names {len(types)} layers, the model has {num_layers}")
+    return [int(window) if kind == "sliding_attention" else None for kind in types]
+
+
+def layer_rope_types(config: Any) -> list[str | None]:
+    """Which RoPE settings each layer rotates with (runner/layers.py rope_parameters): its
+    layer type where the config sets RoPE per layer type (Gemma 3's local layers use another
+    base), else None for every layer (one setting for all)."""
+    num_layers = int(config.num_hidden_layers)
+    params = getattr(config, "rope_parameters", None) or {}
+    keyed = isinstance(params, dict) and bool(params) and "rope_theta" not in params
+    keyed = keyed and "rope_type" not in params
+    types = getattr(config, "layer_types", None)
+    if types and (keyed or getattr(config, "rope_local_base_freq", None)):
+        return list(types)
+    return [None] * num_layers

@@ -43,6 +43,8 @@ class AttentionMetadata:
     decode_only: bool  # every query_len == 1
     # Built by the torch path / the CPU kernels on first use, reused by every layer of the step.
     _torch_plan: Any = field(default=None, init=False, repr=False, compare=False)
+    # The torch path's plans for sliding windows, by window: its layers may mix several.
+    _window_plans: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
     _cpu_split: Any = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -102,18 +104,27 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     backend: str = "torch",
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D]; caches [blocks, B, Hkv, D]. Returns [T, Hq, D]."""
+    """q [T, Hq, D], k/v [T, Hkv, D]; caches [blocks, B, Hkv, D]. Returns [T, Hq, D].
+
+    A query at position p attends to its sequence's keys at positions <= p; with a sliding
+    `window` W, only to those > p - W (its last W tokens, itself included: transformers'
+    sliding_window_overlay). None: the whole context."""
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window {window} must be at least 1")
     if backend == "torch":
-        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)
     if backend == "cpu":
         from runner.cpu_attention import cpu_paged_attention
 
-        return cpu_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+        return cpu_paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)
     if backend == "triton":
         from runner.triton_attention import triton_paged_attention
 
-        out: torch.Tensor = triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+        out: torch.Tensor = triton_paged_attention(
+            q, k, v, k_cache, v_cache, meta, scale, window=window
+        )
         return out
     raise ValueError(f"unknown attention backend {backend!r}; expected 'torch', 'cpu' or 'triton'")
 
@@ -150,6 +161,7 @@ def torch_paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Reference implementation of paged_attention's contract with torch SDPA."""
     num_tokens, hq, d = q.shape
@@ -160,9 +172,16 @@ def torch_paged_attention(
     if k_cache.dtype != q.dtype:  # attend to the new K/V as stored, like the cached ones
         k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
 
-    plan = meta._torch_plan
-    if plan is None or plan.block_size != block_size:
-        plan = meta._torch_plan = build_plan(meta, block_size, q.device, q.dtype)
+    if window is not None and window < meta.max_context_len:
+        plan = meta._window_plans.get(window)
+        if plan is None or plan.block_size != block_size:
+            plan = meta._window_plans[window] = build_plan(
+                meta, block_size, q.device, q.dtype, window
+            )
+    else:  # a window no context reaches past cuts nothing
+        plan = meta._torch_plan
+        if plan is None or plan.block_size != block_size:
+            plan = meta._torch_plan = build_plan(meta, block_size, q.device, q.dtype)
 
     out = q.new_empty((num_tokens, hq, d))
     for item in plan.singles:
@@ -174,8 +193,14 @@ def torch_paged_attention(
         elif item.blocks is None:
             ks = k[item.start : item.end].transpose(0, 1)[None]  # [1, Hkv, L, D]
             vs = v[item.start : item.end].transpose(0, 1)[None]
-            res = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=hq != hkv
+            res = F.scaled_dot_product_attention(  # causal, or the window's mask
+                qs,
+                ks,
+                vs,
+                attn_mask=item.mask,
+                is_causal=item.mask is None,
+                scale=scale,
+                enable_gqa=hq != hkv,
             )
         else:
             # [1, Hkv, C, D]
@@ -217,6 +242,6 @@ def torch_paged_attention(
             if g.out_rows == slice(0, num_tokens) and not plan.singles:
                 return res
             out[g.out_rows] = res
-        else:
+        elif g.out_rows is not None:
             out.index_copy_(0, g.out_rows, res)
     return out

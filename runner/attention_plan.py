@@ -78,26 +78,35 @@ def as_index(rows: list[int], device: torch.device) -> torch.Tensor | slice:
 
 
 def build_plan(
-    meta: AttentionMetadata, block_size: int, device: torch.device, dtype: torch.dtype
+    meta: AttentionMetadata,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    window: int | None = None,
 ) -> Plan:
+    """The step's plan; with a sliding `window`, every mask also hides the keys at or before
+    p - window from the query at p, and nothing is read in place (a shared prefix is scored
+    whole, which a window may cut)."""
     starts: list[int] = []
     start = 0
     for q_len in meta.query_lens:
         starts.append(start)
         start += q_len
     short = [s for s, q_len in enumerate(meta.query_lens) if 0 < q_len <= CASCADE_MAX_QUERY_LEN]
-    split = cascade_supported(device)
+    split = cascade_supported(device) and window is None
     shared = _shared_blocks(meta, short, block_size) if split else 0
     grouped = short if shared else [s for s in short if meta.query_lens[s] <= GROUP_MAX_QUERY_LEN]
     # Keys each member pads to: its whole context, or in a cascade what follows the prefix.
     keys = [ctx - shared * block_size for ctx in meta.context_lens_host]
     grouped = _without_outlying_contexts(grouped, keys)
     group = (
-        _build_group(meta, grouped, starts, block_size, device, dtype, shared) if grouped else None
+        _build_group(meta, grouped, starts, block_size, device, dtype, shared, window)
+        if grouped
+        else None
     )
     in_group = set(grouped)
     singles = [
-        _single_plan(meta, s, starts[s], block_size, device, dtype, split)
+        _single_plan(meta, s, starts[s], block_size, device, dtype, split, window)
         for s, q_len in enumerate(meta.query_lens)
         if q_len and s not in in_group
     ]
@@ -147,26 +156,43 @@ def _single_plan(
     device: torch.device,
     dtype: torch.dtype,
     split: bool,
+    window: int | None,
 ) -> Single:
     """Sequence s runs alone: plain causal SDPA on its new k/v, or over its gathered blocks
     with the causal mask shifted by its cached prefix, or split into a prefix read in place and
     its later blocks (see Single.cached)."""
     q_len, ctx = meta.query_lens[s], meta.context_lens_host[s]
-    if ctx == q_len:
-        return Single(start, start + q_len, None, ctx, None)
+    pos_q = torch.arange(ctx - q_len, ctx, device=device)  # [L] query positions
+    if ctx == q_len:  # no cached prefix: the new k/v, causal (and windowed: a mask)
+        mask = None if window is None else _additive(_visible(ctx, pos_q, window), dtype)
+        return Single(start, start + q_len, None, ctx, mask)
     nb = -(-ctx // block_size)
     blocks = meta.block_tables[s, :nb].to(torch.int64)
-    pos_q = torch.arange(ctx - q_len, ctx, device=device)  # [L] query positions
     in_place = consecutive_run(blocks, (ctx - q_len) // block_size) if split else 0
     if in_place * block_size >= MIN_SHARED_TOKENS:
         keys = torch.arange(nb * block_size, device=device)[None, None, None, :]
         visible_all = keys <= pos_q[None, None, :, None]  # [1, 1, L, nb * B]
         cached = shared_prefix(blocks[None], in_place, visible_all, block_size, dtype)
         return Single(start, start + q_len, None, ctx, None, cached)
-    visible = torch.arange(ctx, device=device)[None, :] <= pos_q[:, None]  # [L, C]
-    # Additive rather than boolean: SDPA would convert a boolean mask in every layer.
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-    return Single(start, start + q_len, blocks, ctx, mask.masked_fill_(~visible, float("-inf")))
+    mask = _additive(_visible(ctx, pos_q, window), dtype)  # [L, C]
+    return Single(start, start + q_len, blocks, ctx, mask)
+
+
+def _visible(num_keys: int, pos_q: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[..., num_keys] bool: key j is visible to the query at position p (pos_q [...]) when
+    j <= p and, with a sliding window, j > p - window."""
+    keys = torch.arange(num_keys, device=pos_q.device)
+    visible = keys <= pos_q[..., None]
+    if window is not None:
+        visible &= keys > pos_q[..., None] - window
+    return visible
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as an additive one (0 = attend, -inf = not): SDPA would convert a
+    boolean mask in every layer."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, float("-inf"))
 
 
 def _build_group(
@@ -177,6 +203,7 @@ def _build_group(
     device: torch.device,
     dtype: torch.dtype,
     shared: int,
+    window: int | None,
 ) -> Group:
     """Sequences `members` as one batch padded to the longest query, with the shared-prefix
     plan when they all start with the same `shared` blocks (0: they do not)."""
@@ -195,10 +222,9 @@ def _build_group(
             q_rows.append(starts[s] + j)
             q_pos.append(ctx - q_len + j)
             valid.append(i < q_len)
-    pos = torch.tensor(q_pos, dtype=torch.int64, device=device).view(n, 1, max_l, 1)
-    keys = torch.arange(nb * block_size, device=device).view(1, 1, 1, -1)
-    visible = keys <= pos  # [S, 1, L, K]; pads beyond a context sit after its last query
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    pos = torch.tensor(q_pos, dtype=torch.int64, device=device).view(n, 1, max_l)
+    # [S, 1, L, K]; pads beyond a context sit after its last query
+    visible = _visible(nb * block_size, pos, window)
     padded = not all(valid)
     out_rows = [r for r, ok in zip(q_rows, valid, strict=True) if ok]
     return Group(
@@ -209,7 +235,7 @@ def _build_group(
         q_rows=as_index(q_rows, device) if padded else as_index(out_rows, device),
         out_rows=as_index(out_rows, device),
         valid=torch.tensor(valid, device=device) if padded else None,
-        mask=mask.masked_fill_(~visible, float("-inf")),
+        mask=_additive(visible, dtype),
         shared=(
             shared_prefix(blocks.view(n, nb), shared, visible, block_size, dtype)
             if shared

@@ -20,32 +20,50 @@ def cpu_paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The C kernels (runner/csrc): decodes in decode_attention.c, longer queries in
     prefill_attention.c, both reading every sequence's blocks in place with no gather, padding
-    or split to plan. The torch path where the kernels cannot run (no build, a head size they
-    do not take)."""
+    or split to plan; with a sliding `window`, each query only its last `window` keys (the
+    others are not read). The torch path where the kernels cannot run (no build, a head size
+    they do not take)."""
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.prefill_supported(q, k_cache):
-        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     group = q.shape[1] // k_cache.shape[2]
     decode_kernel = kernels.decode_supported(q, k_cache)
     split = CpuSplit.for_step(meta, decode_kernel, group, k_cache.shape[1])
     if split.longer is None and split.decodes is not None:  # decodes only: q as it is
         return kernels.decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, split.shared_blocks
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            scale,
+            split.shared_blocks,
+            window,
         )
     out = torch.empty_like(q)
     if split.decodes is not None:
         rows, tables, contexts = split.decodes
         decoded = kernels.decode_attention(
-            q.index_select(0, rows), k_cache, v_cache, tables, contexts, scale, split.shared_blocks
+            q.index_select(0, rows),
+            k_cache,
+            v_cache,
+            tables,
+            contexts,
+            scale,
+            split.shared_blocks,
+            window,
         )
         out.index_copy_(0, rows, decoded)
     if split.longer is not None:
         tables, starts, lens, contexts = split.longer
-        kernels.prefill_attention(q, k_cache, v_cache, tables, starts, lens, contexts, out, scale)
+        kernels.prefill_attention(
+            q, k_cache, v_cache, tables, starts, lens, contexts, out, scale, window
+        )
     return out
 
 
@@ -64,7 +82,9 @@ class CpuSplit:
     decodes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     # (block tables, first rows, query lengths, context lengths) of the others, int32
     longer: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
-    # Leading blocks common to every decode of the step, worth scoring together.
+    # Leading blocks common to every decode of the step, worth scoring together. One count for
+    # every layer: in a layer whose sliding window starts past key 0 for some decode,
+    # decode_attention.c reads them per sequence instead (it never scores a key out of a window).
     shared_blocks: int = 0
 
     @classmethod

@@ -53,15 +53,16 @@ class CpuKernels:
         # Whether the library was built with AVX512-BF16, for bfloat16 pair panels.
         self.has_pairs = bool(library.panel_gemm_has_pairs())
         self._decode = library.decode_attention
-        self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 7 + [ctypes.c_float]
-        self._decode.argtypes += [ctypes.c_int]  # float16 caches
+        # ..., shared blocks, window (0: none), scale, float16 caches
+        self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 8 + [ctypes.c_float]
+        self._decode.argtypes += [ctypes.c_int]
         self._decode.restype = ctypes.c_int
         self._prefill = library.prefill_attention
         self._prefill.argtypes = (
             [ctypes.c_void_p]
             + [ctypes.c_long]
             + [ctypes.c_void_p] * 7
-            + [ctypes.c_long] * 6
+            + [ctypes.c_long] * 7  # ..., max blocks, window (0: none)
             + [ctypes.c_float]
             + [ctypes.c_int]  # float16 caches
         )
@@ -84,7 +85,8 @@ class CpuKernels:
             + [ctypes.POINTER(StepSplit)]
             + [ctypes.c_void_p] * 2  # cos, sin
             + [ctypes.c_long]  # rotary dims of a head
-            + [ctypes.c_void_p] * 2  # which layers use RoPE (NULL: all), slots
+            # which layers use RoPE (NULL: all), their windows (NULL: none), slots
+            + [ctypes.c_void_p] * 3
             + [ctypes.c_float] * 3  # eps, attention scale, residual multiplier
             + [ctypes.c_void_p]
             + [ctypes.POINTER(ctypes.c_double)]
@@ -154,12 +156,14 @@ class CpuKernels:
         context_lens: torch.Tensor,
         scale: float,
         shared_blocks: int = 0,
+        window: int | None = None,
     ) -> torch.Tensor:
         """One query token per sequence: q [S, Hq, D]; caches [blocks, B, Hkv, D]; block_tables
         [S, max_blocks] int32; context_lens [S] int32. Returns [S, Hq, D], sequence s attending
-        to its first context_lens[s] tokens through its table. With `shared_blocks`, every
-        table starts with those same blocks and every context is longer: they are scored for
-        all rows together. Check decode_supported first."""
+        to its first context_lens[s] tokens through its table, or to the last `window` of them.
+        With `shared_blocks`, every table starts with those same blocks and every context is
+        longer: they are scored for all rows together (unless a window starts past key 0).
+        Check decode_supported first."""
         num_seqs, hq, d = q.shape
         _, block_size, hkv, _ = k_cache.shape
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -182,6 +186,7 @@ class CpuKernels:
             block_size,
             tables.shape[1],
             shared_blocks,
+            _window_arg(window),
             scale,
             k_cache.dtype == torch.float16,
         )
@@ -218,10 +223,12 @@ class CpuKernels:
         context_lens: torch.Tensor,
         out: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> None:
         """Causal attention for S sequences whose query_lens[s] new tokens are rows
         query_start[s].. of q [T, Hq, D] and the last positions of their context_lens[s]
-        tokens; each reads its keys in place through its row of block_tables [S, max_blocks].
+        tokens; each reads its keys in place through its row of block_tables [S, max_blocks],
+        a query at position p those after p - `window` only (None: all up to p).
         Writes those rows of `out` (like q, contiguous); other rows are left alone. Check
         prefill_supported first."""
         _, hq, d = q.shape
@@ -247,6 +254,7 @@ class CpuKernels:
             d,
             block_size,
             ints[0].shape[1],
+            _window_arg(window),
             scale,
             k_cache.dtype == torch.float16,
         )
@@ -277,3 +285,12 @@ class CpuKernels:
         out = rows.new_empty((rows.shape[0], width))
         self._silu_and_mul(rows.data_ptr(), out.data_ptr(), rows.shape[0], width)
         return out.view(*gate_up.shape[:-1], width)
+
+
+def _window_arg(window: int | None) -> int:
+    """The kernels' window: keys a query sees, itself included; 0 for the whole context."""
+    if window is None:
+        return 0
+    if window < 1:
+        raise ValueError(f"sliding window {window} must be at least 1")
+    return window

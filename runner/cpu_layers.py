@@ -59,6 +59,10 @@ class CpuLayers:
         # Which layers rotate q and k (SmolLM3 leaves RoPE out of some); None: all of them.
         uses = [int(layer.self_attn.use_rope) for layer in layers]
         self._rope_layers = None if all(uses) else (ctypes.c_int * len(uses))(*uses)
+        # Each layer's sliding window (0: the whole context; Mistral's in every layer, Qwen2's
+        # and Gemma 3's in some); None (NULL): no layer has one.
+        windows = [layer.self_attn.sliding_window or 0 for layer in layers]
+        self._windows = (ctypes.c_int * len(windows))(*windows) if any(windows) else None
         self.num_layers = len(layers)
         self._query_probe = _query_probe(self.num_heads, self.head_dim)
         # Per layer, in the order of layers.c's enum; None (NULL) where the model has no such
@@ -178,6 +182,7 @@ class CpuLayers:
             sin.data_ptr(),
             cos.shape[1],  # rotary dims: fewer than head_dim with partial rotary
             self._rope_layers,
+            self._windows,
             slots.data_ptr(),
             self.eps,
             self.scale,

@@ -7,9 +7,11 @@ once and replays them with one call. A graph replays fixed pointers and fixed la
 - inputs live in static buffers sized for `max_bs` rows; `run()` copies each step's tensors in;
 - the decode attention grid must not follow the step's longest context (a host value that
   changes every step). The graphs are captured with `max_context_len = max_model_len`, i.e.
-  ceil(max_model_len / partition_size) partitions per sequence; runner/triton_decode.py already
-  makes a partition that starts past its sequence's context loop zero times and store nothing,
-  and its reduce kernel reads the partition count from the device `context_lens`;
+  ceil(max_model_len / partition_size) partitions per sequence (a sliding-window layer's grid:
+  ceil(min(max_model_len, window) / partition_size)); runner/triton_decode.py already makes a
+  partition that starts past its sequence's context loop zero times and store nothing, and the
+  reduce kernel (runner/triton_decode_reduce.py) reads the partition count from the device
+  `context_lens`;
 - a batch of B rows runs the graph of the smallest captured size >= B; the padding rows get
   slot -1 (store_kv skips negative slots, so they write no K/V) and context_len 1 (they read
   one key of a valid block id, left over from an earlier step or 0, so their output is finite

@@ -1,6 +1,7 @@
 """The decoder's layers over flat (varlen) token batches: attention (q/k/v fused into one
-projection, RoPE, paged attention), the gated SiLU MLP (gate/up fused), and the two ways a
-layer wires them: pre-norm (Llama and most others) and post-norm (OLMo 2)."""
+projection, RoPE, paged attention), the gated MLP (gate/up fused; SiLU, or Gemma's tanh GeLU),
+and the three ways a layer wires them: pre-norm (Llama and most others), post-norm (OLMo 2)
+and both (Gemma 3)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.architectures import POST_NORM_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from runner.architectures import (
+    GEMMA_ARCHITECTURES,
+    POST_NORM_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    layer_rope_types,
+    layer_windows,
+)
 from runner.attention import AttentionMetadata, paged_attention
 from runner.cpu_kernel import CpuKernels
 from runner.layers import RMSNorm, apply_rope
@@ -22,6 +29,10 @@ class Attention(nn.Module):
         # SmolLM3 leaves RoPE out of some layers (no_rope_layers[i] == 0: no rotation there).
         no_rope_layers = getattr(config, "no_rope_layers", None)
         self.use_rope = bool(no_rope_layers[layer]) if no_rope_layers else True
+        # Attends to its last `sliding_window` tokens only; None: the whole context.
+        self.sliding_window = layer_windows(config, arch)[layer]
+        # Which of the model's RoPE tables it rotates with (None: the one table).
+        self.rope_type = layer_rope_types(config)[layer]
         qkv_bias, o_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         attention_bias = bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
@@ -32,8 +43,11 @@ class Attention(nn.Module):
             raise ValueError(f"{self.num_heads} heads not a multiple of {self.num_kv_heads}")
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        # Granite sets the attention's scale itself; everyone else scales by 1/sqrt(head_dim).
-        self.scale = float(getattr(config, "attention_multiplier", None) or self.head_dim**-0.5)
+        # Granite sets the attention's scale itself, Gemma through query_pre_attn_scalar;
+        # everyone else scales by 1/sqrt(head_dim).
+        pre_attn_scalar = getattr(config, "query_pre_attn_scalar", None)
+        default_scale = (pre_attn_scalar or self.head_dim) ** -0.5
+        self.scale = float(getattr(config, "attention_multiplier", None) or default_scale)
         self.qkv_proj = nn.Linear(
             hidden,
             self.q_size + 2 * self.kv_size,
@@ -46,9 +60,11 @@ class Attention(nn.Module):
         q_width, k_width = (
             (self.head_dim, self.head_dim) if self.qk_norm_per_head else (self.q_size, self.kv_size)
         )
-        olmo = not self.qk_norm_per_head
-        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, olmo) if qk_norm else None
-        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, olmo) if qk_norm else None
+        gemma = arch in GEMMA_ARCHITECTURES
+        in_float32, offset = not self.qk_norm_per_head or gemma, 1.0 if gemma else 0.0
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(q_width, eps, in_float32, offset) if qk_norm else None
+        self.k_norm = RMSNorm(k_width, eps, in_float32, offset) if qk_norm else None
 
     def forward(
         self,
@@ -76,7 +92,9 @@ class Attention(nn.Module):
             # q and k heads side by side rotate in one pass: [T, Hq + Hkv, D], then split.
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
             q, k = self._rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, backend)  # [T, Hq, D]
+        o = paged_attention(  # [T, Hq, D]
+            q, k, v, k_cache, v_cache, meta, self.scale, backend, self.sliding_window
+        )
         out: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
         return out
 
@@ -84,12 +102,18 @@ class Attention(nn.Module):
         return apply_rope(x, cos, sin) if self.use_rope else x
 
 
+# The gated MLP's activations: SiLU (Llama and most others) and the tanh GeLU (Gemma).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
 class MLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
+        # Gemma names it hidden_activation, the others hidden_act.
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
+        self.activation = act
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
@@ -99,11 +123,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if self.kernels is not None and self.kernels.rowwise_supported(gate_up, self.intermediate):
-            act = self.kernels.silu_and_mul(gate_up)
+        silu = self.activation == "silu"
+        kernels = self.kernels
+        if silu and kernels is not None and kernels.rowwise_supported(gate_up, self.intermediate):
+            act = kernels.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
-            act = F.silu(gate) * up
+            act = (F.silu(gate) if silu else F.gelu(gate, approximate="tanh")) * up
         out: torch.Tensor = self.down_proj(act)
         return out
 
@@ -159,3 +185,33 @@ class PostNormLayer(nn.Module):
         x = self.self_attn(h, cos, sin, meta, k_cache, v_cache, backend)
         h = self.post_attention_layernorm(x).add_(h)  # a norm's output is fresh: in place
         return self.post_feedforward_layernorm(self.mlp(h)).add_(h)
+
+
+class SandwichNormLayer(nn.Module):
+    """Gemma 3's layer: each branch is normed on its way in and on its way out, every norm
+    scaling by 1 + weight in float32: h += norm(attention(norm(h))); h += norm(mlp(norm(h)))."""
+
+    def __init__(self, config: Any, arch: str, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, arch, layer)
+        self.mlp = MLP(config)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, True, 1.0)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, True, 1.0)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, True, 1.0)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, True, 1.0)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        backend: str,
+    ) -> torch.Tensor:
+        x = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, backend)
+        h = self.post_attention_layernorm(x).add_(h)  # a norm's output is fresh: in place
+        x = self.mlp(self.pre_feedforward_layernorm(h))
+        return self.post_feedforward_layernorm(x).add_(h)

@@ -15,6 +15,7 @@ from runner.config import EngineConfig
 from runner.engine_setup import build_engine_parts
 from runner.interrupts import interrupts_held
 from runner.live_requests import LiveRequests
+from runner.loader import generation_eos_ids
 from runner.logit_rules import bad_word_ids
 from runner.logprobs import TokenLogprobs
 from runner.metrics import MetricsRecorder
@@ -48,7 +49,9 @@ class Engine:
         self.scheduler = Scheduler(
             self.config, self.block_manager, self.max_model_len, self.kv.copy_slots
         )
-        self.stopper = StopChecker(self.hf_config, self.tokenizer, self.max_model_len)
+        self.stopper = StopChecker(
+            self.hf_config, self.tokenizer, self.max_model_len, generation_eos_ids(self.model_path)
+        )
         self.eos_ids = self.stopper.eos_ids
         self.grammars = GrammarBook(self.tokenizer, int(self.hf_config.vocab_size), self.eos_ids)
         self.validator = RequestValidator(

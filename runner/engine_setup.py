@@ -9,7 +9,6 @@ import torch
 
 from kvcache import BlockManager
 from kvcache.store import KVStore
-from runner.architectures import SLIDING_WINDOW_ARCHITECTURES
 from runner.config import EngineConfig
 from runner.cpu_allocator import keep_step_buffers_in_heap
 from runner.cpu_prepack import prepack_for_cpu
@@ -121,14 +120,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 def context_length(config: EngineConfig, model: CausalLM) -> int:
     """EngineConfig.max_model_len, or the model's context when it is None; refused past the
-    model's. A model of SLIDING_WINDOW_ARCHITECTURES attends only to its last `sliding_window`
-    tokens (when one is set), which no kernel here cuts off: its context stops at the window,
-    within which full attention is the same thing. A longrope model stops at its original
-    context (layers.py)."""
+    model's. A longrope model stops at its original context (layers.py)."""
     limit, why = int(model.max_position_embeddings), "its positions"
-    window = getattr(model.config, "sliding_window", None)
-    if model.architecture in SLIDING_WINDOW_ARCHITECTURES and window and window < limit:
-        limit, why = int(window), "its sliding window"
     original = rope_context_limit(model.config)
     if original is not None and original < limit:
         limit, why = original, "its longrope original context"

@@ -22,38 +22,55 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6, scale_in_float32: bool = False) -> None:
+    def __init__(
+        self, dim: int, eps: float = 1e-6, scale_in_float32: bool = False, offset: float = 0.0
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        # OLMo 2 scales before rounding to the input dtype, the others after (the same thing
-        # in float32; one rounding apart in bfloat16).
+        # OLMo 2 and Gemma scale before rounding to the input dtype, the others after (the
+        # same thing in float32; one rounding apart in bfloat16).
         self.scale_in_float32 = scale_in_float32
+        # Gemma stores its norms' weights less one: it scales by (1 + weight), in float32.
+        self.offset = offset
         # The CPU kernels, once the model is packed for them: one pass instead of five.
         self.kernels: CpuKernels | None = None
 
+    def scale(self) -> torch.Tensor:
+        """What the normalised rows are multiplied by: the weight, plus Gemma's offset (added
+        in float32, as transformers adds it, so a bfloat16 weight loses nothing)."""
+        return self.weight if self.offset == 0.0 else self.weight.float() + self.offset
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and self.kernels.rowwise_supported(x, x.shape[-1]):
-            return self.kernels.rms_norm(x, self.weight, self.eps)
+            return self.kernels.rms_norm(x, self.scale(), self.eps)
         if x.dtype == torch.float32:
             # One fused kernel; identical math to the branch below in float32.
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            return F.rms_norm(x, (x.shape[-1],), self.scale(), self.eps)
         # HF order: normalise in float32, round to the input dtype, then scale.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.scale_in_float32:
-            return (self.weight.float() * xf).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+            return (self.scale().float() * xf).to(x.dtype)
+        return self.scale() * xf.to(x.dtype)
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The RoPE settings of a config, for transformers 5 (rope_parameters) and 4.x
-    (rope_theta + rope_scaling) alike. Always has 'rope_type' and 'rope_theta'."""
+    (rope_theta + rope_scaling) alike. Always has 'rope_type' and 'rope_theta'. `layer_type`
+    picks a model's settings for one kind of layer where they differ (Gemma 3's
+    "sliding_attention" layers rotate with another base: transformers 5 keys rope_parameters
+    by layer type, 4.x gives rope_local_base_freq); None: the full-attention layers'."""
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and params:
-        if "rope_theta" not in params and "rope_type" not in params:
-            raise ValueError("per-layer-type rope_parameters are not supported by this model")
+        if "rope_theta" not in params and "rope_type" not in params:  # keyed by layer type
+            key = layer_type or "full_attention"
+            if key not in params:
+                raise ValueError(f"rope_parameters name no {key!r} layers")
+            params = params[key]
         params = dict(params)
+    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None):
+        params = {"rope_type": "default", "rope_theta": float(config.rope_local_base_freq)}
     else:
         params = dict(getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_type", params.pop("type", "default"))
@@ -87,9 +104,12 @@ def rope_context_limit(config: Any) -> int | None:
     return int(original) if original else None
 
 
-def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [rotary_dim // 2] (float32, CPU) and the cos/sin scale factor."""
-    params = rope_parameters(config)
+def rope_inv_freq(
+    config: Any, head_dim: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim // 2] (float32, CPU) and the cos/sin scale factor, for
+    the layers of `layer_type` (rope_parameters)."""
+    params = rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
     if rope_type == "default":
         base = float(params["rope_theta"])
@@ -104,16 +124,24 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     # of the config and exactly what HF's model computes.
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    keyed = getattr(config, "rope_parameters", None) or {}
+    by_type = layer_type is not None and "rope_type" not in keyed and "rope_theta" not in keyed
+    options = {"layer_type": layer_type} if by_type else {}
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, None, **options)
     return inv_freq.float().cpu(), float(scale)
 
 
 def rope_cos_sin(
-    config: Any, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device | str
+    config: Any,
+    head_dim: int,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    layer_type: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables [max_positions, rotary_dim] in `dtype`, indexed by position: cos repeated
     over both halves, sin negated over the first (so apply_rope needs no negation)."""
-    inv_freq, scale = rope_inv_freq(config, head_dim)
+    inv_freq, scale = rope_inv_freq(config, head_dim, layer_type)
     positions = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2], same products as HF
     cos = (freqs.cos() * scale).to(device=device, dtype=dtype)

@@ -111,6 +111,25 @@ def read_config(folder: Path) -> Any:
     return config
 
 
+def generation_eos_ids(folder: Path) -> set[int]:
+    """The end-of-sequence ids that the folder's generation_config.json names (chat models list
+    their end-of-turn token there, such as Gemma 3's <end_of_turn>, which transformers'
+    `generate` stops at too); empty when the file is absent or names none."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return set()
+    try:
+        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (ValueError, AttributeError) as e:  # not JSON, or not an object
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if eos is None:
+        return set()
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id {eos!r} is not a token id or a list of them")
+    return set(ids)
+
+
 def weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a folder (all shards of an index), else ValueError."""
     index = folder / "model.safetensors.index.json"

@@ -17,10 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.store import KVStore
-from runner.architectures import POST_NORM_ARCHITECTURES, resolve_architecture
+from runner.architectures import (
+    GEMMA_ARCHITECTURES,
+    POST_NORM_ARCHITECTURES,
+    layer_rope_types,
+    resolve_architecture,
+)
 from runner.attention import AttentionMetadata
 from runner.cpu_linear import PackedLinear
-from runner.decoder_layers import Attention, DecoderLayer, PostNormLayer
+from runner.decoder_layers import Attention, DecoderLayer, PostNormLayer, SandwichNormLayer
 from runner.hf_weights import load_hf_weights
 from runner.layers import RMSNorm, rope_cos_sin
 
@@ -33,29 +38,40 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.architecture = resolve_architecture(config)
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
+        if getattr(config, "attn_logit_softcapping", None):
+            raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
         self.num_layers = config.num_hidden_layers
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
         self.max_position_embeddings = config.max_position_embeddings
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # Granite: embeddings scaled up, logits scaled down (1 elsewhere).
+        gemma = self.architecture in GEMMA_ARCHITECTURES
+        # Granite: embeddings scaled up, logits scaled down (1 elsewhere). Gemma scales its
+        # embeddings by sqrt(hidden_size), rounded to the weights' dtype as transformers does.
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
+        if gemma:
+            self.embedding_multiplier = config.hidden_size**0.5
+        self.round_embedding_multiplier = gemma
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
+        # cap * tanh(logits / cap) where the config sets a final soft cap (Gemma's option).
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         # "torch", "cpu" or "triton"; the engine may switch it after loading.
         self.attention_backend = "torch"
         # A step's layers in one C call, once the model is packed for the CPU kernels.
         self.cpu_layers: CpuLayers | None = None
         self.head_s = 0.0  # seconds in compute_logits so far
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            (PostNormLayer if self.architecture in POST_NORM_ARCHITECTURES else DecoderLayer)(
-                config, self.architecture, i
-            )
-            for i in range(self.num_layers)
+        layer_class = (
+            SandwichNormLayer
+            if gemma
+            else PostNormLayer
+            if self.architecture in POST_NORM_ARCHITECTURES
+            else DecoderLayer
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            layer_class(config, self.architecture, i) for i in range(self.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma, 1.0 if gemma else 0.0)
         self.lm_head: nn.Module | None = (
             None
             if self.tie_word_embeddings
@@ -70,6 +86,10 @@ class CausalLM(nn.Module):
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        # Each layer's RoPE settings (layer_rope_types): None for all but a model that rotates
+        # some layers with other settings, whose tables are kept here by layer type.
+        self.layer_rope_types = layer_rope_types(config)
+        self.rope_by_type: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.embed_tokens.weight.device.type != "meta":
             self.init_rope_cache()
 
@@ -80,6 +100,12 @@ class CausalLM(nn.Module):
         self.rope_cos, self.rope_sin = rope_cos_sin(
             self.config, self.head_dim, self.max_position_embeddings, w.dtype, w.device
         )
+        self.rope_by_type = {
+            kind: rope_cos_sin(
+                self.config, self.head_dim, self.max_position_embeddings, w.dtype, w.device, kind
+            )
+            for kind in {k for k in self.layer_rope_types if k is not None}
+        }
 
     def forward(
         self,
@@ -90,16 +116,24 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, H]; writes K/V of all T tokens."""
         h = self.embed_tokens(input_ids)  # [T, H]
-        if self.embedding_multiplier != 1.0:
+        if self.round_embedding_multiplier:
+            h = h * torch.tensor(self.embedding_multiplier, dtype=h.dtype)
+        elif self.embedding_multiplier != 1.0:
             h = h * self.embedding_multiplier
         cos = self.rope_cos.index_select(0, positions)  # [T, D]
         sin = self.rope_sin.index_select(0, positions)
         if self.cpu_layers is not None and self.cpu_layers.takes(kv, self.attention_backend):
             h = self.cpu_layers.run(h, cos, sin, meta, kv)
         else:
+            by_type = {  # [T, D] each, per layer type with its own tables
+                kind: (c.index_select(0, positions), s.index_select(0, positions))
+                for kind, (c, s) in self.rope_by_type.items()
+            }
             for i, layer in enumerate(self.layers):
                 k_cache, v_cache = kv.layer(i)
-                h = layer(h, cos, sin, meta, k_cache, v_cache, self.attention_backend)
+                kind = self.layer_rope_types[i]
+                c, s = (cos, sin) if kind is None else by_type[kind]
+                h = layer(h, c, s, meta, k_cache, v_cache, self.attention_backend)
         out: torch.Tensor = self.norm(h)
         return out
 
@@ -111,7 +145,10 @@ class CausalLM(nn.Module):
         logits = F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)
         self.head_s += time.perf_counter() - start
         logits = logits.float()
-        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        cap = self.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def num_matmul_params(self, include_head: bool = True) -> int:
         """Weights that take part in a token's matrix products: the projections, and the head

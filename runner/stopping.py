@@ -17,10 +17,17 @@ TAIL_MARGIN_TOKENS = 8
 class StopChecker:
     """Decides after each sampled token whether its request is finished, and why."""
 
-    def __init__(self, config: Any, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        tokenizer: Any,
+        max_model_len: int,
+        generation_eos: set[int] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.eos_ids = eos_ids(config, tokenizer)
+        # The config's and the tokenizer's EOS, and those of generation_config.json.
+        self.eos_ids = eos_ids(config, tokenizer) | (generation_eos or set())
         # Cleaning up tokenization spaces drops a space before punctuation (two in " ' "), so a
         # token can yield no byte of the final text: up to 3 tokens per byte of a stop string.
         self.cleans_up_spaces = tokenizer is not None and cleans_up_spaces(tokenizer)

@@ -88,13 +88,14 @@ def recorded_launches() -> Iterator[list[Launch]]:
     """Within the block, the attention kernels record their launches instead of running."""
     import runner.triton_attention as store_mod
     import runner.triton_decode as decode_mod
+    import runner.triton_decode_reduce as reduce_mod
     import runner.triton_prefill as prefill_mod
 
     targets = [
         (store_mod, "_store_kv_kernel"),
         (prefill_mod, "_prefill_kernel"),
         (decode_mod, "_decode_partition_kernel"),
-        (decode_mod, "_decode_reduce_kernel"),
+        (reduce_mod, "_decode_reduce_kernel"),
     ]
     sink: list[Launch] = []
     saved = [(module, name, getattr(module, name)) for module, name in targets]
@@ -107,9 +108,13 @@ def recorded_launches() -> Iterator[list[Launch]]:
             setattr(module, name, kernel)
 
 
-def step_launches(shape: str, dtype: torch.dtype, block_size: int = 16) -> list[Launch]:
+def step_launches(
+    shape: str, dtype: torch.dtype, block_size: int = 16, window: int | None = None
+) -> list[Launch]:
     """The launches of the runner's attention steps for one model shape and cache dtype: K/V
-    store, prefill over a cached prefix, decode in one partition and split into several."""
+    store, prefill over a cached prefix, decode in one partition and split into several. With a
+    sliding `window` the attention launches are the windowed variants (a window shorter than
+    DEFAULT_PARTITION_SIZE leaves the long decode in one partition)."""
     from runner.triton_attention import store_kv
     from runner.triton_decode import DEFAULT_PARTITION_SIZE, decode_attention
     from runner.triton_prefill import prefill_attention
@@ -125,11 +130,12 @@ def step_launches(shape: str, dtype: torch.dtype, block_size: int = 16) -> list[
         store_kv(kv, kv, k_cache, v_cache, torch.zeros(40, dtype=torch.int64))
         q = torch.zeros(40, num_q, head_dim, dtype=dtype)
         starts, contexts = torch.tensor([0, 30, 40], dtype=i32), torch.tensor([90, 10], dtype=i32)
-        prefill_attention(q, k_cache, v_cache, starts, contexts, tables, 0.1, 30)
+        prefill_attention(q, k_cache, v_cache, starts, contexts, tables, 0.1, 30, window=window)
         short = torch.tensor([100, 3], dtype=i32)
-        decode_attention(q[:2], k_cache, v_cache, short, tables, 0.1, 100)
+        decode_attention(q[:2], k_cache, v_cache, short, tables, 0.1, 100, window=window)
         long = torch.tensor([DEFAULT_PARTITION_SIZE * 3, 3], dtype=i32)
-        decode_attention(q[:2], k_cache, v_cache, long, tables, 0.1, int(long.max()))
+        max_long = int(long.max())
+        decode_attention(q[:2], k_cache, v_cache, long, tables, 0.1, max_long, window=window)
     return launches
 
 
@@ -190,14 +196,17 @@ def compile_launch(launch: Launch, arch: int, case: str) -> Compiled:
     )
 
 
-def compile_cases(cases: list[tuple[str, str]], arches: list[int]) -> Iterator[Compiled]:
+def compile_cases(
+    cases: list[tuple[str, str]], arches: list[int], window: int | None = None
+) -> Iterator[Compiled]:
     """Compile every launch of each (shape, dtype name) case for each architecture."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("0", ""):
         raise RuntimeError("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled")
     for shape, dtype_name in cases:
-        for launch in step_launches(shape, DTYPES[dtype_name]):
+        case = f"{shape} {dtype_name}" + ("" if window is None else f" window {window}")
+        for launch in step_launches(shape, DTYPES[dtype_name], window=window):
             for arch in arches:
-                yield compile_launch(launch, arch, f"{shape} {dtype_name}")
+                yield compile_launch(launch, arch, case)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, action="append", choices=sorted(SHARED_MEMORY_LIMIT))
     parser.add_argument("--case", action="append", metavar="SHAPE:DTYPE")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--window", type=int, help="compile the sliding-window variants")
     args = parser.parse_args(argv)
     # Before the kernel modules are imported: they would pick the interpreter on a CPU machine.
     os.environ["TRITON_INTERPRET"] = "0"
@@ -218,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"unknown case {shape}:{dtype}: shapes {list(MODEL_SHAPES)}, dtypes {list(DTYPES)}"
             )
     too_big = 0
-    for result in compile_cases(cases, arches):
+    if args.window is not None and args.window < 1:
+        parser.error(f"--window must be at least 1, got {args.window}")
+    for result in compile_cases(cases, arches, args.window):
         too_big += not result.fits()
         if args.json:
             print(json.dumps(asdict(result)), flush=True)

@@ -4,7 +4,8 @@ Cache layout (kvcache/store.py): k_cache / v_cache [num_blocks, block_size, Hkv,
 flat slot is block * block_size + offset. A step first writes the new tokens' K/V at their slots
 (store_kv), then attends: decode-only steps go to the split-K decode kernels
 (runner/triton_decode.py), anything else to the varlen causal prefill kernel
-(runner/triton_prefill.py), which also covers mixed prefill + decode batches.
+(runner/triton_prefill.py), which also covers mixed prefill + decode batches. Both take an
+optional sliding window and then load only the keys inside it.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (runner/triton_common.py).
 """
@@ -115,15 +116,36 @@ def triton_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     *,
+    window: int | None = None,
     partition_size: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `paged_attention(..., backend="triton")`.
 
-    q [T, Hq, D], k / v [T, Hkv, D]. Writes k / v into the caches at meta.slot_mapping, then
-    query i of a sequence with query_len L and context_len C (positions C - L + i) attends to
-    its sequence's keys at positions <= C - L + i. Returns [T, Hq, D] in q's dtype.
+    q [T, Hq, D], k / v [T, Hkv, D]; k_cache / v_cache [num_blocks, block_size, Hkv, D].
+    Writes k / v into the caches at meta.slot_mapping (mutates them), then query i of a sequence
+    with query_len L and context_len C sits at position p = C - L + i and attends to its
+    sequence's keys at positions j with
+
+        p - window < j <= p    (window W >= 1: its last W tokens, itself included)
+        0 <= j <= p            (window None: the whole causal context)
+
+    which is transformers' sliding_window_overlay (kv_idx > q_idx - sliding_window). A window
+    of 1 sees only the token itself; one >= C cuts nothing (the same result as None).
+    Returns [T, Hq, D] in q's dtype.
+
+    The window is a runtime kernel argument (one compiled kernel serves every window size, so
+    the layers of a model may differ and a CUDA graph captures each layer's value) plus a
+    constexpr flag: window=None compiles the kernels exactly as before, with no extra work.
+    Work outside the window is skipped, not masked: a decode's split-K partitions start at its
+    window start max(C - W, 0), so it reads only keys C - W .. C - 1 and launches
+    cdiv(min(C, W), partition_size) partitions, none of them empty; a prefill tile starts its
+    key loop at the window start of its first query and masks per key only the span where its
+    queries' windows differ, exactly at any block or tile alignment.
+
     `partition_size` overrides the decode split-K partition length (keys per program).
     """
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window {window} must be at least 1")
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.decode_only:
         kwargs = {} if partition_size is None else {"partition_size": partition_size}
@@ -135,6 +157,7 @@ def triton_paged_attention(
             meta.block_tables,
             scale,
             meta.max_context_len,
+            window=window,
             **kwargs,
         )
     return prefill_attention(
@@ -146,4 +169,5 @@ def triton_paged_attention(
         meta.block_tables,
         scale,
         meta.max_query_len,
+        window=window,
     )

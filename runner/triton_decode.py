@@ -1,11 +1,15 @@
 """Triton decode attention over a paged KV cache, split along the context (flash-decoding).
 
 Decode has one query per sequence, so a grid of (sequences x KV heads) alone leaves most of a
-GPU idle for small batches with long contexts. The context of each sequence is therefore cut
-into partitions of `partition_size` keys, one program each; every program writes its partial
-result (output normalised by its own softmax sum, plus the log2-sum-exp of its scores) and a
-second, tiny kernel combines the partitions. With a single partition the first kernel writes
-the final output directly and the reduce is skipped.
+GPU idle for small batches with long contexts. The keys each query sees are therefore cut into
+partitions of `partition_size` keys, one program each; every program writes its partial result
+(output normalised by its own softmax sum, plus the log2-sum-exp of its scores) and a second,
+tiny kernel (runner/triton_decode_reduce.py) combines the partitions. With a single partition
+the first kernel writes the final output directly and the reduce is skipped.
+
+Sliding window W: the query at position C - 1 sees keys C - W .. C - 1 only, so the partitions
+start at the window start max(C - W, 0) instead of 0. Keys before it are never loaded, no
+partition lies wholly before it, and the grid needs cdiv(min(C, W), partition_size) partitions.
 
 A program handles all GROUP query heads that share one KV head, so K/V rows are loaded once per
 group (GQA); the group is padded to 16 rows because tl.dot needs tiles of at least 16.
@@ -24,6 +28,7 @@ from runner.triton_common import (
     last_dim_contiguous,
     pow2_at_least,
 )
+from runner.triton_decode_reduce import combine_partitions
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * log2(e))
 DEFAULT_PARTITION_SIZE = 512  # keys per partition; a multiple of every tile size used
@@ -50,6 +55,7 @@ def _decode_partition_kernel(
     stride_op: int,
     stride_ls: int,
     stride_lh: int,
+    window: int,  # sliding window in keys; read only when USE_WINDOW
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16
@@ -58,6 +64,7 @@ def _decode_partition_kernel(
     PARTITION_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,  # False: the whole context, at no extra cost
     DOT_DTYPE: tl.constexpr,  # tl.dot operand dtype (see dot_config)
     DOT_PRECISION: tl.constexpr,
 ) -> None:
@@ -66,7 +73,13 @@ def _decode_partition_kernel(
     part = tl.program_id(2)
 
     ctx_len = tl.load(context_lens_ptr + seq)
-    part_start = part * PARTITION_SIZE
+    # Partitions tile the visible keys [win_start, ctx_len) from the window start, so every key
+    # a program loads is visible (no per-key window mask) and each partition of this sequence
+    # that the reduce reads holds at least one key.
+    win_start = 0
+    if USE_WINDOW:
+        win_start = tl.maximum(ctx_len - window, 0)
+    part_start = win_start + part * PARTITION_SIZE
     part_end = tl.minimum(ctx_len, part_start + PARTITION_SIZE)  # <= part_start: nothing to do
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -88,7 +101,7 @@ def _decode_partition_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     for start in range(part_start, part_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)  # key positions; all visible to the one query
+        offs_n = start + tl.arange(0, BLOCK_N)  # key positions; all >= win_start: visible
         n_valid = offs_n < part_end
         block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         row = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_co + kv_head * stride_ch
@@ -109,8 +122,9 @@ def _decode_partition_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    # Partitions past a short sequence's end write nothing. where() rather than `mask & scalar`:
-    # the interpreter turns `tensor & scalar-bool` into an int array that tl.store rejects.
+    # Partitions past the end of a short sequence's keys write nothing (the reduce reads only
+    # the partitions that start before ctx_len). where() rather than `mask & scalar`: the
+    # interpreter turns `tensor & scalar-bool` into an int array that tl.store rejects.
     has_keys = part_start < ctx_len
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / safe_l[:, None]
@@ -126,55 +140,6 @@ def _decode_partition_kernel(
         tl.store(lse_ptr, lse, mask=tl.where(has_keys, g_valid, False))
 
 
-@triton.jit
-def _decode_reduce_kernel(
-    part_out_ptr: tl.tensor,  # [S, Hq, P, D] float32, each partition normalised by its own sum
-    part_lse_ptr: tl.tensor,  # [S, Hq, P] float32 log2-sum-exp of each partition's scores
-    out_ptr: tl.tensor,  # [S, Hq, D]
-    context_lens_ptr: tl.tensor,  # [S] int32
-    stride_ps: int,
-    stride_ph: int,
-    stride_pp: int,
-    stride_ls: int,
-    stride_lh: int,
-    stride_os: int,
-    stride_oh: int,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
-    P_PAD: tl.constexpr,  # number of partitions rounded up to a power of two
-) -> None:
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    ctx_len = tl.load(context_lens_ptr + seq)
-    num_parts = tl.cdiv(ctx_len, PARTITION_SIZE)  # only these were written for this sequence
-
-    offs_p = tl.arange(0, P_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    p_valid = offs_p < num_parts
-    d_valid = offs_d < HEAD_DIM
-    lse_row = part_lse_ptr + seq.to(tl.int64) * stride_ls + head * stride_lh
-    lse = tl.load(lse_row + offs_p, mask=p_valid, other=float("-inf"))  # [P_PAD]
-    # Partition j holds o_j = sum_j(e^s v) / l_j and lse_j = log2(l_j) (max included), so the
-    # full softmax is sum_j w_j o_j / sum_j w_j with w_j = 2^(lse_j - max lse).
-    weight = tl.exp2(lse - tl.max(lse, axis=0))
-    weight = tl.where(p_valid, weight, 0.0)
-    part_row = part_out_ptr + seq.to(tl.int64) * stride_ps + head * stride_ph
-    parts = tl.load(
-        part_row + offs_p[:, None] * stride_pp + offs_d[None, :],
-        mask=p_valid[:, None] & d_valid[None, :],
-        other=0.0,
-    )  # [P_PAD, D_PAD]
-    total = tl.sum(weight, axis=0)
-    total = tl.where(total > 0.0, total, 1.0)
-    out = tl.sum(weight[:, None] * parts, axis=0) / total
-    tl.store(
-        out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d_valid,
-    )
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -186,14 +151,16 @@ def decode_attention(
     *,
     partition_size: int = DEFAULT_PARTITION_SIZE,
     block_n: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence over its whole cached context.
+    """Attention of one new token per sequence over its cached context: all of it, or with a
+    sliding `window` W >= 1 its last W keys (the new token's own included).
 
     q [S, Hq, D] (token s belongs to sequence s); k_cache / v_cache [num_blocks, block_size,
     Hkv, D] already holding the new token; context_lens [S] int32 including it; block_tables
-    [S, max_blocks] int32. `max_context_len` (host int) sets the number of partitions; it is
-    read from the tensor, with a device sync, when not given. `partition_size` must be a
-    power-of-two multiple of 16. Returns [S, Hq, D] in q's dtype.
+    [S, max_blocks] int32. `max_context_len` (host int, an upper bound of context_lens) sets
+    the number of partitions; it is read from the tensor, with a device sync, when not given.
+    `partition_size` must be a power-of-two multiple of 16. Returns [S, Hq, D] in q's dtype.
     """
     check_cache_pair(k_cache, v_cache)
     q = last_dim_contiguous(q)
@@ -203,6 +170,8 @@ def decode_attention(
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window {window} must be at least 1")
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
@@ -212,7 +181,9 @@ def decode_attention(
     if block_n < 16 or block_n & (block_n - 1):  # the interpreter takes any; the compiler not
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     group = num_q_heads // num_kv_heads
-    num_parts = max(1, triton.cdiv(max_context_len, partition_size))
+    # A query sees at most min(C, W) keys; partitions start at its window start (see above).
+    max_keys = max_context_len if window is None else min(max_context_len, window)
+    num_parts = max(1, triton.cdiv(max_keys, partition_size))
     single = num_parts == 1
     if single:  # the partition kernel writes the final output: view it as [S, Hq, P=1, D]
         part_out, part_lse = out.unsqueeze(2), out
@@ -245,6 +216,7 @@ def decode_attention(
         part_out.stride(2),
         part_lse.stride(0),
         part_lse.stride(1),
+        window or 0,  # ignored without a window (USE_WINDOW=False)
         BLOCK_SIZE=block_size,
         GROUP=group,
         GROUP_PAD=pow2_at_least(group),
@@ -253,26 +225,11 @@ def decode_attention(
         PARTITION_SIZE=partition_size,
         BLOCK_N=block_n,
         WRITE_LSE=not single,
+        USE_WINDOW=window is not None,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
     )
     if single:
         return out
-    _decode_reduce_kernel[(num_seqs, num_q_heads)](
-        part_out,
-        part_lse,
-        out,
-        context_lens,
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=head_dim,
-        D_PAD=d_pad,
-        PARTITION_SIZE=partition_size,
-        P_PAD=triton.next_power_of_2(num_parts),
-    )
+    combine_partitions(part_out, part_lse, out, context_lens, partition_size, window)
     return out

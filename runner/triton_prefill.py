@@ -4,10 +4,13 @@ Each sequence s contributes query_len L = query_start_loc[s+1] - query_start_loc
 and has context_len C keys in the cache, *including* those L (store_kv already wrote them). New
 token i sits at position C - L + i and attends to key positions <= C - L + i, so a cached prefix
 (prefix cache hit or an earlier chunk of a chunked prefill) is read through the block table.
+With a sliding window W it sees only keys > C - L + i - W, its last W tokens.
 
 One program computes a [BLOCK_M, D] tile of queries of one sequence for one query head with an
 online softmax (flash attention) in float32, walking the keys BLOCK_N at a time and gathering
 every key's cache row through the block table, so BLOCK_N is independent of the cache block size.
+A tile's keys run from the window start of its first query to the causal end of its last one;
+keys in that span hidden from some of its queries (the two triangles) are masked per key.
 """
 
 from __future__ import annotations
@@ -45,12 +48,14 @@ def _prefill_kernel(
     stride_co: int,
     stride_ch: int,
     stride_bt: int,
+    window: int,  # sliding window in keys; read only when USE_WINDOW
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     GROUP: tl.constexpr,  # query heads per KV head (GQA)
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two >= 16
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,  # False: the whole causal context, at no extra cost
     DOT_DTYPE: tl.constexpr,  # tl.dot operand dtype (see dot_config)
     DOT_PRECISION: tl.constexpr,
 ) -> None:
@@ -82,15 +87,22 @@ def _prefill_kernel(
     # the sequence's end (grid is sized for the longest query) sees nothing and stores nothing.
     kv_end = tl.minimum(ctx_len, first_pos + (tile + 1) * BLOCK_M)
     kv_end = tl.where(tile * BLOCK_M < q_len, kv_end, 0)
+    # Window: the tile's first query (the earliest window start) sees keys >= its position - W + 1;
+    # the loop starts there, so keys before every query's window are never loaded.
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(first_pos + tile * BLOCK_M - window + 1, 0)
 
     # A finite floor instead of -inf keeps exp2(m_old - m_new) a number for rows that have seen
-    # only masked keys so far; masked scores are -inf, so they contribute exp2(-inf) = 0.
+    # only masked keys so far (before the diagonal, or before a later query's window start);
+    # masked scores are -inf, so they contribute exp2(-inf) = 0. A valid query always sees
+    # itself, so its final l_i > 0.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)  # key positions
         n_valid = offs_n < kv_end
         block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
@@ -102,6 +114,8 @@ def _prefill_kernel(
         # [BLOCK_M, BLOCK_N] scores in the log2 domain
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if USE_WINDOW:  # a later query's window starts later: exact per key, any alignment
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -135,8 +149,10 @@ def prefill_attention(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention of new tokens over their cached context.
+    """Causal varlen attention of new tokens over their cached context; with a sliding
+    `window` W >= 1 the token at position p sees only keys p - W < j <= p.
 
     q [T, Hq, D]; k_cache / v_cache [num_blocks, block_size, Hkv, D] already holding the new
     tokens' K/V; query_start_loc [S+1] int32; context_lens [S] int32 (including the new tokens);
@@ -149,6 +165,8 @@ def prefill_attention(
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window {window} must be at least 1")
     out = torch.empty_like(q)
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -180,12 +198,14 @@ def prefill_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        window or 0,  # ignored without a window (USE_WINDOW=False)
         BLOCK_SIZE=block_size,
         GROUP=num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         D_PAD=pow2_at_least(head_dim),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        USE_WINDOW=window is not None,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
     )

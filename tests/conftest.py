@@ -41,7 +41,9 @@ TINY_BASE: dict[str, Any] = {
 # Per architecture: the HF class name and what differs from the base. Llama keeps an
 # untied head, Qwen2 ties it (and has q/k/v bias), Qwen3 has head_dim != hidden / heads,
 # Phi-3 stores q/k/v and gate/up fused, Granite scales embeddings, attention, residuals and
-# logits, SmolLM3 leaves RoPE out of some layers, OLMo 2 norms each branch on its way out.
+# logits, SmolLM3 leaves RoPE out of some layers, OLMo 2 norms each branch on its way out,
+# Gemma 3 norms both ways, scales attention by query_pre_attn_scalar, gates with GeLU and mixes
+# local layers (a sliding window of 16 tokens, their own RoPE base) with global ones.
 TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaForCausalLM", {"tie_word_embeddings": False, "rope_theta": 10000.0}),
     "mistral": ("MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}),
@@ -53,6 +55,19 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3ForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}),
     "smollm3": ("SmolLM3ForCausalLM", {"no_rope_layer_interval": 2}),  # RoPE every other layer
     "olmo2": ("Olmo2ForCausalLM", {"tie_word_embeddings": False}),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            },
+        },
+    ),
     "granite": (
         "GraniteForCausalLM",
         {
@@ -162,6 +177,23 @@ def tiny_smollm3_dir(make_tiny_model: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_olmo2_dir(make_tiny_model: Callable[..., Path]) -> Path:
     return make_tiny_model("olmo2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(make_tiny_model: Callable[..., Path]) -> Path:
+    return make_tiny_model("gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_window_dir(make_tiny_model: Callable[..., Path]) -> Path:
+    """Mistral attending to its last 20 tokens in every layer."""
+    return make_tiny_model("mistral", sliding_window=20)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_window_dir(make_tiny_model: Callable[..., Path]) -> Path:
+    """Qwen2 with use_sliding_window: its second layer attends to its last 12 tokens."""
+    return make_tiny_model("qwen2", use_sliding_window=True, sliding_window=12, max_window_layers=1)
 
 
 @pytest.fixture(scope="session")

@@ -27,8 +27,10 @@ def naive_attention(
     context_lens: list[int],
     tables: list[list[int]],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Token by token, in float64: query i of a sequence sits at C - L + i and sees 0..pos."""
+    """Token by token, in float64: query i of a sequence sits at C - L + i and sees 0..pos
+    (with a sliding window W, only pos - W + 1..pos)."""
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // hkv
     out = torch.empty_like(q, dtype=torch.float64)
@@ -40,8 +42,10 @@ def naive_attention(
         keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
         for i in range(q_len):
             pos = ctx - q_len + i
-            scores = torch.einsum("hd,chd->hc", q[row].double(), keys[: pos + 1]) * scale
-            out[row] = torch.einsum("hc,chd->hd", scores.softmax(-1), vals[: pos + 1])
+            first = 0 if window is None else max(0, pos - window + 1)
+            seen_k, seen_v = keys[first : pos + 1], vals[first : pos + 1]
+            scores = torch.einsum("hd,chd->hc", q[row].double(), seen_k) * scale
+            out[row] = torch.einsum("hc,chd->hd", scores.softmax(-1), seen_v)
             row += 1
     return out
 
@@ -59,12 +63,13 @@ def run_case(
     plans: list[Any] | None = None,
     backend: str = "torch",
     cache_dtype: torch.dtype | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(paged_attention output, naive output) for one random batch. With `shared_blocks`, every
     table starts with the same blocks (a cached prompt the sequences share). The step's attention
     plan is appended to `plans` when given, for tests that check which path ran. The caches are
     of `cache_dtype` (default `dtype`): the new K/V are stored rounded to it, and the naive
-    reference reads them as stored."""
+    reference reads them as stored. `window`: a sliding window for both."""
     cache_dtype = cache_dtype or dtype
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -91,14 +96,14 @@ def run_case(
     v = torch.randn(t, hkv, head_dim).to(dtype)
     meta = AttentionMetadata.build(q_lens, ctxs, tables, block_size)
     scale = head_dim**-0.5
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale, backend)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale, backend, window)
     if plans is not None:
         plans.append(meta._torch_plan)
     # The new K/V must sit at their slots.
     flat_k = k_cache.view(-1, hkv, head_dim)
     assert torch.equal(flat_k[meta.slot_mapping], k.to(cache_dtype))
     assert torch.equal(v_cache.view(-1, hkv, head_dim)[meta.slot_mapping], v.to(cache_dtype))
-    ref = naive_attention(q, k_cache, v_cache, q_lens, ctxs, tables, scale)
+    ref = naive_attention(q, k_cache, v_cache, q_lens, ctxs, tables, scale, window)
     return out, ref
 
 

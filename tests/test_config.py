@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine_equivalence import hf_greedy
-from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
 from runner.config import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, EngineConfig
@@ -83,29 +81,3 @@ def test_max_model_len_bounds_requests_and_the_pool(
     assert full.generate([prompt], params)[0].token_ids == out[0].token_ids
     with pytest.raises(ValueError, match="longer than the model's context"):
         LLM(str(path), max_model_len=513)
-
-
-@pytest.mark.parametrize("arch", ["mistral", "phi3"])
-def test_a_sliding_window_bounds_the_context(
-    make_tiny_model: Callable[..., Path], arch: str
-) -> None:
-    """Mistral and Phi-3 attend only to their last `sliding_window` tokens, which no kernel
-    here cuts: the context stops at the window, where answers are still transformers' own, and
-    a longer one is refused by name. Without a window (Mistral v0.2 on) the positions bound
-    it."""
-    windowed = make_tiny_model(arch, sliding_window=32, max_position_embeddings=128)
-    llm = LLM(str(windowed))
-    assert llm.max_model_len == 32
-    with pytest.raises(ValueError, match="32"):
-        llm.generate([[5] * 40], SamplingParams(max_tokens=1))
-    with pytest.raises(ValueError, match="sliding window"):
-        LLM(str(windowed), max_model_len=64)
-    prompt = [3 + (i * 11) % 200 for i in range(24)]
-    params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
-    out = llm.generate([prompt], params)[0]
-    assert (len(out.token_ids), out.finish_reason) == (8, "length")
-    hf = AutoModelForCausalLM.from_pretrained(windowed, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        assert out.token_ids == hf_greedy(hf, prompt, 8, None)
-    unwindowed = make_tiny_model(arch, max_position_embeddings=128)
-    assert LLM(str(unwindowed)).max_model_len == 128

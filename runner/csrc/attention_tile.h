@@ -62,10 +62,12 @@ static void widen_blocks(const void *k_cache, const void *v_cache, const int *ta
     }
 }
 
-/* Lanes of qt [d][16] (the rows' queries, transposed and scaled) against keys 0 .. key_end - 1;
- * lane i sees the keys up to positions[i]. Every lane must see key 0. */
-static void tile_attend(const float qt[][TILE], const struct paged_keys *src, long key_end,
-                        const int positions[TILE], struct tile_state *state)
+/* Lanes of qt [d][16] (the rows' queries, transposed and scaled) against keys key_begin ..
+ * key_end - 1; lane i sees keys lows[i] .. positions[i] (lows NULL: from key_begin; a sliding
+ * window's start otherwise), at least one of them. key_begin need not start a block. */
+static void tile_attend(const float qt[][TILE], const struct paged_keys *src, long key_begin,
+                        long key_end, const int lows[TILE], const int positions[TILE],
+                        struct tile_state *state)
 {
     const long d = src->d;
     /* Token rows a multiple of 4 KB apart (Hkv * D = 1024, 2048, ...) put the 16 keys of a
@@ -76,11 +78,12 @@ static void tile_attend(const float qt[][TILE], const struct paged_keys *src, lo
     float value_copy[TILE][TILE_MAX_DIM + TILE] __attribute__((aligned(64)));
     float probs[TILE][TILE] __attribute__((aligned(64))); /* p per key, lanes = rows */
     const __m512i position = _mm512_loadu_si512(positions);
+    const __m512i low = lows ? _mm512_loadu_si512(lows) : _mm512_set1_epi32((int)key_begin);
     for (long j = 0; j < d; j++)
         _mm512_store_ps(state->acc[j], _mm512_setzero_ps());
     state->running_max = _mm512_set1_ps(-INFINITY);
     state->running_sum = _mm512_setzero_ps();
-    for (long first = 0; first < key_end; first += TILE) {
+    for (long first = key_begin; first < key_end; first += TILE) {
         const float *keys[TILE], *values[TILE];
         for (long t = 0; t < TILE; t++) {
             long key = first + t < key_end ? first + t : key_end - 1;
@@ -105,19 +108,25 @@ static void tile_attend(const float qt[][TILE], const struct paged_keys *src, lo
             for (int t = 0; t < TILE; t++)
                 s[t] = _mm512_fmadd_ps(_mm512_set1_ps(keys[t][j]), qj, s[t]);
         }
-        /* key first + t counts for the rows whose position is at or past it (and exists);
-         * the others give it no weight at all */
+        /* key first + t counts for the rows whose position is at or past it and whose window
+         * reaches back to it (and exists); the others give it no weight at all */
         __m512 chunk_max = state->running_max;
         __mmask16 visible[TILE];
         for (int t = 0; t < TILE; t++) {
-            long key = first + t;
-            visible[t] = key < key_end
-                ? _mm512_cmpge_epi32_mask(position, _mm512_set1_epi32((int)key)) : 0;
+            const __m512i key = _mm512_set1_epi32((int)(first + t));
+            visible[t] = first + t < key_end
+                ? _mm512_mask_cmpge_epi32_mask(_mm512_cmple_epi32_mask(low, key), position, key)
+                : 0;
             chunk_max = _mm512_max_ps(chunk_max,
                                       _mm512_mask_mov_ps(state->running_max, visible[t], s[t]));
         }
-        /* every row sees key 0, so chunk_max is finite from the first chunk on */
-        __m512 shrink = exp_nonpositive(_mm512_sub_ps(state->running_max, chunk_max));
+        /* A row whose window starts in a later chunk has seen no key yet: its max is still
+         * -inf, and -inf - -inf a NaN; its shrink is 0 instead (its sum and acc are 0 anyway).
+         * Every other row's max is finite from its first key on. */
+        const __mmask16 seen = _mm512_cmp_ps_mask(chunk_max, _mm512_set1_ps(-INFINITY),
+                                                  _CMP_NEQ_OQ);
+        __m512 shrink = _mm512_maskz_mov_ps(
+            seen, exp_nonpositive(_mm512_sub_ps(state->running_max, chunk_max)));
         state->running_max = chunk_max;
         __m512 sum = _mm512_mul_ps(state->running_sum, shrink);
         for (int t = 0; t < TILE; t++) {

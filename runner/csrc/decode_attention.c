@@ -2,8 +2,9 @@
  *
  * q [S, Hq, D]; caches [blocks, B, Hkv, D]; block_tables [S, max_blocks] int32; context_lens
  * [S] int32; out [S, Hq, D]; all float32 and contiguous. Sequence s attends to its first
- * context_lens[s] tokens, read in place through its block table: no gather, no padding, and
- * blocks that several sequences share (a system prompt) stay in cache for all of them.
+ * C = context_lens[s] tokens, read in place through its block table: no gather, no padding, and
+ * blocks that several sequences share (a system prompt) stay in cache for all of them. With a
+ * sliding window W > 0, only to its last W: keys max(0, C - W) .. C - 1, the others never read.
  *
  * One task per (sequence, KV head) computes the G = Hq / Hkv query heads of that KV head
  * together, so each key and value row is loaded once for G heads (GQA). The softmax is the
@@ -13,7 +14,8 @@
  * When all sequences start with the same `shared_blocks` blocks (a system prompt), those keys
  * are scored first for every row at once, 16 rows per vector lane (attention_tile.h: each key
  * read once per 16 rows instead of once per G), and each task then carries that softmax state
- * on through its own later keys.
+ * on through its own later keys. That pass sees every key of the shared blocks, so with a window
+ * it runs only when every window reaches back to key 0 (else shared_blocks is taken as 0).
  *
  * The caches hold float32, or float16 with kv_half (widened as they are read: attention_tile.h).
  *
@@ -26,8 +28,9 @@
 
 enum { LANES = 16, MAX_GROUP = 8, MAX_VECS = 16, MAX_BLOCK = 256 };
 
-/* The task body; G, VECS (= D / 16) and HALF (float16 caches) are constants in each instance,
- * so q and the accumulators live in registers. */
+/* The task body: keys first_key .. context - 1 (first_key anywhere in a block: the first pass
+ * then reads from its offset to the block's end). G, VECS (= D / 16) and HALF (float16 caches)
+ * are constants in each instance, so q and the accumulators live in registers. */
 static inline __attribute__((always_inline)) void attend(
     const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
     const int *restrict table, long context, float *restrict out,
@@ -49,9 +52,12 @@ static inline __attribute__((always_inline)) void attend(
         running_max[g] = start_acc ? start_max[g] : -INFINITY;
         running_sum[g] = start_acc ? start_sum[g] : 0.0f;
     }
-    for (long first = first_key; first < context; first += block_size) {
-        long n = context - first < block_size ? context - first : block_size;
-        const long offset = ((long)table[first / block_size] * block_size * hkv + head) * d;
+    for (long first = first_key, end; first < context; first = end) {
+        /* keys first .. end - 1: the rest of first's block, or of the context */
+        const long block = first / block_size, within = first - block * block_size;
+        end = (block + 1) * block_size < context ? (block + 1) * block_size : context;
+        const long n = end - first;
+        const long offset = (((long)table[block] * block_size + within) * hkv + head) * d;
         for (long t = 0; t < n; t++) {
             __m512 key[MAX_VECS]; /* loaded (and widened) once for the G heads */
             for (int v = 0; v < VECS; v++)
@@ -153,7 +159,7 @@ static void score_shared_prefix(const float *q, const float *k_cache, const floa
         }
         const struct paged_keys src = {k_cache, v_cache, table, block_size, hkv * d, head, d};
         struct tile_state tile;
-        tile_attend(qt, &src, keys, positions, &tile);
+        tile_attend(qt, &src, 0, keys, NULL, positions, &tile);
         float max[TILE], sum[TILE];
         _mm512_storeu_ps(max, tile.running_max);
         _mm512_storeu_ps(sum, tile.running_sum);
@@ -192,19 +198,32 @@ static int score_half_prefix(const float *q, const void *k_cache, const void *v_
     return 0;
 }
 
+/* Whether a window of `window` tokens (0: none) reaches back to key 0 for every sequence, so
+ * that no key of the shared blocks lies outside one. */
+static int windows_cover_all(const int *context_lens, long num_seqs, long window)
+{
+    for (long s = 0; window && s < num_seqs; s++)
+        if (context_lens[s] > window)
+            return 0;
+    return 1;
+}
+
 /* Returns 0, or -1 when the shapes are outside what the kernel handles or memory runs out
  * (nothing written). With shared_blocks > 0, every sequence's table starts with the same
- * shared_blocks blocks and every context is longer than they are (the caller checks). */
+ * shared_blocks blocks and every context is longer than they are (the caller checks); they are
+ * scored together unless a window cuts into them. window: keys per query (0: all). */
 int decode_attention(const float *q, const void *k_cache, const void *v_cache,
                      const int *block_tables, const int *context_lens, float *out,
                      long num_seqs, long hq, long hkv, long d, long block_size,
-                     long max_blocks, long shared_blocks, float scale, int kv_half)
+                     long max_blocks, long shared_blocks, long window, float scale, int kv_half)
 {
     long group = hkv > 0 ? hq / hkv : 0;
     if (group < 1 || group > MAX_GROUP || group * hkv != hq || d % LANES || d > MAX_VECS * LANES
-        || block_size < 1 || block_size > MAX_BLOCK || shared_blocks < 0)
+        || block_size < 1 || block_size > MAX_BLOCK || shared_blocks < 0 || window < 0)
         return -1;
-    const long first_key = shared_blocks * block_size;
+    if (!windows_cover_all(context_lens, num_seqs, window))
+        shared_blocks = 0; /* some window starts past key 0: each task reads its own keys */
+    const long shared_keys = shared_blocks * block_size;
     struct prefix_state shared = {NULL, NULL, NULL};
     const struct prefix_state *start = NULL;
     if (shared_blocks) {
@@ -214,7 +233,7 @@ int decode_attention(const float *q, const void *k_cache, const void *v_cache,
         shared.sum = shared.max + num_seqs * hq;
         shared.acc = shared.sum + num_seqs * hq;
         if (!kv_half)
-            score_shared_prefix(q, k_cache, v_cache, block_tables, first_key, num_seqs, hq, hkv,
+            score_shared_prefix(q, k_cache, v_cache, block_tables, shared_keys, num_seqs, hq, hkv,
                                 d, block_size, scale, &shared);
         else if (score_half_prefix(q, k_cache, v_cache, block_tables, shared_blocks, num_seqs,
                                    hq, hkv, d, block_size, scale, &shared)) {
@@ -237,6 +256,9 @@ int decode_attention(const float *q, const void *k_cache, const void *v_cache,
                     os[i] = 0.0f;
                 continue;
             }
+            /* past the shared pass's keys, or where the window starts (then no shared pass) */
+            const long first_key = window && context - window > shared_keys ? context - window
+                                                                             : shared_keys;
             if (kv_half) {
                 SIZE_CASES(1)
             } else {

@@ -37,7 +37,8 @@ struct step_split {
     const int *decode_tables; /* [num_decodes, decode_max_blocks] */
     long decode_max_blocks;
     const int *decode_lens;   /* [num_decodes] context lengths */
-    long shared_blocks;       /* leading blocks every decode's table shares */
+    long shared_blocks;       /* leading blocks every decode's table shares (a layer whose
+                               * window cuts into them reads them per task: decode_attention) */
     long num_longer;
     const int *longer_tables; /* [num_longer, longer_max_blocks] */
     long longer_max_blocks;
@@ -164,24 +165,26 @@ static void add_rows(float *h, const float *a, long n, float m)
         h[i] = a[i] * m + h[i];
 }
 
-/* attn [rows, hq * d] = attention of q [rows, hq * d] over the paged cache. decoded, decode_q:
- * scratch of rows * hq * d floats each. Returns 0 or -1 (a kernel refused). */
+/* attn [rows, hq * d] = attention of q [rows, hq * d] over the paged cache, each query over its
+ * last `window` keys (0: all). decoded, decode_q: scratch of rows * hq * d floats each. Returns
+ * 0 or -1 (a kernel refused). */
 static int attend(const float *q, const void *k_cache, const void *v_cache, float *attn,
                   long rows, long hq, long hkv, long d, long block_size,
-                  const struct step_split *split, float scale, float *decode_q, float *decoded,
-                  int kv_half)
+                  const struct step_split *split, long window, float scale, float *decode_q,
+                  float *decoded, int kv_half)
 {
     const long width = hq * d;
     if (split->num_decodes == rows) /* decodes only, in row order: q and attn as they are */
         return decode_attention(q, k_cache, v_cache, split->decode_tables, split->decode_lens,
                                 attn, rows, hq, hkv, d, block_size, split->decode_max_blocks,
-                                split->shared_blocks, scale, kv_half);
+                                split->shared_blocks, window, scale, kv_half);
     if (split->num_decodes) {
         for (long i = 0; i < split->num_decodes; i++)
             memcpy(decode_q + i * width, q + split->decode_rows[i] * width, width * sizeof(float));
         if (decode_attention(decode_q, k_cache, v_cache, split->decode_tables, split->decode_lens,
                              decoded, split->num_decodes, hq, hkv, d, block_size,
-                             split->decode_max_blocks, split->shared_blocks, scale, kv_half))
+                             split->decode_max_blocks, split->shared_blocks, window, scale,
+                             kv_half))
             return -1;
         for (long i = 0; i < split->num_decodes; i++)
             memcpy(attn + split->decode_rows[i] * width, decoded + i * width, width * sizeof(float));
@@ -190,7 +193,7 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
         return prefill_attention(q, width, k_cache, v_cache, split->longer_tables,
                                  split->longer_starts, split->longer_lens, split->longer_contexts,
                                  attn, split->num_longer, hq, hkv, d, block_size,
-                                 split->longer_max_blocks, scale, kv_half);
+                                 split->longer_max_blocks, window, scale, kv_half);
     return 0;
 }
 
@@ -200,6 +203,8 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
  * element 2l * cache_elems and values at (2l + 1) * cache_elems, each [blocks, block_size,
  * hkv, d]. cos/sin [rows, rot] per token (rot <= d: the rotated dims of a head);
  * rope_layers [num_layers]: 0 where a layer uses no RoPE (NULL: every layer does);
+ * windows [num_layers]: each layer's sliding window, 0 where it sees the whole context (NULL:
+ * no layer has one);
  * slots [rows] (negative: skip). residual: what each branch is multiplied by before it is
  * added back (1, or Granite's residual_multiplier). scratch: layers_scratch floats. The
  * products' wall time is added to seconds[0] and the attention kernels' to seconds[1]
@@ -209,7 +214,8 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
 int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, long d,
                const float *const *weights, long num_layers, void *kv, long cache_elems,
                long block_size, const struct step_split *split, const float *cos,
-               const float *sin, long rot, const int *rope_layers, const long *slots,
+               const float *sin, long rot, const int *rope_layers, const int *windows,
+               const long *slots,
                float eps, float scale,
                float residual, float *scratch,
                double *seconds, int weight_type, int kv_half)
@@ -246,7 +252,8 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
                              normed + t * qkv_width, kv_half, post_norm);
         }
         const double attention_start = now();
-        if (attend(q, k_cache, v_cache, attn, rows, hq, hkv, d, block_size, split, scale,
+        const long window = windows ? windows[layer] : 0;
+        if (attend(q, k_cache, v_cache, attn, rows, hq, hkv, d, block_size, split, window, scale,
                    decode_q, decoded, kv_half))
             return -1;
         seconds[1] += now() - attention_start;
