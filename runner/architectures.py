@@ -40,6 +40,23 @@ _MODEL_TYPES = {
 }
 
 
+# Checkpoints of a text model inside a multimodal one, whose text half runs as this
+# architecture (its config under text_config, its weights under language_model.): Gemma 3 4B
+# and larger, run on text alone.
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
+def text_config(config: Any) -> Any:
+    """The config the decoder runs: `config` itself, or a multimodal checkpoint's text_config
+    named as its TEXT_OF_MULTIMODAL architecture (its images are not taken)."""
+    for arch in getattr(config, "architectures", None) or []:
+        if arch in TEXT_OF_MULTIMODAL and getattr(config, "text_config", None) is not None:
+            text = config.text_config
+            text.architectures = [TEXT_OF_MULTIMODAL[arch]]
+            return text
+    return config
+
+
 def resolve_architecture(config: Any) -> str:
     """The supported HF architecture of `config`, else ValueError naming it."""
     archs = list(getattr(config, "architectures", None) or [])

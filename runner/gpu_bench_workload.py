@@ -19,6 +19,12 @@ SHAPES: dict[str, tuple[Any, ...]] = {
     "smollm2-135m": ("LlamaForCausalLM", 576, 1536, 30, 9, 3, 64, 49152, True, 1e5, 1e-5, 4096),
     "qwen3-0.6b": ("Qwen3ForCausalLM", 1024, 3072, 28, 16, 8, 128, 151936, True, 1e6, 1e-6, 4096),
     "tiny": ("Qwen3ForCausalLM", 64, 128, 2, 4, 2, 32, 320, False, 1e6, 1e-6, 512),
+    "gemma3-270m": ("Gemma3ForCausalLM", 640, 2048, 18, 4, 1, 256, 262144, True, 1e6, 1e-6, 4096),
+}
+# What else a shape's config sets: Gemma 3 270M's five local layers of every six (its config's
+# default pattern) attend to their last 512 tokens.
+SHAPE_EXTRAS: dict[str, dict[str, Any]] = {
+    "gemma3-270m": {"sliding_window": 512, "query_pre_attn_scalar": 256},
 }
 EOS_ID = 2
 
@@ -56,6 +62,7 @@ def build_random_model(shape: str, folder: Path, dtype: torch.dtype, device: str
         bos_token_id=1,
         eos_token_id=EOS_ID,
         pad_token_id=0,
+        **SHAPE_EXTRAS.get(shape, {}),
     )
     torch.manual_seed(0)
     with torch.device(device):

@@ -10,6 +10,14 @@ import torch
 from torch import nn
 
 FUSED_ON_DISK = -1  # the part of a checkpoint tensor that fills a fused parameter whole
+# A multimodal checkpoint's text model (runner/architectures.py TEXT_OF_MULTIMODAL) sits under
+# these prefixes (the hub's files and transformers 5's own names); its other towers are skipped.
+_TEXT_PREFIXES = {
+    "language_model.model.": "",
+    "model.language_model.": "",
+    "language_model.lm_head.": "lm_head.",
+}
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.")
 # HF name fragment -> (ours, part of the fused parameter it fills)
 _SPLIT = (
     (".self_attn.q_proj.", ".self_attn.qkv_proj.", 0),
@@ -56,6 +64,12 @@ def load_hf_weights(
 
 def _map_name(hf_name: str, tied: bool) -> tuple[str, int] | None:
     """HF name -> (our parameter, part index in a fused tensor); None = ignore."""
+    for prefix, ours in _TEXT_PREFIXES.items():
+        if hf_name.startswith(prefix):
+            hf_name = ours + hf_name.removeprefix(prefix)
+            break
+    if hf_name.removeprefix("model.").startswith(_OTHER_TOWERS):
+        return None
     name = hf_name.removeprefix("model.")
     if name.endswith("rotary_emb.inv_freq"):
         return None

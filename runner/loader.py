@@ -16,7 +16,7 @@ import torch
 import xxhash
 from torch.overrides import TorchFunctionMode
 
-from runner.architectures import resolve_architecture
+from runner.architectures import resolve_architecture, text_config
 from runner.gguf import convert_gguf, default_gguf_path
 from runner.model import CausalLM
 
@@ -107,6 +107,7 @@ def read_config(folder: Path) -> Any:
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:  # unknown model_type, bad JSON...: name the file
         raise ValueError(f"cannot read {folder / 'config.json'}: {e}") from e
+    config = text_config(config)
     resolve_architecture(config)
     return config
 
