@@ -1,7 +1,7 @@
 """The CPU kernels of runner/csrc as Python calls: the panel matrix product (panel_gemm.c),
 decode and prefill attention over the paged cache (decode_attention.c, prefill_attention.c),
-RMSNorm and the gated SiLU (elementwise.c), and all layers of a step in one call (layers.c,
-driven by runner/cpu_layers.py). runner/cpu_kernel_loader.py builds and loads
+RMSNorm and the gated SiLU and tanh GeLU (elementwise.c), and all layers of a step in one call
+(layers.c, driven by runner/cpu_layers.py). runner/cpu_kernel_loader.py builds and loads
 the library; each method checks shapes and dtypes, then hands raw pointers to C.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -73,6 +74,9 @@ class CpuKernels:
         self._silu_and_mul = library.silu_and_mul
         self._silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
         self._silu_and_mul.restype = None
+        self._gelu_tanh_and_mul = library.gelu_tanh_and_mul
+        self._gelu_tanh_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
+        self._gelu_tanh_and_mul.restype = None
         # Every layer of a step in one call (layers.c; runner/cpu_layers.py).
         self.run_layers = library.run_layers
         self.run_layers.argtypes = (
@@ -83,14 +87,14 @@ class CpuKernels:
             + [ctypes.c_void_p]
             + [ctypes.c_long] * 2
             + [ctypes.POINTER(StepSplit)]
-            + [ctypes.c_void_p] * 2  # cos, sin
+            + [ctypes.c_void_p] * 4  # cos, sin, and a second table's (NULL: none)
             + [ctypes.c_long]  # rotary dims of a head
-            # which layers use RoPE (NULL: all), their windows (NULL: none), slots
+            # each layer's RoPE table (NULL: all the first), windows (NULL: none), slots
             + [ctypes.c_void_p] * 3
             + [ctypes.c_float] * 3  # eps, attention scale, residual multiplier
             + [ctypes.c_void_p]
             + [ctypes.POINTER(ctypes.c_double)]
-            + [ctypes.c_int] * 2  # weight type, float16 caches
+            + [ctypes.c_int] * 3  # weight type, float16 caches, tanh GeLU (not SiLU)
         )
         self.run_layers.restype = ctypes.c_int
         self.layers_scratch = library.layers_scratch
@@ -263,7 +267,8 @@ class CpuKernels:
 
     @staticmethod
     def rowwise_supported(x: torch.Tensor, width: int) -> bool:
-        """Whether rms_norm / silu_and_mul take rows of `width` floats of x (CPU float32)."""
+        """Whether rms_norm and the gated activations take rows of `width` floats of x (CPU
+        float32)."""
         return x.dtype == torch.float32 and x.device.type == "cpu" and width % LANES == 0
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -280,11 +285,22 @@ class CpuKernels:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[..., 2I] -> [..., I]: silu(gate) * up for gate_up = [gate | up]. Check
         rowwise_supported first (with width I)."""
-        width = gate_up.shape[-1] // 2
-        rows = gate_up.reshape(-1, 2 * width).contiguous()
-        out = rows.new_empty((rows.shape[0], width))
-        self._silu_and_mul(rows.data_ptr(), out.data_ptr(), rows.shape[0], width)
-        return out.view(*gate_up.shape[:-1], width)
+        return _gated(self._silu_and_mul, gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[..., 2I] -> [..., I]: gelu(gate, approximate="tanh") * up for gate_up = [gate | up],
+        within one ulp of tanh of torch's (elementwise.c says where they differ). Check
+        rowwise_supported first (with width I)."""
+        return _gated(self._gelu_tanh_and_mul, gate_up)
+
+
+def _gated(kernel: Callable[..., None], gate_up: torch.Tensor) -> torch.Tensor:
+    """A gated activation's kernel (elementwise.c) over the rows of gate_up [..., 2I]."""
+    width = gate_up.shape[-1] // 2
+    rows = gate_up.reshape(-1, 2 * width).contiguous()
+    out = rows.new_empty((rows.shape[0], width))
+    kernel(rows.data_ptr(), out.data_ptr(), rows.shape[0], width)
+    return out.view(*gate_up.shape[:-1], width)
 
 
 def _window_arg(window: int | None) -> int:

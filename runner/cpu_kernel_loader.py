@@ -36,6 +36,7 @@ SOURCES = tuple(
         "decode_attention.c",
         "prefill_attention.c",
         "elementwise.c",
+        "rope_store.c",
         "layers.c",
     )
 )

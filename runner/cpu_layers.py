@@ -4,17 +4,19 @@ A decode step of a small model spends about a quarter of its time between the ke
 fifteen operators a layer, each called from Python on a few rows. `CpuLayers` hands the whole
 stack of layers to runner/csrc/layers.c instead, which chains the same kernels (RMSNorm, panel
 products, RoPE and the cache write, decode and prefill attention split as
-runner/cpu_attention.py splits them, the gated SiLU) in C, in the same order, so the hidden
-states come out bit for bit as the module path computes them.
+runner/cpu_attention.py splits them, the gated SiLU or GeLU) in C, in the same order, so the
+hidden states come out bit for bit as the module path computes them.
 
 It covers every architecture the model takes (Llama, Mistral, SmolLM2; Qwen2's biases, Qwen3's
-q/k norms) once packed for the panel kernel, with widths that are multiples of 16 and within the
-decode kernel's head limits. Anything else runs through the modules as before.
+q/k norms; OLMo 2's post-norm and Gemma 3's sandwich layers) once packed for the panel kernel,
+with widths that are multiples of 16 and within the decode kernel's head limits. Anything else
+runs through the modules as before.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -25,15 +27,19 @@ from runner.cpu_attention import CpuSplit
 from runner.cpu_kernel import LANES, CpuKernels, StepSplit
 from runner.cpu_linear import PackedLinear
 from runner.cpu_panels import weight_type
-from runner.decoder_layers import DecoderLayer, PostNormLayer
+from runner.decoder_layers import DecoderLayer, PostNormLayer, SandwichNormLayer
+from runner.layers import RMSNorm
 
 if TYPE_CHECKING:
-    from runner.layers import RMSNorm
     from runner.model import CausalLM
 
 # Steps up to this many tokens keep their scratch for the next step; a longer prefill step's
 # (about 30 KB a token for SmolLM2) is freed after it.
 KEPT_SCRATCH_ROWS = 256
+# The layouts layers.c runs, one a model; it tells them apart by the norms a layer has.
+LAYOUTS = ({DecoderLayer}, {PostNormLayer}, {SandwichNormLayer})
+# RoPE tables layers.c reads a step: a model's one, or Gemma 3's two (local and global layers).
+MAX_ROPE_TABLES = 2
 
 
 class CpuLayers:
@@ -45,28 +51,34 @@ class CpuLayers:
         self.kernels = kernels
         self.hidden = model.hidden_size
         self.intermediate = layers[0].mlp.intermediate
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            model.num_heads,
-            model.num_kv_heads,
-            model.head_dim,
-        )
+        self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
+        self.head_dim = model.head_dim
         self.eps = layers[0].post_attention_layernorm.eps
         self.scale = layers[0].self_attn.scale
         self.residual_multiplier = getattr(layers[0], "residual_multiplier", 1.0)
-        # OLMo 2's layers norm each branch on its way out (and q/k across heads); for_model
-        # checks that all layers are of one kind. layers.c tells them by their FFN_NORM.
+        # OLMo 2's layers norm each branch on its way out, not in (for_model: all of one kind).
         self.post_norm = isinstance(layers[0], PostNormLayer)
-        # Which layers rotate q and k (SmolLM3 leaves RoPE out of some); None: all of them.
-        uses = [int(layer.self_attn.use_rope) for layer in layers]
-        self._rope_layers = None if all(uses) else (ctypes.c_int * len(uses))(*uses)
+        # Gemma's MLP gates with the tanh GeLU, the others' with SiLU (for_model: all alike).
+        self.gelu = layers[0].mlp.activation == "gelu_pytorch_tanh"
+        # The RoPE tables a step reads, by layer type (None: the model's rope_cos / rope_sin),
+        # in order of first use, and each layer's in layers.c's terms: 1 + its index here, or 0
+        # where the layer rotates nothing (SmolLM3 leaves RoPE out of some); None (NULL): every
+        # layer rotates with the first.
+        self._rope_kinds = _rope_kinds(layers)
+        tables = [
+            1 + self._rope_kinds.index(layer.self_attn.rope_type) if layer.self_attn.use_rope else 0
+            for layer in layers
+        ]
+        self._rope_layers = None if set(tables) == {1} else (ctypes.c_int * len(tables))(*tables)
         # Each layer's sliding window (0: the whole context; Mistral's in every layer, Qwen2's
         # and Gemma 3's in some); None (NULL): no layer has one.
         windows = [layer.self_attn.sliding_window or 0 for layer in layers]
         self._windows = (ctypes.c_int * len(windows))(*windows) if any(windows) else None
         self.num_layers = len(layers)
         self._query_probe = _query_probe(self.num_heads, self.head_dim)
-        # Per layer, in the order of layers.c's enum; None (NULL) where the model has no such
-        # tensor. The tensors stay owned by the model; the array only points at them.
+        # Per layer, in the order of layers.c's enum; None (NULL) where the layer has no such
+        # tensor (which norms are set tells layers.c the layout). The norms' are what they scale
+        # by: Gemma's 1 + weight is computed once here and kept alive by self._tensors.
         tensors: list[torch.Tensor | None] = []
         # One weight type for every product (for_model checks): panel_gemm.c's WEIGHTS_* code.
         self._weight_type = weight_type(_product(layers[0].mlp.down_proj).packed)
@@ -74,23 +86,23 @@ class CpuLayers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, o = _product(attn.qkv_proj), _product(attn.o_proj)
             gate_up, down = _product(mlp.gate_up_proj), _product(mlp.down_proj)
-            pre = layer if isinstance(layer, DecoderLayer) else None
-            post = layer if isinstance(layer, PostNormLayer) else None
             tensors += [
-                pre.input_layernorm.weight if pre is not None else None,
+                _scale(getattr(layer, "input_layernorm", None)),  # all but OLMo 2's
                 qkv.packed,
                 qkv.bias,
-                attn.q_norm.weight if attn.q_norm is not None else None,
-                attn.k_norm.weight if attn.k_norm is not None else None,
+                _scale(attn.q_norm),
+                _scale(attn.k_norm),
                 o.packed,
                 o.bias,
-                layer.post_attention_layernorm.weight,
+                _scale(layer.post_attention_layernorm),
                 gate_up.packed,
                 gate_up.bias,
                 down.packed,
                 down.bias,
-                post.post_feedforward_layernorm.weight if post is not None else None,
+                _scale(getattr(layer, "post_feedforward_layernorm", None)),  # OLMo 2's, Gemma's
+                _scale(getattr(layer, "pre_feedforward_layernorm", None)),  # Gemma 3's
             ]
+        self._tensors = tensors
         pointers = [None if t is None else t.data_ptr() for t in tensors]
         self._weights = (ctypes.c_void_p * len(pointers))(*pointers)
         self._scratch = torch.empty(0)
@@ -112,15 +124,19 @@ class CpuLayers:
         if kernels is None or not model.layers:
             return None
         kinds = {type(layer) for layer in model.layers}
-        if kinds not in ({DecoderLayer}, {PostNormLayer}):  # layers.c takes one kind a model
+        if kinds not in LAYOUTS:  # layers.c takes one kind a model
             return None
         layers = _layers(model)
         heads = _query_probe(model.num_heads, model.head_dim)
         one_token_blocks = torch.empty((0, 1, model.num_kv_heads, model.head_dim))
+        widths = {t.shape[-1] for ts in model.rope_by_type.values() for t in ts}
         if not (
             model.hidden_size % LANES == 0
-            and layers[0].mlp.intermediate % LANES == 0  # the gated SiLU's vectors
+            and layers[0].mlp.intermediate % LANES == 0  # the gated activation's vectors
             and kernels.decode_supported(heads, one_token_blocks)  # the attention kernels' heads
+            and len({layer.mlp.activation for layer in layers}) == 1  # one flag for the model
+            and len(_rope_kinds(layers)) <= MAX_ROPE_TABLES
+            and widths <= {model.rope_cos.shape[-1]}  # one rotary width for every table
         ):
             return None
         eps = {norm.eps for layer in layers for norm in _norms(layer)}
@@ -152,14 +168,23 @@ class CpuLayers:
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv: KVStore,
+        rope_by_type: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Hidden states after the last layer, [T, H] (before the final norm); writes every
-        layer's K/V of the T tokens. Check `takes` first."""
+        layer's K/V of the T tokens. `rope_by_type`: cos and sin [T, R] of the layer types with
+        tables of their own (CausalLM.rope_by_type, gathered by position), where the model has
+        any. Check `takes` first."""
         rows = h.shape[0]
         group = self.num_heads // self.num_kv_heads
         split = CpuSplit.for_step(meta, True, group, kv.block_size)
         h = h.contiguous().clone()  # updated in place by every layer
-        cos, sin = cos.contiguous(), sin.contiguous()
+        by_type = rope_by_type or {}
+        tables = [  # layers.c's table 1, and 2 where the layers rotate with two
+            tuple(t.contiguous() for t in ((cos, sin) if kind is None else by_type[kind]))
+            for kind in self._rope_kinds
+        ]
+        cos, sin = tables[0]
+        cos2, sin2 = tables[1] if len(tables) > 1 else (None, None)
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         shape = (rows, self.hidden, self.intermediate, self.num_heads, self.num_kv_heads)
         need = self.kernels.layers_scratch(*shape, self.head_dim)
@@ -180,6 +205,8 @@ class CpuLayers:
             ctypes.byref(_step_split(split)),
             cos.data_ptr(),
             sin.data_ptr(),
+            None if cos2 is None else cos2.data_ptr(),
+            None if sin2 is None else sin2.data_ptr(),
             cos.shape[1],  # rotary dims: fewer than head_dim with partial rotary
             self._rope_layers,
             self._windows,
@@ -191,6 +218,7 @@ class CpuLayers:
             self._seconds,
             self._weight_type,
             kv.tensor.dtype == torch.float16,
+            self.gelu,
         )
         if status != 0:
             raise RuntimeError("run_layers: an attention kernel refused the step")
@@ -225,7 +253,7 @@ def _query_probe(num_heads: int, head_dim: int) -> torch.Tensor:
     return torch.empty((0, num_heads, head_dim))
 
 
-Layer = DecoderLayer | PostNormLayer
+Layer = DecoderLayer | PostNormLayer | SandwichNormLayer
 
 
 def _layers(model: CausalLM) -> list[Layer]:
@@ -233,11 +261,25 @@ def _layers(model: CausalLM) -> list[Layer]:
 
 
 def _norms(layer: Layer) -> list[RMSNorm]:
-    attn = layer.self_attn
-    qk = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
-    if isinstance(layer, PostNormLayer):
-        return [layer.post_attention_layernorm, layer.post_feedforward_layernorm, *qk]
-    return [layer.input_layernorm, layer.post_attention_layernorm, *qk]
+    """Every norm of the layer, whatever its layout: around its branches, and q/k's."""
+    return [module for module in layer.modules() if isinstance(module, RMSNorm)]
+
+
+def _scale(norm: RMSNorm | None) -> torch.Tensor | None:
+    """What layers.c multiplies a norm's rows by (None: no such norm): its weight, or Gemma's
+    1 + weight in a tensor of its own (what RMSNorm.forward hands the kernel)."""
+    return None if norm is None else norm.scale().detach().contiguous()
+
+
+def _rope_kinds(layers: list[Layer]) -> list[str | None]:
+    """The layer types whose RoPE tables the rotating layers use, in order of first use (None:
+    the model's own table); at least one."""
+    kinds: list[str | None] = []
+    for layer in layers:
+        kind = layer.self_attn.rope_type
+        if layer.self_attn.use_rope and kind not in kinds:
+            kinds.append(kind)
+    return kinds or [None]
 
 
 def _product(module: torch.nn.Module) -> PackedLinear:

@@ -118,15 +118,16 @@ class MLP(nn.Module):
         self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
-        # The CPU kernels, once the model is packed for them: silu and the product in one pass.
+        # The CPU kernels, once the model is packed for them: the activation and the product in
+        # one pass (the same kernel as runner/csrc/layers.c's, so both paths agree bit for bit).
         self.kernels: CpuKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         silu = self.activation == "silu"
         kernels = self.kernels
-        if silu and kernels is not None and kernels.rowwise_supported(gate_up, self.intermediate):
-            act = kernels.silu_and_mul(gate_up)
+        if kernels is not None and kernels.rowwise_supported(gate_up, self.intermediate):
+            act = kernels.silu_and_mul(gate_up) if silu else kernels.gelu_tanh_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
             act = (F.silu(gate) if silu else F.gelu(gate, approximate="tanh")) * up

@@ -122,13 +122,13 @@ class CausalLM(nn.Module):
             h = h * self.embedding_multiplier
         cos = self.rope_cos.index_select(0, positions)  # [T, D]
         sin = self.rope_sin.index_select(0, positions)
+        by_type = {  # [T, D] each, per layer type with its own tables
+            kind: (c.index_select(0, positions), s.index_select(0, positions))
+            for kind, (c, s) in self.rope_by_type.items()
+        }
         if self.cpu_layers is not None and self.cpu_layers.takes(kv, self.attention_backend):
-            h = self.cpu_layers.run(h, cos, sin, meta, kv)
+            h = self.cpu_layers.run(h, cos, sin, meta, kv, by_type)
         else:
-            by_type = {  # [T, D] each, per layer type with its own tables
-                kind: (c.index_select(0, positions), s.index_select(0, positions))
-                for kind, (c, s) in self.rope_by_type.items()
-            }
             for i, layer in enumerate(self.layers):
                 k_cache, v_cache = kv.layer(i)
                 kind = self.layer_rope_types[i]

@@ -60,7 +60,7 @@ def test_layers_read_their_kind_from_the_config(make_tiny_model: Callable[..., P
     assert [a.rope_type for a in attns] == ["sliding_attention", "full_attention"]
     assert attns[0].scale == pytest.approx(24**-0.5)  # query_pre_attn_scalar, not head_dim
     assert [layer.mlp.activation for layer in model.layers] == ["gelu_pytorch_tanh"] * 2
-    assert model.cpu_layers is None  # the C layers take Llama's and OLMo 2's layouts only
+    assert model.cpu_layers is not None  # the C layers take Gemma 3's sandwich layout too
     # The local layers' table rotates slower than the global one at every position past 0.
     local_cos, _ = model.rope_by_type["sliding_attention"]
     assert not torch.equal(local_cos[1:], model.rope_cos[1:])

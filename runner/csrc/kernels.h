@@ -24,9 +24,17 @@ int prefill_attention(const float *q, long q_token_stride, const void *k_cache,
                       long num_seqs, long hq, long hkv, long d, long block_size,
                       long max_blocks, long window, float scale, int kv_half);
 
-/* elementwise.c: RMSNorm and the gated SiLU over strided rows. */
+/* elementwise.c: RMSNorm and the gated SiLU and tanh GeLU over strided rows. */
 void rms_norm_rows(const float *x, long ldx, const float *w, float *y, long ldy, long rows,
                    long dim, float eps);
 void silu_and_mul_rows(const float *gate_up, float *out, long ldo, long rows, long width);
+void gelu_tanh_and_mul_rows(const float *gate_up, float *out, long ldo, long rows, long width);
+
+/* rope_store.c: one token's q and k normed (where q_norm is set) and rotated, into q and the
+ * cache slot k (skipped where k is NULL), its v copied into the slot v. */
+void rotate_and_store(const float *row, const float *q_norm, const float *k_norm,
+                      const float *cos, const float *sin, float *q, void *k, void *v, long hq,
+                      long hkv, long d, long rot, float eps, float *normed, int kv_half,
+                      int qk_across);
 
 #endif

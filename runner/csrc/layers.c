@@ -7,13 +7,14 @@
  *   o = attention(q): decodes in decode_attention, longer queries in prefill_attention;
  *   h += o Wo; x = rms_norm(h); h += silu_and_mul(x Wgu) Wdown,
  * with each product's bias where it has one (Qwen2) and q and k normed per head before RoPE
- * where the model does (Qwen3); OLMo 2's post-norm layers instead norm q and k across heads
- * and each branch's output, not its input (FFN_NORM set). The operations and their order per
- * element are those of runner/decoder_layers.py and runner/cpu_attention.py, so h comes out bit
- * for bit as the Python path computes it. Widths must be multiples of 16; runner/cpu_layers.py
- * checks before calling.
+ * where the model does (Qwen3; rope_store.c); OLMo 2's post-norm layers instead norm q and k
+ * across heads and each branch's output, not its input; Gemma 3's sandwich layers norm each
+ * branch's input and output, gate with the tanh GeLU and rotate their local layers with a
+ * RoPE table of their own. The operations and their order per element are those of
+ * runner/decoder_layers.py and runner/cpu_attention.py, so h comes out bit for bit as the
+ * Python path computes it. Widths must be multiples of 16; runner/cpu_layers.py checks before
+ * calling.
  */
-#include <immintrin.h>
 #include <string.h>
 #include <time.h>
 
@@ -21,13 +22,36 @@
 
 enum { LANES = 16, ALIASING_FLOATS = 512 };
 
-/* A layer's tensors in run_layers' weights array; a bias or norm it lacks is NULL. A pre-norm
- * layer norms each branch's input (INPUT_NORM, then POST_NORM before the MLP); a post-norm one
- * (OLMo 2) each branch's output (POST_NORM after attention, FFN_NORM after the MLP). */
+/* A layer's tensors in run_layers' weights array; a bias or norm it lacks is NULL. Its norms
+ * tell its layout (layout_norms). */
 enum {
     INPUT_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, O, O_BIAS, POST_NORM, GATE_UP, GATE_UP_BIAS,
-    DOWN, DOWN_BIAS, FFN_NORM, WEIGHTS_PER_LAYER
+    DOWN, DOWN_BIAS, FFN_NORM, PRE_FFN_NORM, WEIGHTS_PER_LAYER
 };
+
+/* Where a layer norms h on its way into and out of each branch; NULL: not there (into a
+ * branch: h as it is). */
+struct layout_norms {
+    const float *attn_in, *attn_out, *mlp_in, *mlp_out;
+    int qk_across; /* q and k normed across all heads (OLMo 2), not per head */
+};
+
+/* A layer's layout, told by which norms it has (one fact, one source: the pointers).
+ * Pre-norm (Llama and most; no FFN_NORM): INPUT_NORM into attention, POST_NORM into the MLP.
+ * Post-norm (OLMo 2; FFN_NORM, no INPUT_NORM): POST_NORM out of attention, FFN_NORM out of
+ * the MLP. Sandwich (Gemma 3; both): INPUT_NORM in and POST_NORM out of attention,
+ * PRE_FFN_NORM in and FFN_NORM out of the MLP. */
+static struct layout_norms layout_norms(const float *const *w)
+{
+    const int norms_out = w[FFN_NORM] != NULL;
+    return (struct layout_norms){
+        .attn_in = w[INPUT_NORM],
+        .attn_out = norms_out ? w[POST_NORM] : NULL,
+        .mlp_in = norms_out ? w[PRE_FFN_NORM] : w[POST_NORM],
+        .mlp_out = w[FFN_NORM],
+        .qk_across = norms_out && !w[INPUT_NORM],
+    };
+}
 
 /* How a step's sequences split between the attention kernels (runner/cpu_attention.py
  * CpuSplit): decodes, one query row each, and longer queries. */
@@ -59,25 +83,6 @@ long layers_scratch(long rows, long hidden, long inter, long hq, long hkv, long 
     return rows * (in + 2 * qkv + 4 * hq * d + hidden + 2 * inter);
 }
 
-/* Rotate-half RoPE of one head, as runner/layers.py apply_rope computes it: x * cos, then
- * cat(x2, x1) * sin, then their sum, each rounded on its own (no fused multiply-add, which
- * would round once and differ from torch in the last bit). cos/sin as rope_cos_sin lays them
- * out: cos repeated over both halves, sin negated over the first. Only the first `rot` of the
- * d dimensions rotate (rotate-half among themselves: partial rotary); the rest pass through. */
-__attribute__((optimize("fp-contract=off")))
-static void rotate(const float *restrict x, const float *restrict cos, const float *restrict sin,
-                   float *restrict y, long d, long rot)
-{
-    long half = rot / 2;
-    for (long i = 0; i < rot; i++) {
-        float direct = x[i] * cos[i];
-        float rotated = x[i < half ? i + half : i - half] * sin[i];
-        y[i] = direct + rotated;
-    }
-    for (long i = rot; i < d; i++)
-        y[i] = x[i];
-}
-
 static double now(void)
 {
     struct timespec t;
@@ -101,61 +106,6 @@ static void product(const float *x, long ldx, const void *packed, int wtype, con
             y[r * n + i] = y[r * n + i] + bias[i];
 }
 
-/* n floats (a multiple of 16) as float16, rounded to nearest even as torch's .half() does. */
-static void store_half(unsigned short *restrict dst, const float *restrict src, long n)
-{
-    for (long i = 0; i < n; i += LANES)
-        _mm256_storeu_si256((__m256i *)(dst + i),
-                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-/* RoPE (after the per-head norm where the model has one) of one token's q heads into q, and
- * of its k heads into the cache slot k; v copied beside them (float32 slots, or float16 ones
- * when kv_half: rounded as they are stored). row: the token's qkv. normed: scratch of
- * (hq + hkv) * d floats. */
-static void rotate_and_store(const float *row, const float *const *w, const float *c,
-                             const float *s, float *q, void *k, void *v, long hq, long hkv,
-                             long d, long rot, float eps, float *normed, int kv_half,
-                             int qk_across)
-{
-    const float *q_src = row, *k_src = row + hq * d;
-    if (w[Q_NORM] && qk_across) { /* OLMo 2: one norm across all heads */
-        rms_norm_rows(q_src, hq * d, w[Q_NORM], normed, hq * d, 1, hq * d, eps);
-        rms_norm_rows(k_src, hkv * d, w[K_NORM], normed + hq * d, hkv * d, 1, hkv * d, eps);
-        q_src = normed;
-        k_src = normed + hq * d;
-    } else if (w[Q_NORM]) { /* Qwen3: one per head */
-        rms_norm_rows(q_src, d, w[Q_NORM], normed, d, hq, d, eps);
-        rms_norm_rows(k_src, d, w[K_NORM], normed + hq * d, d, hkv, d, eps);
-        q_src = normed;
-        k_src = normed + hq * d;
-    }
-    for (long head = 0; head < hq; head++)
-        rotate(q_src + head * d, c, s, q + head * d, d, rot);
-    if (!k)
-        return;
-    const float *v_src = row + (hq + hkv) * d;
-    if (!kv_half) {
-        for (long head = 0; head < hkv; head++)
-            rotate(k_src + head * d, c, s, (float *)k + head * d, d, rot);
-        memcpy(v, v_src, hkv * d * sizeof(float));
-        return;
-    }
-    float rotated[hkv * d];
-    for (long head = 0; head < hkv; head++)
-        rotate(k_src + head * d, c, s, rotated + head * d, d, rot);
-    store_half(k, rotated, hkv * d);
-    store_half(v, v_src, hkv * d);
-}
-
-/* rows of width floats from x (rows width apart) to y (rows ldy apart). */
-static void copy_rows(const float *x, float *y, long ldy, long rows, long width)
-{
-    for (long r = 0; r < rows; r++)
-        memcpy(y + r * ldy, x + r * width, width * sizeof(float));
-}
-
 /* h += a * m, rounded as torch's residual + branch * m (two roundings: no fused multiply-add);
  * m is 1 (exact) except for Granite's residual_multiplier. */
 __attribute__((optimize("fp-contract=off")))
@@ -163,6 +113,29 @@ static void add_rows(float *h, const float *a, long n, float m)
 {
     for (long i = 0; i < n; i++)
         h[i] = a[i] * m + h[i];
+}
+
+/* A branch's input: y [rows, hidden] (rows ldy apart) = norm(h), or h as it is where norm is
+ * NULL. */
+static void branch_input(const float *h, const float *norm, float *y, long ldy, long rows,
+                         long hidden, float eps)
+{
+    if (norm) {
+        rms_norm_rows(h, hidden, norm, y, ldy, rows, hidden, eps);
+        return;
+    }
+    for (long r = 0; r < rows; r++)
+        memcpy(y + r * ldy, h + r * hidden, hidden * sizeof(float));
+}
+
+/* h += norm(out) * m (norm: none where NULL), out [rows, hidden]; normed in place (each row is
+ * read whole before it is written). */
+static void add_branch(float *h, float *out, const float *norm, long rows, long hidden,
+                       float eps, float m)
+{
+    if (norm)
+        rms_norm_rows(out, hidden, norm, out, hidden, rows, hidden, eps);
+    add_rows(h, out, rows * hidden, m);
 }
 
 /* attn [rows, hq * d] = attention of q [rows, hq * d] over the paged cache, each query over its
@@ -201,8 +174,10 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
  * layer (see the enum: norms, packed products, their biases, q/k norms; NULL where the model
  * has none). kv: the store of float32 elements, or float16 ones when kv_half; layer l's keys at
  * element 2l * cache_elems and values at (2l + 1) * cache_elems, each [blocks, block_size,
- * hkv, d]. cos/sin [rows, rot] per token (rot <= d: the rotated dims of a head);
- * rope_layers [num_layers]: 0 where a layer uses no RoPE (NULL: every layer does);
+ * hkv, d]. cos/sin and cos2/sin2: two RoPE tables, [rows, rot] each, by token (rot <= d: the
+ * rotated dims of a head; cos2/sin2 NULL where no layer uses them); rope_layers [num_layers]:
+ * the table each layer rotates with, 1 (cos/sin) or 2 (cos2/sin2: Gemma 3's local layers), or
+ * 0 where it uses no RoPE (NULL: every layer the first);
  * windows [num_layers]: each layer's sliding window, 0 where it sees the whole context (NULL:
  * no layer has one);
  * slots [rows] (negative: skip). residual: what each branch is multiplied by before it is
@@ -210,15 +185,14 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
  * products' wall time is added to seconds[0] and the attention kernels' to seconds[1]
  * (`kvcache report`'s breakdown of a step). Returns 0, or -1 if an attention kernel refused (h
  * is then partly updated). weight_type: what the packed products hold (panel_gemm.c's
- * WEIGHTS_*). */
+ * WEIGHTS_*). gelu: the MLP gates with the tanh GeLU (Gemma), not SiLU. */
 int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, long d,
                const float *const *weights, long num_layers, void *kv, long cache_elems,
                long block_size, const struct step_split *split, const float *cos,
-               const float *sin, long rot, const int *rope_layers, const int *windows,
-               const long *slots,
-               float eps, float scale,
-               float residual, float *scratch,
-               double *seconds, int weight_type, int kv_half)
+               const float *sin, const float *cos2, const float *sin2, long rot,
+               const int *rope_layers, const int *windows, const long *slots, float eps,
+               float scale, float residual, float *scratch, double *seconds, int weight_type,
+               int kv_half, int gelu)
 {
     const long elem = kv_half ? 2 : 4; /* bytes of one cache element */
     const long q_width = hq * d, qkv_width = (hq + 2 * hkv) * d;
@@ -232,24 +206,22 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
         const float *const *w = weights + layer * WEIGHTS_PER_LAYER;
         char *k_cache = (char *)kv + 2 * layer * cache_elems * elem;
         char *v_cache = k_cache + cache_elems * elem;
-        /* OLMo 2's layout, told by its FFN_NORM: each branch normed on its way out, q/k norms
-         * across heads. */
-        const int post_norm = w[FFN_NORM] != NULL;
-        /* A layer without RoPE (SmolLM3's every 4th) rotates no dims: q and k copied as they are. */
-        const long layer_rot = rope_layers && !rope_layers[layer] ? 0 : rot;
-        if (post_norm) /* the branch takes h as it is */
-            copy_rows(h, in, product_ld(hidden), rows, hidden);
-        else
-            rms_norm_rows(h, hidden, w[INPUT_NORM], in, product_ld(hidden), rows, hidden, eps);
+        const struct layout_norms norms = layout_norms(w);
+        /* A layer without RoPE (SmolLM3's every 4th) rotates no dims: q and k copied as they are;
+         * one with a table of its own reads the second. */
+        const int table = rope_layers ? rope_layers[layer] : 1;
+        const long layer_rot = table ? rot : 0;
+        const float *layer_cos = table == 2 ? cos2 : cos, *layer_sin = table == 2 ? sin2 : sin;
+        branch_input(h, norms.attn_in, in, product_ld(hidden), rows, hidden, eps);
         product(in, product_ld(hidden), w[QKV], weight_type, w[QKV_BIAS], qkv, rows, hidden,
                 qkv_width / LANES, seconds);
         for (long t = 0; t < rows; t++) {
             long slot = slots[t];
             char *k = slot < 0 ? NULL : k_cache + slot * hkv * d * elem;
             char *v = slot < 0 ? NULL : v_cache + slot * hkv * d * elem;
-            rotate_and_store(qkv + t * qkv_width, w, cos + t * rot, sin + t * rot,
-                             q + t * q_width, k, v, hq, hkv, d, layer_rot, eps,
-                             normed + t * qkv_width, kv_half, post_norm);
+            rotate_and_store(qkv + t * qkv_width, w[Q_NORM], w[K_NORM], layer_cos + t * rot,
+                             layer_sin + t * rot, q + t * q_width, k, v, hq, hkv, d, layer_rot,
+                             eps, normed + t * qkv_width, kv_half, norms.qk_across);
         }
         const double attention_start = now();
         const long window = windows ? windows[layer] : 0;
@@ -265,21 +237,17 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
         }
         product(o_in, product_ld(q_width), w[O], weight_type, w[O_BIAS], out, rows, q_width,
                 hidden / LANES, seconds);
-        if (post_norm) /* in place: each row is read whole before it is written */
-            rms_norm_rows(out, hidden, w[POST_NORM], out, hidden, rows, hidden, eps);
-        add_rows(h, out, rows * hidden, residual);
-        if (post_norm)
-            copy_rows(h, in, product_ld(hidden), rows, hidden);
-        else
-            rms_norm_rows(h, hidden, w[POST_NORM], in, product_ld(hidden), rows, hidden, eps);
+        add_branch(h, out, norms.attn_out, rows, hidden, eps, residual);
+        branch_input(h, norms.mlp_in, in, product_ld(hidden), rows, hidden, eps);
         product(in, product_ld(hidden), w[GATE_UP], weight_type, w[GATE_UP_BIAS], gate_up, rows,
                 hidden, 2 * inter / LANES, seconds);
-        silu_and_mul_rows(gate_up, in, product_ld(inter), rows, inter);
+        if (gelu)
+            gelu_tanh_and_mul_rows(gate_up, in, product_ld(inter), rows, inter);
+        else
+            silu_and_mul_rows(gate_up, in, product_ld(inter), rows, inter);
         product(in, product_ld(inter), w[DOWN], weight_type, w[DOWN_BIAS], out, rows, inter,
                 hidden / LANES, seconds);
-        if (post_norm)
-            rms_norm_rows(out, hidden, w[FFN_NORM], out, hidden, rows, hidden, eps);
-        add_rows(h, out, rows * hidden, residual);
+        add_branch(h, out, norms.mlp_out, rows, hidden, eps, residual);
     }
     return 0;
 }
