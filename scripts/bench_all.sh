@@ -27,4 +27,10 @@ run weights_batch8 --workload mixed_lengths \
   --systems engine,engine-bf16,engine-int8,engine-bf16dot --max-num-seqs 8 --no-check
 run weights_one_stream --workload mixed_lengths \
   --systems engine,engine-bf16,engine-int8,engine-bf16dot --max-num-seqs 1 --no-check
+# Gemma 3 270M's shape (random weights, the default tokenizer): sliding-window layers.
+gemma=$(mktemp -d)/gemma3-270m
+python scripts/shaped_model.py gemma3-270m "$gemma" >/dev/null 2>&1
+run gemma3_long_documents --model "$gemma" --workload long_documents \
+  --systems engine,engine-bf16dot,hf-static
+rm -rf "$(dirname "$gemma")"
 kvcache bench --workload core | tee "$out/core.txt"
