@@ -70,6 +70,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         round_matrices(model, config.cpu_weight_dtype)  # the same model, in torch's products
         log.warning("cpu_weight_dtype without prepack_weights: the rounded weights stay float32")
     max_model_len = context_length(config, model)
+    model.keep_rope_positions(max_model_len)  # no position reaches past the context
     kv_dtype = kv_cache_dtype_of(config.kv_cache_dtype, next(model.parameters()).dtype, device)
     activation = 0
     if (

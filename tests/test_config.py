@@ -66,12 +66,13 @@ def test_max_model_len_bounds_requests_and_the_pool(
     make_tiny_model: Callable[..., Path],
 ) -> None:
     """A shorter context than the model's: a longer prompt is refused naming it, an answer stops
-    there ("length"), the default pool shrinks to it, and the answers up to
+    there ("length"), the default pool and the RoPE tables shrink to it, and the answers up to
     there are the full-context engine's."""
     path = make_tiny_model("llama", max_position_embeddings=512)
     full, short = LLM(str(path)), LLM(str(path), max_model_len=48)
     assert (full.max_model_len, short.max_model_len) == (512, 48)
     assert short.block_manager.num_blocks * 512 == full.block_manager.num_blocks * 48
+    assert (full.model.rope_cos.shape[0], short.model.rope_sin.shape[0]) == (512, 48)
     with pytest.raises(ValueError, match="48"):
         short.generate([[5] * 48], SamplingParams(max_tokens=1))
     prompt = [3 + i % 200 for i in range(40)]
