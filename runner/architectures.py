@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool | None, bool]] = {
     "GraniteForCausalLM": (None, None, False),  # Llama with four scalar multipliers
     "SmolLM3ForCausalLM": (None, None, False),  # Llama without RoPE in every 4th layer
     "Olmo2ForCausalLM": (None, None, True),  # q/k norms over whole projections; post-norm
+    "Gemma2ForCausalLM": (None, None, False),  # sandwich norms, GeLU, soft-capped scores
     "Gemma3ForCausalLM": (None, None, True),  # sandwich norms, GeLU, local and global layers
 }
 # Architectures whose layers norm each branch on its way out instead of in (PostNormLayer), and
@@ -23,7 +24,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool | None, bool]] = {
 POST_NORM_ARCHITECTURES = ("Olmo2ForCausalLM",)
 # Architectures whose layers norm each branch on its way in and out (SandwichNormLayer), whose
 # norms scale by 1 + weight, and whose embeddings are scaled by sqrt(hidden_size): Gemma's.
-GEMMA_ARCHITECTURES = ("Gemma3ForCausalLM",)
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Architectures whose every layer attends only to its last `sliding_window` tokens whenever
 # their config sets one. The others say per layer, in `layer_types` (layer_windows).
 SLIDING_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "Phi3ForCausalLM")
@@ -36,6 +37,7 @@ _MODEL_TYPES = {
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from runner.attention_plan import build_plan
+from runner.capped_attention import capped_attention
 from runner.cascade import cascade_attention
 
 
@@ -105,25 +106,29 @@ def paged_attention(
     scale: float,
     backend: str = "torch",
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D]; caches [blocks, B, Hkv, D]. Returns [T, Hq, D].
 
     A query at position p attends to its sequence's keys at positions <= p; with a sliding
     `window` W, only to those > p - W (its last W tokens, itself included: transformers'
-    sliding_window_overlay). None: the whole context."""
+    sliding_window_overlay). None: the whole context. With a `softcap` c, each score
+    s = (q . k) * scale becomes c * tanh(s / c) before the mask (Gemma 2)."""
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window} must be at least 1")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"attention soft cap {softcap} must be positive")
     if backend == "torch":
-        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)
+        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
     if backend == "cpu":
         from runner.cpu_attention import cpu_paged_attention
 
-        return cpu_paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)
+        return cpu_paged_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
     if backend == "triton":
         from runner.triton_attention import triton_paged_attention
 
         out: torch.Tensor = triton_paged_attention(
-            q, k, v, k_cache, v_cache, meta, scale, window=window
+            q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap
         )
         return out
     raise ValueError(f"unknown attention backend {backend!r}; expected 'torch', 'cpu' or 'triton'")
@@ -162,8 +167,10 @@ def torch_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference implementation of paged_attention's contract with torch SDPA."""
+    """Reference implementation of paged_attention's contract with torch SDPA (scores with a
+    soft cap, which SDPA cannot apply: runner/capped_attention.py)."""
     num_tokens, hq, d = q.shape
     hkv = k.shape[1]
     block_size = k_cache.shape[1]
@@ -172,6 +179,18 @@ def torch_paged_attention(
     if k_cache.dtype != q.dtype:  # attend to the new K/V as stored, like the cached ones
         k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
 
+    if softcap is not None:
+        return capped_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.query_lens,
+            meta.context_lens_host,
+            meta.block_tables,
+            scale,
+            softcap,
+            window,
+        )
     if window is not None and window < meta.max_context_len:
         plan = meta._window_plans.get(window)
         if plan is None or plan.block_size != block_size:

@@ -164,7 +164,7 @@ def _single_plan(
     q_len, ctx = meta.query_lens[s], meta.context_lens_host[s]
     pos_q = torch.arange(ctx - q_len, ctx, device=device)  # [L] query positions
     if ctx == q_len:  # no cached prefix: the new k/v, causal (and windowed: a mask)
-        mask = None if window is None else _additive(_visible(ctx, pos_q, window), dtype)
+        mask = None if window is None else _additive(visible_keys(ctx, pos_q, window), dtype)
         return Single(start, start + q_len, None, ctx, mask)
     nb = -(-ctx // block_size)
     blocks = meta.block_tables[s, :nb].to(torch.int64)
@@ -174,11 +174,11 @@ def _single_plan(
         visible_all = keys <= pos_q[None, None, :, None]  # [1, 1, L, nb * B]
         cached = shared_prefix(blocks[None], in_place, visible_all, block_size, dtype)
         return Single(start, start + q_len, None, ctx, None, cached)
-    mask = _additive(_visible(ctx, pos_q, window), dtype)  # [L, C]
+    mask = _additive(visible_keys(ctx, pos_q, window), dtype)  # [L, C]
     return Single(start, start + q_len, blocks, ctx, mask)
 
 
-def _visible(num_keys: int, pos_q: torch.Tensor, window: int | None) -> torch.Tensor:
+def visible_keys(num_keys: int, pos_q: torch.Tensor, window: int | None) -> torch.Tensor:
     """[..., num_keys] bool: key j is visible to the query at position p (pos_q [...]) when
     j <= p and, with a sliding window, j > p - window."""
     keys = torch.arange(num_keys, device=pos_q.device)
@@ -224,7 +224,7 @@ def _build_group(
             valid.append(i < q_len)
     pos = torch.tensor(q_pos, dtype=torch.int64, device=device).view(n, 1, max_l)
     # [S, 1, L, K]; pads beyond a context sit after its last query
-    visible = _visible(nb * block_size, pos, window)
+    visible = visible_keys(nb * block_size, pos, window)
     padded = not all(valid)
     out_rows = [r for r, ok in zip(q_rows, valid, strict=True) if ok]
     return Group(

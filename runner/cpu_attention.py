@@ -21,15 +21,16 @@ def cpu_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The C kernels (runner/csrc): decodes in decode_attention.c, longer queries in
     prefill_attention.c, both reading every sequence's blocks in place with no gather, padding
     or split to plan; with a sliding `window`, each query only its last `window` keys (the
-    others are not read). The torch path where the kernels cannot run (no build, a head size
-    they do not take)."""
+    others are not read); with a `softcap` c, each score s as c * tanh(s / c). The torch path
+    where the kernels cannot run (no build, a head size they do not take)."""
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.prefill_supported(q, k_cache):
-        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)
+        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     group = q.shape[1] // k_cache.shape[2]
     decode_kernel = kernels.decode_supported(q, k_cache)
@@ -44,6 +45,7 @@ def cpu_paged_attention(
             scale,
             split.shared_blocks,
             window,
+            softcap,
         )
     out = torch.empty_like(q)
     if split.decodes is not None:
@@ -57,12 +59,13 @@ def cpu_paged_attention(
             scale,
             split.shared_blocks,
             window,
+            softcap,
         )
         out.index_copy_(0, rows, decoded)
     if split.longer is not None:
         tables, starts, lens, contexts = split.longer
         kernels.prefill_attention(
-            q, k_cache, v_cache, tables, starts, lens, contexts, out, scale, window
+            q, k_cache, v_cache, tables, starts, lens, contexts, out, scale, window, softcap
         )
     return out
 

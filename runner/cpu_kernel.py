@@ -2,7 +2,8 @@
 decode and prefill attention over the paged cache (decode_attention.c, prefill_attention.c),
 RMSNorm and the gated SiLU and tanh GeLU (elementwise.c), and all layers of a step in one call
 (layers.c, driven by runner/cpu_layers.py). runner/cpu_kernel_loader.py builds and loads
-the library; each method checks shapes and dtypes, then hands raw pointers to C.
+the library, runner/cpu_kernel_abi.py gives ctypes its C types; each method checks shapes and
+dtypes, then hands raw pointers to C.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from runner.cpu_kernel_abi import declare
 from runner.cpu_panels import BF16_PAIRS, LANES, fits, pack_pairs, pack_panels, weight_type
 
 # Rows of x this many floats long (2 KB) alias in the L1 cache (see panel_gemm.c).
@@ -22,84 +24,23 @@ MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 256, 8, 256
 CACHE_DTYPES = (torch.float32, torch.float16)  # the attention kernels widen float16 as they read
 
 
-class StepSplit(ctypes.Structure):
-    """layers.c's struct step_split: a step's decodes and longer queries, as pointers into the
-    tensors of runner/cpu_attention.py's CpuSplit (which must outlive the call)."""
-
-    _fields_ = [
-        ("num_decodes", ctypes.c_long),
-        ("decode_rows", ctypes.c_void_p),
-        ("decode_tables", ctypes.c_void_p),
-        ("decode_max_blocks", ctypes.c_long),
-        ("decode_lens", ctypes.c_void_p),
-        ("shared_blocks", ctypes.c_long),
-        ("num_longer", ctypes.c_long),
-        ("longer_tables", ctypes.c_void_p),
-        ("longer_max_blocks", ctypes.c_long),
-        ("longer_starts", ctypes.c_void_p),
-        ("longer_lens", ctypes.c_void_p),
-        ("longer_contexts", ctypes.c_void_p),
-    ]
-
-
 class CpuKernels:
     """The loaded library: products against packed weights, attention, norms, activation."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        declare(library)  # every entry point's C types (runner/cpu_kernel_abi.py)
         self._gemm = library.panel_gemm
-        # x, ldx, packed, weight type, y, M, K, panels
-        self._gemm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-        self._gemm.argtypes += [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
-        self._gemm.restype = None
         # Whether the library was built with AVX512-BF16, for bfloat16 pair panels.
         self.has_pairs = bool(library.panel_gemm_has_pairs())
         self._decode = library.decode_attention
-        # ..., shared blocks, window (0: none), scale, float16 caches
-        self._decode.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 8 + [ctypes.c_float]
-        self._decode.argtypes += [ctypes.c_int]
-        self._decode.restype = ctypes.c_int
         self._prefill = library.prefill_attention
-        self._prefill.argtypes = (
-            [ctypes.c_void_p]
-            + [ctypes.c_long]
-            + [ctypes.c_void_p] * 7
-            + [ctypes.c_long] * 7  # ..., max blocks, window (0: none)
-            + [ctypes.c_float]
-            + [ctypes.c_int]  # float16 caches
-        )
-        self._prefill.restype = ctypes.c_int
         self._rms_norm = library.rms_norm
-        self._rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
-        self._rms_norm.restype = None
         self._silu_and_mul = library.silu_and_mul
-        self._silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
-        self._silu_and_mul.restype = None
         self._gelu_tanh_and_mul = library.gelu_tanh_and_mul
-        self._gelu_tanh_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
-        self._gelu_tanh_and_mul.restype = None
+        self._soft_cap = library.soft_cap_rows
         # Every layer of a step in one call (layers.c; runner/cpu_layers.py).
         self.run_layers = library.run_layers
-        self.run_layers.argtypes = (
-            [ctypes.c_void_p]
-            + [ctypes.c_long] * 6
-            + [ctypes.c_void_p]
-            + [ctypes.c_long]
-            + [ctypes.c_void_p]
-            + [ctypes.c_long] * 2
-            + [ctypes.POINTER(StepSplit)]
-            + [ctypes.c_void_p] * 4  # cos, sin, and a second table's (NULL: none)
-            + [ctypes.c_long]  # rotary dims of a head
-            # each layer's RoPE table (NULL: all the first), windows (NULL: none), slots
-            + [ctypes.c_void_p] * 3
-            + [ctypes.c_float] * 3  # eps, attention scale, residual multiplier
-            + [ctypes.c_void_p]
-            + [ctypes.POINTER(ctypes.c_double)]
-            + [ctypes.c_int] * 3  # weight type, float16 caches, tanh GeLU (not SiLU)
-        )
-        self.run_layers.restype = ctypes.c_int
         self.layers_scratch = library.layers_scratch
-        self.layers_scratch.argtypes = [ctypes.c_long] * 6
-        self.layers_scratch.restype = ctypes.c_long
 
     pack = staticmethod(pack_panels)  # the layouts live in runner/cpu_panels.py
     pack_pairs = staticmethod(pack_pairs)
@@ -161,12 +102,14 @@ class CpuKernels:
         scale: float,
         shared_blocks: int = 0,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """One query token per sequence: q [S, Hq, D]; caches [blocks, B, Hkv, D]; block_tables
         [S, max_blocks] int32; context_lens [S] int32. Returns [S, Hq, D], sequence s attending
         to its first context_lens[s] tokens through its table, or to the last `window` of them.
         With `shared_blocks`, every table starts with those same blocks and every context is
         longer: they are scored for all rows together (unless a window starts past key 0).
+        A `softcap` c makes each score s = (q . k) * scale c * tanh(s / c) (None: as it is).
         Check decode_supported first."""
         num_seqs, hq, d = q.shape
         _, block_size, hkv, _ = k_cache.shape
@@ -192,6 +135,7 @@ class CpuKernels:
             shared_blocks,
             _window_arg(window),
             scale,
+            _softcap_arg(softcap),
             k_cache.dtype == torch.float16,
         )
         if status != 0:
@@ -228,13 +172,14 @@ class CpuKernels:
         out: torch.Tensor,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """Causal attention for S sequences whose query_lens[s] new tokens are rows
         query_start[s].. of q [T, Hq, D] and the last positions of their context_lens[s]
         tokens; each reads its keys in place through its row of block_tables [S, max_blocks],
-        a query at position p those after p - `window` only (None: all up to p).
-        Writes those rows of `out` (like q, contiguous); other rows are left alone. Check
-        prefill_supported first."""
+        a query at position p those after p - `window` only (None: all up to p); scores capped
+        as decode_attention caps them. Writes those rows of `out` (like q, contiguous); other
+        rows are left alone. Check prefill_supported first."""
         _, hq, d = q.shape
         _, block_size, hkv, _ = k_cache.shape
         if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
@@ -260,6 +205,7 @@ class CpuKernels:
             ints[0].shape[1],
             _window_arg(window),
             scale,
+            _softcap_arg(softcap),
             k_cache.dtype == torch.float16,
         )
         if status != 0:
@@ -293,6 +239,16 @@ class CpuKernels:
         rowwise_supported first (with width I)."""
         return _gated(self._gelu_tanh_and_mul, gate_up)
 
+    def soft_cap(self, x: torch.Tensor, softcap: float) -> torch.Tensor:
+        """softcap * tanh(x / softcap) of CPU float32 x, as the attention kernels cap each score
+        (their vector tanh: runner/csrc/vector_exp.h). For tests and measurements."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"soft_cap takes CPU float32, got {x.dtype} on {x.device}")
+        flat = x.contiguous().view(-1)
+        out = torch.empty_like(flat)
+        self._soft_cap(flat.data_ptr(), out.data_ptr(), flat.numel(), _softcap_arg(softcap))
+        return out.view(x.shape)
+
 
 def _gated(kernel: Callable[..., None], gate_up: torch.Tensor) -> torch.Tensor:
     """A gated activation's kernel (elementwise.c) over the rows of gate_up [..., 2I]."""
@@ -310,3 +266,13 @@ def _window_arg(window: int | None) -> int:
     if window < 1:
         raise ValueError(f"sliding window {window} must be at least 1")
     return window
+
+
+def _softcap_arg(softcap: float | None) -> float:
+    """The kernels' soft cap c (each score s becomes c * tanh(s / c)); 0.0 for none."""
+    if softcap is None:
+        return 0.0
+    # As the kernels read it, a float: a cap under float32's range would pass as 0 (no cap).
+    if not 0.0 < ctypes.c_float(softcap).value < math.inf:
+        raise ValueError(f"attention soft cap {softcap} must be a positive finite float32")
+    return softcap

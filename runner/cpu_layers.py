@@ -24,7 +24,8 @@ import torch
 from kvcache.store import KVStore
 from runner.attention import AttentionMetadata
 from runner.cpu_attention import CpuSplit
-from runner.cpu_kernel import LANES, CpuKernels, StepSplit
+from runner.cpu_kernel import LANES, CpuKernels
+from runner.cpu_kernel_abi import step_split
 from runner.cpu_linear import PackedLinear
 from runner.cpu_panels import weight_type
 from runner.decoder_layers import DecoderLayer, PostNormLayer, SandwichNormLayer
@@ -55,6 +56,8 @@ class CpuLayers:
         self.head_dim = model.head_dim
         self.eps = layers[0].post_attention_layernorm.eps
         self.scale = layers[0].self_attn.scale
+        # Gemma 2's attention logit soft cap, one for the model (for_model checks); None: none.
+        self.softcap: float | None = _softcap(layers[0])
         self.residual_multiplier = getattr(layers[0], "residual_multiplier", 1.0)
         # OLMo 2's layers norm each branch on its way out, not in (for_model: all of one kind).
         self.post_norm = isinstance(layers[0], PostNormLayer)
@@ -145,6 +148,8 @@ class CpuLayers:
         types = {weight_type(_product(p).packed) for layer in layers for p in _products(layer)}
         if len(types) != 1:  # layers.c takes one weight type for the whole model
             return None
+        if len({_softcap(layer) for layer in layers}) != 1:  # and one soft cap
+            return None
         return cls(model, kernels)
 
     def takes(self, kv: KVStore, backend: str) -> bool:
@@ -202,7 +207,7 @@ class CpuLayers:
             kv.tensor.data_ptr(),
             kv.tensor[0, 0].numel(),  # elements of one layer's keys (or values)
             kv.block_size,
-            ctypes.byref(_step_split(split)),
+            ctypes.byref(step_split(split)),
             cos.data_ptr(),
             sin.data_ptr(),
             None if cos2 is None else cos2.data_ptr(),
@@ -213,6 +218,7 @@ class CpuLayers:
             slots.data_ptr(),
             self.eps,
             self.scale,
+            0.0 if self.softcap is None else self.softcap,  # layers.c's 0: no cap
             self.residual_multiplier,
             scratch.data_ptr(),
             self._seconds,
@@ -223,28 +229,6 @@ class CpuLayers:
         if status != 0:
             raise RuntimeError("run_layers: an attention kernel refused the step")
         return h
-
-
-def _step_split(split: CpuSplit) -> StepSplit:
-    """The C view of `split`; its tensors are contiguous (CpuSplit.of makes them so)."""
-    out = StepSplit()
-    if split.decodes is not None:
-        rows, tables, contexts = split.decodes
-        out.num_decodes = rows.numel()
-        out.decode_rows = rows.data_ptr()
-        out.decode_tables = tables.data_ptr()
-        out.decode_max_blocks = tables.shape[1]
-        out.decode_lens = contexts.data_ptr()
-        out.shared_blocks = split.shared_blocks
-    if split.longer is not None:
-        tables, starts, lens, contexts = split.longer
-        out.num_longer = lens.numel()
-        out.longer_tables = tables.data_ptr()
-        out.longer_max_blocks = tables.shape[1]
-        out.longer_starts = starts.data_ptr()
-        out.longer_lens = lens.data_ptr()
-        out.longer_contexts = contexts.data_ptr()
-    return out
 
 
 def _query_probe(num_heads: int, head_dim: int) -> torch.Tensor:
@@ -269,6 +253,13 @@ def _scale(norm: RMSNorm | None) -> torch.Tensor | None:
     """What layers.c multiplies a norm's rows by (None: no such norm): its weight, or Gemma's
     1 + weight in a tensor of its own (what RMSNorm.forward hands the kernel)."""
     return None if norm is None else norm.scale().detach().contiguous()
+
+
+def _softcap(layer: Layer) -> float | None:
+    """The layer's attention logit soft cap (None: scores uncapped)."""
+    # getattr: the attribute is Gemma 2's, read where runner/decoder_layers.py sets it
+    cap: float | None = getattr(layer.self_attn, "softcap", None)
+    return cap
 
 
 def _rope_kinds(layers: list[Layer]) -> list[str | None]:

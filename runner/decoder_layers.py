@@ -31,6 +31,8 @@ class Attention(nn.Module):
         self.use_rope = bool(no_rope_layers[layer]) if no_rope_layers else True
         # Attends to its last `sliding_window` tokens only; None: the whole context.
         self.sliding_window = layer_windows(config, arch)[layer]
+        # Gemma 2 caps every score s at c * tanh(s / c) before the softmax (None: no cap).
+        self.softcap = getattr(config, "attn_logit_softcapping", None)
         # Which of the model's RoPE tables it rotates with (None: the one table).
         self.rope_type = layer_rope_types(config)[layer]
         qkv_bias, o_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
@@ -93,7 +95,7 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
             q, k = self._rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         o = paged_attention(  # [T, Hq, D]
-            q, k, v, k_cache, v_cache, meta, self.scale, backend, self.sliding_window
+            q, k, v, k_cache, v_cache, meta, self.scale, backend, self.sliding_window, self.softcap
         )
         out: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
         return out

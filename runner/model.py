@@ -38,8 +38,6 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.architecture = resolve_architecture(config)
-        if getattr(config, "attn_logit_softcapping", None):
-            raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
         self.num_layers = config.num_hidden_layers
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
@@ -53,7 +51,7 @@ class CausalLM(nn.Module):
             self.embedding_multiplier = config.hidden_size**0.5
         self.round_embedding_multiplier = gemma
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
-        # cap * tanh(logits / cap) where the config sets a final soft cap (Gemma's option).
+        # cap * tanh(logits / cap) where the config sets a final soft cap (Gemma 2's 30).
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         # "torch", "cpu" or "triton"; the engine may switch it after loading.
         self.attention_backend = "torch"

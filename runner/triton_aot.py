@@ -109,12 +109,16 @@ def recorded_launches() -> Iterator[list[Launch]]:
 
 
 def step_launches(
-    shape: str, dtype: torch.dtype, block_size: int = 16, window: int | None = None
+    shape: str,
+    dtype: torch.dtype,
+    block_size: int = 16,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> list[Launch]:
     """The launches of the runner's attention steps for one model shape and cache dtype: K/V
     store, prefill over a cached prefix, decode in one partition and split into several. With a
-    sliding `window` the attention launches are the windowed variants (a window shorter than
-    DEFAULT_PARTITION_SIZE leaves the long decode in one partition)."""
+    sliding `window` and / or a logit `softcap` the attention launches are those variants (a
+    window shorter than DEFAULT_PARTITION_SIZE leaves the long decode in one partition)."""
     from runner.triton_attention import store_kv
     from runner.triton_decode import DEFAULT_PARTITION_SIZE, decode_attention
     from runner.triton_prefill import prefill_attention
@@ -130,12 +134,13 @@ def step_launches(
         store_kv(kv, kv, k_cache, v_cache, torch.zeros(40, dtype=torch.int64))
         q = torch.zeros(40, num_q, head_dim, dtype=dtype)
         starts, contexts = torch.tensor([0, 30, 40], dtype=i32), torch.tensor([90, 10], dtype=i32)
-        prefill_attention(q, k_cache, v_cache, starts, contexts, tables, 0.1, 30, window=window)
+        variant: dict[str, Any] = {"window": window, "softcap": softcap}
+        prefill_attention(q, k_cache, v_cache, starts, contexts, tables, 0.1, 30, **variant)
         short = torch.tensor([100, 3], dtype=i32)
-        decode_attention(q[:2], k_cache, v_cache, short, tables, 0.1, 100, window=window)
+        decode_attention(q[:2], k_cache, v_cache, short, tables, 0.1, 100, **variant)
         long = torch.tensor([DEFAULT_PARTITION_SIZE * 3, 3], dtype=i32)
         max_long = int(long.max())
-        decode_attention(q[:2], k_cache, v_cache, long, tables, 0.1, max_long, window=window)
+        decode_attention(q[:2], k_cache, v_cache, long, tables, 0.1, max_long, **variant)
     return launches
 
 
@@ -197,14 +202,19 @@ def compile_launch(launch: Launch, arch: int, case: str) -> Compiled:
 
 
 def compile_cases(
-    cases: list[tuple[str, str]], arches: list[int], window: int | None = None
+    cases: list[tuple[str, str]],
+    arches: list[int],
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Iterator[Compiled]:
     """Compile every launch of each (shape, dtype name) case for each architecture."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("0", ""):
         raise RuntimeError("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled")
     for shape, dtype_name in cases:
         case = f"{shape} {dtype_name}" + ("" if window is None else f" window {window}")
-        for launch in step_launches(shape, DTYPES[dtype_name], window=window):
+        case += "" if softcap is None else f" softcap {softcap:g}"
+        launches = step_launches(shape, DTYPES[dtype_name], window=window, softcap=softcap)
+        for launch in launches:
             for arch in arches:
                 yield compile_launch(launch, arch, case)
 
@@ -215,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", action="append", metavar="SHAPE:DTYPE")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument("--window", type=int, help="compile the sliding-window variants")
+    parser.add_argument("--softcap", type=float, help="compile the logit soft-cap variants")
     args = parser.parse_args(argv)
     # Before the kernel modules are imported: they would pick the interpreter on a CPU machine.
     os.environ["TRITON_INTERPRET"] = "0"
@@ -230,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     too_big = 0
     if args.window is not None and args.window < 1:
         parser.error(f"--window must be at least 1, got {args.window}")
-    for result in compile_cases(cases, arches, args.window):
+    if args.softcap is not None and not 0.0 < args.softcap < float("inf"):
+        parser.error(f"--softcap must be positive and finite, got {args.softcap}")
+    for result in compile_cases(cases, arches, args.window, args.softcap):
         too_big += not result.fits()
         if args.json:
             print(json.dumps(asdict(result)), flush=True)

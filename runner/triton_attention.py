@@ -5,7 +5,7 @@ flat slot is block * block_size + offset. A step first writes the new tokens' K/
 (store_kv), then attends: decode-only steps go to the split-K decode kernels
 (runner/triton_decode.py), anything else to the varlen causal prefill kernel
 (runner/triton_prefill.py), which also covers mixed prefill + decode batches. Both take an
-optional sliding window and then load only the keys inside it.
+optional sliding window (and then load only the keys inside it) and an optional logit soft cap.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (runner/triton_common.py).
 """
@@ -18,7 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.triton_common import check_cache_pair, last_dim_contiguous, pow2_at_least
+from runner.triton_common import (
+    check_cache_pair,
+    check_softcap,
+    last_dim_contiguous,
+    pow2_at_least,
+)
 from runner.triton_decode import decode_attention
 from runner.triton_prefill import prefill_attention
 
@@ -117,6 +122,7 @@ def triton_paged_attention(
     scale: float,
     *,
     window: int | None = None,
+    softcap: float | None = None,
     partition_size: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `paged_attention(..., backend="triton")`.
@@ -131,6 +137,8 @@ def triton_paged_attention(
 
     which is transformers' sliding_window_overlay (kv_idx > q_idx - sliding_window). A window
     of 1 sees only the token itself; one >= C cuts nothing (the same result as None).
+    Each score is s = (q . k) * scale; a `softcap` c > 0 makes it c * tanh(s / c) before the
+    mask and the softmax (Gemma 2's attn_logit_softcapping); None leaves it as it is.
     Returns [T, Hq, D] in q's dtype.
 
     The window is a runtime kernel argument (one compiled kernel serves every window size, so
@@ -140,12 +148,14 @@ def triton_paged_attention(
     window start max(C - W, 0), so it reads only keys C - W .. C - 1 and launches
     cdiv(min(C, W), partition_size) partitions, none of them empty; a prefill tile starts its
     key loop at the window start of its first query and masks per key only the span where its
-    queries' windows differ, exactly at any block or tile alignment.
+    queries' windows differ, exactly at any block or tile alignment. The soft cap is passed the
+    same way (a runtime float plus a constexpr flag), so softcap=None costs nothing either.
 
     `partition_size` overrides the decode split-K partition length (keys per program).
     """
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window} must be at least 1")
+    check_softcap(softcap)  # before store_kv: a refused call leaves the caches as they were
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.decode_only:
         kwargs = {} if partition_size is None else {"partition_size": partition_size}
@@ -158,6 +168,7 @@ def triton_paged_attention(
             scale,
             meta.max_context_len,
             window=window,
+            softcap=softcap,
             **kwargs,
         )
     return prefill_attention(
@@ -170,4 +181,5 @@ def triton_paged_attention(
         scale,
         meta.max_query_len,
         window=window,
+        softcap=softcap,
     )

@@ -11,6 +11,9 @@ Sliding window W: the query at position C - 1 sees keys C - W .. C - 1 only, so 
 start at the window start max(C - W, 0) instead of 0. Keys before it are never loaded, no
 partition lies wholly before it, and the grid needs cdiv(min(C, W), partition_size) partitions.
 
+Soft cap c (Gemma 2): each score s becomes c * tanh(s / c) before the softmax; the partitions'
+log-sum-exps are then of capped scores, so the reduce combines them unchanged.
+
 A program handles all GROUP query heads that share one KV head, so K/V rows are loaded once per
 group (GQA); the group is padded to 16 rows because tl.dot needs tiles of at least 16.
 """
@@ -22,15 +25,18 @@ import triton
 import triton.language as tl
 
 from runner.triton_common import (
+    LOG2E,
     check_cache_pair,
     default_tile,
     dot_config,
     last_dim_contiguous,
+    log2_softcap,
     pow2_at_least,
+    soft_cap,
 )
 from runner.triton_decode_reduce import combine_partitions
 
-LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * log2(e))
+__all__ = ["DEFAULT_PARTITION_SIZE", "LOG2E", "decode_attention"]
 DEFAULT_PARTITION_SIZE = 512  # keys per partition; a multiple of every tile size used
 
 
@@ -56,6 +62,7 @@ def _decode_partition_kernel(
     stride_ls: int,
     stride_lh: int,
     window: int,  # sliding window in keys; read only when USE_WINDOW
+    softcap: float,  # soft cap * log2(e) (log2_softcap); read only when USE_SOFTCAP
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16
@@ -65,6 +72,7 @@ def _decode_partition_kernel(
     BLOCK_N: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     USE_WINDOW: tl.constexpr,  # False: the whole context, at no extra cost
+    USE_SOFTCAP: tl.constexpr,  # False: raw scores, at no extra cost
     DOT_DTYPE: tl.constexpr,  # tl.dot operand dtype (see dot_config)
     DOT_PRECISION: tl.constexpr,
 ) -> None:
@@ -111,6 +119,8 @@ def _decode_partition_kernel(
 
         # [GROUP_PAD, BLOCK_N] scores in the log2 domain
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if USE_SOFTCAP:  # before the mask: the cap would turn -inf into a finite -softcap
+            s = soft_cap(s, softcap)
         s = tl.where(n_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -152,9 +162,11 @@ def decode_attention(
     partition_size: int = DEFAULT_PARTITION_SIZE,
     block_n: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached context: all of it, or with a
-    sliding `window` W >= 1 its last W keys (the new token's own included).
+    sliding `window` W >= 1 its last W keys (the new token's own included). A `softcap` c > 0
+    turns each score s = (q . k) * scale into c * tanh(s / c) before the softmax.
 
     q [S, Hq, D] (token s belongs to sequence s); k_cache / v_cache [num_blocks, block_size,
     Hkv, D] already holding the new token; context_lens [S] int32 including it; block_tables
@@ -172,6 +184,7 @@ def decode_attention(
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window} must be at least 1")
+    cap = log2_softcap(softcap)  # validates it
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
@@ -217,6 +230,7 @@ def decode_attention(
         part_lse.stride(0),
         part_lse.stride(1),
         window or 0,  # ignored without a window (USE_WINDOW=False)
+        cap,  # ignored without a cap (USE_SOFTCAP=False)
         BLOCK_SIZE=block_size,
         GROUP=group,
         GROUP_PAD=pow2_at_least(group),
@@ -226,6 +240,7 @@ def decode_attention(
         BLOCK_N=block_n,
         WRITE_LSE=not single,
         USE_WINDOW=window is not None,
+        USE_SOFTCAP=softcap is not None,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
     )

@@ -4,7 +4,8 @@ Each sequence s contributes query_len L = query_start_loc[s+1] - query_start_loc
 and has context_len C keys in the cache, *including* those L (store_kv already wrote them). New
 token i sits at position C - L + i and attends to key positions <= C - L + i, so a cached prefix
 (prefix cache hit or an earlier chunk of a chunked prefill) is read through the block table.
-With a sliding window W it sees only keys > C - L + i - W, its last W tokens.
+With a sliding window W it sees only keys > C - L + i - W, its last W tokens. With a soft cap c
+(Gemma 2) each score s becomes c * tanh(s / c) before that mask and the softmax.
 
 One program computes a [BLOCK_M, D] tile of queries of one sequence for one query head with an
 online softmax (flash attention) in float32, walking the keys BLOCK_N at a time and gathering
@@ -20,14 +21,15 @@ import triton
 import triton.language as tl
 
 from runner.triton_common import (
+    LOG2E,
     check_cache_pair,
     default_tile,
     dot_config,
     last_dim_contiguous,
+    log2_softcap,
     pow2_at_least,
+    soft_cap,
 )
-
-LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * log2(e))
 
 
 @triton.jit
@@ -49,6 +51,7 @@ def _prefill_kernel(
     stride_ch: int,
     stride_bt: int,
     window: int,  # sliding window in keys; read only when USE_WINDOW
+    softcap: float,  # soft cap * log2(e) (log2_softcap); read only when USE_SOFTCAP
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     GROUP: tl.constexpr,  # query heads per KV head (GQA)
     HEAD_DIM: tl.constexpr,
@@ -56,6 +59,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,  # False: the whole causal context, at no extra cost
+    USE_SOFTCAP: tl.constexpr,  # False: raw scores, at no extra cost
     DOT_DTYPE: tl.constexpr,  # tl.dot operand dtype (see dot_config)
     DOT_PRECISION: tl.constexpr,
 ) -> None:
@@ -113,6 +117,8 @@ def _prefill_kernel(
 
         # [BLOCK_M, BLOCK_N] scores in the log2 domain
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if USE_SOFTCAP:  # before the mask: the cap would turn -inf into a finite -softcap
+            s = soft_cap(s, softcap)
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         if USE_WINDOW:  # a later query's window starts later: exact per key, any alignment
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
@@ -150,9 +156,11 @@ def prefill_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of new tokens over their cached context; with a sliding
-    `window` W >= 1 the token at position p sees only keys p - W < j <= p.
+    `window` W >= 1 the token at position p sees only keys p - W < j <= p. A `softcap` c > 0
+    turns each score s = (q . k) * scale into c * tanh(s / c) before the mask and softmax.
 
     q [T, Hq, D]; k_cache / v_cache [num_blocks, block_size, Hkv, D] already holding the new
     tokens' K/V; query_start_loc [S+1] int32; context_lens [S] int32 (including the new tokens);
@@ -167,6 +175,7 @@ def prefill_attention(
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window} must be at least 1")
+    cap = log2_softcap(softcap)  # validates it
     out = torch.empty_like(q)
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -199,6 +208,7 @@ def prefill_attention(
         k_cache.stride(2),
         block_tables.stride(0),
         window or 0,  # ignored without a window (USE_WINDOW=False)
+        cap,  # ignored without a cap (USE_SOFTCAP=False)
         BLOCK_SIZE=block_size,
         GROUP=num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim,
@@ -206,6 +216,7 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         USE_WINDOW=window is not None,
+        USE_SOFTCAP=softcap is not None,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
     )

@@ -43,7 +43,8 @@ TINY_BASE: dict[str, Any] = {
 # Phi-3 stores q/k/v and gate/up fused, Granite scales embeddings, attention, residuals and
 # logits, SmolLM3 leaves RoPE out of some layers, OLMo 2 norms each branch on its way out,
 # Gemma 3 norms both ways, scales attention by query_pre_attn_scalar, gates with GeLU and mixes
-# local layers (a sliding window of 16 tokens, their own RoPE base) with global ones.
+# local layers (a sliding window of 16 tokens, their own RoPE base) with global ones; Gemma 2
+# has no q/k norms and one RoPE base, but caps its attention scores and its logits.
 TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaForCausalLM", {"tie_word_embeddings": False, "rope_theta": 10000.0}),
     "mistral": ("MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}),
@@ -55,6 +56,17 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3ForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}),
     "smollm3": ("SmolLM3ForCausalLM", {"no_rope_layer_interval": 2}),  # RoPE every other layer
     "olmo2": ("Olmo2ForCausalLM", {"tie_word_embeddings": False}),
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "attn_logit_softcapping": 5.0,  # small enough to bite on these scores
+            "final_logit_softcapping": 8.0,
+        },
+    ),
     "gemma3": (
         "Gemma3ForCausalLM",
         {
@@ -177,6 +189,11 @@ def tiny_smollm3_dir(make_tiny_model: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_olmo2_dir(make_tiny_model: Callable[..., Path]) -> Path:
     return make_tiny_model("olmo2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(make_tiny_model: Callable[..., Path]) -> Path:
+    return make_tiny_model("gemma2")
 
 
 @pytest.fixture(scope="session")

@@ -278,8 +278,11 @@ def reference_attention(
     scale: float,
     backend: str = "torch",
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """paged_attention's contract through dense_reference, for the module path."""
+    """paged_attention's contract through dense_reference, for the module path (Mistral caps
+    no scores: softcap stays None)."""
+    assert softcap is None
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     seqs = list(zip(meta.query_lens, meta.context_lens_host, strict=True))
     tables = meta.block_tables.tolist()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvcache import LLM
+from kvcache import LLM, SamplingParams
 from runner.loader import load_model
 
 
@@ -66,7 +66,19 @@ def test_layers_read_their_kind_from_the_config(make_tiny_model: Callable[..., P
     assert not torch.equal(local_cos[1:], model.rope_cos[1:])
 
 
-def test_gemma2_soft_capping_is_refused_by_name(make_tiny_model: Callable[..., Path]) -> None:
-    path = make_tiny_model("gemma3", attn_logit_softcapping=50.0)
-    with pytest.raises(ValueError, match="soft-capping"):
-        LLM(str(path))
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_gemma2_logits_are_capped_as_transformers_caps_them(
+    tiny_gemma2_dir: Path, backend: str
+) -> None:
+    """Gemma 2 caps its attention scores (5 here: every layer's scores bite) and its logits (8):
+    the first step's logits of a prompt longer than the window equal transformers' within 1e-4,
+    through the torch path and the CPU backend (the C layers where the kernels built)."""
+    prompt = [3 + (i * 37) % 300 for i in range(40)]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma2_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([prompt])).logits[0, -1]
+    assert theirs.abs().max() < 8.0 and theirs.abs().max() > 4.0  # the cap shapes them
+    llm = LLM(str(tiny_gemma2_dir), attention_backend=backend)
+    llm.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
+    ours = llm.runner.run(llm.scheduler.schedule().scheduled)[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

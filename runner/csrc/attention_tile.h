@@ -62,12 +62,23 @@ static void widen_blocks(const void *k_cache, const void *v_cache, const int *ta
     }
 }
 
-/* Lanes of qt [d][16] (the rows' queries, transposed and scaled) against keys key_begin ..
- * key_end - 1; lane i sees keys lows[i] .. positions[i] (lows NULL: from key_begin; a sliding
- * window's start otherwise), at least one of them. key_begin need not start a block. */
-static void tile_attend(const float qt[][TILE], const struct paged_keys *src, long key_begin,
-                        long key_end, const int lows[TILE], const int positions[TILE],
-                        struct tile_state *state)
+/* n scores in place, each s as softcap * tanh(s / softcap) (vector_exp.h). */
+static inline void soft_cap_scores(float *scores, long n, float softcap)
+{
+    const __m512 cap = _mm512_set1_ps(softcap);
+    for (long t = 0; t < n; t += TILE) {
+        const __mmask16 live = n - t >= TILE ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+        _mm512_mask_storeu_ps(scores + t, live,
+                              soft_cap_ps(_mm512_maskz_loadu_ps(live, scores + t), cap));
+    }
+}
+
+/* tile_attend's body; CAP (a constant in each instance) says whether scores are capped, so the
+ * uncapped instance is the loop it was before caps existed, instruction for instruction. */
+static inline __attribute__((always_inline)) void tile_attend_body(
+    const float qt[][TILE], const struct paged_keys *src, long key_begin, long key_end,
+    const int lows[TILE], const int positions[TILE], float softcap, struct tile_state *state,
+    const int CAP)
 {
     const long d = src->d;
     /* Token rows a multiple of 4 KB apart (Hkv * D = 1024, 2048, ...) put the 16 keys of a
@@ -107,6 +118,11 @@ static void tile_attend(const float qt[][TILE], const struct paged_keys *src, lo
             __m512 qj = _mm512_load_ps(qt[j]);
             for (int t = 0; t < TILE; t++)
                 s[t] = _mm512_fmadd_ps(_mm512_set1_ps(keys[t][j]), qj, s[t]);
+        }
+        if (CAP) {
+            const __m512 cap = _mm512_set1_ps(softcap);
+            for (int t = 0; t < TILE; t++)
+                s[t] = soft_cap_ps(s[t], cap);
         }
         /* key first + t counts for the rows whose position is at or past it and whose window
          * reaches back to it (and exists); the others give it no weight at all */
@@ -150,6 +166,34 @@ static void tile_attend(const float qt[][TILE], const struct paged_keys *src, lo
                 _mm512_store_ps(state->acc[j0 + j], part[j]);
         }
     }
+}
+
+static void tile_attend_capped(const float qt[][TILE], const struct paged_keys *src,
+                               long key_begin, long key_end, const int lows[TILE],
+                               const int positions[TILE], float softcap, struct tile_state *state)
+{
+    tile_attend_body(qt, src, key_begin, key_end, lows, positions, softcap, state, 1);
+}
+
+static void tile_attend_uncapped(const float qt[][TILE], const struct paged_keys *src,
+                                 long key_begin, long key_end, const int lows[TILE],
+                                 const int positions[TILE], struct tile_state *state)
+{
+    tile_attend_body(qt, src, key_begin, key_end, lows, positions, 0.0f, state, 0);
+}
+
+/* Lanes of qt [d][16] (the rows' queries, transposed and scaled) against keys key_begin ..
+ * key_end - 1; lane i sees keys lows[i] .. positions[i] (lows NULL: from key_begin; a sliding
+ * window's start otherwise), at least one of them. key_begin need not start a block. softcap >
+ * 0: each score s counts as softcap * tanh(s / softcap) (the logit soft cap; 0: none). */
+static inline void tile_attend(const float qt[][TILE], const struct paged_keys *src,
+                               long key_begin, long key_end, const int lows[TILE],
+                               const int positions[TILE], float softcap, struct tile_state *state)
+{
+    if (softcap > 0.0f)
+        tile_attend_capped(qt, src, key_begin, key_end, lows, positions, softcap, state);
+    else
+        tile_attend_uncapped(qt, src, key_begin, key_end, lows, positions, state);
 }
 
 #endif

@@ -10,6 +10,7 @@
  * together, so each key and value row is loaded once for G heads (GQA). The softmax is the
  * streaming one: per block, scores, then a running max and sum, and the accumulator rescaled
  * when the max moves, so the result is exact softmax(q k^T * scale) v up to float rounding.
+ * With a logit soft cap c > 0 (Gemma 2), each score s is c tanh(s / c) before any of that.
  *
  * When all sequences start with the same `shared_blocks` blocks (a system prompt), those keys
  * are scored first for every row at once, 16 rows per vector lane (attention_tile.h: each key
@@ -23,6 +24,7 @@
  * only. D must be a multiple of 16 up to 256, G at most 8 and B at most 256 (the loader checks).
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "attention_tile.h"
 
@@ -34,7 +36,7 @@ enum { LANES = 16, MAX_GROUP = 8, MAX_VECS = 16, MAX_BLOCK = 256 };
 static inline __attribute__((always_inline)) void attend(
     const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
     const int *restrict table, long context, float *restrict out,
-    long hkv, long head, long block_size, float scale, long first_key,
+    long hkv, long head, long block_size, float scale, float softcap, long first_key,
     const float *start_max, const float *start_sum, const float *start_acc,
     const int G, const int VECS, const int HALF)
 {
@@ -70,6 +72,10 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
         for (int g = 0; g < G; g++) {
+            /* A branch once a block, outside the key loops, taken the same way all call: uncapped
+             * decodes run as fast as before (a constant like G would double the instances). */
+            if (softcap > 0.0f)
+                soft_cap_scores(scores[g], n, softcap);
             float block_max = scores[g][0];
             for (long t = 1; t < n; t++)
                 block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
@@ -110,7 +116,8 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 #define ATTEND(G, V, H)                                                                 \
-    attend(qs, k_cache, v_cache, table, context, os, hkv, head, block_size, scale, first_key, \
+    attend(qs, k_cache, v_cache, table, context, os, hkv, head, block_size, scale,       \
+           softcap, first_key,                                                           \
            start ? start->max + s * hq + head * group : NULL,                            \
            start ? start->sum + s * hq + head * group : NULL,                            \
            start ? start->acc + (s * hq + head * group) * d : NULL, G, V, H)
@@ -139,7 +146,7 @@ struct prefix_state {
  * sequence 0's table); 16 rows a task, row i being sequence i / G, query head head * G + i % G. */
 static void score_shared_prefix(const float *q, const float *k_cache, const float *v_cache,
                                 const int *table, long keys, long num_seqs, long hq, long hkv,
-                                long d, long block_size, float scale,
+                                long d, long block_size, float scale, float softcap,
                                 const struct prefix_state *state)
 {
     const long group = hq / hkv, rows = num_seqs * group;
@@ -159,7 +166,7 @@ static void score_shared_prefix(const float *q, const float *k_cache, const floa
         }
         const struct paged_keys src = {k_cache, v_cache, table, block_size, hkv * d, head, d};
         struct tile_state tile;
-        tile_attend(qt, &src, 0, keys, NULL, positions, &tile);
+        tile_attend(qt, &src, 0, keys, NULL, positions, softcap, &tile);
         float max[TILE], sum[TILE];
         _mm512_storeu_ps(max, tile.running_max);
         _mm512_storeu_ps(sum, tile.running_sum);
@@ -176,7 +183,7 @@ static void score_shared_prefix(const float *q, const float *k_cache, const floa
  * (attention_tile.h, widen_blocks), not once per tile of 16 rows. 0, or -1 without memory. */
 static int score_half_prefix(const float *q, const void *k_cache, const void *v_cache,
                              const int *table, long shared_blocks, long num_seqs, long hq,
-                             long hkv, long d, long block_size, float scale,
+                             long hkv, long d, long block_size, float scale, float softcap,
                              const struct prefix_state *state)
 {
     const long row = block_size * hkv * d;
@@ -192,7 +199,7 @@ static int score_half_prefix(const float *q, const void *k_cache, const void *v_
         identity[b] = (int)b;
     score_shared_prefix(q, wide, wide + shared_blocks * row, identity,
                         shared_blocks * block_size, num_seqs, hq, hkv, d, block_size, scale,
-                        state);
+                        softcap, state);
     free(wide);
     free(identity);
     return 0;
@@ -211,15 +218,18 @@ static int windows_cover_all(const int *context_lens, long num_seqs, long window
 /* Returns 0, or -1 when the shapes are outside what the kernel handles or memory runs out
  * (nothing written). With shared_blocks > 0, every sequence's table starts with the same
  * shared_blocks blocks and every context is longer than they are (the caller checks); they are
- * scored together unless a window cuts into them. window: keys per query (0: all). */
+ * scored together unless a window cuts into them. window: keys per query (0: all). softcap:
+ * the logit soft cap (0: none; never negative). */
 int decode_attention(const float *q, const void *k_cache, const void *v_cache,
                      const int *block_tables, const int *context_lens, float *out,
                      long num_seqs, long hq, long hkv, long d, long block_size,
-                     long max_blocks, long shared_blocks, long window, float scale, int kv_half)
+                     long max_blocks, long shared_blocks, long window, float scale,
+                     float softcap, int kv_half)
 {
     long group = hkv > 0 ? hq / hkv : 0;
     if (group < 1 || group > MAX_GROUP || group * hkv != hq || d % LANES || d > MAX_VECS * LANES
-        || block_size < 1 || block_size > MAX_BLOCK || shared_blocks < 0 || window < 0)
+        || block_size < 1 || block_size > MAX_BLOCK || shared_blocks < 0 || window < 0
+        || !(softcap >= 0.0f))
         return -1;
     if (!windows_cover_all(context_lens, num_seqs, window))
         shared_blocks = 0; /* some window starts past key 0: each task reads its own keys */
@@ -234,9 +244,9 @@ int decode_attention(const float *q, const void *k_cache, const void *v_cache,
         shared.acc = shared.sum + num_seqs * hq;
         if (!kv_half)
             score_shared_prefix(q, k_cache, v_cache, block_tables, shared_keys, num_seqs, hq, hkv,
-                                d, block_size, scale, &shared);
+                                d, block_size, scale, softcap, &shared);
         else if (score_half_prefix(q, k_cache, v_cache, block_tables, shared_blocks, num_seqs,
-                                   hq, hkv, d, block_size, scale, &shared)) {
+                                   hq, hkv, d, block_size, scale, softcap, &shared)) {
             free(shared.max);
             return -1;
         }
@@ -268,4 +278,12 @@ int decode_attention(const float *q, const void *k_cache, const void *v_cache,
     }
     free(shared.max);
     return 0;
+}
+
+/* y[i] = softcap * tanh(x[i] / softcap), i < n: the kernels' own cap (soft_cap_scores), for
+ * tests (tests/test_cpu_softcap.py holds its tanh to torch.tanh with softcap 1). */
+void soft_cap_rows(const float *x, float *y, long n, float softcap)
+{
+    memcpy(y, x, (size_t)n * sizeof(float));
+    soft_cap_scores(y, n, softcap);
 }

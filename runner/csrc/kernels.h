@@ -9,20 +9,22 @@ void panel_gemm(const float *x, long ldx, const void *packed, int wtype, float *
                 long panels);
 
 /* decode_attention.c: one query token per sequence over the paged cache (float32, or float16
- * with kv_half), each over its last `window` keys (0: all of them); 0 or -1. */
+ * with kv_half), each over its last `window` keys (0: all of them), scores soft-capped at
+ * softcap (0: not); 0 or -1. */
 int decode_attention(const float *q, const void *k_cache, const void *v_cache,
                      const int *block_tables, const int *context_lens, float *out,
                      long num_seqs, long hq, long hkv, long d, long block_size,
                      long max_blocks, long shared_blocks, long window, float scale,
-                     int kv_half);
+                     float softcap, int kv_half);
 
 /* prefill_attention.c: causal attention of longer queries over the paged cache, each query
- * over its last `window` keys up to its own (0: all of them); 0 or -1. */
+ * over its last `window` keys up to its own (0: all of them), scores soft-capped at softcap
+ * (0: not); 0 or -1. */
 int prefill_attention(const float *q, long q_token_stride, const void *k_cache,
                       const void *v_cache, const int *block_tables, const int *query_start,
                       const int *query_lens, const int *context_lens, float *out,
                       long num_seqs, long hq, long hkv, long d, long block_size,
-                      long max_blocks, long window, float scale, int kv_half);
+                      long max_blocks, long window, float scale, float softcap, int kv_half);
 
 /* elementwise.c: RMSNorm and the gated SiLU and tanh GeLU over strided rows. */
 void rms_norm_rows(const float *x, long ldx, const float *w, float *y, long ldy, long rows,

@@ -139,25 +139,25 @@ static void add_branch(float *h, float *out, const float *norm, long rows, long 
 }
 
 /* attn [rows, hq * d] = attention of q [rows, hq * d] over the paged cache, each query over its
- * last `window` keys (0: all). decoded, decode_q: scratch of rows * hq * d floats each. Returns
- * 0 or -1 (a kernel refused). */
+ * last `window` keys (0: all), scores soft-capped at softcap (0: not). decoded, decode_q:
+ * scratch of rows * hq * d floats each. Returns 0 or -1 (a kernel refused). */
 static int attend(const float *q, const void *k_cache, const void *v_cache, float *attn,
                   long rows, long hq, long hkv, long d, long block_size,
-                  const struct step_split *split, long window, float scale, float *decode_q,
-                  float *decoded, int kv_half)
+                  const struct step_split *split, long window, float scale, float softcap,
+                  float *decode_q, float *decoded, int kv_half)
 {
     const long width = hq * d;
     if (split->num_decodes == rows) /* decodes only, in row order: q and attn as they are */
         return decode_attention(q, k_cache, v_cache, split->decode_tables, split->decode_lens,
                                 attn, rows, hq, hkv, d, block_size, split->decode_max_blocks,
-                                split->shared_blocks, window, scale, kv_half);
+                                split->shared_blocks, window, scale, softcap, kv_half);
     if (split->num_decodes) {
         for (long i = 0; i < split->num_decodes; i++)
             memcpy(decode_q + i * width, q + split->decode_rows[i] * width, width * sizeof(float));
         if (decode_attention(decode_q, k_cache, v_cache, split->decode_tables, split->decode_lens,
                              decoded, split->num_decodes, hq, hkv, d, block_size,
                              split->decode_max_blocks, split->shared_blocks, window, scale,
-                             kv_half))
+                             softcap, kv_half))
             return -1;
         for (long i = 0; i < split->num_decodes; i++)
             memcpy(attn + split->decode_rows[i] * width, decoded + i * width, width * sizeof(float));
@@ -166,7 +166,7 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
         return prefill_attention(q, width, k_cache, v_cache, split->longer_tables,
                                  split->longer_starts, split->longer_lens, split->longer_contexts,
                                  attn, split->num_longer, hq, hkv, d, block_size,
-                                 split->longer_max_blocks, window, scale, kv_half);
+                                 split->longer_max_blocks, window, scale, softcap, kv_half);
     return 0;
 }
 
@@ -180,8 +180,9 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
  * 0 where it uses no RoPE (NULL: every layer the first);
  * windows [num_layers]: each layer's sliding window, 0 where it sees the whole context (NULL:
  * no layer has one);
- * slots [rows] (negative: skip). residual: what each branch is multiplied by before it is
- * added back (1, or Granite's residual_multiplier). scratch: layers_scratch floats. The
+ * slots [rows] (negative: skip). softcap: every layer's attention logit soft cap (Gemma 2;
+ * 0: none). residual: what each branch is multiplied by before it is added back (1, or
+ * Granite's residual_multiplier). scratch: layers_scratch floats. The
  * products' wall time is added to seconds[0] and the attention kernels' to seconds[1]
  * (`kvcache report`'s breakdown of a step). Returns 0, or -1 if an attention kernel refused (h
  * is then partly updated). weight_type: what the packed products hold (panel_gemm.c's
@@ -191,8 +192,8 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
                long block_size, const struct step_split *split, const float *cos,
                const float *sin, const float *cos2, const float *sin2, long rot,
                const int *rope_layers, const int *windows, const long *slots, float eps,
-               float scale, float residual, float *scratch, double *seconds, int weight_type,
-               int kv_half, int gelu)
+               float scale, float softcap, float residual, float *scratch, double *seconds,
+               int weight_type, int kv_half, int gelu)
 {
     const long elem = kv_half ? 2 : 4; /* bytes of one cache element */
     const long q_width = hq * d, qkv_width = (hq + 2 * hkv) * d;
@@ -226,7 +227,7 @@ int run_layers(float *h, long rows, long hidden, long inter, long hq, long hkv, 
         const double attention_start = now();
         const long window = windows ? windows[layer] : 0;
         if (attend(q, k_cache, v_cache, attn, rows, hq, hkv, d, block_size, split, window, scale,
-                   decode_q, decoded, kv_half))
+                   softcap, decode_q, decoded, kv_half))
             return -1;
         seconds[1] += now() - attention_start;
         const float *o_in = attn;

@@ -8,7 +8,8 @@
  * out [T, Hq, D] contiguous; q may have wider token rows (q_token_stride floats: q is a view
  * of the fused q/k projection). Each query sees the keys up to its own position p, read in
  * place; with a sliding window W > 0, only keys max(0, p - W + 1) .. p, and a tile of queries
- * starts reading at the first key any of its rows sees.
+ * starts reading at the first key any of its rows sees. With a logit soft cap c > 0 (Gemma 2),
+ * each score s = (q . k) * scale counts as c tanh(s / c), masked and softmaxed as before.
  *
  * One task takes 16 query rows of one sequence and KV head (positions x the G query heads of
  * that KV head), one per vector lane, through the tile of attention_tile.h: scores and values
@@ -25,6 +26,7 @@ struct task_shape {
     long q_token_stride; /* floats between two tokens' rows of q (heads are d apart) */
     long window;         /* keys a query sees, itself included (0: its whole context) */
     float scale;
+    float softcap;       /* the logit soft cap (0: none) */
 };
 
 /* The first key a query at `position` sees: where its window starts (0 without one). */
@@ -60,7 +62,7 @@ static void attend_tile(const float *q, const float *k_cache, const float *v_cac
     const struct paged_keys keys = {k_cache, v_cache, table, shape->block_size,
                                     shape->hkv * d, head, d};
     tile_attend(qt, &keys, first_key, last_position + 1, shape->window ? lows : NULL, positions,
-                &state);
+                shape->softcap, &state);
     __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), state.running_sum);
     for (long j = 0; j < d; j++)
         _mm512_store_ps(state.acc[j], _mm512_mul_ps(_mm512_load_ps(state.acc[j]), inv));
@@ -119,17 +121,19 @@ static int attend_half_cache(const float *q, const void *k_cache, const void *v_
 }
 
 /* Returns 0, or -1 when the shapes are outside what the kernel handles or memory runs out
- * (nothing written). window: keys a query sees (0: all up to its own). */
+ * (nothing written). window: keys a query sees (0: all up to its own). softcap: the logit soft
+ * cap (0: none; never negative). */
 int prefill_attention(const float *q, long q_token_stride, const void *k_cache,
                       const void *v_cache, const int *block_tables, const int *query_start,
                       const int *query_lens, const int *context_lens, float *out,
                       long num_seqs, long hq, long hkv, long d, long block_size,
-                      long max_blocks, long window, float scale, int kv_half)
+                      long max_blocks, long window, float scale, float softcap, int kv_half)
 {
-    if (hkv < 1 || hq % hkv || d % LANES || d > MAX_DIM || block_size < 1 || window < 0)
+    if (hkv < 1 || hq % hkv || d % LANES || d > MAX_DIM || block_size < 1 || window < 0
+        || !(softcap >= 0.0f))
         return -1;
     const struct task_shape shape = {hq, hkv, d, block_size, max_blocks, q_token_stride, window,
-                                     scale};
+                                     scale, softcap};
     if (kv_half)
         return attend_half_cache(q, k_cache, v_cache, block_tables, query_start, query_lens,
                                  context_lens, out, num_seqs, &shape);

@@ -1,0 +1,377 @@
+"""Attention logit soft-capping (Gemma 2) in the CPU C kernels (runner/csrc): each score
+s = (q . k) * scale becomes c * tanh(s / c) before the mask and the softmax. The kernels' vector
+tanh (vector_exp.h) against torch.tanh over the whole float line; then the decode and prefill
+kernels with caps that bite (scores of magnitude 10-100 against caps of 5 and 50) against a
+dense float64 reference written here (keys read through block tables, capped, masked,
+softmaxed), over block sizes, GQA groups, decodes alone and beside prefill chunks after cached
+prefixes, sliding windows, float16 caches, and decodes whose shared prompt the decode kernel
+scores in its shared pass. Last, Gemma 2's layers in one C call: bit for bit the module path."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_cpu_layers_gemma import run_schedule
+from test_cpu_window import Seq, random_tables
+
+from kvcache import LLM
+from runner.attention import AttentionMetadata
+from runner.cpu_attention import SHARED_PREFIX_MIN_ROWS, CpuSplit, cpu_paged_attention
+from runner.cpu_kernel import CpuKernels
+from runner.cpu_kernel_loader import load_cpu_kernels
+from runner.cpu_layers import CpuLayers
+from runner.model import CausalLM
+
+pytestmark = pytest.mark.skipif(
+    load_cpu_kernels() is None, reason="the CPU kernels cannot be built on this machine"
+)
+
+# Queries this many times a unit normal, at scale 1: q . k over D = 32..64 dims has a standard
+# deviation of 28-40, so scores of 10-100 in magnitude, which caps of 5 and 50 bend.
+Q_GAIN = 5.0
+# The vector tanh's error bounds, measured over every float in [1e-6, 100] (the worst: 2.37
+# ulp near |x| = 0.53, where (1 - e) / (1 + e) takes over from the series; 9e-8 absolute).
+TANH_MAX_ULP = 3.0
+TANH_MAX_ABS = 1.2e-7
+
+
+def loaded() -> CpuKernels:
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    return kernels
+
+
+# ---- the vector tanh ----
+
+
+def floats_between(low: float, high: float, step: int = 1) -> torch.Tensor:
+    """Every `step`-th float32 in [low, high) (both positive), by bit pattern."""
+    bits = torch.tensor([low, high], dtype=torch.float32).view(torch.int32).tolist()
+    return torch.arange(bits[0], bits[1], step, dtype=torch.int32).view(torch.float32)
+
+
+def ulps_off(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|got - exact| in float32 ulps of the exact value (float64), as float64."""
+    magnitude = exact.abs().float()
+    ulp = (torch.nextafter(magnitude, torch.tensor(math.inf)) - magnitude).double()
+    return (got.double() - exact).abs() / ulp
+
+
+def test_the_vector_tanh_matches_torch_over_the_float_line() -> None:
+    """soft_cap with c = 1 is the kernels' tanh alone (x / 1 and 1 * t are exact): within a few
+    ulp of tanh in float64 from subnormal to saturated arguments, both signs; exactly odd."""
+    kernels = loaded()
+    x = torch.cat(
+        [
+            floats_between(1e-38, 1e-3, 997),  # tanh(x) = x to the last bit
+            floats_between(1e-3, 0.3, 31),  # the series
+            floats_between(0.2, 1.0, 3),  # where the series hands over
+            floats_between(1.0, 9.0, 7),
+            floats_between(9.0, 100.0, 101),  # saturated: exactly 1
+            torch.tensor([0.0, 1e-45, 0.3, 43.5, 87.0, 1e30, 3e38]),
+        ]
+    )
+    x = torch.cat([x, -x])
+    got = kernels.soft_cap(x, 1.0)
+    exact = torch.tanh(x.double())
+    assert ulps_off(got, exact).max() <= TANH_MAX_ULP
+    assert (got.double() - exact).abs().max() <= TANH_MAX_ABS
+    # torch's own float32 tanh, to the same bounds (it is correctly rounded to ~0.5 ulp)
+    assert (got - torch.tanh(x)).abs().max() <= TANH_MAX_ABS
+    half = x.numel() // 2
+    assert torch.equal(got[half:], -got[:half])  # the sign is the argument's
+    specials = kernels.soft_cap(torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan]), 1.0)
+    assert specials[:4].tolist() == [0.0, -0.0, 1.0, -1.0] and specials[4].isnan()
+    assert torch.signbit(specials[1])
+
+
+@pytest.mark.parametrize("softcap", [5.0, 30.0, 50.0])
+def test_the_cap_is_divide_tanh_multiply(softcap: float) -> None:
+    """c * tanh(s / c) against float64 over scores of -2000 .. 2000: within a few ulp of c
+    (never past it), and s itself where s is far under c."""
+    kernels = loaded()
+    s = torch.linspace(-2000.0, 2000.0, 400_001)
+    got = kernels.soft_cap(s, softcap)
+    exact = softcap * torch.tanh(s.double() / softcap)
+    # tanh's error, and half an ulp each from the division and the product
+    torch.testing.assert_close(got.double(), exact, atol=softcap * 2.5e-7, rtol=0)
+    assert got.abs().max() <= softcap
+    small = s.abs() < 1e-3 * softcap
+    torch.testing.assert_close(got[small], s[small], atol=0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, math.nan, math.inf, 1e-50])
+def test_caps_that_are_not_positive_float32s_are_refused(softcap: float) -> None:
+    """0, negative, NaN, infinite, or positive but 0 as a float32 (no cap, silently): refused
+    before the kernel runs."""
+    kernels = loaded()
+    q, cache, one = torch.zeros(1, 2, 16), torch.zeros(2, 4, 2, 16), torch.ones(1, 1)
+    lens = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="soft cap"):
+        kernels.decode_attention(q, cache, cache, one, lens, 1.0, softcap=softcap)
+    with pytest.raises(ValueError, match="soft cap"):
+        kernels.prefill_attention(q, cache, cache, one, lens - 1, lens, lens, q, 1.0, None, softcap)
+
+
+# ---- the attention kernels against a dense reference ----
+
+
+def dense_reference(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [blocks, B, Hkv, D]
+    v_cache: torch.Tensor,
+    tables: list[list[int]],
+    seqs: list[Seq],
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """[T, Hq, D] float64: query i of sequence s (rows in order) at position p = C - L + i over
+    keys j with p - window < j <= p, scores c * tanh(q . k * scale / c), all in float64."""
+    _, block_size, hkv, d = k_cache.shape
+    group = q.shape[1] // hkv
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    start = 0
+    for table, (q_len, ctx) in zip(tables, seqs, strict=True):
+        blocks = torch.tensor(table[: -(-ctx // block_size)], dtype=torch.int64)
+        # [C, Hq, D]: token t is row t % B of block table[t // B]; query head h reads h // G
+        keys = k_cache[blocks].reshape(-1, hkv, d)[:ctx].double().repeat_interleave(group, 1)
+        values = v_cache[blocks].reshape(-1, hkv, d)[:ctx].double().repeat_interleave(group, 1)
+        pos = torch.arange(ctx - q_len, ctx)[:, None]  # [L, 1]
+        key = torch.arange(ctx)[None]  # [1, C]
+        visible = key <= pos
+        if window is not None:
+            visible &= key > pos - window
+        rows = q[start : start + q_len].double()
+        scores = torch.einsum("lhd,chd->hlc", rows, keys) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        probs = scores.masked_fill(~visible, -math.inf).softmax(-1)
+        out[start : start + q_len] = torch.einsum("hlc,chd->lhd", probs, values)
+        start += q_len
+    return out
+
+
+def attend_step(
+    seqs: list[Seq],
+    block_size: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    window: int | None,
+    softcap: float | None,
+    cache_dtype: torch.dtype = torch.float32,
+    shared_blocks: int = 0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, Callable[[float | None], torch.Tensor], AttentionMetadata]:
+    """cpu_paged_attention at scale 1 over a random cache and step (its new K/V written first)
+    with queries Q_GAIN times a unit normal. Returns the kernels' out, the dense reference over
+    the cache as it then is (for any cap: to check that the cap changed something) and meta."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_blocks = random_tables(seqs, block_size, shared_blocks, rng)
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(cache_dtype)
+    tokens = sum(q_len for q_len, _ in seqs)
+    q = torch.randn(tokens, hq, d, generator=gen) * Q_GAIN
+    k, v = (torch.randn(tokens, hkv, d, generator=gen) for _ in range(2))
+    meta = AttentionMetadata.build(
+        [q_len for q_len, _ in seqs], [ctx for _, ctx in seqs], tables, block_size
+    )
+    out = cpu_paged_attention(q, k, v, k_cache, v_cache, meta, 1.0, window, softcap)
+
+    def reference(cap: float | None) -> torch.Tensor:
+        return dense_reference(q, k_cache, v_cache, tables, seqs, 1.0, window, cap)
+
+    return out, reference, meta
+
+
+# Scores of ~50 carry ~5e-6 of float32 rounding, which the softmax passes on as relative error
+# in the weights; the outputs are weighted means of unit normals.
+TOLERANCE = 1e-4
+
+
+def assert_matches(out: torch.Tensor, reference: torch.Tensor) -> None:
+    torch.testing.assert_close(out.double(), reference, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def assert_capped(
+    out: torch.Tensor, reference: Callable[[float | None], torch.Tensor], c: float
+) -> None:
+    """out matches the capped reference and is far from the uncapped one, beyond any doubt of
+    rounding (the cap bit)."""
+    assert_matches(out, reference(c))
+    off = (out.double() - reference(None)).abs().max().item()
+    assert off > 50 * TOLERANCE, f"the cap did not bite: {off} off the uncapped reference"
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (4, 2), (8, 2)])  # GQA 1, 2, 4
+@pytest.mark.parametrize("softcap", [5.0, 50.0])
+@pytest.mark.parametrize("window", [None, 7, 21])
+@pytest.mark.parametrize("kind", ["decodes", "mixed"])
+def test_capped_scores_match_the_dense_reference(
+    block_size: int, hq: int, hkv: int, softcap: float, window: int | None, kind: str
+) -> None:
+    """Decodes alone (decode_attention.c) and beside prefill chunks after cached prefixes
+    (prefill_attention.c's tiles), with and without a window."""
+    seqs: list[Seq] = [(1, 1), (1, 9), (1, 16), (1, 23), (1, 40)]
+    if kind == "mixed":
+        seqs += [(37, 37), (20, 45), (3, 19), (16, 16)]
+    out, reference, _ = attend_step(seqs, block_size, hq, hkv, 32, window, softcap, seed=hq)
+    assert_capped(out, reference, softcap)
+
+
+@pytest.mark.parametrize("softcap", [5.0, 50.0])
+@pytest.mark.parametrize("window", [None, 13])
+def test_float16_caches(softcap: float, window: int | None) -> None:
+    """Float16 caches: decodes widen as they read, chunks from a widened copy."""
+    seqs: list[Seq] = [(1, 30), (1, 7), (24, 60), (5, 33), (40, 40)]
+    out, reference, _ = attend_step(seqs, 4, 8, 2, 64, window, softcap, torch.float16, seed=3)
+    assert_capped(out, reference, softcap)
+
+
+@pytest.mark.parametrize("softcap", [5.0, 50.0])
+@pytest.mark.parametrize("window", [None, 200, 50])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_chunk", [False, True])
+def test_decodes_after_a_shared_prompt(
+    softcap: float, window: int | None, cache_dtype: torch.dtype, with_chunk: bool
+) -> None:
+    """6 decodes x 4 query heads a KV head over a 5-block shared prompt (80 tokens): 24 rows, so
+    the decode kernel scores the shared blocks for all rows at once (tile_attend), which must
+    cap too; a window of 200 reaches key 0 (the pass runs), one of 50 cuts into the prompt (it
+    does not)."""
+    decodes: list[Seq] = [(1, 81 + 7 * s) for s in range(6)]
+    assert len(decodes) * 4 >= SHARED_PREFIX_MIN_ROWS
+    seqs = decodes + [(9, 100)] if with_chunk else decodes
+    out, reference, meta = attend_step(seqs, 16, 8, 2, 64, window, softcap, cache_dtype, 5, 5)
+    assert_capped(out, reference, softcap)
+    split = meta._cpu_split
+    assert isinstance(split, CpuSplit) and split.shared_blocks == 5  # the pass was offered
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_the_shared_pass_caps_as_each_task_does(cache_dtype: torch.dtype) -> None:
+    """The decode kernel asked outright with and without its shared pass (16 decodes x 2 query
+    heads a KV head over 3 shared blocks): both the capped reference, far from the uncapped."""
+    kernels = loaded()
+    seqs: list[Seq] = [(1, 49 + 5 * s) for s in range(16)]
+    gen = torch.Generator().manual_seed(11)
+    tables, num_blocks = random_tables(seqs, 16, 3, random.Random(11))
+    k_cache, v_cache = (torch.randn(num_blocks, 16, 2, 48, generator=gen) for _ in range(2))
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    q = torch.randn(len(seqs), 4, 48, generator=gen) * Q_GAIN
+    meta = AttentionMetadata.build([1] * len(seqs), [ctx for _, ctx in seqs], tables, 16)
+    reference = dense_reference(q, k_cache, v_cache, tables, seqs, 1.0, None, 5.0)
+    for shared in (0, 3):
+        out = kernels.decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, 1.0, shared, None, 5.0
+        )
+        assert_matches(out, reference)
+    uncapped = dense_reference(q, k_cache, v_cache, tables, seqs, 1.0, None, None)
+    assert (out.double() - uncapped).abs().max() > 50 * TOLERANCE
+
+
+def test_a_cap_far_above_every_score_changes_next_to_nothing() -> None:
+    """c = 1e30: c * tanh(s / c) is s to within an ulp (tanh's series, then a product), so the
+    capped kernels give the uncapped reference's result."""
+    seqs: list[Seq] = [(1, 30), (1, 45), (12, 40), (33, 33)]
+    out, reference, _ = attend_step(seqs, 16, 4, 2, 32, None, 1e30, seed=9)
+    assert_matches(out, reference(None))
+
+
+def test_heads_the_kernels_cannot_take_cap_through_the_torch_path() -> None:
+    """A head size of 24 (not a multiple of 16): cpu_paged_attention hands window and cap to
+    the torch path, which caps as the reference does."""
+    assert not loaded().prefill_supported(torch.empty(0, 2, 24), torch.empty(0, 4, 2, 24))
+    seqs: list[Seq] = [(1, 30), (9, 40)]
+    out, reference, _ = attend_step(seqs, 4, 4, 2, 24, 11, 5.0, seed=4)
+    assert_capped(out, reference, 5.0)
+
+
+@st.composite
+def random_step(draw: st.DrawFn) -> dict[str, Any]:
+    """attend_step's arguments: any head shape the kernels take, block size, window, cap,
+    cache dtype and mix of decodes and chunks."""
+    seqs: list[Seq] = []
+    for _ in range(draw(st.integers(1, 6))):
+        q_len = draw(st.sampled_from([1, 1, 2, 7, 16, 17, 33]))
+        seqs.append((q_len, q_len + draw(st.integers(0, 45))))
+    hkv = draw(st.integers(1, 2))
+    return {
+        "seqs": seqs,
+        "block_size": draw(st.sampled_from([1, 4, 16])),
+        "hq": hkv * draw(st.sampled_from([1, 2, 4])),
+        "hkv": hkv,
+        "d": draw(st.sampled_from([16, 48])),
+        "window": draw(st.none() | st.integers(1, 70)),
+        "softcap": draw(st.sampled_from([1.0, 5.0, 20.0, 50.0])),
+        "cache_dtype": draw(st.sampled_from([torch.float32, torch.float16])),
+    }
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=random_step())
+def test_random_capped_steps_match_the_dense_reference(case: dict[str, Any]) -> None:
+    out, reference, _ = attend_step(**case)
+    assert_matches(out, reference(case["softcap"]))
+
+
+# ---- Gemma 2's layers in one C call ----
+
+
+@pytest.fixture(scope="module")
+def gemma2(make_tiny_model: Callable[..., Path]) -> CausalLM:
+    """The tiny Gemma 2 (caps of 5 on its scores, a window of 16 in its local layer) as the
+    engine readies it on this CPU: packed, its layers in C."""
+    model = LLM(str(make_tiny_model("gemma2"))).model
+    assert model.cpu_layers is not None
+    return model
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_gemma2_layers_in_c_match_the_modules_bit_for_bit(
+    gemma2: CausalLM, block_size: int, cache_dtype: torch.dtype
+) -> None:
+    """Prompts, chunks after them and decodes: the C layers pass the cap to both kernels as the
+    module path passes it to cpu_paged_attention, so hidden states and K/V come out equal."""
+    layers = gemma2.cpu_layers
+    assert layers is not None and layers.softcap == 5.0
+    in_c, kv_c = run_schedule(gemma2, block_size, cache_dtype, in_c=True)
+    modules, kv_modules = run_schedule(gemma2, block_size, cache_dtype, in_c=False)
+    for step, (ours, theirs) in enumerate(zip(in_c, modules, strict=True)):
+        assert torch.equal(ours, theirs), f"step {step}"
+    assert torch.equal(kv_c.tensor, kv_modules.tensor)
+
+
+def test_gemma2_layers_in_c_without_the_cap_differ(gemma2: CausalLM) -> None:
+    """The C layers with their cap taken away no longer give the module path's states: the
+    comparison above sees the cap."""
+    layers = gemma2.cpu_layers
+    assert layers is not None
+    modules, _ = run_schedule(gemma2, 4, torch.float32, in_c=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layers, "softcap", None)
+        in_c, _ = run_schedule(gemma2, 4, torch.float32, in_c=True)
+    assert not torch.equal(in_c[0], modules[0])
+
+
+def test_layers_of_different_caps_run_the_modules(gemma2: CausalLM) -> None:
+    """layers.c takes one cap for the model: layers that disagree get no C layers."""
+    kernels = loaded()
+    attention = gemma2.layers[1].self_attn
+    for cap in (7.0, None):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(attention, "softcap", cap)
+            assert CpuLayers.for_model(gemma2, kernels) is None
+    assert CpuLayers.for_model(gemma2, kernels) is not None
