@@ -1,8 +1,9 @@
 """Speculative decoding by n-gram lookup: the proposer and acceptance against plain
 references; greedy output with drafts equal to transformers' greedy `generate`, token for
 token, with the cache on and off, under preemption, in static batches and beside sampled
-requests, with stops and max_tokens inside an accepted run; sampled output with drafts equal
-to the same requests' output without them, token for token."""
+requests, through sliding windows and soft-capped scores, with stops and max_tokens inside an
+accepted run; sampled output with drafts equal to the same requests' output without them,
+token for token."""
 
 from __future__ import annotations
 
@@ -87,7 +88,12 @@ def looping_prompts(vocab: int) -> list[list[int]]:
     return prompts
 
 
-@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen3_dir"])
+# Gemma 2 and 3: the guesses are checked by multi-token queries through sliding windows of 16
+# (and Gemma 2's capped scores).
+@pytest.fixture(
+    scope="module",
+    params=["tiny_llama_dir", "tiny_qwen3_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"],
+)
 def spec_case(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     path: Path = request.getfixturevalue(request.param)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
