@@ -89,17 +89,3 @@ def layer_windows(config: Any, arch: str) -> list[int | None]:
     if len(types) != num_layers:
         raise ValueError(f"layer_types names {len(types)} layers, the model has {num_layers}")
     return [int(window) if kind == "sliding_attention" else None for kind in types]
-
-
-def layer_rope_types(config: Any) -> list[str | None]:
-    """Which RoPE settings each layer rotates with (runner/layers.py rope_parameters): its
-    layer type where the config sets RoPE per layer type (Gemma 3's local layers use another
-    base), else None for every layer (one setting for all)."""
-    num_layers = int(config.num_hidden_layers)
-    params = getattr(config, "rope_parameters", None) or {}
-    keyed = isinstance(params, dict) and bool(params) and "rope_theta" not in params
-    keyed = keyed and "rope_type" not in params
-    types = getattr(config, "layer_types", None)
-    if types and (keyed or getattr(config, "rope_local_base_freq", None)):
-        return list(types)
-    return [None] * num_layers

@@ -15,12 +15,11 @@ from runner.architectures import (
     GEMMA_ARCHITECTURES,
     POST_NORM_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
-    layer_rope_types,
     layer_windows,
 )
 from runner.attention import AttentionMetadata, paged_attention
 from runner.cpu_kernel import CpuKernels
-from runner.layers import RMSNorm, apply_rope
+from runner.layers import RMSNorm, apply_rope, layer_rope_types
 
 
 class Attention(nn.Module):
@@ -33,7 +32,7 @@ class Attention(nn.Module):
         self.sliding_window = layer_windows(config, arch)[layer]
         # Gemma 2 caps every score s at c * tanh(s / c) before the softmax (None: no cap).
         self.softcap = getattr(config, "attn_logit_softcapping", None)
-        # Which of the model's RoPE tables it rotates with (None: the one table).
+        # Which of the model's RoPE tables it rotates with (None: its default one).
         self.rope_type = layer_rope_types(config)[layer]
         qkv_bias, o_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         attention_bias = bool(getattr(config, "attention_bias", False))

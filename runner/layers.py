@@ -79,6 +79,18 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
     return params
 
 
+def layer_rope_types(config: Any) -> list[str | None]:
+    """Which RoPE settings each layer rotates with: None where they are the model's default
+    (its full-attention layers'), else the layer's type, whose settings rope_parameters gives
+    (Gemma 3's local layers rotate with another base); None for every layer where the config
+    names no layer types or one setting serves them all."""
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return [None] * int(config.num_hidden_layers)
+    default = rope_parameters(config)
+    return [None if rope_parameters(config, kind) == default else kind for kind in types]
+
+
 def rotary_dim(config: Any, head_dim: int) -> int:
     """How many leading dimensions of each head RoPE rotates (partial_rotary_factor: Phi-4-mini
     rotates 3/4 of each head and passes the rest through)."""

@@ -20,7 +20,6 @@ from kvcache.store import KVStore
 from runner.architectures import (
     GEMMA_ARCHITECTURES,
     POST_NORM_ARCHITECTURES,
-    layer_rope_types,
     resolve_architecture,
 )
 from runner.attention import AttentionMetadata
@@ -84,9 +83,10 @@ class CausalLM(nn.Module):
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
-        # Each layer's RoPE settings (layer_rope_types): None for all but a model that rotates
-        # some layers with other settings, whose tables are kept here by layer type.
-        self.layer_rope_types = layer_rope_types(config)
+        # Each layer's RoPE settings, as its attention reads them (None: rope_cos / rope_sin),
+        # and the tables of the layer types with settings of their own (Gemma 3's local layers).
+        attns: list[Attention] = [layer.self_attn for layer in self.layers]  # type: ignore[misc]
+        self.layer_rope_types = [a.rope_type for a in attns]
         self.rope_by_type: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.embed_tokens.weight.device.type != "meta":
             self.init_rope_cache()

@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_attention import run_case
 
-from runner.architectures import layer_rope_types, layer_windows
-from runner.layers import rope_parameters
+from runner.architectures import layer_windows
+from runner.layers import layer_rope_types, rope_parameters
 
 
 @pytest.mark.parametrize("window", [1, 3, 4, 9, 16, 200])
@@ -82,8 +82,10 @@ def test_which_layers_have_a_window() -> None:
 
 def test_rope_settings_per_layer_type() -> None:
     """Gemma 3's local layers rotate with their own base: transformers 5 keys rope_parameters
-    by layer type, 4.x names it rope_local_base_freq beside rope_theta."""
+    by layer type, 4.x names it rope_local_base_freq beside rope_theta. The full-attention
+    layers rotate with the default settings (None: the model's own table)."""
     types = ["sliding_attention", "full_attention"] * 2
+    own = ["sliding_attention", None] * 2
     v5 = _config(
         layer_types=types,
         rope_parameters={
@@ -91,13 +93,13 @@ def test_rope_settings_per_layer_type() -> None:
             "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
         },
     )
-    assert layer_rope_types(v5) == types
+    assert layer_rope_types(v5) == own
     assert rope_parameters(v5, "sliding_attention")["rope_theta"] == 10_000.0
     assert rope_parameters(v5)["rope_type"] == "linear"  # the full layers' by default
     v4 = _config(
         layer_types=types, rope_theta=1e6, rope_local_base_freq=10_000.0, rope_scaling=None
     )
-    assert layer_rope_types(v4) == types
+    assert layer_rope_types(v4) == own
     assert rope_parameters(v4, "sliding_attention") == {
         "rope_type": "default",
         "rope_theta": 10_000.0,
