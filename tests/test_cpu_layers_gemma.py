@@ -101,16 +101,24 @@ def run_schedule(
     return outs, kv
 
 
+def assert_c_layers_match_modules(
+    model: CausalLM, block_size: int, cache_dtype: torch.dtype
+) -> None:
+    """The schedule's hidden states after every step, and the whole KV cache after it, are bit
+    for bit the same through layers.c as through the modules."""
+    in_c, kv_c = run_schedule(model, block_size, cache_dtype, in_c=True)
+    modules, kv_modules = run_schedule(model, block_size, cache_dtype, in_c=False)
+    for step, (ours, theirs) in enumerate(zip(in_c, modules, strict=True)):
+        assert torch.equal(ours, theirs), f"step {step}"
+    assert torch.equal(kv_c.tensor, kv_modules.tensor)
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_sandwich_layers_in_c_match_the_modules_bit_for_bit(
     gemma: CausalLM, block_size: int, cache_dtype: torch.dtype
 ) -> None:
-    in_c, kv_c = run_schedule(gemma, block_size, cache_dtype, in_c=True)
-    modules, kv_modules = run_schedule(gemma, block_size, cache_dtype, in_c=False)
-    for step, (ours, theirs) in enumerate(zip(in_c, modules, strict=True)):
-        assert torch.equal(ours, theirs), f"step {step}"
-    assert torch.equal(kv_c.tensor, kv_modules.tensor)
+    assert_c_layers_match_modules(gemma, block_size, cache_dtype)
 
 
 def test_the_layers_take_two_rope_tables_and_offset_norms(gemma: CausalLM) -> None:

@@ -9,7 +9,6 @@ layers in one C call: bit for bit the module path."""
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -19,13 +18,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cpu_layers_gemma import run_schedule
-from test_cpu_window import Seq, random_tables
+from test_cpu_layers_gemma import assert_c_layers_match_modules, run_schedule
+from test_cpu_window import Seq, dense_reference, loaded, random_tables
 
 from kvcache import LLM
 from runner.attention import AttentionMetadata
 from runner.cpu_attention import SHARED_PREFIX_MIN_ROWS, CpuSplit, cpu_paged_attention
-from runner.cpu_kernel import CpuKernels
 from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.cpu_layers import CpuLayers
 from runner.model import CausalLM
@@ -37,51 +35,6 @@ pytestmark = pytest.mark.skipif(
 # Queries this many times a unit normal, at scale 1: q . k over D = 32..64 dims has a standard
 # deviation of 28-40, so scores of 10-100 in magnitude, which caps of 5 and 50 bend.
 Q_GAIN = 5.0
-
-
-def loaded() -> CpuKernels:
-    kernels = load_cpu_kernels()
-    assert kernels is not None
-    return kernels
-
-
-# ---- the attention kernels against a dense reference ----
-
-
-def dense_reference(
-    q: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [blocks, B, Hkv, D]
-    v_cache: torch.Tensor,
-    tables: list[list[int]],
-    seqs: list[Seq],
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    """[T, Hq, D] float64: query i of sequence s (rows in order) at position p = C - L + i over
-    keys j with p - window < j <= p, scores c * tanh(q . k * scale / c), all in float64."""
-    _, block_size, hkv, d = k_cache.shape
-    group = q.shape[1] // hkv
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    start = 0
-    for table, (q_len, ctx) in zip(tables, seqs, strict=True):
-        blocks = torch.tensor(table[: -(-ctx // block_size)], dtype=torch.int64)
-        # [C, Hq, D]: token t is row t % B of block table[t // B]; query head h reads h // G
-        keys = k_cache[blocks].reshape(-1, hkv, d)[:ctx].double().repeat_interleave(group, 1)
-        values = v_cache[blocks].reshape(-1, hkv, d)[:ctx].double().repeat_interleave(group, 1)
-        pos = torch.arange(ctx - q_len, ctx)[:, None]  # [L, 1]
-        key = torch.arange(ctx)[None]  # [1, C]
-        visible = key <= pos
-        if window is not None:
-            visible &= key > pos - window
-        rows = q[start : start + q_len].double()
-        scores = torch.einsum("lhd,chd->hlc", rows, keys) * scale
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        probs = scores.masked_fill(~visible, -math.inf).softmax(-1)
-        out[start : start + q_len] = torch.einsum("hlc,chd->lhd", probs, values)
-        start += q_len
-    return out
 
 
 def attend_step(
@@ -271,11 +224,7 @@ def test_gemma2_layers_in_c_match_the_modules_bit_for_bit(
     module path passes it to cpu_paged_attention, so hidden states and K/V come out equal."""
     layers = gemma2.cpu_layers
     assert layers is not None and layers.softcap == 5.0
-    in_c, kv_c = run_schedule(gemma2, block_size, cache_dtype, in_c=True)
-    modules, kv_modules = run_schedule(gemma2, block_size, cache_dtype, in_c=False)
-    for step, (ours, theirs) in enumerate(zip(in_c, modules, strict=True)):
-        assert torch.equal(ours, theirs), f"step {step}"
-    assert torch.equal(kv_c.tensor, kv_modules.tensor)
+    assert_c_layers_match_modules(gemma2, block_size, cache_dtype)
 
 
 def test_gemma2_layers_in_c_without_the_cap_differ(gemma2: CausalLM) -> None:

@@ -49,9 +49,11 @@ def dense_reference(
     seqs: list[Seq],
     scale: float,
     window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """[T, Hq, D] float64: query i of sequence s (rows in order) at position p = C - L + i over
-    keys j with p - window < j <= p, all in float64."""
+    keys j with p - window < j <= p, scores c * tanh(q . k * scale / c) with a soft cap c (Gemma
+    2's; test_cpu_softcap.py), all in float64."""
     _, block_size, hkv, d = k_cache.shape
     group = q.shape[1] // hkv
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -68,6 +70,8 @@ def dense_reference(
             visible &= key > pos - window
         rows = q[start : start + q_len].double()
         scores = torch.einsum("lhd,chd->hlc", rows, keys) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[start : start + q_len] = torch.einsum("hlc,chd->lhd", probs, values)
         start += q_len

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
+from test_cpu_window import loaded
 
-from runner.cpu_kernel import CpuKernels
 from runner.cpu_kernel_loader import load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -20,12 +20,6 @@ pytestmark = pytest.mark.skipif(
 # ulp near |x| = 0.53, where (1 - e) / (1 + e) takes over from the series; 9e-8 absolute).
 TANH_MAX_ULP = 3.0
 TANH_MAX_ABS = 1.2e-7
-
-
-def loaded() -> CpuKernels:
-    kernels = load_cpu_kernels()
-    assert kernels is not None
-    return kernels
 
 
 def floats_between(low: float, high: float, step: int = 1) -> torch.Tensor:
