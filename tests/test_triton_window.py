@@ -53,8 +53,8 @@ def make_case(
     seqs: list[tuple[int, int]],
     block_size: int,
     group: int,
-    window: int | None,
-    seed: int,
+    window: int | None = None,
+    seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> Case:
     """seqs: (cached prefix, new tokens). Blocks are scattered over a pool with spare blocks of
@@ -81,35 +81,40 @@ def make_case(
     return Case(to(q), to(k), to(v), to(k_cache), to(v_cache), meta)
 
 
-def reference(case: Case, scale: float, window: int | None) -> torch.Tensor:
-    """Dense float32 attention from the case's caches plus its new K/V, scattered by plain
-    indexing. Returns [T, Hq, D]."""
+def reference(
+    case: Case, scale: float, window: int | None, softcap: float | None = None
+) -> torch.Tensor:
+    """Dense float64 attention from the case's caches plus its new K/V, scattered by plain
+    indexing; with a soft cap c (Gemma 2's: test_triton_softcap.py) each score s becomes
+    c * tanh(s / c) before the mask. Returns [T, Hq, D] on the CPU."""
     meta = case.meta
-    k_cache, v_cache = case.k_cache.float().clone(), case.v_cache.float().clone()
+    k_cache, v_cache = case.k_cache.cpu().double(), case.v_cache.cpu().double()
     blocks, block_size = k_cache.shape[:2]
-    slots = meta.slot_mapping.long()
-    k_cache.view(blocks * block_size, KV_HEADS, HEAD_DIM)[slots] = case.k.float()
-    v_cache.view(blocks * block_size, KV_HEADS, HEAD_DIM)[slots] = case.v.float()
+    slots = meta.slot_mapping.long().cpu()
+    k_cache.view(blocks * block_size, KV_HEADS, HEAD_DIM)[slots] = case.k.cpu().double()
+    v_cache.view(blocks * block_size, KV_HEADS, HEAD_DIM)[slots] = case.v.cpu().double()
     group = case.q.shape[1] // KV_HEADS
-    out = torch.zeros(case.q.shape, dtype=torch.float32, device=case.q.device)
+    out = torch.zeros(case.q.shape, dtype=torch.float64)
     start = 0
     for s, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host, strict=True)):
-        pos = torch.arange(ctx, device=case.q.device)
-        table = meta.block_tables[s].long()
+        pos = torch.arange(ctx)
+        table = meta.block_tables[s].long().cpu()
         keys = k_cache[table[pos // block_size], pos % block_size]  # [C, Hkv, D]
         values = v_cache[table[pos // block_size], pos % block_size]
-        q_pos = ctx - q_len + torch.arange(q_len, device=case.q.device)  # [L]
+        q_pos = ctx - q_len + torch.arange(q_len)  # [L]
         seen = pos[None, :] <= q_pos[:, None]  # [L, C]
         if window is not None:
             seen &= pos[None, :] > q_pos[:, None] - window
+        # 0 * NaN is NaN: use only the keys some query sees, as a kernel must.
+        cols = seen.any(0)
         for h in range(case.q.shape[1]):
             kv = h // group
-            qs = case.q[start : start + q_len, h].float()  # [L, D]
-            scores = (qs @ keys[:, kv].T) * scale
-            weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
-            # 0 * NaN is NaN: multiply only the keys a query sees, as a kernel must.
-            cols = seen.any(0)
-            out[start : start + q_len, h] = weights[:, cols] @ values[cols, kv]
+            qs = case.q[start : start + q_len, h].cpu().double()  # [L, D]
+            scores = (qs @ keys[cols, kv].T) * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            weights = scores.masked_fill(~seen[:, cols], float("-inf")).softmax(-1)
+            out[start : start + q_len, h] = weights @ values[cols, kv]
         start += q_len
     return out
 
@@ -117,24 +122,16 @@ def reference(case: Case, scale: float, window: int | None) -> torch.Tensor:
 def run_and_check(
     case: Case,
     window: int | None,
+    scale: float = HEAD_DIM**-0.5,
+    softcap: float | None = None,
     **kwargs: int,
 ) -> None:
-    scale = HEAD_DIM**-0.5
-    expected = reference(case, scale, window)
-    out = triton_paged_attention(
-        case.q,
-        case.k,
-        case.v,
-        case.k_cache,
-        case.v_cache,
-        case.meta,
-        scale,
-        window=window,
-        **kwargs,
-    )
+    expected = reference(case, scale, window, softcap)
+    args = (case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, scale)
+    out = triton_paged_attention(*args, window=window, softcap=softcap, **kwargs)
     assert not out.isnan().any(), "a key outside every window was read"
     tol = TOL[case.q.dtype]
-    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
 
 
 SHAPES = [(4, 1), (8, 2), (16, 4)]  # (block size, query heads per KV head)
@@ -187,7 +184,7 @@ def test_prefill_window_small_tiles(window: int) -> None:
     args = (case.q, case.k_cache, case.v_cache, meta.query_start_loc, meta.context_lens)
     out = prefill_attention(*args, meta.block_tables, scale, block_m=16, block_n=16, window=window)
     assert not out.isnan().any()
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("decode", [False, True])
