@@ -105,7 +105,9 @@ static inline __m512d tanh_double(__m512d u)
 
 /* tanh of 16 floats, each half widened to double and its tanh rounded back once: correctly
  * rounded but where a 1e-13 error straddles a rounding boundary (none in 10^7 random values
- * against torch's double tanh, rounded). */
+ * against torch's double tanh, rounded). Not vector_exp.h's tanh_ps, the attention soft cap's:
+ * that one stays in float for the score loop's speed and is off by up to 2.4 ulp, which the
+ * GeLU would pass on as differences from torch's F.gelu. */
 static inline __m512 tanh_float(__m512 u)
 {
     __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1));
