@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cpu_layers_gemma import assert_c_layers_match_modules, run_schedule
 from test_cpu_window import Seq, dense_reference, loaded, random_tables
+from test_cpu_window import random_step as random_window_step
 
 from kvcache import LLM
 from runner.attention import AttentionMetadata
@@ -177,23 +178,9 @@ def test_heads_the_kernels_cannot_take_cap_through_the_torch_path() -> None:
 
 @st.composite
 def random_step(draw: st.DrawFn) -> dict[str, Any]:
-    """attend_step's arguments: any head shape the kernels take, block size, window, cap,
-    cache dtype and mix of decodes and chunks."""
-    seqs: list[Seq] = []
-    for _ in range(draw(st.integers(1, 6))):
-        q_len = draw(st.sampled_from([1, 1, 2, 7, 16, 17, 33]))
-        seqs.append((q_len, q_len + draw(st.integers(0, 45))))
-    hkv = draw(st.integers(1, 2))
-    return {
-        "seqs": seqs,
-        "block_size": draw(st.sampled_from([1, 4, 16])),
-        "hq": hkv * draw(st.sampled_from([1, 2, 4])),
-        "hkv": hkv,
-        "d": draw(st.sampled_from([16, 48])),
-        "window": draw(st.none() | st.integers(1, 70)),
-        "softcap": draw(st.sampled_from([1.0, 5.0, 20.0, 50.0])),
-        "cache_dtype": draw(st.sampled_from([torch.float32, torch.float16])),
-    }
+    """attend_step's arguments: test_cpu_window's random step (head shapes, block size, window,
+    cache dtype, decodes and chunks) and a cap."""
+    return {**draw(random_window_step()), "softcap": draw(st.sampled_from([1.0, 5.0, 20.0, 50.0]))}
 
 
 @settings(max_examples=40, deadline=None)
