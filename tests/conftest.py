@@ -121,6 +121,20 @@ def build_tiny_model(arch: str, path: Path, tokenizer: bool = False, **overrides
     return path
 
 
+def load_hf_reference(path: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """transformers' model at `path` in eval mode, as the reference our engine must equal.
+
+    A model that caps its attention scores (Gemma 2's `attn_logit_softcapping`) gets
+    transformers' eager attention, the one implementation that applies the cap: some
+    releases (5.17 among them) default it to SDPA, which drops the cap without a word."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    capped = getattr(config.get_text_config(), "attn_logit_softcapping", None) is not None
+    options = {"attn_implementation": "eager"} if capped else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **options).eval()
+
+
 def tiny_tokenizer() -> Any:
     """Byte-level tokenizer: ids 0-2 are <unk> <s> </s>, ids 3..258 the 256 bytes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

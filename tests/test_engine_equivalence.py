@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
+from tests.conftest import load_hf_reference
 
 ARCH_FIXTURES = [
     "tiny_llama_dir",
@@ -83,7 +83,7 @@ def assert_greedy_matches(
 def arch_case(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]], int]:
     """(model dir, prompts, reference outputs, stop token) for one architecture."""
     path: Path = request.getfixturevalue(request.param)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = load_hf_reference(path)
     vocab = hf.config.vocab_size
     prompts = make_prompts(vocab, seed=len(request.param))
     # Pick as stop token one that the model emits a few tokens into the first answer, so some
@@ -164,7 +164,7 @@ def test_shared_prefix_decode_matches_hf(arch_case: Any, monkeypatch: pytest.Mon
 
     path, prompts, _, _ = arch_case
     shared = [p for p in prompts if p[:64] == prompts[0][:64] and len(p) > 64]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = load_hf_reference(path)
     with torch.inference_mode():
         refs = [hf_greedy(hf, p, 12, None) for p in shared]
     calls = []

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
 from runner.loader import load_model
+from tests.conftest import load_hf_reference
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def bf16_pair(make_tiny_model: Callable[..., Path]) -> tuple[torch.nn.Module, to
     """(ours, transformers') tiny Gemma 3 in bfloat16, on the same weights."""
     path = make_tiny_model("gemma3")
     ours = load_model(str(path), dtype=torch.bfloat16).model
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf = load_hf_reference(path, torch.bfloat16)
     return ours, hf
 
 
@@ -75,7 +75,7 @@ def test_gemma2_logits_are_capped_as_transformers_caps_them(
     the first step's logits of a prompt longer than the window equal transformers' within 1e-4,
     through the torch path and the CPU backend (the C layers where the kernels built)."""
     prompt = [3 + (i * 37) % 300 for i in range(40)]
-    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma2_dir, dtype=torch.float32).eval()
+    hf = load_hf_reference(tiny_gemma2_dir)
     with torch.inference_mode():
         theirs = hf(torch.tensor([prompt])).logits[0, -1]
     assert theirs.abs().max() < 8.0 and theirs.abs().max() > 4.0  # the cap shapes them

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from kvcache import LLM, SamplingParams
 from runner.engine_setup import kv_cache_dtype_of
 from runner.weight_quality import float16_kv
+from tests.conftest import load_hf_reference
 
 F16 = {"kv_cache_dtype": "float16"}
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -34,7 +35,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="module", params=ARCH_FIXTURES)  # every layout the C layers run
 def f16_case(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     path: Path = request.getfixturevalue(request.param)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = load_hf_reference(path)
     prompts = make_prompts(hf.config.vocab_size, seed=5)
     with torch.inference_mode():
         refs = [hf_greedy(hf, p, 10, None, **float16_kv(hf)) for p in prompts]

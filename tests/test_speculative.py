@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
 from runner.speculative import NGRAM_MAX, NGRAM_MIN, accepted, draftable, propose
+from tests.conftest import load_hf_reference
 from tests.test_engine_equivalence import hf_greedy
 
 MAX_NEW = 24
@@ -96,7 +95,7 @@ def looping_prompts(vocab: int) -> list[list[int]]:
 )
 def spec_case(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     path: Path = request.getfixturevalue(request.param)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = load_hf_reference(path)
     prompts = looping_prompts(hf.config.vocab_size)
     return path, prompts, [hf_greedy(hf, p, MAX_NEW, None) for p in prompts]
 
