@@ -15,7 +15,6 @@ from runner.bench_peers import (
     Sampling,
     cut_output,
     load_hf_model,
-    run_hf_cb,
     run_hf_lookup,
     run_hf_static,
     run_reference,
@@ -25,6 +24,7 @@ from runner.bench_table import format_table
 from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.cpu_linear import PackedLinear, onednn_available
 from runner.engine import LLM
+from runner.hf_continuous import run_hf_cb
 from runner.matmul_timer import MatmulTimer
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams

@@ -8,6 +8,7 @@
 #
 # usage: scripts/gpu_check.sh [RESULT_FILE]     default: $OUT/gpu_check.txt (else /tmp/...)
 # knobs: GPU_CHECK_TESTS_S (default 170), GPU_CHECK_BENCH_S (default 290),
+#        GPU_CHECK_TESTS (the test files; default: the CUDA, GPU bench, Triton and engine ones),
 #        GPU_CHECK_BENCH_ARGS (extra runner.gpu_bench flags, e.g. "--num-seqs 128"),
 #        PYTHON (default: python3, else python)
 set -u
@@ -17,6 +18,10 @@ mkdir -p "$(dirname "$RESULT")"
 BENCH_JSON="$(dirname "$RESULT")/gpu_bench.json"
 TESTS_S="${GPU_CHECK_TESTS_S:-170}"
 BENCH_S="${GPU_CHECK_BENCH_S:-290}"
+DEFAULT_TESTS="tests/test_cuda.py tests/test_gpu_bench.py tests/test_triton_attention.py"
+TESTS="${GPU_CHECK_TESTS:-$DEFAULT_TESTS tests/test_engine_equivalence.py}"
+# The scripts import the project from this checkout (the GPU machine does not install it).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The GPU machine has no network: never wait on a hub look-up.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # The GPU image's interpreter (the one with CUDA torch) is `python3`; a bare `python` may be
@@ -45,8 +50,9 @@ print("triton", triton.__version__, "transformers", transformers.__version__)
 print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")'
 
   section "tests (limit ${TESTS_S}s)"
+  # shellcheck disable=SC2086  # TESTS is a list of paths on purpose
   timeout -s INT -k 15 "$TESTS_S" "$PY" -m pytest -v --tb=short -rs -p no:cacheprovider --durations=10 \
-    tests/test_cuda.py tests/test_triton_attention.py tests/test_engine_equivalence.py
+    $TESTS
   verdict "tests" $?
 
   section "bench (limit ${BENCH_S}s)"

@@ -1,8 +1,9 @@
-"""The CUDA runner: decode graphs, GPU memory sizing, engine greedy on CUDA, and the GPU bench.
+"""The CUDA runner: decode graphs, GPU memory sizing, engine greedy on CUDA (the GPU bench:
+test_gpu_bench.py).
 
 Tests marked `cuda` skip cleanly without a GPU. The rest run on the CPU: the decode-graph logic
 (padding rows, the fixed max_model_len decode grid) runs eagerly there through the Triton
-interpreter, and the bench runs end to end at toy sizes.
+interpreter.
 """
 
 from __future__ import annotations
@@ -10,10 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,6 @@ from kvcache.store import KVStore  # noqa: E402
 from runner.attention import AttentionMetadata  # noqa: E402
 from runner.config import EngineConfig  # noqa: E402
 from runner.cuda_graphs import DecodeGraphs, graph_batch_sizes, greedy_on_device  # noqa: E402
-from runner.gpu_bench_workload import make_workload  # noqa: E402
 from runner.gpu_memory import profile_activation_bytes, profile_sequence_lengths  # noqa: E402
 from runner.loader import load_model  # noqa: E402
 from runner.memory import kv_pool_blocks  # noqa: E402
@@ -64,18 +61,6 @@ def test_greedy_on_device() -> None:
     assert greedy_on_device(logits).tolist() == [1, 0]
 
 
-def test_workload_is_seeded_and_in_range() -> None:
-    a = make_workload(64, 100, 1024, 1024, (0, 10000), seed=0)
-    assert a == make_workload(64, 100, 1024, 1024, (0, 10000), seed=0)
-    assert a != make_workload(64, 100, 1024, 1024, (0, 10000), seed=1)
-    assert [r.request_id for r in a] == [str(i) for i in range(64)]
-    for r in a:
-        assert 100 <= len(r.prompt_token_ids) <= 1024 and 100 <= r.max_tokens <= 1024
-        assert all(0 <= t <= 10000 for t in r.prompt_token_ids)
-    lens = [len(r.prompt_token_ids) for r in a]
-    assert max(lens) - min(lens) > 500  # spread over the range, not one length
-
-
 def test_profile_sequence_lengths() -> None:
     assert profile_sequence_lengths(2048, 4096) == [2048]
     assert profile_sequence_lengths(10, 4) == [4, 4, 2]
@@ -86,50 +71,6 @@ def test_profile_sequence_lengths() -> None:
 def test_profile_activation_bytes_is_zero_off_cuda(tiny_llama_dir: Path) -> None:
     model = load_model(tiny_llama_dir, device="cpu").model
     assert profile_activation_bytes(model, 64, 512, 16, "cpu") == 0
-
-
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="on a GPU machine scripts/gpu_check.sh runs the real bench"
-)
-def test_gpu_bench_quick_cpu(tmp_path: Path) -> None:
-    """`python -m runner.gpu_bench --device cpu --quick` runs end to end and writes its JSON."""
-    out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "runner.gpu_bench", "--device", "cpu", "--quick"]
-    cmd += ["--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(out.read_text())
-    assert report["correctness"]["equal"], report["correctness"]
-    assert report["kvcache"]["output_tokens"] == report["workload"]["output_tokens"]
-    assert report["hf_generate_batch"]["output_tokens"] == report["workload"]["output_tokens"]
-    assert report["kvcache"]["complete"] and report["hf_generate_batch"]["complete"]
-    assert report["ratio"]["kvcache_over_hf"] > 0
-    timed = report["kvcache"]  # every timed step is a decode-only or a prefill step
-    assert timed["decode_steps"] > 0 and timed["prefill_steps"] > 0
-    assert 0 < timed["decode_s"] + timed["prefill_s"] <= timed["wall_s"]
-    assert 1 <= timed["decode_batch_median"] <= report["workload"]["num_seqs"]
-
-
-def test_gpu_bench_keeps_going_after_a_failed_phase(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A phase that raises records its error and the next phases still run; a peer stopped at
-    its deadline reports what finished, and no ratio is claimed from incomplete runs."""
-    import runner.gpu_bench as gpu_bench
-
-    def broken(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    monkeypatch.setattr(gpu_bench, "run_kvcache", broken)
-    out = tmp_path / "bench.json"
-    args = ["--device", "cpu", "--quick", "--out", str(out), "--hf-deadline-s", "0"]
-    report = gpu_bench.main(args)
-    assert "illegal memory access" in report["kvcache"]["error"]
-    hf = report["hf_generate_batch"]
-    assert hf["complete"] is False and hf["output_tokens"] < report["workload"]["output_tokens"]
-    assert report["ratio"]["kvcache_over_hf"] is None
-    assert report["correctness"]["equal"]  # the last phase ran too
-    assert json.loads(out.read_text())["ratio"] == report["ratio"]
 
 
 # ---------------------------------------------------------------- decode graphs (CPU + CUDA)
