@@ -94,9 +94,12 @@ def run_kvcache(
         **step_times(steps),
     }
     if graphs is not None and graphs.use_graphs and result["decode_steps"]:
+        # Diagnostics: they must never cost the run its own figures.
         try:
             result.update(graph_replay_ms(graphs, int(result["decode_batch_median"])))
-        except Exception as err:  # a diagnostic: it must never cost the run's own figures
+            graph = graphs.graphs[result["graph_batch_size"]]
+            result["graph_top_kernels"] = top_kernels(graph.replay, repeats=5)
+        except Exception as err:
             result["graph_replay_error"] = repr(err)
     del llm, outs, graphs
     _release(device)
@@ -128,7 +131,7 @@ def graph_replay_ms(graphs: Any, batch_size: int, repeats: int = 20) -> dict[str
     replayed `repeats` times back to back over the inputs the timed run left in its buffers
     (its last step's rows, earlier steps' rows past them). Set against decode_step_ms_median,
     the rest of a step is the host's: scheduling, inputs, sampling, bookkeeping. Replaying
-    rewrites the last step's K/V with the same values; the run is over by then."""
+    writes K/V into slots of the buffers' rows, harmless only because the run is over."""
     size = graphs.graph_size(batch_size)
     graph = graphs.graphs[size]
     graph.replay()  # warm: the first replay after the run may pay for clocks and caches
@@ -138,7 +141,31 @@ def graph_replay_ms(graphs: Any, batch_size: int, repeats: int = 20) -> dict[str
         graph.replay()
     end.record()
     end.synchronize()
-    return {"graph_batch_size": size, "graph_replay_ms": begin.elapsed_time(end) / repeats}
+    return {
+        "graph_batch_size": size,
+        "graph_replay_ms": begin.elapsed_time(end) / repeats,
+    }
+
+
+def top_kernels(run: Callable[[], Any], repeats: int, top: int = 8) -> list[dict[str, Any]]:
+    """The GPU kernels that take the most time in `run()` (a graph replay), by torch's
+    profiler: name, ms and launches per call. Where the next speed-up of a step is."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [
+        {
+            "kernel": e.key[:100],
+            "ms": e.self_device_time_total / 1e3 / repeats,  # the profiler counts microseconds
+            "launches": e.count / repeats,
+        }
+        for e in kernels[:top]
+    ]
 
 
 def check_greedy(folder: Path, device: str, num_prompts: int = 4) -> dict[str, Any]:
