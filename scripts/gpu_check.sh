@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # GPU check of the CUDA runner: the CUDA tests, then the throughput bench against transformers'
 # continuous batching. Every stage runs under `timeout` (SIGINT first, so pytest still prints its
-# summary and Python a traceback of where it stuck): typically about 7 minutes, and about 9 1/2
-# at most whatever hangs (every stage at its limit; the last, optional one only starts before
+# summary and Python a traceback of where it stuck): typically about 7 minutes, and about 9 at
+# most whatever hangs (every stage at its limit; the last, optional one only starts before
 # 520 s). Everything, the bench JSON included, lands in one file, and goes to stdout too (the
 # device tool returns the output's tail).
 #
 # usage: scripts/gpu_check.sh [RESULT_FILE]     default: $OUT/gpu_check.txt (else /tmp/...)
-# knobs: GPU_CHECK_TESTS_S (default 170), GPU_CHECK_BENCH_S (default 290),
+# knobs: GPU_CHECK_TESTS_S (default 150), GPU_CHECK_BENCH_S (default 340),
 #        GPU_CHECK_TESTS (the test files; default: the CUDA, GPU bench, Triton and engine ones),
 #        GPU_CHECK_BENCH_ARGS (extra runner.gpu_bench flags, e.g. "--num-seqs 128"),
 #        PYTHON (default: python3, else python)
@@ -16,8 +16,8 @@ cd "$(dirname "$0")/.."
 RESULT="${1:-${OUT:-/tmp}/gpu_check.txt}"
 mkdir -p "$(dirname "$RESULT")"
 BENCH_JSON="$(dirname "$RESULT")/gpu_bench.json"
-TESTS_S="${GPU_CHECK_TESTS_S:-170}"
-BENCH_S="${GPU_CHECK_BENCH_S:-290}"
+TESTS_S="${GPU_CHECK_TESTS_S:-150}"
+BENCH_S="${GPU_CHECK_BENCH_S:-340}"
 DEFAULT_TESTS="tests/test_cuda.py tests/test_gpu_bench.py tests/test_triton_attention.py"
 TESTS="${GPU_CHECK_TESTS:-$DEFAULT_TESTS tests/test_engine_equivalence.py}"
 # The scripts import the project from this checkout (the GPU machine does not install it).
