@@ -44,6 +44,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and self.kernels.rowwise_supported(x, x.shape[-1]):
             return self.kernels.rms_norm(x, self.scale(), self.eps)
+        if x.is_cuda and x.dtype != torch.float32:
+            if self.scale_in_float32 or self.weight.dtype == x.dtype:
+                # One Triton kernel instead of about eight: the branch below's operations and
+                # dtypes, in one pass (runner/triton_rms_norm.py). Triton is needed on GPUs only.
+                from runner.triton_rms_norm import rms_norm
+
+                return rms_norm(x, self.scale(), self.eps, self.scale_in_float32)
         if x.dtype == torch.float32:
             # One fused kernel; identical math to the branch below in float32.
             return F.rms_norm(x, (x.shape[-1],), self.scale(), self.eps)

@@ -1,4 +1,4 @@
-"""Compile the Triton attention kernels for NVIDIA GPUs on a machine without one.
+"""Compile the Triton kernels (attention, RMSNorm) for NVIDIA GPUs on a machine without one.
 
 Triton compiles all the way to a cubin on the host (its wheels carry ptxas), so every launch the
 CUDA runner makes can be compiled for an H100/H200 (sm_90) or an A100 (sm_80) in CI. A kernel
@@ -7,9 +7,10 @@ instead of in the first minutes of a GPU lease; registers and local (spilled) me
 come out of the cubin too.
 
 The launches are the real ones: the kernel wrappers (store_kv, prefill_attention,
-decode_attention) run on CPU tensors with each kernel's launch recorded instead of executed, and
-each recorded launch is specialised exactly as Triton's JIT would specialise it (ints equal to 1
-become constants, pointers and multiples of 16 get divisibility hints) before it is compiled.
+decode_attention, rms_norm) run on CPU tensors with each kernel's launch recorded instead of
+executed, and each recorded launch is specialised exactly as Triton's JIT would specialise it
+(ints equal to 1 become constants, pointers and multiples of 16 get divisibility hints) before
+it is compiled.
 
 It must run with TRITON_INTERPRET=0: under the interpreter `@triton.jit` yields interpreted
 functions, which cannot be compiled; `python -m runner.triton_aot` sets it (so run it as a
@@ -85,17 +86,19 @@ class _Recorder:
 
 @contextmanager
 def recorded_launches() -> Iterator[list[Launch]]:
-    """Within the block, the attention kernels record their launches instead of running."""
+    """Within the block, the runner's kernels record their launches instead of running."""
     import runner.triton_attention as store_mod
     import runner.triton_decode as decode_mod
     import runner.triton_decode_reduce as reduce_mod
     import runner.triton_prefill as prefill_mod
+    import runner.triton_rms_norm as norm_mod
 
     targets = [
         (store_mod, "_store_kv_kernel"),
         (prefill_mod, "_prefill_kernel"),
         (decode_mod, "_decode_partition_kernel"),
         (reduce_mod, "_decode_reduce_kernel"),
+        (norm_mod, "_rms_norm_kernel"),
     ]
     sink: list[Launch] = []
     saved = [(module, name, getattr(module, name)) for module, name in targets]
@@ -118,10 +121,12 @@ def step_launches(
     """The launches of the runner's attention steps for one model shape and cache dtype: K/V
     store, prefill over a cached prefix, decode in one partition and split into several. With a
     sliding `window` and / or a logit `softcap` the attention launches are those variants (a
-    window shorter than DEFAULT_PARTITION_SIZE leaves the long decode in one partition)."""
+    window shorter than DEFAULT_PARTITION_SIZE leaves the long decode in one partition). In 16
+    bits, the RMSNorms too: over whole rows, over the query heads, and scaling in float32."""
     from runner.triton_attention import store_kv
     from runner.triton_decode import DEFAULT_PARTITION_SIZE, decode_attention
     from runner.triton_prefill import prefill_attention
+    from runner.triton_rms_norm import rms_norm
 
     num_q, num_kv, head_dim = MODEL_SHAPES[shape]
     blocks = 64
@@ -141,6 +146,11 @@ def step_launches(
         long = torch.tensor([DEFAULT_PARTITION_SIZE * 3, 3], dtype=i32)
         max_long = int(long.max())
         decode_attention(q[:2], k_cache, v_cache, long, tables, 0.1, max_long, **variant)
+        if dtype != torch.float32:  # float32 norms are torch's own fused kernel
+            rows = q.view(40, num_q * head_dim)
+            rms_norm(rows, torch.ones(num_q * head_dim, dtype=dtype), 1e-6, False)
+            rms_norm(q, torch.ones(head_dim, dtype=dtype), 1e-6, False)
+            rms_norm(rows, torch.ones(num_q * head_dim), 1e-6, True)
     return launches
 
 
@@ -187,7 +197,9 @@ def compile_launch(launch: Launch, arch: int, case: str) -> Compiled:
             constexprs[name] = launch.kwargs[name]
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     start = time.perf_counter()
-    binary = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    # Launch options (num_warps) are keyword arguments of the launch, beside the constexprs.
+    options = {k: v for k, v in launch.kwargs.items() if k in ("num_warps", "num_stages")}
+    binary = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     seconds = time.perf_counter() - start
     registers, local = _cubin_resources(binary.asm["cubin"])
     return Compiled(
