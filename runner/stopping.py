@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from runner.incremental_text import decode_anchor
 from runner.logprobs import TokenLogprobs
 from runner.sequence import Sequence
 
@@ -31,15 +32,20 @@ class StopChecker:
         # Cleaning up tokenization spaces drops a space before punctuation (two in " ' "), so a
         # token can yield no byte of the final text: up to 3 tokens per byte of a stop string.
         self.cleans_up_spaces = tokenizer is not None and cleans_up_spaces(tokenizer)
+        # A SentencePiece-style decoder's output can be decoded piecewise after this token
+        # (runner/incremental_text.py); cleaning up spaces rewrites across tokens.
+        self.decode_anchor = (
+            None if tokenizer is None or self.cleans_up_spaces else decode_anchor(tokenizer)
+        )
         self._tokens_per_byte = 3 if self.cleans_up_spaces else 1
         # Tokens a decode may drop (skip_special_tokens): the tail counts past them, and past
         # ids from the tokenizer's size up (a model's vocabulary padded past its tokenizer's:
         # they decode to nothing).
-        self._textless: set[int] = set()
+        self.textless_ids: set[int] = set()
         self._text_vocab = len(tokenizer) if tokenizer is not None else 0
         if tokenizer is not None:
-            self._textless.update(tokenizer.all_special_ids)
-            self._textless.update(getattr(tokenizer, "added_tokens_decoder", {}))
+            self.textless_ids.update(tokenizer.all_special_ids)
+            self.textless_ids.update(getattr(tokenizer, "added_tokens_decoder", {}))
 
     def finish_reasons(self, seqs: list[Sequence], tokens: list[int]) -> list[str | None]:
         """Per sequence, just after `record_token(token)`: "stop" for a stop token, EOS or stop
@@ -120,7 +126,7 @@ class StopChecker:
         start = len(out)
         while start > 0 and need > 0:
             start -= 1
-            if out[start] < self._text_vocab and out[start] not in self._textless:
+            if out[start] < self._text_vocab and out[start] not in self.textless_ids:
                 need -= 1
         return out[start:]
 

@@ -11,17 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
-
-from tokenizers import decoders
-
-try:  # tokenizers 0.21+; an older one decodes each step's whole output instead
-    from tokenizers.decoders import DecodeStream
-except ImportError:
-    DecodeStream = None  # type: ignore[assignment,misc]
 
 from runner.engine_core import Engine
 from runner.frozen_heap import frozen_heap
+from runner.incremental_text import OutputText
 from runner.outputs import RequestOutput
 from runner.sequence import Sequence, request_id_of
 from runner.stopping import StopChecker
@@ -53,57 +46,6 @@ class StreamDelta:
         return self.output is not None
 
 
-class OutputText:
-    """A running sample's output decoded so far, extended token by token.
-
-    Decoding the whole output again each step costs O(length) a token (0.4 s over a 2,000
-    token answer with SmolLM2's tokenizer). A byte-level decoder (GPT-2, Llama 3, Qwen,
-    SmolLM) decodes to the UTF-8 of its tokens' bytes joined, so the tokenizers library's
-    DecodeStream, which holds back a character until its last byte comes, extends the text in
-    O(new tokens) with the same result. Other decoders (Metaspace, byte fallback: DecodeStream
-    refuses some of their outputs) and tokenizers that clean up spaces after decoding decode
-    whole, as does a stream whose DecodeStream raises."""
-
-    def __init__(self, stopper: StopChecker, skip_special_tokens: bool = True) -> None:
-        self.stopper = stopper
-        self.skip_special_tokens = skip_special_tokens
-        self._backend = _byte_level_backend(stopper)
-        self._decoder = (
-            DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend else None
-        )
-        self._fed = 0  # tokens given to the decoder
-        self._text = ""
-
-    @property
-    def incremental(self) -> bool:
-        """Whether new tokens extend the text (else each call decodes the whole output)."""
-        return self._decoder is not None
-
-    def of(self, token_ids: list[int]) -> str:
-        """The decoded text of `token_ids`, which extend the ids of the last call."""
-        if self._decoder is None:
-            return self.stopper.decode(token_ids, self.skip_special_tokens)
-        try:
-            for token in token_ids[self._fed :]:
-                piece = self._decoder.step(self._backend, token)
-                self._fed += 1
-                if piece:
-                    self._text += piece
-        except Exception:  # noqa: BLE001 - an output the decoder refuses: decode whole from now
-            self._decoder = None
-            return self.stopper.decode(token_ids, self.skip_special_tokens)
-        return self._text
-
-
-def _byte_level_backend(stopper: StopChecker) -> Any:
-    """The tokenizers Tokenizer behind a fast tokenizer with a byte-level decoder and no space
-    cleanup, or None."""
-    backend = getattr(stopper.tokenizer, "backend_tokenizer", None)
-    if backend is None or stopper.cleans_up_spaces or DecodeStream is None:
-        return None
-    return backend if isinstance(backend.decoder, decoders.ByteLevel) else None
-
-
 class TextStream:
     """One request's text handed out so far, and the rule for how much more is settled."""
 
@@ -115,7 +57,7 @@ class TextStream:
     def settled_delta(self, seq: Sequence) -> str:
         """The new text of a running request that no later token can change."""
         text = self.output.of(seq.output_token_ids)
-        end = len(text.rstrip("\ufffd"))
+        end = min(len(text.rstrip("\ufffd")), self.output.settled_chars)
         while True:  # each hold can expose the other's case at the new end: until neither moves
             held = end - _stop_prefix_at_end(text[:end], seq.params.stop_strings)
             if self.stopper.cleans_up_spaces:  # its rules may still rewrite the last characters

@@ -19,9 +19,11 @@ from runner.stopping import StopChecker, first_stop
 MAX_MODEL_LEN = 10_000
 
 
-def metaspace_tokenizer() -> Any:
-    """SentencePiece-like: pieces '▁x' / 'x' for a few letters, the decoder drops the text's
-    leading space, byte fallback for everything else (ids 5..260)."""
+def metaspace_tokenizer(kind: str = "llama2") -> Any:
+    """SentencePiece-like: pieces '▁x' / 'x' for a few letters, byte fallback for everything
+        else (ids 5..260). The decoder is Llama 2's ("llama2": it drops the text's leading space),
+        Gemma's ("gemma": it keeps it) or a Metaspace one ("metaspace": it drops the first token's
+    leading space)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
@@ -31,14 +33,12 @@ def metaspace_tokenizer() -> Any:
         vocab[ch] = len(vocab)
         vocab["▁" + ch] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
+    pieces = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = {
+        "llama2": decoders.Sequence([*pieces, decoders.Strip(" ", 1, 0)]),
+        "gemma": decoders.Sequence(pieces),
+        "metaspace": decoders.Sequence([decoders.Metaspace(prepend_scheme="first"), *pieces[1:]]),
+    }[kind]
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )

@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
 from runner import engine_core
+from runner.incremental_text import OutputText
 from runner.sequence import Sequence
 from runner.stopping import StopChecker
-from runner.streaming import OutputText, TextStream
+from runner.streaming import TextStream
 from tests.conftest import tiny_tokenizer
 
 # Byte tokens of the tiny tokenizer are id = 3 + position in ByteLevel's alphabet; these texts
