@@ -34,6 +34,7 @@ from runner.gpu_bench_workload import (
     make_workload,
     vocab_size,
 )
+from runner.gpu_step_profile import decode_step_profile, graph_replay_ms, top_kernels
 from runner.hf_continuous import run_hf_continuous, sync_device
 from runner.workloads import BenchRequest
 
@@ -101,6 +102,11 @@ def run_kvcache(
             result["graph_top_kernels"] = top_kernels(graph.replay, repeats=5)
         except Exception as err:
             result["graph_replay_error"] = repr(err)
+    try:  # the run's median decode batch, at a short context
+        batch = max(1, int(result["decode_batch_median"]))
+        result["step_profile"] = decode_step_profile(llm, batch, prompt_len=64)
+    except Exception as err:
+        result["step_profile_error"] = repr(err)
     del llm, outs, graphs
     _release(device)
     return result
@@ -124,48 +130,6 @@ def step_times(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "prefill_steps": len(prefill),
         "prefill_s": sum(s["duration_s"] for s in prefill),
     }
-
-
-def graph_replay_ms(graphs: Any, batch_size: int, repeats: int = 20) -> dict[str, Any]:
-    """GPU time of one decode step alone: the graph that a batch of `batch_size` rows runs,
-    replayed `repeats` times back to back over the inputs the timed run left in its buffers
-    (its last step's rows, earlier steps' rows past them). Set against decode_step_ms_median,
-    the rest of a step is the host's: scheduling, inputs, sampling, bookkeeping. Replaying
-    writes K/V into slots of the buffers' rows, harmless only because the run is over."""
-    size = graphs.graph_size(batch_size)
-    graph = graphs.graphs[size]
-    graph.replay()  # warm: the first replay after the run may pay for clocks and caches
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return {
-        "graph_batch_size": size,
-        "graph_replay_ms": begin.elapsed_time(end) / repeats,
-    }
-
-
-def top_kernels(run: Callable[[], Any], repeats: int, top: int = 8) -> list[dict[str, Any]]:
-    """The GPU kernels that take the most time in `run()` (a graph replay), by torch's
-    profiler: name, ms and launches per call. Where the next speed-up of a step is."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            run()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    return [
-        {
-            "kernel": e.key[:100],
-            "ms": e.self_device_time_total / 1e3 / repeats,  # the profiler counts microseconds
-            "launches": e.count / repeats,
-        }
-        for e in kernels[:top]
-    ]
 
 
 def check_greedy(folder: Path, device: str, num_prompts: int = 4) -> dict[str, Any]:

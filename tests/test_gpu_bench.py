@@ -49,6 +49,9 @@ def test_gpu_bench_quick_cpu(tmp_path: Path) -> None:
     assert report["hf_generate_batch"]["output_tokens"] == report["workload"]["output_tokens"]
     assert report["kvcache"]["complete"] and report["hf_generate_batch"]["complete"]
     assert report["ratio"]["kvcache_over_hf"] > 0
+    profile = report["kvcache"]["step_profile"]  # whole decode steps under torch's profiler
+    assert profile["steps"] == 12 and profile["wall_ms_per_step"] > 0
+    assert profile["host_top"] and profile["requests_finished"] == profile["num_seqs"]
     timed = report["kvcache"]  # every timed step is a decode-only or a prefill step
     assert timed["decode_steps"] > 0 and timed["prefill_steps"] > 0
     assert 0 < timed["decode_s"] + timed["prefill_s"] <= timed["wall_s"]

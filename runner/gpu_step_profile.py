@@ -1,0 +1,109 @@
+"""Where an engine step's time goes on a GPU, measured after the GPU bench's timed run: the
+decode graph replayed alone (its GPU time, and its top kernels), and a few whole decode steps
+under torch's profiler (the host's operations and every kernel, inside the graph or not). Set
+against the run's step time, they split a step into GPU work, host work and what is between.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def graph_replay_ms(graphs: Any, batch_size: int, repeats: int = 20) -> dict[str, Any]:
+    """GPU time of one decode step alone: the graph that a batch of `batch_size` rows runs,
+    replayed `repeats` times back to back over the inputs the timed run left in its buffers
+    (its last step's rows, earlier steps' rows past them). Set against decode_step_ms_median,
+    the rest of a step is the host's: scheduling, inputs, sampling, bookkeeping. Replaying
+    writes K/V into slots of the buffers' rows, harmless only because the run is over."""
+    size = graphs.graph_size(batch_size)
+    graph = graphs.graphs[size]
+    graph.replay()  # warm: the first replay after the run may pay for clocks and caches
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return {
+        "graph_batch_size": size,
+        "graph_replay_ms": begin.elapsed_time(end) / repeats,
+    }
+
+
+def top_kernels(run: Callable[[], Any], repeats: int, top: int = 8) -> list[dict[str, Any]]:
+    """The GPU kernels that take the most time in `run()` (a graph replay), by torch's
+    profiler: name, ms and launches per call. Where the next speed-up of a step is."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [
+        {
+            "kernel": e.key[:100],
+            "ms": e.self_device_time_total / 1e3 / repeats,  # the profiler counts microseconds
+            "launches": e.count / repeats,
+        }
+        for e in kernels[:top]
+    ]
+
+
+def decode_step_profile(
+    llm: Any, num_seqs: int, prompt_len: int, steps: int = 12, top: int = 10
+) -> dict[str, Any]:
+    """`steps` decode steps of `num_seqs` sequences (prompts of `prompt_len` tokens, already
+    prefilled) under torch's profiler: wall ms a step, and the operations that take the most
+    host time (self CPU time) and the kernels that take the most GPU time, a step each. The
+    profiler slows the host down; its split, not its totals, is the figure."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvcache import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    vocab = min(1000, int(llm.model.vocab_size))
+    for i in range(num_seqs):
+        prompt = [(5 + i * 31 + j * 7) % vocab for j in range(prompt_len)]
+        llm.add_request(prompt, params, request_id=f"profile-{i}", cache_salt="profile")
+    finished: list[Any] = []
+    for _ in range(8):  # prefill, until a step only decodes
+        finished += llm.step()
+        if not llm.recorder.steps[-1]["num_prefill_tokens"]:
+            break
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            finished += llm.step()
+        wall = time.perf_counter() - start
+    while llm.has_unfinished():  # the rest, so the engine is left empty
+        finished += llm.step()
+    events = prof.key_averages()
+
+    def per_step(key: Callable[[Any], float]) -> list[dict[str, Any]]:
+        chosen = sorted((e for e in events if key(e) > 0), key=key, reverse=True)[:top]
+        return [
+            {"op": e.key[:100], "ms": key(e) / 1e3 / steps, "calls": e.count / steps}
+            for e in chosen
+        ]
+
+    return {
+        "num_seqs": num_seqs,
+        "steps": steps,
+        "wall_ms_per_step": 1e3 * wall / steps,
+        # The host's time inside torch's operations (launches, copies, waits for the GPU
+        # included); the rest of the wall time is Python: scheduling, bookkeeping.
+        "host_ops_ms_per_step": sum(e.self_cpu_time_total for e in events) / 1e3 / steps,
+        "host_top": per_step(lambda e: e.self_cpu_time_total),
+        "gpu_top": per_step(lambda e: e.self_device_time_total) if len(activities) > 1 else [],
+        "requests_finished": len(finished),
+    }
