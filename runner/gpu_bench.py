@@ -34,7 +34,7 @@ from runner.gpu_bench_workload import (
     make_workload,
     vocab_size,
 )
-from runner.gpu_step_profile import decode_step_profile, graph_replay_ms, top_kernels
+from runner.gpu_step_profile import decode_step_profile
 from runner.hf_continuous import run_hf_continuous, sync_device
 from runner.workloads import BenchRequest
 
@@ -94,17 +94,15 @@ def run_kvcache(
         "cuda_graph_replays": (graphs.num_replays - replays_before) if graphs is not None else 0,
         **step_times(steps),
     }
-    if graphs is not None and graphs.use_graphs and result["decode_steps"]:
-        # Diagnostics: they must never cost the run its own figures.
-        try:
-            result.update(graph_replay_ms(graphs, int(result["decode_batch_median"])))
-            graph = graphs.graphs[result["graph_batch_size"]]
-            result["graph_top_kernels"] = top_kernels(graph.replay, repeats=5)
-        except Exception as err:
-            result["graph_replay_error"] = repr(err)
-    try:  # the run's median decode batch, at a short context
+    # A diagnostic, which must never cost the run its own figures: the run's median decode
+    # batch at a context halfway through the median request.
+    try:
         batch = max(1, int(result["decode_batch_median"]))
-        result["step_profile"] = decode_step_profile(llm, batch, prompt_len=64)
+        prompts = sorted(len(r.prompt_token_ids) for r in requests)
+        outputs = sorted(r.max_tokens for r in requests)
+        context = prompts[len(prompts) // 2] + outputs[len(outputs) // 2] // 2
+        context = min(context, llm.max_model_len - 20)
+        result["step_profile"] = decode_step_profile(llm, batch, context, graphs)
     except Exception as err:
         result["step_profile_error"] = repr(err)
     del llm, outs, graphs

@@ -15,10 +15,9 @@ import torch
 
 def graph_replay_ms(graphs: Any, batch_size: int, repeats: int = 20) -> dict[str, Any]:
     """GPU time of one decode step alone: the graph that a batch of `batch_size` rows runs,
-    replayed `repeats` times back to back over the inputs the timed run left in its buffers
-    (its last step's rows, earlier steps' rows past them). Set against decode_step_ms_median,
-    the rest of a step is the host's: scheduling, inputs, sampling, bookkeeping. Replaying
-    writes K/V into slots of the buffers' rows, harmless only because the run is over."""
+    replayed `repeats` times back to back over the inputs of the step that ran last (which
+    must be a decode step of `batch_size` rows through that graph: its rows past the batch are
+    padding then). Each replay writes the same K/V into the same slots as that step did."""
     size = graphs.graph_size(batch_size)
     graph = graphs.graphs[size]
     graph.replay()  # warm: the first replay after the run may pay for clocks and caches
@@ -56,12 +55,14 @@ def top_kernels(run: Callable[[], Any], repeats: int, top: int = 8) -> list[dict
 
 
 def decode_step_profile(
-    llm: Any, num_seqs: int, prompt_len: int, steps: int = 12, top: int = 10
+    llm: Any, num_seqs: int, prompt_len: int, graphs: Any = None, steps: int = 12, top: int = 10
 ) -> dict[str, Any]:
     """`steps` decode steps of `num_seqs` sequences (prompts of `prompt_len` tokens, already
     prefilled) under torch's profiler: wall ms a step, and the operations that take the most
     host time (self CPU time) and the kernels that take the most GPU time, a step each. The
-    profiler slows the host down; its split, not its totals, is the figure."""
+    profiler slows the host down; its split, not its totals, is the figure. With the engine's
+    decode `graphs`, then the last step's graph replayed alone (graph_replay_ms), and its top
+    kernels: the step's GPU work, to set against its wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     from kvcache import SamplingParams
@@ -72,7 +73,7 @@ def decode_step_profile(
         prompt = [(5 + i * 31 + j * 7) % vocab for j in range(prompt_len)]
         llm.add_request(prompt, params, request_id=f"profile-{i}", cache_salt="profile")
     finished: list[Any] = []
-    for _ in range(8):  # prefill, until a step only decodes
+    for _ in range(64):  # prefill, until a step only decodes
         finished += llm.step()
         if not llm.recorder.steps[-1]["num_prefill_tokens"]:
             break
@@ -85,6 +86,11 @@ def decode_step_profile(
         for _ in range(steps):
             finished += llm.step()
         wall = time.perf_counter() - start
+    replay: dict[str, Any] = {}
+    if graphs is not None and graphs.use_graphs and graphs.can_run(num_seqs, 1):
+        replay = graph_replay_ms(graphs, num_seqs)
+        graph = graphs.graphs[replay["graph_batch_size"]]
+        replay["graph_top_kernels"] = top_kernels(graph.replay, repeats=5)
     while llm.has_unfinished():  # the rest, so the engine is left empty
         finished += llm.step()
     events = prof.key_averages()
@@ -106,4 +112,5 @@ def decode_step_profile(
         "host_top": per_step(lambda e: e.self_cpu_time_total),
         "gpu_top": per_step(lambda e: e.self_device_time_total) if len(activities) > 1 else [],
         "requests_finished": len(finished),
+        **replay,
     }
