@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import xxhash
 from torch import nn
@@ -24,9 +25,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_loading_imports_no_compiler(tiny_llama_dir: Path) -> None:
-    """nn.Embedding's normal_ on the meta device used to import torch._dynamo (~0.6 s)."""
+    """nn.Embedding's normal_ on the meta device used to import torch._dynamo (~0.6 s). Some
+    transformers releases (5.17) import it themselves with the parts the loader takes from
+    them (configs, tokenizers, RoPE tables): there is nothing of ours to check then."""
     code = (
         "import sys\n"
+        "from transformers import AutoConfig, AutoTokenizer\n"
+        "from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS\n"
+        "if 'torch._dynamo' in sys.modules:\n"
+        "    print('transformers')\n"
+        "    sys.exit()\n"
         "from runner.loader import load_model\n"
         "load_model(sys.argv[1])\n"
         "print('torch._dynamo' in sys.modules)\n"
@@ -39,6 +47,8 @@ def test_loading_imports_no_compiler(tiny_llama_dir: Path) -> None:
         timeout=300,
         check=True,
     )
+    if out.stdout.strip() == "transformers":
+        pytest.skip("this transformers release imports torch._dynamo on its own")
     assert out.stdout.strip() == "False", out.stderr
 
 

@@ -24,6 +24,7 @@ from kvcache import LLM, SamplingParams
 from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.cpu_linear import PackedLinear
 from runner.cpu_quant import INT8_GROUP, dequantize_int8, quantize_int8
+from tests.conftest import load_hf_reference
 
 needs_kernel = pytest.mark.skipif(
     load_cpu_kernels() is None, reason="the CPU kernels cannot be built on this machine"
@@ -40,7 +41,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def rounded_hf(path: Path, dtype: str = "bfloat16") -> Any:
     """transformers' float32 model with every Linear and Embedding weight rounded to `dtype`."""
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = load_hf_reference(path)
     with torch.no_grad():
         for module in hf.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
