@@ -34,7 +34,7 @@ from runner.gpu_bench_workload import (
     make_workload,
     vocab_size,
 )
-from runner.gpu_step_profile import decode_step_profile
+from runner.gpu_step_profile import decode_step_profile, rms_norm_us
 from runner.hf_continuous import run_hf_continuous, sync_device
 from runner.workloads import BenchRequest
 
@@ -105,6 +105,15 @@ def run_kvcache(
         result["step_profile"] = decode_step_profile(llm, batch, context, graphs)
     except Exception as err:
         result["step_profile_error"] = repr(err)
+    if device.startswith("cuda"):  # one RMSNorm, torch's kernels against the Triton one
+        try:
+            model = llm.model
+            heads = int(model.config.num_attention_heads)
+            dtype = next(model.parameters()).dtype
+            shape = (model.hidden_size, heads, model.head_dim, int(result["decode_batch_median"]))
+            result["rms_norm_us"] = rms_norm_us(*shape, dtype=dtype)
+        except Exception as err:
+            result["rms_norm_error"] = repr(err)
     del llm, outs, graphs
     _release(device)
     return result

@@ -114,3 +114,42 @@ def decode_step_profile(
         "requests_finished": len(finished),
         **replay,
     }
+
+
+def rms_norm_us(
+    hidden: int, heads: int, head_dim: int, rows: int, dtype: torch.dtype, repeats: int = 50
+) -> dict[str, float]:
+    """GPU microseconds of one RMSNorm by the torch path and by the Triton kernel, over a
+    hidden state [rows, hidden] and over per-head rows [rows, heads, head_dim] (Qwen3's q
+    norm), each as `repeats` norms captured in a CUDA graph: launches cost what they cost in a
+    decode graph. The model's own weights are not needed: a norm's cost is its shape's."""
+    from runner.layers import RMSNorm
+    from runner.triton_rms_norm import rms_norm
+
+    timings: dict[str, float] = {}
+    for name, shape in (("hidden", (rows, hidden)), ("heads", (rows, heads, head_dim))):
+        norm = RMSNorm(shape[-1]).to(device="cuda", dtype=dtype)
+        x = torch.randn(shape, device="cuda", dtype=dtype)
+
+        def triton_path(t: torch.Tensor, n: RMSNorm = norm) -> torch.Tensor:
+            return rms_norm(t, n.scale(), n.eps, False)
+
+        paths: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+            "torch": norm.torch_path,
+            "triton": triton_path,
+        }
+        for path, run in paths.items():
+            run(x)  # compiles the Triton kernel, sets up the allocator, off the graph
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(repeats):
+                    run(x)
+            graph.replay()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            timings[f"{name}_{path}_us"] = 1e3 * begin.elapsed_time(end) / repeats
+    return timings

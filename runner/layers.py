@@ -46,15 +46,20 @@ class RMSNorm(nn.Module):
             return self.kernels.rms_norm(x, self.scale(), self.eps)
         if x.is_cuda and x.dtype != torch.float32:
             if self.scale_in_float32 or self.weight.dtype == x.dtype:
-                # One Triton kernel instead of about eight: the branch below's operations and
-                # dtypes, in one pass (runner/triton_rms_norm.py). Triton is needed on GPUs only.
+                # One Triton kernel instead of about eight: torch_path's operations and dtypes,
+                # in one pass (runner/triton_rms_norm.py). Triton is needed on GPUs only.
                 from runner.triton_rms_norm import rms_norm
 
                 return rms_norm(x, self.scale(), self.eps, self.scale_in_float32)
         if x.dtype == torch.float32:
-            # One fused kernel; identical math to the branch below in float32.
+            # One fused kernel; identical math to torch_path in float32.
             return F.rms_norm(x, (x.shape[-1],), self.scale(), self.eps)
-        # HF order: normalise in float32, round to the input dtype, then scale.
+        return self.torch_path(x)
+
+    def torch_path(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' order of operations, in torch: normalise in float32, then round to
+        the input dtype and scale (or scale in float32, then round). The reference of the
+        other paths, and the path of 16-bit activations on the CPU."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.scale_in_float32:

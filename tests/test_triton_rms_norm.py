@@ -43,15 +43,6 @@ def assert_within_an_ulp(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert float((got == ref).float().mean()) >= 0.98
 
 
-def torch_path(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """The norm's torch branch, whatever the device (on CUDA, forward takes the kernel)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
-    if norm.scale_in_float32:
-        return (norm.scale().float() * xf).to(x.dtype)
-    return norm.scale() * xf.to(x.dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("in_float32", "offset"), NORM_KINDS)
 @pytest.mark.parametrize("dim", [16, 48, 64, 576])
@@ -62,7 +53,7 @@ def test_rows_equal_the_torch_path(
     norm = make_norm(dim, dtype, in_float32, offset)
     x = (4 * torch.randn(37, dim)).to(dtype).to(DEVICE)
     got = rms_norm(x, norm.scale(), norm.eps, in_float32)
-    ref = torch_path(norm, x)
+    ref = norm.torch_path(x)
     assert got.is_contiguous()
     assert_within_an_ulp(got, ref)
 
@@ -78,7 +69,7 @@ def test_strided_heads_of_a_fused_projection(in_float32: bool, offset: float) ->
     q = qkv[:, head_dim : 4 * head_dim].view(tokens, heads, head_dim)
     assert not q.is_contiguous()
     got = rms_norm(q, norm.scale(), norm.eps, in_float32)
-    assert_within_an_ulp(got, torch_path(norm, q))
+    assert_within_an_ulp(got, norm.torch_path(q))
     deeper = qkv[:, : 6 * head_dim].reshape(tokens, 2, heads, head_dim)
     assert torch.equal(
         rms_norm(deeper, norm.scale(), norm.eps, in_float32).view(tokens * 2, heads, head_dim),
