@@ -1,1 +1,16 @@
-"""Model side of kvcache: model, attention, loader, and (by others) scheduler/engine."""
+"""Model side of kvcache: model, attention, loader, and (by others) scheduler/engine.
+
+Without a GPU the Triton kernels (runner/triton_*.py) run, slowly, on CPU tensors in Triton's
+interpreter: that is how CI tests them. Triton reads TRITON_INTERPRET when `triton` is first
+imported (its own library, tl.sum and the like, is decorated then) and at each `@triton.jit`,
+so it is set here, before any module of the package imports Triton. `setdefault` keeps an
+explicit TRITON_INTERPRET=0/1 from the user; a program that imports Triton before this package
+must set it itself.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,9 +1,8 @@
 """Shared pieces of the Triton attention kernels: the CPU interpreter fallback, tile helpers and
 the attention-logit soft cap.
 
-Importing this module (the kernel modules do, before defining their kernels) picks Triton's
-interpreter when there is no CUDA device: Triton decides at `@triton.jit` decoration time
-whether a kernel is compiled or interpreted, so the variable must be set before then.
+Without a GPU the kernels run in Triton's interpreter: runner/__init__.py sets TRITON_INTERPRET
+before any kernel module imports Triton (`interpreting()` says which).
 """
 
 from __future__ import annotations
@@ -13,11 +12,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-# Without a GPU the kernels still run, slowly, on CPU tensors in Triton's interpreter: that is how
-# CI tests them. `setdefault` keeps an explicit TRITON_INTERPRET=0/1 from the user.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def interpreting() -> bool:

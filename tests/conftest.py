@@ -24,6 +24,12 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without CUDA the Triton kernels run in the interpreter on CPU tensors. runner/__init__.py sets
+# this for the package; set here too, since test modules import Triton before the package
+# (pytest.importorskip), and Triton decides at its import whether tl.sum is interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_BASE: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,18 +18,15 @@ from typing import Any
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede the @triton.jit definitions imported below
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kvcache import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
-from kvcache.store import KVStore  # noqa: E402
-from runner.attention import AttentionMetadata  # noqa: E402
-from runner.config import EngineConfig  # noqa: E402
-from runner.cuda_graphs import DecodeGraphs, graph_batch_sizes, greedy_on_device  # noqa: E402
-from runner.gpu_memory import profile_activation_bytes, profile_sequence_lengths  # noqa: E402
-from runner.loader import load_model  # noqa: E402
-from runner.memory import kv_pool_blocks  # noqa: E402
-from runner.triton_common import interpreting  # noqa: E402
+from kvcache import LLM, SamplingParams, StructuredOutputsParams
+from kvcache.store import KVStore
+from runner.attention import AttentionMetadata
+from runner.config import EngineConfig
+from runner.cuda_graphs import DecodeGraphs, graph_batch_sizes, greedy_on_device
+from runner.gpu_memory import profile_activation_bytes, profile_sequence_lengths
+from runner.loader import load_model
+from runner.memory import kv_pool_blocks
+from runner.triton_common import interpreting
 
 ROOT = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -1,29 +1,25 @@
 """Triton paged-attention kernels against a naive torch reference.
 
-Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set
-below before anything imports triton's jit decorators); with CUDA the same tests run on GPU.
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set by
+tests/conftest.py before anything imports Triton); with CUDA the same tests run on GPU.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede the @triton.jit definitions imported below
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from runner.attention import AttentionMetadata  # noqa: E402
-from runner.triton_attention import (  # noqa: E402
+from runner.attention import AttentionMetadata
+from runner.triton_attention import (
     decode_attention,
     prefill_attention,
     store_kv,
     triton_paged_attention,
 )
-from runner.triton_common import interpreting  # noqa: E402
+from runner.triton_common import interpreting
 
 DEVICES = [
     pytest.param(

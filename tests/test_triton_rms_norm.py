@@ -4,19 +4,13 @@ results equal the torch path's bit for bit; on a GPU the same cases run on the d
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-# Before Triton is imported: it decides then whether its own library functions (tl.sum) run in
-# the interpreter.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
-from runner.layers import RMSNorm  # noqa: E402
-from runner.triton_rms_norm import rms_norm  # noqa: E402
+from runner.layers import RMSNorm
+from runner.triton_rms_norm import rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (scale_in_float32, offset): Llama-style, OLMo 2-style, Gemma-style

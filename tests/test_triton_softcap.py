@@ -12,16 +12,12 @@ Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTE
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
-if not torch.cuda.is_available():  # must precede the @triton.jit definitions imported below
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from test_triton_window import (  # noqa: E402
+from test_triton_window import (
     DECODE_SEQS,
     MIXED_SEQS,
     SHAPES,
@@ -31,13 +27,13 @@ from test_triton_window import (  # noqa: E402
     run_and_check,
 )
 
-from runner.triton_attention import (  # noqa: E402
+from runner.triton_attention import (
     decode_attention,
     prefill_attention,
     store_kv,
     triton_paged_attention,
 )
-from runner.triton_common import interpreting  # noqa: E402
+from runner.triton_common import interpreting
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
