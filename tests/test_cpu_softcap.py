@@ -1,11 +1,11 @@
 """Attention logit soft-capping (Gemma 2) in the CPU C kernels (runner/csrc): each score
-s = (q . k) * scale becomes c * tanh(s / c) before the mask and the softmax (the cap itself and
-its vector tanh: test_soft_cap.py). The decode and prefill kernels with caps that bite (scores
-of magnitude 10-100 against caps of 5 and 50) against a dense float64 reference written here
-(keys read through block tables, capped, masked, softmaxed), over block sizes, GQA groups,
-decodes alone and beside prefill chunks after cached prefixes, sliding windows, float16 caches,
-and decodes whose shared prompt the decode kernel scores in its shared pass. Last, Gemma 2's
-layers in one C call: bit for bit the module path."""
+s = (q . k) * scale becomes c * tanh(s / c) before the mask and the softmax (the cap itself and its
+vector tanh: test_soft_cap.py). The decode and prefill kernels with caps that bite (scores of
+magnitude 10-100 against caps of 5 and 50) against a dense float64 reference
+(tests/cpu_attention_cases.py: keys read through block tables, capped, masked, softmaxed), over
+block sizes, GQA groups, decodes alone and beside prefill chunks after cached prefixes, sliding
+windows, float16 caches, and decodes whose shared prompt the decode kernel scores in its shared
+pass. Last, Gemma 2's layers in one C call: bit for bit the module path."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+from cpu_attention_cases import Seq, dense_reference, loaded, random_inputs, random_tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cpu_layers_gemma import assert_c_layers_match_modules, run_schedule
-from test_cpu_window import Seq, dense_reference, loaded, random_tables
 from test_cpu_window import random_step as random_window_step
 
 from kvcache import LLM
@@ -53,23 +53,13 @@ def attend_step(
     """cpu_paged_attention at scale 1 over a random cache and step (its new K/V written first)
     with queries Q_GAIN times a unit normal. Returns the kernels' out, the dense reference over
     the cache as it then is (for any cap: to check that the cap changed something) and meta."""
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    tables, num_blocks = random_tables(seqs, block_size, shared_blocks, rng)
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(cache_dtype)
-    tokens = sum(q_len for q_len, _ in seqs)
-    q = torch.randn(tokens, hq, d, generator=gen) * Q_GAIN
-    k, v = (torch.randn(tokens, hkv, d, generator=gen) for _ in range(2))
-    meta = AttentionMetadata.build(
-        [q_len for q_len, _ in seqs], [ctx for _, ctx in seqs], tables, block_size
-    )
-    out = cpu_paged_attention(q, k, v, k_cache, v_cache, meta, 1.0, window, softcap)
+    x = random_inputs(seqs, block_size, hq, hkv, d, cache_dtype, shared_blocks, seed, Q_GAIN)
+    out = cpu_paged_attention(x.q, x.k, x.v, x.k_cache, x.v_cache, x.meta, 1.0, window, softcap)
 
     def reference(cap: float | None) -> torch.Tensor:
-        return dense_reference(q, k_cache, v_cache, tables, seqs, 1.0, window, cap)
+        return dense_reference(x.q, x.k_cache, x.v_cache, x.tables, seqs, 1.0, window, cap)
 
-    return out, reference, meta
+    return out, reference, x.meta
 
 
 # Scores of ~50 carry ~5e-6 of float32 rounding, which the softmax passes on as relative error

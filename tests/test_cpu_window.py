@@ -1,6 +1,7 @@
 """Sliding-window attention in the CPU C kernels (runner/csrc): a query at position p sees its
-sequence's keys p - W < j <= p only. Checked against a dense float64 reference written here
-(each sequence's keys read through its block table, masked, softmaxed), for decodes, prefill
+sequence's keys p - W < j <= p only. Checked against a dense float64 reference
+(tests/cpu_attention_cases.py: each sequence's keys read through its block table, masked,
+softmaxed), for decodes, prefill
 chunks after cached prefixes and mixes of both; windows under a block, across block edges,
 past the context, of one token; float16 caches; decodes whose shared prompt the window cuts
 into (where the decode kernel's shared pass must not run). Then a Mistral with a window through
@@ -13,6 +14,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+from cpu_attention_cases import Seq, dense_reference, loaded, random_inputs, random_tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import MistralConfig
@@ -21,7 +23,6 @@ from kvcache.store import KVStore
 from runner import decoder_layers
 from runner.attention import AttentionMetadata, write_kv
 from runner.cpu_attention import CpuSplit, cpu_paged_attention
-from runner.cpu_kernel import CpuKernels
 from runner.cpu_kernel_loader import load_cpu_kernels
 from runner.cpu_layers import CpuLayers
 from runner.cpu_prepack import prepack_for_cpu
@@ -31,64 +32,6 @@ from runner.model import CausalLM
 pytestmark = pytest.mark.skipif(
     load_cpu_kernels() is None, reason="the CPU kernels cannot be built on this machine"
 )
-
-Seq = tuple[int, int]  # (query length, context length): the queries are its last positions
-
-
-def loaded() -> CpuKernels:
-    kernels = load_cpu_kernels()
-    assert kernels is not None
-    return kernels
-
-
-def dense_reference(
-    q: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [blocks, B, Hkv, D]
-    v_cache: torch.Tensor,
-    tables: list[list[int]],
-    seqs: list[Seq],
-    scale: float,
-    window: int | None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """[T, Hq, D] float64: query i of sequence s (rows in order) at position p = C - L + i over
-    keys j with p - window < j <= p, scores c * tanh(q . k * scale / c) with a soft cap c (Gemma
-    2's; test_cpu_softcap.py), all in float64."""
-    _, block_size, hkv, d = k_cache.shape
-    group = q.shape[1] // hkv
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    start = 0
-    for table, (q_len, ctx) in zip(tables, seqs, strict=True):
-        blocks = torch.tensor(table[: -(-ctx // block_size)], dtype=torch.int64)
-        # [C, Hq, D]: token t is row t % B of block table[t // B]; query head h reads h // G
-        keys = k_cache[blocks].reshape(-1, hkv, d)[:ctx].double().repeat_interleave(group, 1)
-        values = v_cache[blocks].reshape(-1, hkv, d)[:ctx].double().repeat_interleave(group, 1)
-        pos = torch.arange(ctx - q_len, ctx)[:, None]  # [L, 1]
-        key = torch.arange(ctx)[None]  # [1, C]
-        visible = key <= pos
-        if window is not None:
-            visible &= key > pos - window
-        rows = q[start : start + q_len].double()
-        scores = torch.einsum("lhd,chd->hlc", rows, keys) * scale
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out[start : start + q_len] = torch.einsum("hlc,chd->lhd", probs, values)
-        start += q_len
-    return out
-
-
-def random_tables(
-    seqs: list[Seq], block_size: int, shared_blocks: int, rng: random.Random
-) -> tuple[list[list[int]], int]:
-    """Scattered block tables whose first `shared_blocks` blocks are the same for every
-    sequence, and the pool size they need."""
-    own = [-(-ctx // block_size) - shared_blocks for _, ctx in seqs]
-    num_blocks = 1 + shared_blocks + sum(own)
-    free = list(range(1 + shared_blocks, num_blocks))
-    rng.shuffle(free)
-    shared = list(range(1, 1 + shared_blocks))
-    return [shared + [free.pop() for _ in range(n)] for n in own], num_blocks
 
 
 def attend_step(
@@ -104,20 +47,11 @@ def attend_step(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """cpu_paged_attention over a random cache and step (its new K/V written first), and the
     dense reference over the cache as it then is. Returns (kernels' out, reference, meta)."""
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    tables, num_blocks = random_tables(seqs, block_size, shared_blocks, rng)
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(cache_dtype)
-    tokens = sum(q_len for q_len, _ in seqs)
-    q = torch.randn(tokens, hq, d, generator=gen)
-    k, v = (torch.randn(tokens, hkv, d, generator=gen) for _ in range(2))
-    meta = AttentionMetadata.build(
-        [q_len for q_len, _ in seqs], [ctx for _, ctx in seqs], tables, block_size
-    )
+    x = random_inputs(seqs, block_size, hq, hkv, d, cache_dtype, shared_blocks, seed)
     scale = d**-0.5
-    out = cpu_paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)
-    return out, dense_reference(q, k_cache, v_cache, tables, seqs, scale, window), meta
+    out = cpu_paged_attention(x.q, x.k, x.v, x.k_cache, x.v_cache, x.meta, scale, window)
+    reference = dense_reference(x.q, x.k_cache, x.v_cache, x.tables, seqs, scale, window)
+    return out, reference, x.meta
 
 
 def assert_matches(out: torch.Tensor, reference: torch.Tensor) -> None:

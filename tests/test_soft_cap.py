@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from test_cpu_window import loaded
+from cpu_attention_cases import loaded
 
 from runner.cpu_kernel_loader import load_cpu_kernels
 
