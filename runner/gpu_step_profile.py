@@ -21,37 +21,39 @@ def graph_replay_ms(graphs: Any, batch_size: int, repeats: int = 20) -> dict[str
     size = graphs.graph_size(batch_size)
     graph = graphs.graphs[size]
     graph.replay()  # warm: the first replay after the run may pay for clocks and caches
+    return {"graph_batch_size": size, "graph_replay_ms": replay_ms(graph, repeats)}
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 1) -> float:
+    """GPU milliseconds of one replay of `graph`, over `repeats` back to back (CUDA events)."""
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(repeats):
         graph.replay()
     end.record()
     end.synchronize()
-    return {
-        "graph_batch_size": size,
-        "graph_replay_ms": begin.elapsed_time(end) / repeats,
-    }
+    return begin.elapsed_time(end) / repeats
+
+
+def ranked(events: Any, key: Callable[[Any], float], calls: int, top: int) -> list[dict[str, Any]]:
+    """The `top` profiler events by `key` (microseconds), each as name, ms and count per call
+    of what was profiled `calls` times."""
+    chosen = sorted((e for e in events if key(e) > 0), key=key, reverse=True)[:top]
+    return [
+        {"name": e.key[:100], "ms": key(e) / 1e3 / calls, "calls": e.count / calls} for e in chosen
+    ]
 
 
 def top_kernels(run: Callable[[], Any], repeats: int, top: int = 8) -> list[dict[str, Any]]:
     """The GPU kernels that take the most time in `run()` (a graph replay), by torch's
-    profiler: name, ms and launches per call. Where the next speed-up of a step is."""
+    profiler: name, ms and launches (`calls`) per call. Where the next speed-up of a step is."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
             run()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    return [
-        {
-            "kernel": e.key[:100],
-            "ms": e.self_device_time_total / 1e3 / repeats,  # the profiler counts microseconds
-            "launches": e.count / repeats,
-        }
-        for e in kernels[:top]
-    ]
+    return ranked(prof.key_averages(), lambda e: e.self_device_time_total, repeats, top)
 
 
 def decode_step_profile(
@@ -94,14 +96,6 @@ def decode_step_profile(
     while llm.has_unfinished():  # the rest, so the engine is left empty
         finished += llm.step()
     events = prof.key_averages()
-
-    def per_step(key: Callable[[Any], float]) -> list[dict[str, Any]]:
-        chosen = sorted((e for e in events if key(e) > 0), key=key, reverse=True)[:top]
-        return [
-            {"op": e.key[:100], "ms": key(e) / 1e3 / steps, "calls": e.count / steps}
-            for e in chosen
-        ]
-
     return {
         "num_seqs": num_seqs,
         "steps": steps,
@@ -109,8 +103,12 @@ def decode_step_profile(
         # The host's time inside torch's operations (launches, copies, waits for the GPU
         # included); the rest of the wall time is Python: scheduling, bookkeeping.
         "host_ops_ms_per_step": sum(e.self_cpu_time_total for e in events) / 1e3 / steps,
-        "host_top": per_step(lambda e: e.self_cpu_time_total),
-        "gpu_top": per_step(lambda e: e.self_device_time_total) if len(activities) > 1 else [],
+        "host_top": ranked(events, lambda e: e.self_cpu_time_total, steps, top),
+        "gpu_top": (
+            ranked(events, lambda e: e.self_device_time_total, steps, top)
+            if len(activities) > 1
+            else []
+        ),
         "requests_finished": len(finished),
         **replay,
     }
@@ -146,10 +144,5 @@ def rms_norm_us(
                 for _ in range(repeats):
                     run(x)
             graph.replay()
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            timings[f"{name}_{path}_us"] = 1e3 * begin.elapsed_time(end) / repeats
+            timings[f"{name}_{path}_us"] = 1e3 * replay_ms(graph) / repeats
     return timings
