@@ -9,10 +9,10 @@ from typing import Any
 
 import click
 
-from runner.cli_bench import bench
-from runner.cli_engine import engine_options
-from runner.cli_report import report
-from runner.cli_startup import start_up_without_gc
+from runner.cli.bench import bench
+from runner.cli.engine_options import engine_options
+from runner.cli.report import report
+from runner.cli.startup import start_up_without_gc
 
 
 @click.group()
@@ -146,7 +146,7 @@ def generate(
     allowed_token_ids, bad_words, truncate_prompt_tokens, skip_special_tokens,
     include_stop_str_in_output, structured_outputs, repetition_penalty, presence_penalty,
     frequency_penalty, logprobs, prompt_logprobs, n) and cache_salt."""
-    from runner.batch_paths import check_paths
+    from runner.cli.batch_paths import check_paths
 
     try:  # before the model loads: a wrong path costs nothing yet
         check_paths(input_path, output_path, metrics_path, resume=resume, overwrite=overwrite)
@@ -207,7 +207,7 @@ def _json_schema(path: str | None) -> Any:
     """--json-schema's file as StructuredOutputsParams (None without one)."""
     if path is None:
         return None
-    from runner.structured_outputs import StructuredOutputsParams
+    from runner.sampling.structured_outputs import StructuredOutputsParams
 
     try:
         return StructuredOutputsParams(json=json.loads(Path(path).read_text(encoding="utf-8")))
@@ -221,9 +221,9 @@ def _start_batch_run(
     defaults: dict[str, Any],
     beam_width: int | None,
 ) -> Any:
-    from runner.batch_run import BatchRun
-    from runner.beam_search import BeamSearchParams
-    from runner.sampling_params import SamplingParams
+    from runner.cli.batch_run import BatchRun
+    from runner.engine.beam_search import BeamSearchParams
+    from runner.sampling.params import SamplingParams
 
     try:  # a bad default would fail every line: say so once, before loading the model
         SamplingParams(**defaults)

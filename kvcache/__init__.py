@@ -14,11 +14,11 @@ from kvcache.hashing import block_hashes, hash_block, namespace_root
 from kvcache.stats import CacheStats
 
 _ENGINE_NAMES = {
-    "LLM": "runner.engine",
-    "SamplingParams": "runner.sampling_params",
-    "RequestOutput": "runner.outputs",
-    "StructuredOutputsParams": "runner.structured_outputs",
-    "BeamSearchParams": "runner.beam_search",
+    "LLM": "runner.engine.llm",
+    "SamplingParams": "runner.sampling.params",
+    "RequestOutput": "runner.engine.outputs",
+    "StructuredOutputsParams": "runner.sampling.structured_outputs",
+    "BeamSearchParams": "runner.engine.beam_search",
 }
 
 __all__ = [

@@ -9,7 +9,7 @@
 # usage: scripts/gpu_check.sh [RESULT_FILE]     default: $OUT/gpu_check.txt (else /tmp/...)
 # knobs: GPU_CHECK_TESTS_S (default 150), GPU_CHECK_BENCH_S (default 340),
 #        GPU_CHECK_TESTS (the test files; default: the CUDA, GPU bench, Triton and engine ones),
-#        GPU_CHECK_BENCH_ARGS (extra runner.gpu_bench flags, e.g. "--num-seqs 128"),
+#        GPU_CHECK_BENCH_ARGS (extra runner.bench.gpu_bench flags, e.g. "--num-seqs 128"),
 #        PYTHON (default: python3, else python)
 set -u
 cd "$(dirname "$0")/.."
@@ -59,7 +59,7 @@ print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "
   section "bench (limit ${BENCH_S}s)"
   rm -f "$BENCH_JSON"
   # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of flags on purpose
-  timeout -s INT -k 15 "$BENCH_S" "$PY" -m runner.gpu_bench --out "$BENCH_JSON" ${GPU_CHECK_BENCH_ARGS:-}
+  timeout -s INT -k 15 "$BENCH_S" "$PY" -m runner.bench.gpu_bench --out "$BENCH_JSON" ${GPU_CHECK_BENCH_ARGS:-}
   verdict "bench" $?
 
   section "bench results (JSON; partial if the bench was cut short)"

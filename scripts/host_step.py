@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kvcache import LLM, SamplingParams
-from runner.gpu_bench_workload import build_random_model
+from runner.bench.gpu_workload import build_random_model
 
 
 def main() -> None:
@@ -74,7 +74,7 @@ def main() -> None:
     def after(*_: Any) -> None:
         forward_s.append(time.perf_counter() - started.pop())
 
-    model = llm.runner.model
+    model = llm.runner.model.decoder
     if args.skip_forward:
         skip_forward(model)
     model.register_forward_pre_hook(before)

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runner.sampling import dense_probs, sample, walk  # noqa: E402
-from runner.sampling_params import SamplingParams  # noqa: E402
+from runner.sampling.params import SamplingParams  # noqa: E402
+from runner.sampling.sampler import dense_probs, sample, walk  # noqa: E402
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "top_p 0.9": {"top_p": 0.9},

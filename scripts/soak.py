@@ -32,11 +32,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Run as a file (`python scripts/soak.py`): make the checkout's packages importable. This file
-# is only the command line; the soak is runner/soak.py (driver), runner/soak_workload.py (model
-# and requests) and runner/soak_checks.py (checks and report).
+# is only the command line; the soak is runner/bench/soak.py (driver),
+# runner/bench/soak_workload.py (model and requests) and runner/bench/soak_checks.py (checks and
+# report).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runner.config import CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES  # noqa: E402  (light: no torch)
+from runner.engine.config import CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES  # noqa: E402  (light: no torch)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from runner.soak import run_soak
-    from runner.soak_workload import build_tiny_llama
+    from runner.bench.soak import run_soak
+    from runner.bench.soak_workload import build_tiny_llama
 
     with tempfile.TemporaryDirectory(prefix="kvcache-soak-") as tmp:
         model = args.model or str(build_tiny_llama(Path(tmp) / "tiny-llama"))

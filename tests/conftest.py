@@ -243,7 +243,7 @@ def tiny_llama_tok_dir(make_tiny_model: Callable[..., Path]) -> Path:
 def default_model_dir() -> Path:
     """The embedded default model as a HF folder (converted into the loader cache the
     first time, ~25 s; later sessions reuse it)."""
-    from runner.loader import resolve_model_dir
+    from runner.model.loader import resolve_model_dir
 
     return resolve_model_dir(None)
 

@@ -8,9 +8,9 @@ from typing import NamedTuple
 
 import torch
 
-from runner.attention import AttentionMetadata
-from runner.cpu_kernel import CpuKernels
-from runner.cpu_kernel_loader import load_cpu_kernels
+from runner.attention.paged import AttentionMetadata
+from runner.backends.cpu.kernel import CpuKernels
+from runner.backends.cpu.loader import load_cpu_kernels
 
 Seq = tuple[int, int]  # (query length, context length): the queries are its last positions
 

@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runner.attention import AttentionMetadata, paged_attention
-from runner.attention_plan import CASCADE_MAX_QUERY_LEN, GROUP_MAX_QUERY_LEN
-from runner.cascade import MIN_SHARED_TOKENS
-from runner.cpu_kernel_loader import load_cpu_kernels
+from runner.attention.cascade import MIN_SHARED_TOKENS
+from runner.attention.paged import AttentionMetadata, paged_attention
+from runner.attention.plan import CASCADE_MAX_QUERY_LEN, GROUP_MAX_QUERY_LEN
+from runner.backends.cpu.loader import load_cpu_kernels
 
 
 def naive_attention(
@@ -295,7 +295,7 @@ def test_without_the_flash_kernel_shared_prefixes_are_gathered(
 ) -> None:
     """Where torch lacks the CPU flash op (or off the CPU) nothing is split: the same batch is
     planned as a plain padded group plus a gathered single, and stays exact."""
-    import runner.attention_plan as attention_plan
+    import runner.attention.plan as attention_plan
 
     monkeypatch.setattr(attention_plan, "cascade_supported", lambda device: False)
     shared = -(-MIN_SHARED_TOKENS // 8) + 1
@@ -429,7 +429,7 @@ def test_cpu_decode_kernel_scores_a_shared_prefix_once(
     for all rows in 16-lane tiles, then each sequence carries on through its own keys. Decodes
     beside a prefill chunk in the same step get the shared pass too. A float16 cache's shared
     blocks are widened once for the pass."""
-    from runner.cpu_kernel import CpuKernels
+    from runner.backends.cpu.kernel import CpuKernels
 
     passed: list[int] = []
     original = CpuKernels.decode_attention

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, BeamSearchParams
-from runner.beam_search import _advance, _Search
+from runner.engine.beam_search import _advance, _Search
 
 MAX_NEW = 10
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from runner.block_tables import BlockTableRows
+from runner.model.block_tables import BlockTableRows
 
 
 def fresh(tables: list[list[int]]) -> np.ndarray:

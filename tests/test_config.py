@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcache import LLM, SamplingParams
-from runner.config import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, EngineConfig
+from runner.engine.config import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, EngineConfig
 
 
 def test_the_token_budget_defaults_per_device() -> None:

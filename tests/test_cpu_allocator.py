@@ -8,7 +8,7 @@ import ctypes.util
 
 import pytest
 
-from runner.cpu_allocator import keep_step_buffers_in_heap
+from runner.backends.cpu.allocator import keep_step_buffers_in_heap
 
 
 class MallInfo2(ctypes.Structure):

@@ -1,5 +1,5 @@
-"""The panel kernel (runner/csrc/panel_gemm.c): equal to F.linear for any shape, bias and row
-count (one tile, several, a partial last tile or panel, a prefill-sized batch), the same
+"""The panel kernel (runner/backends/cpu/csrc/panel_gemm.c): equal to F.linear for any shape, bias
+and row count (one tile, several, a partial last tile or panel, a prefill-sized batch), the same
 result for a row whatever shares its call, and a clean fallback to oneDNN where it cannot be
 built."""
 
@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runner import cpu_kernel_loader
-from runner.cpu_kernel import CpuKernels
-from runner.cpu_kernel_loader import load_cpu_kernels
-from runner.cpu_linear import PackedLinear, onednn_available
+from runner.backends.cpu import loader as cpu_kernel_loader
+from runner.backends.cpu.kernel import CpuKernels
+from runner.backends.cpu.linear import PackedLinear, onednn_available
+from runner.backends.cpu.loader import load_cpu_kernels
 
 needs_kernel = pytest.mark.skipif(
     load_cpu_kernels() is None, reason="the CPU kernels cannot be built on this machine"

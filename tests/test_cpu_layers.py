@@ -1,8 +1,8 @@
-"""A step's layers in one C call (runner/cpu_layers.py, runner/csrc/layers.c): bit for bit what
-the modules compute, K/V writes included, for decode steps, prefill chunks and mixes of both,
-and only where it applies. The engine-level greedy equality with transformers
-(test_engine_equivalence.py) runs through it by default and without it in the
-"no-cpu-kernels" variant."""
+"""A step's layers in one C call (runner/backends/cpu/layers.py,
+runner/backends/cpu/csrc/layers.c): bit for bit what the modules compute, K/V writes included, for
+decode steps, prefill chunks and mixes of both, and only where it applies. The engine-level greedy
+equality with transformers (test_engine_equivalence.py) runs through it by default and without it
+in the "no-cpu-kernels" variant."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from kvcache.store import KVStore
-from runner.attention import AttentionMetadata
-from runner.cpu_attention import CpuSplit
-from runner.cpu_kernel_loader import load_cpu_kernels
-from runner.cpu_prepack import prepack_for_cpu
-from runner.model import CausalLM
+from runner.attention.paged import AttentionMetadata
+from runner.backends.cpu.attention import CpuSplit
+from runner.backends.cpu.loader import load_cpu_kernels
+from runner.backends.cpu.prepack import prepack_for_cpu
+from runner.model.decoder import CausalLM
 
 pytestmark = pytest.mark.skipif(
     load_cpu_kernels() is None, reason="the CPU kernels cannot be built on this machine"

@@ -1,10 +1,10 @@
-"""Gemma 3's sandwich layers in one C call (runner/csrc/layers.c, runner/cpu_layers.py): four
-norms a layer scaling by 1 + weight, q/k normed per head, the tanh GeLU, and local layers with a
-window and a RoPE table of their own. Over several engine-like steps (prompts, chunks after
-them, decodes, contexts past the window), the hidden states and every layer's K/V written are
-bit for bit the module path's; the comparison catches a skipped norm. The GeLU kernel both paths
-call sits within one ulp of tanh of torch's F.gelu. Greedy equality with transformers runs
-through these layers in tests/test_engine_equivalence.py (tiny_gemma3_dir)."""
+"""Gemma 3's sandwich layers in one C call (runner/backends/cpu/csrc/layers.c,
+runner/backends/cpu/layers.py): four norms a layer scaling by 1 + weight, q/k normed per head, the
+tanh GeLU, and local layers with a window and a RoPE table of their own. Over several engine-like
+steps (prompts, chunks after them, decodes, contexts past the window), the hidden states and every
+layer's K/V written are bit for bit the module path's; the comparison catches a skipped norm. The
+GeLU kernel both paths call sits within one ulp of tanh of torch's F.gelu. Greedy equality with
+transformers runs through these layers in tests/test_engine_equivalence.py (tiny_gemma3_dir)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 from kvcache import LLM
 from kvcache.store import KVStore
-from runner.attention import AttentionMetadata
-from runner.cpu_kernel_loader import load_cpu_kernels
-from runner.cpu_layers import MAX_ROPE_TABLES, CpuLayers
-from runner.decoder_layers import SandwichNormLayer
-from runner.model import CausalLM
+from runner.attention.paged import AttentionMetadata
+from runner.backends.cpu.layers import MAX_ROPE_TABLES, CpuLayers
+from runner.backends.cpu.loader import load_cpu_kernels
+from runner.model.decoder import CausalLM
+from runner.model.decoder_layers import SandwichNormLayer
 
 pytestmark = pytest.mark.skipif(
     load_cpu_kernels() is None, reason="the CPU kernels cannot be built on this machine"

@@ -14,16 +14,16 @@ from hypothesis import strategies as st
 from torch import nn
 
 from kvcache.store import KVStore
-from runner.attention import AttentionMetadata
-from runner.cpu_linear import (
+from runner.attention.paged import AttentionMetadata
+from runner.backends.cpu.linear import (
     PackedLinear,
     onednn_available,
     prepack_linears,
     prepacking_available,
 )
-from runner.cpu_prepack import prepack_for_cpu
-from runner.loader import load_model
-from runner.model import CausalLM
+from runner.backends.cpu.prepack import prepack_for_cpu
+from runner.model.decoder import CausalLM
+from runner.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(
     not prepacking_available(), reason="neither the panel kernel nor oneDNN runs here"

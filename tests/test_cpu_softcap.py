@@ -1,7 +1,7 @@
-"""Attention logit soft-capping (Gemma 2) in the CPU C kernels (runner/csrc): each score
-s = (q . k) * scale becomes c * tanh(s / c) before the mask and the softmax (the cap itself and its
-vector tanh: test_soft_cap.py). The decode and prefill kernels with caps that bite (scores of
-magnitude 10-100 against caps of 5 and 50) against a dense float64 reference
+"""Attention logit soft-capping (Gemma 2) in the CPU C kernels (runner/backends/cpu/csrc): each
+score s = (q . k) * scale becomes c * tanh(s / c) before the mask and the softmax (the cap itself
+and its vector tanh: test_soft_cap.py). The decode and prefill kernels with caps that bite (scores
+of magnitude 10-100 against caps of 5 and 50) against a dense float64 reference
 (tests/cpu_attention_cases.py: keys read through block tables, capped, masked, softmaxed), over
 block sizes, GQA groups, decodes alone and beside prefill chunks after cached prefixes, sliding
 windows, float16 caches, and decodes whose shared prompt the decode kernel scores in its shared
@@ -23,11 +23,11 @@ from test_cpu_layers_gemma import assert_c_layers_match_modules, run_schedule
 from test_cpu_window import random_step as random_window_step
 
 from kvcache import LLM
-from runner.attention import AttentionMetadata
-from runner.cpu_attention import SHARED_PREFIX_MIN_ROWS, CpuSplit, cpu_paged_attention
-from runner.cpu_kernel_loader import load_cpu_kernels
-from runner.cpu_layers import CpuLayers
-from runner.model import CausalLM
+from runner.attention.paged import AttentionMetadata
+from runner.backends.cpu.attention import SHARED_PREFIX_MIN_ROWS, CpuSplit, cpu_paged_attention
+from runner.backends.cpu.layers import CpuLayers
+from runner.backends.cpu.loader import load_cpu_kernels
+from runner.model.decoder import CausalLM
 
 pytestmark = pytest.mark.skipif(
     load_cpu_kernels() is None, reason="the CPU kernels cannot be built on this machine"

@@ -1,11 +1,12 @@
-"""Sliding-window attention in the CPU C kernels (runner/csrc): a query at position p sees its
-sequence's keys p - W < j <= p only. Checked against a dense float64 reference
+"""Sliding-window attention in the CPU C kernels (runner/backends/cpu/csrc): a query at position p
+sees its sequence's keys p - W < j <= p only. Checked against a dense float64 reference
 (tests/cpu_attention_cases.py: each sequence's keys read through its block table, masked,
 softmaxed), for decodes, prefill
 chunks after cached prefixes and mixes of both; windows under a block, across block edges,
 past the context, of one token; float16 caches; decodes whose shared prompt the window cuts
 into (where the decode kernel's shared pass must not run). Then a Mistral with a window through
-the C layers (runner/cpu_layers.py): bit for bit the module path, close to the reference."""
+the C layers (runner/backends/cpu/layers.py): bit for bit the module path, close to the
+reference."""
 
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ from hypothesis import strategies as st
 from transformers import MistralConfig
 
 from kvcache.store import KVStore
-from runner import decoder_layers
-from runner.attention import AttentionMetadata, write_kv
-from runner.cpu_attention import CpuSplit, cpu_paged_attention
-from runner.cpu_kernel_loader import load_cpu_kernels
-from runner.cpu_layers import CpuLayers
-from runner.cpu_prepack import prepack_for_cpu
-from runner.decoder_layers import Attention
-from runner.model import CausalLM
+from runner.attention.paged import AttentionMetadata, write_kv
+from runner.backends.cpu.attention import CpuSplit, cpu_paged_attention
+from runner.backends.cpu.layers import CpuLayers
+from runner.backends.cpu.loader import load_cpu_kernels
+from runner.backends.cpu.prepack import prepack_for_cpu
+from runner.model import decoder_layers
+from runner.model.decoder import CausalLM
+from runner.model.decoder_layers import Attention
 
 pytestmark = pytest.mark.skipif(
     load_cpu_kernels() is None, reason="the CPU kernels cannot be built on this machine"

@@ -20,13 +20,13 @@ import torch
 
 from kvcache import LLM, SamplingParams, StructuredOutputsParams
 from kvcache.store import KVStore
-from runner.attention import AttentionMetadata
-from runner.config import EngineConfig
-from runner.cuda_graphs import DecodeGraphs, graph_batch_sizes, greedy_on_device
-from runner.gpu_memory import profile_activation_bytes, profile_sequence_lengths
-from runner.loader import load_model
-from runner.memory import kv_pool_blocks
-from runner.triton_common import interpreting
+from runner.attention.paged import AttentionMetadata
+from runner.backends.triton.common import interpreting
+from runner.engine.config import EngineConfig
+from runner.engine.memory import kv_pool_blocks
+from runner.model.cuda_graphs import DecodeGraphs, graph_batch_sizes, greedy_on_device
+from runner.model.gpu_memory import profile_activation_bytes, profile_sequence_lengths
+from runner.model.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

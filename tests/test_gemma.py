@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcache import LLM, SamplingParams
-from runner.loader import load_model
+from runner.model.loader import load_model
 from tests.conftest import load_hf_reference
 
 

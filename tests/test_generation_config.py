@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
-from runner.loader import generation_eos_ids
+from runner.model.loader import generation_eos_ids
 
 PROMPT = [5, 9, 33, 70, 12, 8, 101, 64]
 

@@ -1,4 +1,4 @@
-"""The GPU bench (`python -m runner.gpu_bench`) on the CPU at toy sizes: its workload, its
+"""The GPU bench (`python -m runner.bench.gpu_bench`) on the CPU at toy sizes: its workload, its
 phases, how it counts a transformers run cut short at its deadline, and when it claims a ratio.
 On a GPU machine `scripts/gpu_check.sh` runs the real one."""
 
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from runner.bench_peers import load_hf_model
-from runner.gpu_bench_workload import build_random_model, make_workload
-from runner.hf_continuous import tokens_in_flight
+from runner.bench.gpu_workload import build_random_model, make_workload
+from runner.bench.hf_continuous import tokens_in_flight
+from runner.bench.peers import load_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,9 +37,10 @@ def test_workload_is_seeded_and_in_range() -> None:
     torch.cuda.is_available(), reason="on a GPU machine scripts/gpu_check.sh runs the real bench"
 )
 def test_gpu_bench_quick_cpu(tmp_path: Path) -> None:
-    """`python -m runner.gpu_bench --device cpu --quick` runs end to end and writes its JSON."""
+    """`python -m runner.bench.gpu_bench --device cpu --quick` runs end to end and writes its
+    JSON."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "runner.gpu_bench", "--device", "cpu", "--quick"]
+    cmd = [sys.executable, "-m", "runner.bench.gpu_bench", "--device", "cpu", "--quick"]
     cmd += ["--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -63,7 +64,7 @@ def test_gpu_bench_keeps_going_after_a_failed_phase(
 ) -> None:
     """A phase that raises records its error and the next phases still run; a peer stopped at
     its deadline reports what finished, and no ratio is claimed from incomplete runs."""
-    import runner.gpu_bench as gpu_bench
+    import runner.bench.gpu_bench as gpu_bench
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -97,7 +98,7 @@ def test_gpu_bench_keeps_going_after_a_failed_phase(
     ],
 )
 def test_ratio_is_claimed_only_on_counted_runs(theirs: dict[str, Any], claimed: str | None) -> None:
-    import runner.gpu_bench as gpu_bench
+    import runner.bench.gpu_bench as gpu_bench
 
     theirs = {"output_tok_s": 100.0, "wall_s": 1.0, **theirs}
     ratio = gpu_bench._ratio(

@@ -1,4 +1,4 @@
-"""Output text extended token by token (runner/incremental_text.py) equals the whole output's
+"""Output text extended token by token (runner/engine/incremental_text.py) equals the whole output's
 decode after every token, for SentencePiece-style decoders (Llama 2's, Gemma's, a Metaspace
 one): random outputs with special tokens, lone spaces, byte runs that are valid UTF-8 and
 runs that are not, and ids past the tokenizer."""
@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
-from runner.incremental_text import OutputText, decode_anchor
-from runner.sequence import Sequence
-from runner.stopping import StopChecker
-from runner.streaming import TextStream
+from runner.engine.incremental_text import OutputText, decode_anchor
+from runner.engine.sequence import Sequence
+from runner.engine.stopping import StopChecker
+from runner.engine.streaming import TextStream
 from tests.test_stopping import cleanup_tokenizer, metaspace_tokenizer
 
 KINDS = ("llama2", "gemma", "metaspace")

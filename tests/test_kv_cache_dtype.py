@@ -18,8 +18,8 @@ from test_engine_equivalence import ARCH_FIXTURES, assert_greedy_matches, hf_gre
 from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
-from runner.engine_setup import kv_cache_dtype_of
-from runner.weight_quality import float16_kv
+from runner.bench.weight_quality import float16_kv
+from runner.engine.setup import kv_cache_dtype_of
 from tests.conftest import load_hf_reference
 
 F16 = {"kv_cache_dtype": "float16"}

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from runner import gguf as gguf_mod
-from runner.gguf import DEFAULT_GGUF, cache_root, convert_gguf, default_gguf_path
-from runner.loader import load_model, resolve_dtype
+from runner.model import gguf as gguf_mod
+from runner.model.gguf import DEFAULT_GGUF, cache_root, convert_gguf, default_gguf_path
+from runner.model.loader import load_model, resolve_dtype
 
 
 def test_default_model_loads_from_cache(

@@ -13,7 +13,7 @@ import torch
 import xxhash
 from torch import nn
 
-from runner.loader import (
+from runner.model.loader import (
     SkipMetaInit,
     fingerprint,
     load_tokenizer,
@@ -35,7 +35,7 @@ def test_loading_imports_no_compiler(tiny_llama_dir: Path) -> None:
         "if 'torch._dynamo' in sys.modules:\n"
         "    print('transformers')\n"
         "    sys.exit()\n"
-        "from runner.loader import load_model\n"
+        "from runner.model.loader import load_model\n"
         "load_model(sys.argv[1])\n"
         "print('torch._dynamo' in sys.modules)\n"
     )

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from kvcache import LLM, SamplingParams
-from runner.batch_file import parse_line
-from runner.logit_rules import apply_rules, bad_word_ids
-from runner.sequence import Sequence
+from runner.cli.batch_file import parse_line
+from runner.engine.sequence import Sequence
+from runner.sampling.logit_rules import apply_rules, bad_word_ids
 from tests.test_engine_equivalence import hf_greedy, make_prompts
 
 MAX_NEW = 12

@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvcache import LLM
 from kvcache.store import KVStore
-from runner.attention import AttentionMetadata
-from runner.loader import load_model
-from runner.model import CausalLM
+from runner.attention.paged import AttentionMetadata
+from runner.model.decoder import CausalLM
+from runner.model.loader import load_model
 
 ARCH_DIRS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from cli import main
 from kvcache import LLM, SamplingParams
-from runner.report import format_summary
+from runner.report.summary import format_summary
 
 PROMPT = [5 + (i * 7) % 300 for i in range(70)]  # 4 full blocks of 16 and 6 tokens
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
-from runner.penalties import TokenHistory, penalize
+from runner.sampling.penalties import TokenHistory, penalize
 from tests.test_engine_equivalence import hf_greedy, make_prompts
 
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from runner.report import (
+from runner.report.html import render_html, state_matrix, write_html
+from runner.report.summary import (
     format_summary,
     load_metrics,
     percentile,
@@ -25,7 +26,6 @@ from runner.report import (
     prefix_breakdown,
     summary_rows,
 )
-from runner.report_html import render_html, state_matrix, write_html
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -1,6 +1,6 @@
 """Where the time went: steps grouped by kind with the shares of their wall time that the
 model, its products and its attention took, each step's split for the HTML page
-(runner/report_time.py), and a real CPU run recording them (runner/step_clock.py)."""
+(runner/report/time_split.py), and a real CPU run recording them (runner/engine/step_clock.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from kvcache import LLM, SamplingParams
-from runner.report import format_summary
-from runner.report_html import render_html
-from runner.report_time import TimeRow, step_parts_ms, time_breakdown, time_cells
+from runner.report.html import render_html
+from runner.report.summary import format_summary
+from runner.report.time_split import TimeRow, step_parts_ms, time_breakdown, time_cells
 
 
 def step(prefill: int, decode: int, wall: float, **timing: float | None) -> dict[str, Any]:

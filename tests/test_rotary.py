@@ -15,7 +15,7 @@ from test_engine_equivalence import assert_greedy_matches, hf_greedy, make_promp
 from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
-from runner.layers import rotary_dim
+from runner.model.layers import rotary_dim
 
 HEAD_DIM = 16  # the tiny models' 64 hidden / 4 heads
 

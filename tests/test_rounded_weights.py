@@ -21,9 +21,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
-from runner.cpu_kernel_loader import load_cpu_kernels
-from runner.cpu_linear import PackedLinear
-from runner.cpu_quant import INT8_GROUP, dequantize_int8, quantize_int8
+from runner.backends.cpu.linear import PackedLinear
+from runner.backends.cpu.loader import load_cpu_kernels
+from runner.backends.cpu.quant import INT8_GROUP, dequantize_int8, quantize_int8
 from tests.conftest import load_hf_reference
 
 needs_kernel = pytest.mark.skipif(
@@ -193,7 +193,7 @@ def test_int8_quantization_is_symmetric_per_group(
 
 
 def test_weight_quality_scores_each_rounding(tiny_llama_dir: Path) -> None:
-    from runner.weight_quality import perplexity
+    from runner.bench.weight_quality import perplexity
 
     ids = torch.tensor(make_prompts(320, seed=9)[0] * 3)
     scores = {dtype: perplexity(tiny_llama_dir, ids, dtype) for dtype in ("float32", "int8")}

@@ -1,5 +1,5 @@
-"""The batched sampler (runner/sampling.py): its filters against a plain per-row reference, its
-inverse-CDF draws against the distribution they are given (the candidate path against the dense
+"""The batched sampler (runner/sampling/sampler.py): its filters against a plain per-row reference,
+its inverse-CDF draws against the distribution they are given (the candidate path against the dense
 filters: test_sampling_candidates.py). Seeded requests' reproducibility in an engine is tested in
 test_reliability.py."""
 
@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import runner.sampling as sampling
-from runner.sampling import dense_probs, draw, draw_dense, filtered_probs, sample, walk
-from runner.sampling_params import SamplingParams
+import runner.sampling.sampler as sampling
+from runner.sampling.params import SamplingParams
+from runner.sampling.sampler import dense_probs, draw, draw_dense, filtered_probs, sample, walk
 
 # The draws over rows of unnormalised mass: the one-pass walk (compact rows, and the draw of old),
 # and the two-level one over whole-vocabulary rows.

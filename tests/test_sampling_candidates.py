@@ -1,6 +1,6 @@
-"""The sampler's candidate path (runner/sampling_candidates.py) against the dense filters that
-define what is kept (runner/sampling.py dense_probs): the same sets, proportional masses, the
-same draws whatever shares a batch."""
+"""The sampler's candidate path (runner/sampling/candidates.py) against the dense filters that
+define what is kept (runner/sampling/sampler.py dense_probs): the same sets, proportional masses,
+the same draws whatever shares a batch."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import runner.sampling as sampling
-from runner.sampling import dense_probs, filtered_probs, sample
-from runner.sampling_candidates import top_candidates
-from runner.sampling_params import SamplingParams
+import runner.sampling.sampler as sampling
+from runner.sampling.candidates import top_candidates
+from runner.sampling.params import SamplingParams
+from runner.sampling.sampler import dense_probs, filtered_probs, sample
 
 # The candidate path against the dense one. Vocabularies from 1 token to past 16,384 (where the
 # candidate search takes block maxima); logits peaked, flat, tied (few distinct values) or

@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_attention import run_case
 
-from runner.architectures import layer_windows
-from runner.layers import layer_rope_types, rope_parameters
+from runner.model.architectures import layer_windows
+from runner.model.layers import layer_rope_types, rope_parameters
 
 
 @pytest.mark.parametrize("window", [1, 3, 4, 9, 16, 200])
@@ -37,8 +37,8 @@ def test_torch_path_attends_to_the_last_window_tokens(
 
 @pytest.mark.parametrize("seed", range(4))
 def test_torch_path_with_a_shared_prefix_and_a_window(seed: int) -> None:
-    """Decodes that share a cached prompt would read it once for all (runner/cascade.py); a
-    window that starts inside it must still hide its older keys."""
+    """Decodes that share a cached prompt would read it once for all (runner/attention/cascade.py);
+    a window that starts inside it must still hide its older keys."""
     rng = random.Random(seed)
     seqs = [(rng.choice([1, 1, 3]), rng.randrange(70, 90)) for _ in range(5)]
     window = rng.choice([5, 17, 40])

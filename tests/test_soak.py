@@ -1,4 +1,4 @@
-"""The soak (runner/soak.py; command line scripts/soak.py): a mixed stream of requests through
+"""The soak (runner/bench/soak.py; command line scripts/soak.py): a mixed stream of requests through
 one LLM with a small pool.
 
 The default run does 300 requests in-process (~2 s); `pytest -m soak` runs the script itself
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from kvcache import BlockManager
-from runner import speculative
-from runner.scheduler import Scheduler
-from runner.soak import run_soak
+from runner.bench.soak import run_soak
+from runner.engine import speculative
+from runner.engine.scheduler import Scheduler
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
 

@@ -1,6 +1,6 @@
 """The CPU kernels' soft cap, c * tanh(s / c) (Gemma 2's attention scores): their vector tanh
-(runner/csrc/vector_exp.h) against tanh in float64 over the whole float line, the cap's order
-(divide, tanh, multiply), and the caps refused before a kernel runs."""
+(runner/backends/cpu/csrc/vector_exp.h) against tanh in float64 over the whole float line, the
+cap's order (divide, tanh, multiply), and the caps refused before a kernel runs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from cpu_attention_cases import loaded
 
-from runner.cpu_kernel_loader import load_cpu_kernels
+from runner.backends.cpu.loader import load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     load_cpu_kernels() is None, reason="the CPU kernels cannot be built on this machine"

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
-from runner.speculative import NGRAM_MAX, NGRAM_MIN, accepted, draftable, propose
+from runner.engine.speculative import NGRAM_MAX, NGRAM_MIN, accepted, draftable, propose
 from tests.conftest import load_hf_reference
 from tests.test_engine_equivalence import hf_greedy
 

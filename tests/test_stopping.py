@@ -12,9 +12,9 @@ from conftest import tiny_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner.sampling_params import SamplingParams
-from runner.sequence import Sequence
-from runner.stopping import StopChecker, first_stop
+from runner.engine.sequence import Sequence
+from runner.engine.stopping import StopChecker, first_stop
+from runner.sampling.params import SamplingParams
 
 MAX_MODEL_LEN = 10_000
 
@@ -122,7 +122,7 @@ def test_tail_check_stops_where_a_full_decode_does(name: str, data: st.DataObjec
 
 
 def test_real_tokenizer_stops_on_multibyte_and_newline_strings(default_model_dir: Path) -> None:
-    from runner.loader import load_tokenizer
+    from runner.model.loader import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_dir)
     text = "Café au lait ☕ costs 3€.\n\nUser: and tea? 🍵 Also fine.\n\nUser: bye"

@@ -18,11 +18,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
-from runner import engine_core
-from runner.incremental_text import OutputText
-from runner.sequence import Sequence
-from runner.stopping import StopChecker
-from runner.streaming import TextStream
+from runner.engine import core as engine_core
+from runner.engine.incremental_text import OutputText
+from runner.engine.sequence import Sequence
+from runner.engine.stopping import StopChecker
+from runner.engine.streaming import TextStream
 from tests.conftest import tiny_tokenizer
 
 # Byte tokens of the tiny tokenizer are id = 3 + position in ByteLevel's alphabet; these texts

@@ -11,8 +11,8 @@ from kvcache import BlockManager, namespace_root
 from kvcache.block_manager import SlotCopy
 from kvcache.hashing import pack_tokens
 from kvcache.tail_cache import MAX_TAILS_PER_PARENT, Tail, TailCache, common_tokens
-from runner.engine import LLM
-from runner.sampling_params import SamplingParams
+from runner.engine.llm import LLM
+from runner.sampling.params import SamplingParams
 
 B = 16
 ROOT = namespace_root("model")

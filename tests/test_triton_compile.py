@@ -18,7 +18,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from runner.triton_aot import (  # noqa: E402
+from runner.backends.triton.aot import (  # noqa: E402
     SHARED_MEMORY_LIMIT,
     recorded_launches,
     step_launches,
@@ -58,7 +58,7 @@ def test_step_launches_cover_every_kernel() -> None:
 
 
 def test_recorded_launches_restores_the_kernels() -> None:
-    import runner.triton_prefill as prefill_mod
+    import runner.backends.triton.prefill as prefill_mod
 
     kernel = prefill_mod._prefill_kernel
     with recorded_launches():
@@ -71,7 +71,15 @@ def test_recorded_launches_restores_the_kernels() -> None:
 def test_kernels_compile_and_fit(arch: int) -> None:
     cases = [arg for case in CASES[arch] for arg in ("--case", case)]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    cmd = [sys.executable, "-m", "runner.triton_aot", "--json", "--arch", str(arch), *cases]
+    cmd = [
+        sys.executable,
+        "-m",
+        "runner.backends.triton.aot",
+        "--json",
+        "--arch",
+        str(arch),
+        *cases,
+    ]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]

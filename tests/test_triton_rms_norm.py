@@ -1,5 +1,5 @@
-"""The Triton RMSNorm (runner/triton_rms_norm.py) against the torch path of RMSNorm, which is
-transformers' order of operations. On the CPU it runs in Triton's interpreter, where its 16-bit
+"""The Triton RMSNorm (runner/backends/triton/rms_norm.py) against the torch path of RMSNorm, which
+is transformers' order of operations. On the CPU it runs in Triton's interpreter, where its 16-bit
 results equal the torch path's bit for bit; on a GPU the same cases run on the device."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from runner.layers import RMSNorm
-from runner.triton_rms_norm import rms_norm
+from runner.backends.triton.rms_norm import rms_norm
+from runner.model.layers import RMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (scale_in_float32, offset): Llama-style, OLMo 2-style, Gemma-style

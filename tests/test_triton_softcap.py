@@ -27,13 +27,13 @@ from test_triton_window import (
     run_and_check,
 )
 
-from runner.triton_attention import (
+from runner.backends.triton.attention import (
     decode_attention,
     prefill_attention,
     store_kv,
     triton_paged_attention,
 )
-from runner.triton_common import interpreting
+from runner.backends.triton.common import interpreting
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(

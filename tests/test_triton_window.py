@@ -19,14 +19,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from runner.attention import AttentionMetadata
-from runner.triton_attention import (
+from runner.attention.paged import AttentionMetadata
+from runner.backends.triton.attention import (
     decode_attention,
     prefill_attention,
     store_kv,
     triton_paged_attention,
 )
-from runner.triton_common import interpreting
+from runner.backends.triton.common import interpreting
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(

@@ -1,0 +1,250 @@
+"""Triton decode attention over a paged KV cache, split along the context (flash-decoding).
+
+Decode has one query per sequence, so a grid of (sequences x KV heads) alone leaves most of a
+GPU idle for small batches with long contexts. The keys each query sees are therefore cut into
+partitions of `partition_size` keys, one program each; every program writes its partial result
+(output normalised by its own softmax sum, plus the log2-sum-exp of its scores) and a second,
+tiny kernel (runner/backends/triton/decode_reduce.py) combines the partitions. With a single
+partition the first kernel writes the final output directly and the reduce is skipped.
+
+Sliding window W: the query at position C - 1 sees keys C - W .. C - 1 only, so the partitions
+start at the window start max(C - W, 0) instead of 0. Keys before it are never loaded, no
+partition lies wholly before it, and the grid needs cdiv(min(C, W), partition_size) partitions.
+
+Soft cap c (Gemma 2): each score s becomes c * tanh(s / c) before the softmax; the partitions'
+log-sum-exps are then of capped scores, so the reduce combines them unchanged.
+
+A program handles all GROUP query heads that share one KV head, so K/V rows are loaded once per
+group (GQA); the group is padded to 16 rows because tl.dot needs tiles of at least 16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runner.backends.triton.common import (
+    LOG2E,
+    check_cache_pair,
+    default_tile,
+    dot_config,
+    last_dim_contiguous,
+    log2_softcap,
+    pow2_at_least,
+    soft_cap,
+)
+from runner.backends.triton.decode_reduce import combine_partitions
+
+__all__ = ["DEFAULT_PARTITION_SIZE", "LOG2E", "decode_attention"]
+DEFAULT_PARTITION_SIZE = 512  # keys per partition; a multiple of every tile size used
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr: tl.tensor,  # [S, Hq, D]: one query per sequence
+    k_cache_ptr: tl.tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr: tl.tensor,  # same layout and strides as k_cache
+    part_out_ptr: tl.tensor,  # [S, Hq, P, D] (float32), or the final [S, Hq, D] output when P == 1
+    part_lse_ptr: tl.tensor,  # [S, Hq, P] float32 log2-sum-exp; unused when not WRITE_LSE
+    context_lens_ptr: tl.tensor,  # [S] int32
+    block_tables_ptr: tl.tensor,  # [S, max_blocks] int32
+    qk_scale: float,  # softmax scale * log2(e)
+    stride_qt: int,
+    stride_qh: int,
+    stride_cb: int,
+    stride_co: int,
+    stride_ch: int,
+    stride_bt: int,
+    stride_os: int,
+    stride_oh: int,
+    stride_op: int,
+    stride_ls: int,
+    stride_lh: int,
+    window: int,  # sliding window in keys; read only when USE_WINDOW
+    softcap: float,  # soft cap * log2(e) (log2_softcap); read only when USE_SOFTCAP
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,  # False: the whole context, at no extra cost
+    USE_SOFTCAP: tl.constexpr,  # False: raw scores, at no extra cost
+    DOT_DTYPE: tl.constexpr,  # tl.dot operand dtype (see dot_config)
+    DOT_PRECISION: tl.constexpr,
+) -> None:
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+
+    ctx_len = tl.load(context_lens_ptr + seq)
+    # Partitions tile the visible keys [win_start, ctx_len) from the window start, so every key
+    # a program loads is visible (no per-key window mask) and each partition of this sequence
+    # that the reduce reads holds at least one key.
+    win_start = 0
+    if USE_WINDOW:
+        win_start = tl.maximum(ctx_len - window, 0)
+    part_start = win_start + part * PARTITION_SIZE
+    part_end = tl.minimum(ctx_len, part_start + PARTITION_SIZE)  # <= part_start: nothing to do
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    heads = kv_head * GROUP + offs_g  # query heads of this group
+    g_valid = offs_g < GROUP
+    d_valid = offs_d < HEAD_DIM
+    gd_mask = g_valid[:, None] & d_valid[None, :]
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=gd_mask,
+        other=0.0,
+    )  # [GROUP_PAD, D_PAD]
+    q = q.to(DOT_DTYPE)
+
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)  # finite: see triton_prefill.py
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    for start in range(part_start, part_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)  # key positions; all >= win_start: visible
+        n_valid = offs_n < part_end
+        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        row = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(DOT_DTYPE)
+
+        # [GROUP_PAD, BLOCK_N] scores in the log2 domain
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if USE_SOFTCAP:  # before the mask: the cap would turn -inf into a finite -softcap
+            s = soft_cap(s, softcap)
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = v.to(DOT_DTYPE)
+        pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)  # [rows, D_PAD]
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # Partitions past the end of a short sequence's keys write nothing (the reduce reads only
+    # the partitions that start before ctx_len). where() rather than `mask & scalar`: the
+    # interpreter turns `tensor & scalar-bool` into an int array that tl.store rejects.
+    has_keys = part_start < ctx_len
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    out_rows = seq.to(tl.int64) * stride_os + heads * stride_oh + part * stride_op
+    tl.store(
+        part_out_ptr + out_rows[:, None] + offs_d[None, :],
+        out.to(part_out_ptr.dtype.element_ty),
+        mask=tl.where(has_keys, gd_mask, False),
+    )
+    if WRITE_LSE:
+        lse = m_i + tl.log2(safe_l)
+        lse_ptr = part_lse_ptr + seq.to(tl.int64) * stride_ls + heads * stride_lh + part
+        tl.store(lse_ptr, lse, mask=tl.where(has_keys, g_valid, False))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+    *,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+    block_n: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached context: all of it, or with a
+    sliding `window` W >= 1 its last W keys (the new token's own included). A `softcap` c > 0
+    turns each score s = (q . k) * scale into c * tanh(s / c) before the softmax.
+
+    q [S, Hq, D] (token s belongs to sequence s); k_cache / v_cache [num_blocks, block_size,
+    Hkv, D] already holding the new token; context_lens [S] int32 including it; block_tables
+    [S, max_blocks] int32. `max_context_len` (host int, an upper bound of context_lens) sets
+    the number of partitions; it is read from the tensor, with a device sync, when not given.
+    `partition_size` must be a power-of-two multiple of 16. Returns [S, Hq, D] in q's dtype.
+    """
+    check_cache_pair(k_cache, v_cache)
+    q = last_dim_contiguous(q)
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if partition_size < 16 or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window {window} must be at least 1")
+    cap = log2_softcap(softcap)  # validates it
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    block_n = min(block_n or default_tile(k_cache.dtype), partition_size)
+    if block_n < 16 or block_n & (block_n - 1):  # the interpreter takes any; the compiler not
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    group = num_q_heads // num_kv_heads
+    # A query sees at most min(C, W) keys; partitions start at its window start (see above).
+    max_keys = max_context_len if window is None else min(max_context_len, window)
+    num_parts = max(1, triton.cdiv(max_keys, partition_size))
+    single = num_parts == 1
+    if single:  # the partition kernel writes the final output: view it as [S, Hq, P=1, D]
+        part_out, part_lse = out.unsqueeze(2), out
+    else:
+        part_out = torch.empty(
+            (num_seqs, num_q_heads, num_parts, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            (num_seqs, num_q_heads, num_parts), dtype=torch.float32, device=q.device
+        )
+    d_pad = pow2_at_least(head_dim)
+    dot_dtype, precision = dot_config(k_cache.dtype)
+    _decode_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
+        q,
+        k_cache,
+        v_cache,
+        part_out,
+        part_lse,
+        context_lens,
+        block_tables,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        window or 0,  # ignored without a window (USE_WINDOW=False)
+        cap,  # ignored without a cap (USE_SOFTCAP=False)
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        GROUP_PAD=pow2_at_least(group),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        PARTITION_SIZE=partition_size,
+        BLOCK_N=block_n,
+        WRITE_LSE=not single,
+        USE_WINDOW=window is not None,
+        USE_SOFTCAP=softcap is not None,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=precision,
+    )
+    if single:
+        return out
+    combine_partitions(part_out, part_lse, out, context_lens, partition_size, window)
+    return out

@@ -1,0 +1,106 @@
+"""Second pass of the split-K decode (runner/backends/triton/decode.py): combine the partitions.
+
+The partition kernel cuts what one decode query attends to (its whole context, or its last
+`window` keys) into partitions of PARTITION_SIZE keys starting at the window start, and writes
+for each partition its output normalised by its own softmax sum plus the log2-sum-exp of its
+scores. This kernel merges them into the softmax over all the keys, one program per (sequence,
+query head), reading how many partitions its sequence has from the device context_lens so that a
+fixed grid (CUDA graphs) serves every step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runner.backends.triton.common import pow2_at_least
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr: tl.tensor,  # [S, Hq, P, D] float32, each partition normalised by its own sum
+    part_lse_ptr: tl.tensor,  # [S, Hq, P] float32 log2-sum-exp of each partition's scores
+    out_ptr: tl.tensor,  # [S, Hq, D]
+    context_lens_ptr: tl.tensor,  # [S] int32
+    stride_ps: int,
+    stride_ph: int,
+    stride_pp: int,
+    stride_ls: int,
+    stride_lh: int,
+    stride_os: int,
+    stride_oh: int,
+    window: int,  # sliding window in keys; read only when USE_WINDOW
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    P_PAD: tl.constexpr,  # number of partitions rounded up to a power of two
+    USE_WINDOW: tl.constexpr,
+) -> None:
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    ctx_len = tl.load(context_lens_ptr + seq)
+    # The partitions tile [win_start, ctx_len), each of them non-empty; only these were written
+    # for this sequence (the grid is sized for the longest one), so no partition without a key
+    # ever enters the max or the sum below.
+    num_keys = ctx_len
+    if USE_WINDOW:
+        num_keys = tl.minimum(ctx_len, window)
+    num_parts = tl.cdiv(num_keys, PARTITION_SIZE)
+
+    offs_p = tl.arange(0, P_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    p_valid = offs_p < num_parts
+    d_valid = offs_d < HEAD_DIM
+    lse_row = part_lse_ptr + seq.to(tl.int64) * stride_ls + head * stride_lh
+    lse = tl.load(lse_row + offs_p, mask=p_valid, other=float("-inf"))  # [P_PAD]
+    # Partition j holds o_j = sum_j(e^s v) / l_j and lse_j = log2(l_j) (max included), so the
+    # full softmax is sum_j w_j o_j / sum_j w_j with w_j = 2^(lse_j - max lse).
+    weight = tl.exp2(lse - tl.max(lse, axis=0))
+    weight = tl.where(p_valid, weight, 0.0)
+    part_row = part_out_ptr + seq.to(tl.int64) * stride_ps + head * stride_ph
+    parts = tl.load(
+        part_row + offs_p[:, None] * stride_pp + offs_d[None, :],
+        mask=p_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )  # [P_PAD, D_PAD]
+    total = tl.sum(weight, axis=0)
+    total = tl.where(total > 0.0, total, 1.0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / total
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_valid,
+    )
+
+
+def combine_partitions(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    out: torch.Tensor,
+    context_lens: torch.Tensor,
+    partition_size: int,
+    window: int | None,
+) -> None:
+    """Merge part_out [S, Hq, P, D] float32 / part_lse [S, Hq, P] float32, as the partition
+    kernel wrote them for the same `partition_size` and `window`, into out [S, Hq, D]."""
+    num_seqs, num_q_heads, num_parts, head_dim = part_out.shape
+    _decode_reduce_kernel[(num_seqs, num_q_heads)](
+        part_out,
+        part_lse,
+        out,
+        context_lens,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        window or 0,  # ignored without a window (USE_WINDOW=False)
+        HEAD_DIM=head_dim,
+        D_PAD=pow2_at_least(head_dim),
+        PARTITION_SIZE=partition_size,
+        P_PAD=triton.next_power_of_2(num_parts),
+        USE_WINDOW=window is not None,
+    )

@@ -1,0 +1,76 @@
+"""`kvcache generate --beam-width W`: each good line's W best answers by beam search, written a
+chunk of lines at a time (an interrupted run keeps what it wrote, and --resume goes on)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from runner.cli.batch_file import BatchLine
+from runner.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from runner.engine.llm import LLM
+from runner.engine.requests import Prompt, prompt_token_ids
+from runner.sampling.params import SamplingParams
+
+BEAM_CHUNK = 16  # lines searched together: their beams share the engine's steps
+
+
+def line_prompt(llm: LLM, line: BatchLine) -> tuple[Prompt, bool]:
+    """A line's prompt (a conversation through the chat template) and whether its tokenizing
+    adds special tokens (not to chat text: the template has put them in)."""
+    if line.messages is not None:
+        return llm.apply_chat_template(line.messages, line.template_kwargs), False
+    return line.prompt if line.prompt is not None else list(line.prompt_token_ids or []), True
+
+
+def search_lines(
+    llm: LLM,
+    lines: list[BatchLine],
+    width: int,
+    done: Callable[[BatchLine, dict[str, Any]], None],
+    fail: Callable[[BatchLine], None],
+) -> None:
+    """Search every line (its max_tokens and ignore_eos; other sampling fields do not apply to
+    beam search), grouping lines alike in those; `done` gets each line's record, `fail` each
+    line whose prompt cannot run (its error set)."""
+    groups: dict[tuple[int, bool], list[tuple[BatchLine, list[int]]]] = {}
+    for line in lines:
+        params = line.params or SamplingParams()
+        try:
+            prompt, special = line_prompt(llm, line)
+            ids = prompt_token_ids(prompt, llm.tokenizer, special)
+            llm.validator.check(ids, SamplingParams(max_tokens=params.max_tokens))
+        except ValueError as err:
+            line.error = f"line {line.line_no}: {err}"
+            fail(line)
+            continue
+        max_tokens = llm.validator.room(ids, params.max_tokens)
+        groups.setdefault((max_tokens, params.ignore_eos), []).append((line, ids))
+    for (max_tokens, ignore_eos), group in groups.items():
+        beams = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        for first in range(0, len(group), BEAM_CHUNK):
+            chunk = group[first : first + BEAM_CHUNK]
+            outs = llm.beam_search([ids for _, ids in chunk], beams)
+            for (line, _), out in zip(chunk, outs, strict=True):
+                done(line, beam_record(line, out))
+
+
+def beam_record(line: BatchLine, out: BeamSearchOutput) -> dict[str, Any]:
+    """The line's record: its best answer's fields flat, every answer under "beams"."""
+    beams = [
+        {
+            "text": seq.text,
+            "token_ids": seq.token_ids,
+            "finish_reason": seq.finish_reason,
+            "cumulative_logprob": seq.cumulative_logprob,
+            "score": seq.score,
+        }
+        for seq in out.sequences
+    ]
+    return {
+        "id": line.request_id,
+        "line": line.line_no,
+        "prompt_tokens": len(out.prompt_token_ids),
+        **beams[0],
+        "beams": beams,
+    }

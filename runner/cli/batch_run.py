@@ -1,0 +1,210 @@
+"""`kvcache generate`: a batch file in, one JSONL record per request out, as they finish."""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from runner.cli.batch_beams import line_prompt, search_lines
+from runner.cli.batch_file import BatchLine, ResultWriter, parse_line, read_lines
+from runner.engine.llm import LLM
+from runner.engine.outputs import RequestOutput
+
+
+class BatchRun:
+    """Feeds every good line to one LLM; a bad line becomes an error record and the run goes on."""
+
+    def __init__(
+        self,
+        model: str | None,
+        engine_options: dict[str, Any],
+        defaults: dict[str, Any],
+        beam_width: int | None = None,
+    ) -> None:
+        self.llm = LLM(model, **engine_options)
+        self.defaults = defaults
+        self.beam_width = beam_width  # beam search instead of sampling (runner/cli/batch_beams.py)
+        self.beam_lines: list[BatchLine] = []
+        self.num_errors = 0
+        self.num_done = 0
+        self.num_skipped = 0
+        self.output_tokens = 0
+        self.num_queued = 0
+
+    def execute(self, input_path: str, output: Path | None, resume: bool) -> int:
+        """Returns the exit code: 0 when every line ran, 1 when some failed, 130 on Ctrl-C."""
+        start = time.perf_counter()
+        writer: ResultWriter | PrintWriter = (
+            ResultWriter(output, resume) if output is not None else PrintWriter()
+        )
+        line_of: dict[str, int] = {}
+        given_ids: set[str] = set()  # ids written in the file, not taken from line numbers
+        with ExitStack() as stack:
+            stack.callback(writer.close)
+            try:
+                stream = self._open(input_path, stack)
+            except OSError as err:
+                print(f"error: cannot read {input_path}: {err}", file=sys.stderr)
+                return 2
+            is_text = input_path.endswith(".txt")
+            for line_no, text, error in read_lines(stream, is_text):
+                if text is None:
+                    self._fail(writer, BatchLine(line_no, str(line_no), error=error))
+                    continue
+                line = parse_line(line_no, text, self.defaults, is_text)
+                if line.request_id in writer.done_ids:
+                    self.num_skipped += 1
+                    continue
+                if line.error is None and line.request_id in line_of:
+                    line.error = self._repeat_error(line, line_of[line.request_id], given_ids)
+                if line.error is not None:
+                    self._fail(writer, line)
+                    continue
+                line_of[line.request_id] = line_no
+                if line.id_given:
+                    given_ids.add(line.request_id)
+                if self.beam_width:
+                    self.beam_lines.append(line)
+                else:
+                    self._submit(writer, line)
+            total = len(self.beam_lines) or self.num_queued
+            bar = tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
+            stack.callback(bar.close)
+            try:
+                if self.beam_width:
+                    search_lines(
+                        self.llm,
+                        self.beam_lines,
+                        self.beam_width,
+                        lambda line, record: self._searched(writer, record, bar, start),
+                        lambda line: self._fail(writer, line),
+                    )
+                self.llm.run_until_done(lambda out: self._finish(writer, out, line_of, bar, start))
+            except KeyboardInterrupt:
+                bar.close()
+                where = f"written to {output}; rerun with --resume" if output else "printed"
+                print(f"\ninterrupted: {self.num_done} requests {where}", file=sys.stderr)
+                return 130
+        self._summary(output, time.perf_counter() - start)
+        return 1 if self.num_errors else 0
+
+    @staticmethod
+    def _open(input_path: str, stack: ExitStack) -> IO[bytes]:
+        if input_path == "-":
+            return sys.stdin.buffer
+        return stack.enter_context(Path(input_path).open("rb"))
+
+    def _submit(self, writer: ResultWriter | PrintWriter, line: BatchLine) -> None:
+        try:
+            prompt, special = line_prompt(self.llm, line)
+            self.llm.add_request(
+                prompt,
+                line.params,
+                request_id=line.request_id,
+                cache_salt=line.cache_salt,
+                add_special_tokens=special,
+            )
+            self.num_queued += 1
+        except ValueError as err:
+            line.error = f"line {line.line_no}: {err}"
+            self._fail(writer, line)
+
+    @staticmethod
+    def _repeat_error(line: BatchLine, first_line: int, given_ids: set[str]) -> str:
+        """Why a line's id clashes with an earlier line's, saying which side defaulted."""
+        message = f"line {line.line_no}: id {line.request_id!r} repeats line {first_line}"
+        if line.request_id not in given_ids:
+            return message + " (which has no id, so its line number is its id)"
+        if not line.id_given:
+            return message + " (this line has no id, so its line number is its id; give it one)"
+        return message
+
+    def _fail(self, writer: ResultWriter | PrintWriter, line: BatchLine) -> None:
+        self.num_errors += 1
+        writer.write({"id": line.request_id, "line": line.line_no, "error": line.error})
+        print(f"error: {line.error}", file=sys.stderr)
+
+    def _finish(
+        self,
+        writer: ResultWriter | PrintWriter,
+        out: RequestOutput,
+        line_of: dict[str, int],
+        bar: tqdm,
+        start: float,
+    ) -> None:
+        writer.write({**out.to_record(), "line": line_of[out.request_id]})
+        if out.error is not None:  # its engine step failed: an error, not a result
+            self.num_errors += 1
+            tqdm.write(f"error: line {line_of[out.request_id]}: {out.error}", file=sys.stderr)
+        else:
+            self.num_done += 1
+        self.output_tokens += sum(len(sample.token_ids) for sample in out.outputs)
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        bar.update(1)
+        bar.set_postfix(
+            tok_s=f"{self.output_tokens / elapsed:.1f}",
+            hit=f"{self.llm.block_manager.stats.hit_rate:.1%}",
+            refresh=False,
+        )
+
+    def _searched(
+        self, writer: ResultWriter | PrintWriter, record: dict[str, Any], bar: tqdm, start: float
+    ) -> None:
+        """A line's beam search is done: its record out, the counts and the bar on."""
+        writer.write(record)
+        self.num_done += 1
+        self.output_tokens += len(record["token_ids"])
+        bar.update(1)
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        bar.set_postfix(tok_s=f"{self.output_tokens / elapsed:.1f}", refresh=False)
+
+    def _summary(self, output: Path | None, elapsed: float) -> None:
+        s = self.llm.stats()
+        lines = [
+            f"done: {self.num_done} requests, {self.num_errors} errors"
+            + (f", {self.num_skipped} skipped (already in output)" if self.num_skipped else ""),
+            f"output tokens: {self.output_tokens} in {elapsed:.1f} s "
+            f"({self.output_tokens / max(elapsed, 1e-9):.1f} tok/s)",
+            f"prefix cache: {s['hit_tokens']}/{s['query_tokens']} prompt tokens hit "
+            f"({s['hit_rate']:.1%}; {s['copied_tokens']} copied from partial blocks), "
+            f"{s['evicted_blocks']} blocks evicted, "
+            f"{s['num_preemptions']} preemptions",
+            f"KV pool: {self.llm.kv.num_blocks} blocks of {self.llm.kv.block_size} tokens "
+            f"({self.llm.kv.num_slots:,} tokens of {self.llm.kv.dtype_name} keys and values)",
+        ]
+        if s["num_draft_tokens"]:
+            lines.append(
+                f"speculative: {s['num_accepted_tokens']}/{s['num_draft_tokens']} guessed tokens "
+                f"kept ({s['num_accepted_tokens'] / s['num_draft_tokens']:.1%})"
+            )
+        if output is not None:
+            lines.append(f"results: {output}")
+        print("\n".join(lines), file=sys.stderr)
+
+
+class PrintWriter:
+    """Without an output file: print each result as a readable line on stdout."""
+
+    done_ids: frozenset[str] = frozenset()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if "error" in record:
+            lines = [f"[{record['id']}] (error) {record['error']!r}"]
+        elif "outputs" in record:  # several samples: one line each
+            lines = [
+                f"[{record['id']}#{o['index']}] ({o['finish_reason']}) {o['text']!r}"
+                for o in record["outputs"]
+            ]
+        else:
+            lines = [f"[{record['id']}] ({record['finish_reason']}) {record['text']!r}"]
+        for line in lines:
+            tqdm.write(line, file=sys.stdout)  # not across the bar
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        pass

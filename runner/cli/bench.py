@@ -1,0 +1,157 @@
+"""`kvcache bench`: the command line of runner/bench/harness.py (its imports wait until it runs, so
+the other commands start without them)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.option(
+    "--workload",
+    default="shared_system_prompt",
+    show_default=True,
+    help="A data/ workload name or .jsonl file; 'core' runs the block-manager micro-bench.",
+)
+@click.option(
+    "--systems",
+    default="engine,engine-nocache,engine-static,hf-static,hf-cb",
+    show_default=True,
+    help="Comma-separated systems to run.",
+)
+@click.option("--model", default=None)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Override the workload's max_tokens.",
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=None, help="Use only the first N requests."
+)
+@click.option("--device", default="cpu", show_default=True)
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Token budget per step for the engine systems.",
+)
+@click.option(
+    "--max-num-seqs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Batch size cap for the engine systems and hf-static's batches.",
+)
+@click.option("--no-check", is_flag=True, help="Skip the unbatched transformers reference.")
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=None,
+    help="Sample in every system at this temperature (default: greedy, outputs checked).",
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="With --temperature: nucleus sampling in every system.",
+)
+@click.option(
+    "--n",
+    "samples",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --temperature: samples per prompt in every system.",
+)
+@click.option(
+    "--beam-width",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Beam search in every system (the engine's beam_search, transformers' num_beams).",
+)
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="KV block size for the engine systems (default 16).",
+)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def bench(
+    workload: str,
+    systems: str,
+    model: str | None,
+    max_tokens: int | None,
+    limit: int | None,
+    device: str,
+    max_num_batched_tokens: int | None,
+    max_num_seqs: int | None,
+    no_check: bool,
+    temperature: float | None,
+    top_p: float,
+    samples: int,
+    beam_width: int | None,
+    block_size: int | None,
+    json_path: str | None,
+) -> None:
+    """Run a workload through several systems in one process and print one table.
+
+    Systems: engine, engine-nocache, engine-static, engine-nochunk, engine-bf16, engine-int8,
+    engine-bf16dot, engine-bf16dot-kv16, engine-kv16, engine-spec, hf-static, hf-cb, hf-lookup."""
+    if workload == "core":
+        from kvcache.microbench import main as core_main
+
+        core_main()
+        return
+    from runner.bench.beams import NO_BEAMS
+    from runner.bench.harness import ENGINE_SYSTEMS, PEER_SYSTEMS, run_bench
+    from runner.bench.peers import Sampling
+    from runner.bench.workloads import workload_path
+
+    system_list = [s.strip() for s in systems.split(",") if s.strip()]
+    unknown = [s for s in system_list if s not in (*ENGINE_SYSTEMS, *PEER_SYSTEMS)]
+    if unknown:
+        raise click.UsageError(
+            f"unknown system(s) {', '.join(unknown)}; known: "
+            + ", ".join([*ENGINE_SYSTEMS, *PEER_SYSTEMS])
+        )
+    try:
+        workload_path(workload)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from err
+    if samples > 1 and temperature is None:
+        raise click.UsageError("--n above 1 needs --temperature: greedy samples are all alike")
+    if beam_width and (temperature is not None or set(NO_BEAMS) & set(system_list)):
+        raise click.UsageError(f"--beam-width is greedy, and {', '.join(NO_BEAMS)} search no beams")
+    if block_size is not None and block_size & (block_size - 1):
+        raise click.UsageError(f"--block-size must be a power of two, got {block_size}")
+
+    start = time.perf_counter()
+    result = run_bench(
+        workload=workload,
+        systems=system_list,
+        model=model,
+        max_tokens=max_tokens,
+        limit=limit,
+        device=device,
+        check=not no_check,
+        engine_options={
+            k: v
+            for k, v in (
+                ("max_num_batched_tokens", max_num_batched_tokens),
+                ("max_num_seqs", max_num_seqs),
+                ("block_size", block_size),
+            )
+            if v is not None
+        },
+        sampling=Sampling(temperature, top_p, samples) if temperature is not None else None,
+        beam_width=beam_width,
+    )
+    click.echo(result["table"])
+    if json_path:
+        Path(json_path).write_text(json.dumps(result["rows"], indent=2))
+    click.echo(f"bench took {time.perf_counter() - start:.1f} s", err=True)

@@ -1,0 +1,123 @@
+"""The engine's options on the command line: one decorator adds them to a click command, which
+then receives them as one dict of EngineConfig's keyword arguments, checked before the model
+loads (a wrong value costs nothing yet)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from runner.engine.config import CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig
+
+_OPTIONS = [
+    click.option("--block-size", type=int, default=16, show_default=True),
+    click.option("--no-prefix-cache", is_flag=True, help="Turn the prefix cache off."),
+    click.option(
+        "--batching",
+        type=click.Choice(["continuous", "static"]),
+        default="continuous",
+        show_default=True,
+    ),
+    click.option(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="Tokens one step may compute [default: 512 on the CPU, 2048 on a GPU].",
+    ),
+    click.option(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        show_default=True,
+        help="Sequences one step may run (samples and beams count one each).",
+    ),
+    click.option(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="Longest prompt plus answer [default: the model's context].",
+    ),
+    click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks."),
+    click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
+    click.option(
+        "--dtype",
+        type=click.Choice(["auto", *MODEL_DTYPES]),
+        default="auto",
+        show_default=True,
+        help="The weights' dtype; auto: float32 on the CPU, bfloat16 on a GPU.",
+    ),
+    click.option(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        show_default=True,
+        help="GPU: the share of the device's memory that the weights, activations and KV pool "
+        "may take; the pool gets what the others leave.",
+    ),
+    click.option(
+        "--enforce-eager",
+        is_flag=True,
+        help="GPU: run every step eagerly, without CUDA graphs (a faster start, slower steps).",
+    ),
+    click.option(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        show_default=True,
+        help="Requests check up to K guessed tokens each step (what an earlier request with "
+        "the same prefix went on with, or n-gram lookup in their own text): faster answers that "
+        "repeat earlier text, the same tokens.",
+    ),
+    click.option(
+        "--cpu-weight-dtype",
+        type=click.Choice(CPU_WEIGHT_DTYPES),
+        default="float32",
+        show_default=True,
+        help="CPU: store weight matrices as bfloat16 or int8 (a half or a quarter of the bytes a "
+        "decode step reads; the float32 model with its weights rounded so); bfloat16-dot also "
+        "rounds each product's inputs (AVX512-BF16: about twice the arithmetic speed).",
+    ),
+    click.option(
+        "--kv-cache-dtype",
+        type=click.Choice(KV_CACHE_DTYPES),
+        default="auto",
+        show_default=True,
+        help="float16: CPU, keys and values in half the bytes of a float32 model's (twice the "
+        "tokens in the pool, half the bytes a decode step reads for its contexts).",
+    ),
+]
+
+
+def engine_config_kwargs(values: dict[str, Any]) -> dict[str, Any]:
+    """The options' values as EngineConfig's keyword arguments, checked by EngineConfig itself;
+    a bad one is a usage error naming the option."""
+    kwargs = dict(values)
+    kwargs["enable_prefix_caching"] = not kwargs.pop("no_prefix_cache")
+    try:
+        EngineConfig(**kwargs)
+    except ValueError as err:
+        option = next((name for name in kwargs if str(err).startswith(name)), None)
+        hint = f"--{option.replace('_', '-')}" if option else None
+        raise click.BadParameter(str(err), param_hint=hint) from err
+    return kwargs
+
+
+def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the engine's options to `command`, which receives them as `engine_options`: a dict
+    of EngineConfig's keyword arguments, already checked. Put it below every other option
+    decorator: its options come last in --help."""
+
+    own = set(inspect.signature(command).parameters)  # the rest of kwargs are these options
+
+    @functools.wraps(command)
+    def with_engine_options(**kwargs: Any) -> Any:
+        values = {name: kwargs.pop(name) for name in list(kwargs) if name not in own}
+        return command(engine_options=engine_config_kwargs(values), **kwargs)
+
+    for option in reversed(_OPTIONS):
+        with_engine_options = option(with_engine_options)
+    return with_engine_options

@@ -1,0 +1,35 @@
+"""`kvcache report`: the summary of a run recorded with `kvcache generate --metrics`, and its
+HTML page (runner/report/summary.py, runner/report/html.py; imported when it runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("metrics_path", metavar="METRICS", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also write a self-contained HTML page with the schedule pictures.",
+)
+def report(metrics_path: str, html_path: str | None) -> None:
+    """Summarise a run recorded with `kvcache generate --metrics`."""
+    from runner.report.summary import format_summary, load_metrics
+
+    if html_path and not Path(html_path).resolve().parent.is_dir():
+        raise click.UsageError(f"--html: folder {Path(html_path).parent} does not exist")
+    try:
+        metrics = load_metrics(Path(metrics_path))
+    except ValueError as err:
+        raise click.ClickException(str(err)) from err
+    click.echo(format_summary(metrics))
+    if html_path:
+        from runner.report.html import write_html
+
+        write_html(metrics, Path(html_path))
+        click.echo(f"report page written to {html_path}")

@@ -1,0 +1,140 @@
+"""Engine configuration: one dataclass, validated once at construction."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+Batching = Literal["continuous", "static"]
+# What the CPU's packed products may store weights as (runner/backends/cpu/quant.py rounds to them);
+# "bfloat16-dot" also rounds each product's inputs to bfloat16 (AVX512-BF16 dot products).
+CPU_WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "bfloat16-dot")
+# Default tokens per step. On the CPU a step's time grows with its tokens, and prefill runs as
+# fast in chunks of 512 as of 2,048, so a prompt that arrives among running answers delays them
+# ~0.8 s a step instead of ~3 s (measured with kvcache bench, README). On a GPU a step of 2,048
+# tokens costs little more than one of 512, and fewer steps mean less host work.
+CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET = 512, 2048
+# What a model's weights may be loaded as (None or "auto": float32 on the CPU, bfloat16 on a
+# GPU).
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+# Where the engine runs: the CPU or one CUDA device (torch's spelling).
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+# What the KV cache may store: the model's dtype ("auto"), or float16 (half the bytes of float32).
+KV_CACHE_DTYPES = ("auto", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the scheduler and model runner need to know, checked in one place.
+
+    `num_kv_blocks` wins over `kv_cache_memory_bytes` when both are given; with neither the
+    pool is sized to hold `max_num_seqs` sequences of the model's full context.
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    batching: Batching = "continuous"
+    # Tokens one step may compute (decodes first, then prefill chunks); None: `token_budget`.
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 64
+    # The longest prompt plus answer a request may reach; None: the model's own context
+    # (max_position_embeddings). Less bounds each sequence's block table, the default KV pool
+    # and, on CUDA, the decode graphs' grid (one program per 512 tokens of it a sequence).
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str | None = None
+    enable_chunked_prefill: bool = True
+    # A waiting request older than this many steps is admitted before cache-aware reordering.
+    max_wait_steps: int = 64
+    enforce_eager: bool = False
+    # CPU only: pack float32 weights once (runner/backends/cpu/linear.py).
+    prepack_weights: bool = True
+    # CPU only: the C kernels of runner/backends/cpu/csrc (products on packed weights, attention,
+    # norms), built with the system compiler where they can be (runner/backends/cpu/loader.py); else
+    # oneDNN products and torch's attention.
+    cpu_kernels: bool = True
+    # CPU only: what the packed products store their weights as. "bfloat16" halves the bytes a
+    # decode step streams, "int8" (a scale per 32 weights) quarters them (the C kernels widen
+    # each weight to float32 as they read it; activations, norms and the KV cache stay
+    # float32): the model is then the float32 model with every weight matrix rounded so,
+    # embeddings included (runner/backends/cpu/quant.py). "bfloat16-dot" stores bfloat16 weights and
+    # rounds each product's input rows to bfloat16 too, summing exact products in float32
+    # (twice the multiply-adds per instruction; needs AVX512-BF16 and the C kernels).
+    cpu_weight_dtype: str = "float32"
+    # The KV cache's dtype: "auto" is the model's; "float16" stores a float32 model's keys and
+    # values in half the bytes (rounded as they are stored; attention reads them widened, so
+    # it is the float32 model attending to rounded K/V): twice the tokens in the same memory,
+    # and half the bytes a decode step reads for its contexts. llama.cpp's default.
+    kv_cache_dtype: str = "auto"
+    # Keep every step's row and every finished request's timings for `LLM.metrics()` and
+    # `kvcache report`: about 120 bytes per generated token, so a long-lived engine that needs
+    # no report turns it off to keep its memory flat.
+    record_metrics: bool = True
+    # Speculative decoding by n-gram lookup (runner/engine/speculative.py): up to this many guessed
+    # tokens checked after a plain greedy request's newest one each step; 0 turns it off.
+    speculative_tokens: int = 0
+
+    @property
+    def token_budget(self) -> int:
+        """max_num_batched_tokens, or the device's default when it is None."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return CPU_TOKEN_BUDGET if str(self.device).startswith("cpu") else GPU_TOKEN_BUDGET
+
+    def __post_init__(self) -> None:
+        if not DEVICE_PATTERN.fullmatch(str(self.device)):  # a torch.device passes as its name
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.dtype == "auto":  # vLLM's name for the default
+            object.__setattr__(self, "dtype", None)
+        if self.dtype is not None and self.dtype not in MODEL_DTYPES:
+            raise ValueError(
+                f"dtype must be one of {MODEL_DTYPES}, 'auto' or None, got {self.dtype!r}"
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.attention_backend not in (None, "torch", "cpu", "triton"):
+            raise ValueError(
+                "attention_backend must be 'torch', 'cpu' or 'triton', "
+                f"got {self.attention_backend!r}"
+            )
+        if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
+            raise ValueError(
+                f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, "
+                f"got {self.cpu_weight_dtype!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.max_wait_steps < 0:
+            raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")
+        if not 0 <= self.speculative_tokens <= 16:
+            raise ValueError(
+                f"speculative_tokens must be in [0, 16], got {self.speculative_tokens}"
+            )

@@ -1,0 +1,293 @@
+"""The engine loop: add and abort requests, step the scheduler, model and sampler, report.
+
+`LLM` (runner/engine/llm.py) adds the batch calls on top: generate, chat, stream."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import torch
+
+from kvcache import block_hashes, namespace_root
+from runner.engine.config import EngineConfig
+from runner.engine.interrupts import interrupts_held
+from runner.engine.live_requests import LiveRequests
+from runner.engine.metrics import MetricsRecorder
+from runner.engine.output_routing import OutputRouter
+from runner.engine.outputs import RequestOutput
+from runner.engine.requests import Prompt, RequestValidator, prompt_token_ids
+from runner.engine.sample_groups import sample_params, sample_request_id
+from runner.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from runner.engine.sequence import SeqStatus, Sequence
+from runner.engine.setup import build_engine_parts
+from runner.engine.speculative import SpecStats, step_tokens
+from runner.engine.step_clock import StepClock, StepTiming
+from runner.engine.stopping import StopChecker
+from runner.model.loader import generation_eos_ids
+from runner.sampling.logit_rules import bad_word_ids
+from runner.sampling.logprobs import TokenLogprobs
+from runner.sampling.params import SamplingParams
+from runner.sampling.sampler import request_generator
+from runner.sampling.structured_outputs import GrammarBook
+
+
+class Engine:
+    """Requests, one step at a time, over a prefix cache that persists across requests."""
+
+    def __init__(self, model: str | None = None, *, seed: int = 0, **options: Any) -> None:
+        self.config = EngineConfig(model=model, **options)
+        parts = build_engine_parts(self.config)
+        loaded = parts.loaded
+        self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.config
+        self.fingerprint = loaded.fingerprint
+        self.model_path = loaded.path
+        self.device = parts.device
+        self.max_model_len = parts.max_model_len
+        self.kv, self.block_manager, self.runner = parts.kv, parts.block_manager, parts.runner
+        self.scheduler = Scheduler(
+            self.config, self.block_manager, self.max_model_len, self.kv.copy_slots
+        )
+        self.stopper = StopChecker(
+            self.hf_config, self.tokenizer, self.max_model_len, generation_eos_ids(self.model_path)
+        )
+        self.eos_ids = self.stopper.eos_ids
+        self.grammars = GrammarBook(self.tokenizer, int(self.hf_config.vocab_size), self.eos_ids)
+        self.validator = RequestValidator(
+            vocab_size=int(self.hf_config.vocab_size),
+            max_model_len=self.max_model_len,
+            pool_tokens=self.block_manager.num_blocks * self.config.block_size,
+            block_size=self.config.block_size,
+            has_tokenizer=self.tokenizer is not None,
+            eos_ids=frozenset(self.eos_ids),
+        )
+        self.recorder = MetricsRecorder(record=self.config.record_metrics)
+        self.clock = StepClock(self.model, on_cpu=self.device.type == "cpu")
+        self._seq_ids = itertools.count()
+        self._rng = torch.Generator().manual_seed(seed)  # seeds requests' streams (CPU)
+        self._roots: dict[str | None, int] = {}
+        self._requests = LiveRequests()  # queued or running requests by id, and sample groups
+        self._outputs = OutputRouter()  # finished outputs waiting for the caller they belong to
+        self.spec_stats = SpecStats()  # drafted and accepted tokens (runner/engine/speculative.py)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> Sequence:
+        """Validate and queue one request; raises ValueError naming the problem. Returns its
+        sequence; with params.n > 1 it queues n (request ids "<id>#<j>", see `samples_of`),
+        returns sample 0's, and `step` hands back one RequestOutput once all have finished."""
+        params = params if params is not None else SamplingParams()
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if request_id is not None and self._taken(request_id):
+            raise ValueError(f"request id {request_id!r} is already running")
+        token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
+        token_ids, params = self.validator.fit(token_ids, params)
+        self.grammars.check(params.structured_outputs)  # a bad structure fails here, alone
+        bad_words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
+        text = prompt if isinstance(prompt, str) else None
+        root = self._root(cache_salt)
+        first = block_hashes(token_ids[: self.config.block_size], self.config.block_size, root)
+        prefix_key = f"{first[0]:016x}" if first else ""
+        seq_id = next(self._seq_ids)
+        while request_id is None and self._ids_taken(str(seq_id), params.n):
+            seq_id = next(self._seq_ids)  # a given id took this number: the next one is free
+        rid = request_id if request_id is not None else str(seq_id)
+        if params.n > 1:
+            taken = [i for i in self._ids_taken(rid, params.n) if i != rid]
+            if taken:
+                raise ValueError(
+                    f"request id {taken[0]!r} (a sample of {rid!r}) is already running"
+                )
+        seqs = []
+        with interrupts_held():  # the request is queued whole (every sample) or not at all
+            if params.n > 1:
+                self._requests.add_group(rid, params.n)
+            for j in range(params.n):
+                own = sample_params(params, j) if params.n > 1 else params
+                seq = Sequence(
+                    seq_id=seq_id if j == 0 else next(self._seq_ids),
+                    request_id=sample_request_id(rid, j) if params.n > 1 else rid,
+                    prompt_token_ids=token_ids,
+                    params=own,
+                    root=root,
+                    generator=request_generator(own, self._rng),
+                    prompt_text=text,
+                    group=rid if params.n > 1 else None,
+                    sample_index=j,
+                    grammar=self.grammars.state_for(own.structured_outputs),
+                    bad_words=bad_words,
+                )
+                self.recorder.add_request(seq, prefix_key)
+                self.scheduler.add(seq)
+                self._requests.add(seq)
+                seqs.append(seq)
+        return seqs[0]
+
+    def _taken(self, request_id: str) -> bool:
+        """Whether an id is in use: queued, running, finished with its output not yet handed
+        back, or one of a running `generate`'s or stream's."""
+        return request_id in self._requests or self._outputs.holds(request_id)
+
+    def _ids_taken(self, request_id: str, n: int) -> list[str]:
+        """The ids in use among a request's and, with n > 1, its samples' ("<id>#<j>")."""
+        ids = [request_id] + [sample_request_id(request_id, j) for j in range(n) if n > 1]
+        return [i for i in ids if self._taken(i)]
+
+    def samples_of(self, request_id: str) -> list[Sequence]:
+        """The live sequences of a request: its one, or those of its samples still running."""
+        return self._requests.samples_of(request_id)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a queued or running request (every sample of it) and free its blocks; returns
+        what it generated so far (finish_reason "abort"), its output if it finished but was
+        not handed back yet, or None when there is no such request."""
+        kept = self._outputs.take({request_id})
+        if kept:  # it finished already: its output is all there is, and no one else gets it
+            return kept[0]
+        result = None
+        with interrupts_held():  # a half-done abort would leave blocks held by no one
+            for seq in self.samples_of(request_id):
+                seq.finish_time = time.perf_counter()
+                result = self._drop(seq, "abort")  # the last one's is the whole request's
+        return result
+
+    def _drop(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput | None:
+        """End a queued or running sequence outside a normal finish (an abort, a failed step):
+        free its blocks wherever it is, mark it finished for `reason`, and forget it."""
+        self.scheduler.abort(seq)
+        seq.finish_reason, seq.status = reason, SeqStatus.FINISHED
+        output = self._output(seq)
+        output.error = error
+        self.recorder.on_finish(seq)  # its report row says why, like its output
+        return self._requests.finish(seq, output)
+
+    def _root(self, cache_salt: str | None) -> int:
+        if cache_salt not in self._roots:
+            self._roots[cache_salt] = namespace_root(self.fingerprint, cache_salt)
+        return self._roots[cache_salt]
+
+    def has_unfinished(self) -> bool:
+        """Whether a request is queued or running, or has finished with its output waiting
+        for `step` (not counting outputs a running `generate` or stream waits for)."""
+        return self._outputs.any_for_step() or self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that finished in it, and any that
+        finished while `generate` or `stream` ran the engine for requests of their own."""
+        self._step()
+        return self._outputs.for_step()
+
+    def reserve_outputs(self, request_ids: set[str]) -> None:
+        """Hand these requests' outputs only to `step_for` (a `generate` or a stream that
+        queued them waits for them), never to `step`."""
+        self._outputs.reserve(request_ids)
+
+    def release_outputs(self, request_ids: set[str]) -> None:
+        """End `reserve_outputs` for these requests: aborted what still runs, dropped what
+        waits (the caller that reserved them is gone)."""
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        self._outputs.unreserve(request_ids)
+
+    def step_for(self, request_ids: set[str]) -> list[RequestOutput]:
+        """Those of `request_ids` that finished since the last call: kept from another
+        caller's step, or, if none was kept and any of them is still running, in one engine
+        step run now. Other requests' outputs are kept for the next `step` or `step_for` that
+        asks for them, never lost."""
+        mine = self._outputs.take(request_ids)
+        if mine or not any(self.samples_of(rid) for rid in request_ids):
+            return mine
+        self._step()
+        return self._outputs.take(request_ids)
+
+    @property
+    def kept(self) -> set[str]:
+        """Ids of finished requests whose outputs wait for the `step` or `step_for` that asks."""
+        return self._outputs.waiting_ids()
+
+    def _step(self) -> None:
+        """One engine step. Its bookkeeping runs with Ctrl-C held (runner/engine/interrupts.py): an
+        interrupt lands before the step's requests are scheduled, during the model's forward
+        pass (which nothing has counted on yet), or once every request that finished in the
+        step has its output with the router, never between."""
+        t_start = time.perf_counter()
+        with interrupts_held():
+            out = self.scheduler.schedule()
+        sampling = [item for item in out.scheduled if item.sample]
+        emitted: list[list[int]] = []
+        logprobs: list[TokenLogprobs | None] = []
+        timing: StepTiming | None = None
+        if not out.is_empty:
+            try:
+                self.clock.start()
+                logits = self.runner.run(out.scheduled)
+                timing = self.clock.stop()
+                samplers, drafts = [i.seq for i in sampling], [i.draft for i in sampling]
+                emitted, logprobs = step_tokens(logits, samplers, drafts, self.eos_ids)
+            except Exception as err:  # noqa: BLE001 - one step's failure must not wedge the engine
+                with interrupts_held():
+                    self._fail_step(out, err)
+                return
+        with interrupts_held():
+            self._settle(out, sampling, emitted, logprobs, t_start, timing)
+
+    def _settle(
+        self,
+        out: SchedulerOutput,
+        sampling: list[ScheduledSeq],
+        emitted: list[list[int]],
+        logprobs: list[TokenLogprobs | None],
+        t_start: float,
+        timing: StepTiming | None,
+    ) -> None:
+        """After the model ran: record the step's new tokens (a drafted sequence's one at a
+        time, up to the first that ends it), cache the blocks they filled, finish the requests
+        they end (each output to the router as its request is forgotten), record the step."""
+        now = time.perf_counter()
+        seqs = [item.seq for item in sampling]
+        finishing = self.stopper.record_tokens(seqs, emitted, logprobs, now)
+        for item, tokens in zip(sampling, emitted, strict=True):
+            if item.draft:  # computed and kept: the newest token, then the accepted guesses
+                item.num_new_tokens = len(tokens)
+                self.spec_stats.update(drafted=len(item.draft), accepted=len(tokens) - 1)
+        self.scheduler.commit(out)
+        done: list[Sequence] = []
+        for seq, reason in finishing:
+            seq.finish_time = now
+            self.scheduler.finish(seq, reason)
+            done.append(seq)
+            self._outputs.keep(self._requests.finish(seq, self._output(seq)))
+        self.recorder.on_step(
+            self.scheduler.step_count,
+            out,
+            self.scheduler.held,
+            t_start,
+            time.perf_counter() - t_start,
+            self.block_manager.stats,
+            timing,
+        )
+        for seq in done:  # after on_step, which still shows them in this step's states
+            self.recorder.on_finish(seq)
+
+    def _fail_step(self, out: SchedulerOutput, err: Exception) -> None:
+        """The model or sampler raised: drop this step's requests (freeing their blocks) and
+        hand them back as errors, so the rest of the queue goes on."""
+        self.recorder.note_preempted(out.preempted)  # they wait, and show as preempted
+        error = f"{type(err).__name__}: {err}"
+        for item in out.scheduled:
+            self._outputs.keep(self._drop(item.seq, "error", error))
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput.of(
+            seq, self.stopper.output_text(seq), self.recorder.request_record(seq)
+        )

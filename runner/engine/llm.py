@@ -1,0 +1,246 @@
+"""LLM: the user-facing engine. Batch calls (generate, chat, stream) over the engine loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from runner.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from runner.engine.core import Engine
+from runner.engine.frozen_heap import frozen_heap
+from runner.engine.outputs import RequestOutput
+from runner.engine.prefix_cache_file import cache_identity, load_prefix_cache, save_prefix_cache
+from runner.engine.requests import (
+    Messages,
+    Prompt,
+    conversation_batch,
+    params_per_prompt,
+    prompt_batch,
+    prompt_token_ids,
+    render_chat,
+)
+from runner.engine.sequence import Sequence, request_id_of
+from runner.engine.streaming import StreamDelta, stream_requests
+from runner.sampling.params import SamplingParams
+
+
+class LLM(Engine):
+    """Generation with a prefix cache that persists across calls of one instance."""
+
+    def generate(
+        self,
+        prompts: Seq[Prompt] | Prompt,
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in input order."""
+        batch = prompt_batch(prompts)
+        return self._generate_all(batch, params, use_tqdm, cache_salt, chat=False)
+
+    def chat(
+        self,
+        conversations: Seq[Messages] | Messages,
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template (with `chat_template_kwargs`, such as Qwen3's
+        `enable_thinking`) to each conversation, then generate."""
+        texts = self._chat_texts(conversations, chat_template_kwargs)
+        return self._generate_all(texts, params, use_tqdm, cache_salt, chat=True)
+
+    def stream(
+        self,
+        prompts: Seq[Prompt] | Prompt,
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> Iterator[StreamDelta]:
+        """Like `generate`, but yield each request's new tokens and text after every step
+        (runner/engine/streaming.py); a sample's deltas add up to its final text exactly, and a
+        request's last delta carries its RequestOutput. The requests are queued when the
+        iteration starts (a bad prompt raises there); leaving the loop early aborts the rest."""
+        batch = prompt_batch(prompts)
+        return stream_requests(self, lambda: self._queue_all(batch, params, cache_salt))
+
+    def stream_chat(
+        self,
+        conversations: Seq[Messages] | Messages,
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> Iterator[StreamDelta]:
+        """`stream` over conversations, with the model's chat template applied."""
+        texts = self._chat_texts(conversations, chat_template_kwargs)
+        return stream_requests(self, lambda: self._queue_all(texts, params, cache_salt, True))
+
+    def beam_search(
+        self, prompts: Seq[Prompt] | Prompt, params: BeamSearchParams | None = None
+    ) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best answers to each prompt (text or token ids) by beam
+        search, as transformers' `generate(num_beams=...)` finds them
+        (runner/engine/beam_search.py); outputs come back in input order, each with its answers
+        best first."""
+        params = params if params is not None else BeamSearchParams()
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        params.validate()  # it may have been changed since it was made
+        whole = SamplingParams(max_tokens=params.max_tokens)  # a beam must fit the pool alone
+        token_ids = []
+        for i, prompt in enumerate(prompt_batch(prompts)):
+            try:
+                token_ids.append(prompt_token_ids(prompt, self.tokenizer, add_special_tokens=True))
+                self.validator.check(token_ids[-1], whole)
+            except ValueError as err:
+                raise ValueError(f"prompt {i}: {err}") from err
+        with frozen_heap():
+            return beam_search(self, token_ids, params)
+
+    def apply_chat_template(
+        self, messages: Messages, chat_template_kwargs: dict[str, Any] | None = None
+    ) -> str:
+        """One conversation's prompt text, through the model's chat template."""
+        return render_chat(self.tokenizer, messages, chat_template_kwargs)
+
+    def _chat_texts(
+        self, conversations: Seq[Messages] | Messages, template_kwargs: dict[str, Any] | None
+    ) -> list[Prompt]:
+        return [
+            self.apply_chat_template(list(c), template_kwargs)
+            for c in conversation_batch(conversations)
+        ]
+
+    def _generate_all(
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None,
+        use_tqdm: bool,
+        cache_salt: str | None,
+        chat: bool,
+    ) -> list[RequestOutput]:
+        queued = self._queue_all(prompts, params, cache_salt, chat)
+        order = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        pending = set(order)
+        try:
+            self.reserve_outputs(set(order))
+            with (
+                frozen_heap(),
+                tqdm(total=len(prompts), disable=not use_tqdm, desc="generate") as bar,
+            ):
+                while pending:
+                    outputs = self.step_for(pending)
+                    if not outputs and not any(self.samples_of(r) for r in pending):
+                        missing = sorted(order[r] for r in pending)
+                        raise RuntimeError(f"engine stopped with prompts {missing} unfinished")
+                    for output in outputs:
+                        results[order[output.request_id]] = output
+                        pending.discard(output.request_id)
+                        bar.update(1)
+        finally:  # interrupted (Ctrl-C): what it queued must not run on, nor pile up outputs
+            self.release_outputs(set(order))
+        return [r for r in results if r is not None]
+
+    def run_until_done(
+        self, on_finish: Callable[[RequestOutput], None] | None = None
+    ) -> list[RequestOutput]:
+        """Step until nothing is queued, running or waiting for `step`; returns the outputs
+        in the order they finished, each also passed to `on_finish` as it comes."""
+        done: list[RequestOutput] = []
+        with frozen_heap():
+            while self.has_unfinished():
+                for output in self.step():
+                    done.append(output)
+                    if on_finish is not None:
+                        on_finish(output)
+        return done
+
+    def _queue_all(
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None,
+        cache_salt: str | None,
+        chat: bool = False,
+    ) -> list[list[Sequence]]:
+        """Add one request per prompt, in order; returns each one's samples. Everything is
+        validated before anything runs, and a bad prompt takes the ones queued before it back
+        out: no orphans."""
+        param_list = params_per_prompt(params, len(prompts))
+        queued: list[list[Sequence]] = []
+        try:
+            for prompt, p in zip(prompts, param_list, strict=True):
+                seq = self.add_request(
+                    prompt, p, cache_salt=cache_salt, add_special_tokens=not chat
+                )
+                queued.append(self.samples_of(request_id_of(seq)))
+        except BaseException as err:  # Ctrl-C too: nothing queued may be left to run unseen
+            for samples in queued:
+                self.abort_request(request_id_of(samples[0]))
+            if isinstance(err, ValueError):
+                raise ValueError(f"prompt {len(queued)}: {err}") from err
+            raise
+        return queued
+
+    # ------------------------------------------------------------------ reports
+    def stats(self) -> dict[str, Any]:
+        """The cache's counters and the pool's state now (see CacheStats), with the hit rate
+        and the preemptions so far."""
+        stats = self.block_manager.stats
+        return {
+            **stats.as_dict(),
+            "hit_rate": stats.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_draft_tokens": self.spec_stats.num_draft_tokens,
+            "num_accepted_tokens": self.spec_stats.num_accepted_tokens,
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "block_size": self.config.block_size,
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        """Every recorded step and request with the run's settings: what `kvcache report`
+        reads. Raises ValueError for an engine made with record_metrics=False."""
+        if not self.recorder.record:
+            raise ValueError("this LLM records no metrics: create it with record_metrics=True")
+        header = {
+            "model": self.config.model or "SmolLM2-135M-Instruct (default)",
+            "batching": self.config.batching,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
+            "block_size": self.config.block_size,
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "max_num_batched_tokens": self.config.token_budget,
+            "cpu_weight_dtype": self.config.cpu_weight_dtype,
+            "kv_cache_dtype": self.kv.dtype_name,
+            "speculative_tokens": self.config.speculative_tokens,
+            "num_draft_tokens": self.spec_stats.num_draft_tokens,
+            "num_accepted_tokens": self.spec_stats.num_accepted_tokens,
+        }
+        return self.recorder.to_dict(
+            header, self.block_manager.stats, self.scheduler.num_preemptions
+        )
+
+    # ------------------------------------------------------------------ warm starts
+    def save_prefix_cache(self, path: str | Path) -> int:
+        """Write the prefix cache (every cached block, its tokens and its K/V) to one file, for
+        `load_prefix_cache` in a later engine of the same model; returns the blocks saved."""
+        identity = self._cache_identity()
+        return save_prefix_cache(self.block_manager, self.kv, identity, Path(path))
+
+    def load_prefix_cache(self, path: str | Path) -> int:
+        """Load a file written by `save_prefix_cache`: its prefixes are then cached here, as if
+        this engine had computed them. Returns the blocks loaded (fewer than saved when the
+        pool fills up). Raises ValueError for a file saved for another model, weight rounding,
+        block size or K/V layout, or one that is damaged; nothing is loaded then."""
+        identity, request_id = self._cache_identity(), next(self._seq_ids)
+        return load_prefix_cache(self.block_manager, self.kv, identity, Path(path), request_id)
+
+    def _cache_identity(self) -> dict[str, str]:
+        return cache_identity(self.kv, self.fingerprint, self.config.cpu_weight_dtype)

@@ -1,0 +1,278 @@
+"""Continuous (and static) batching over a per-step token budget, with chunked prefill,
+preemption by recompute, cache-aware admission (runner/engine/admission.py) and speculative drafts
+for decoding sequences (runner/engine/speculative.py)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvcache import BlockManager
+from runner.engine.admission import Admission
+from runner.engine.config import EngineConfig
+from runner.engine.sequence import SeqStatus, Sequence
+from runner.engine.speculative import draft_for
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    # True when this chunk ends at the sequence's newest token: its logits pick the next token.
+    sample: bool
+    # K/V positions [start, start + num_new_tokens) are computed this step. For a drafted
+    # item the engine then sets num_new_tokens to what it kept (the newest token and the
+    # accepted guesses), so `commit` caches only positions whose tokens were output.
+    start: int = 0
+    # Guessed tokens fed after a decoding sequence's newest one (runner/engine/speculative.py): the
+    # step computes 1 + len(draft) positions, and the engine keeps those the model agrees with.
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def decodes(self) -> bool:
+        return self.sample and (bool(self.draft) or self.num_new_tokens == 1)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if not s.decodes)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Decode positions computed, drafts included."""
+        return sum(1 + len(s.draft) for s in self.scheduled if s.decodes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting and running queues; the block manager owns the blocks.
+
+    Continuous mode per step: running decodes first (preempting the most recently admitted
+    sequence when blocks run out), then running chunked prefills, then new admissions, all under
+    `max_num_batched_tokens`. Static mode admits a batch only when the last one is done, and a
+    finished member holds its slot until every member finishes.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        copy_slots: Callable[[int, int, int], None],
+    ) -> None:
+        self.config = config
+        self.bm = block_manager
+        # Runs an Allocation's SlotCopy (src, dst, tokens) on the KV store, at once: the source
+        # block may be handed out again by a later admission of the same step.
+        self.copy_slots = copy_slots
+        self.admission = Admission(config, block_manager)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is preempted first
+        self.held: list[Sequence] = []  # static mode: finished but still in the batch
+        self.step_count = 0
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- queue bookkeeping
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_step = seq.wait_since_step = self.step_count
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a finished sequence out of the batch; its full blocks stay cached."""
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        if self.config.batching == "static":
+            self.held.append(seq)
+            self._release_held()
+        else:
+            self._free(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request that failed or was aborted: free its blocks wherever it is."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+            self._free(seq)
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """Once no member of a static batch runs (whether the last one finished, failed, was
+        aborted or preempted), the finished members held in it give back their blocks, and the
+        next batch can be admitted. Nothing is ever held in continuous mode."""
+        if not self.running:
+            for done in self.held:
+                self._free(done)
+            self.held.clear()
+
+    def _free(self, seq: Sequence) -> None:
+        """Give back a sequence's blocks, telling the block manager what its computed slots
+        hold, so that its partial last block can stay cached as a tail."""
+        self.bm.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free a running sequence's blocks and queue it first for re-admission.
+
+        Its committed full blocks stay in the tree, so re-admission mostly hits the cache."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.wait_since_step = self.step_count
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        out.scheduled = [item for item in out.scheduled if item.seq is not seq]
+        self._release_held()  # or a static batch's finished members would hold the pool for good
+
+    # ----------------------------------------------------------------- the step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self.step_count += 1
+        if self.config.batching == "static":
+            self._schedule_static(out)
+            if out.is_empty and self.waiting and not self.running and not self.held:
+                self._schedule_static(out)  # a preemption released the batch: the next one
+        else:
+            self._schedule_continuous(out)
+        if out.is_empty and self.waiting and not self.running:
+            # Every block is free or evictable now, so the head of the queue can never run.
+            raise RuntimeError(
+                f"request {self.waiting[0].request_id!r} does not fit in an empty KV pool of "
+                f"{self.bm.num_blocks} blocks"
+            )
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """After the model ran: advance progress and cache every block that just filled."""
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    def _schedule_continuous(self, out: SchedulerOutput) -> None:
+        budget = self.config.token_budget
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for seq in self.running:
+            (prefilling if seq.in_prefill else decoding).append(seq)
+        for seq in decoding:
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if self._reserve_decode_slot(seq, out):
+                out.scheduled.append(ScheduledSeq(seq, 1, True, seq.num_computed_tokens))
+                budget -= 1
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            if seq.status is SeqStatus.RUNNING:  # not preempted by a decode above
+                budget -= self._schedule_prefill_chunk(seq, budget, out)
+        inflight: set[int] | None = None  # built only when something can be admitted
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
+            if inflight is None:
+                inflight = self.admission.inflight_hashes(self.running)
+            chosen = self.admission.pick(self.waiting, inflight, self.step_count)
+            if chosen is None or not self.bm.can_allocate(
+                chosen.token_ids, chosen.root, reuse=chosen.reuses_cache
+            ):
+                break
+            self.waiting.remove(chosen)
+            self._admit(chosen, out)
+            budget -= self._schedule_prefill_chunk(chosen, budget, out)
+            inflight.update(self.admission.prompt_hashes(chosen))
+        self._add_drafts(out, budget)
+
+    def _schedule_static(self, out: SchedulerOutput) -> None:
+        if not self.running and not self.held:
+            reserved = 0
+            while self.waiting and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                # Reserve room for the whole answer: a static batch should never preempt.
+                total = min(seq.num_prompt_tokens + seq.max_tokens, self.max_model_len)
+                need = -(-total // self.bm.block_size)
+                if reserved + need > self.bm.num_available_blocks():
+                    break
+                reserved += need
+                self._admit(self.waiting.popleft(), out)
+        budget = self.config.token_budget
+        prefilling = [s for s in self.running if s.in_prefill]
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            budget -= self._schedule_prefill_chunk(seq, budget, out)
+        if prefilling:
+            return  # a padded batch decodes only once every member has its prompt in
+        for seq in self.running:
+            if self._reserve_decode_slot(seq, out):
+                out.scheduled.append(ScheduledSeq(seq, 1, True, seq.num_computed_tokens))
+                budget -= 1
+        self._add_drafts(out, budget)
+
+    # ----------------------------------------------------------------- helpers
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Give the step's decoding sequences guessed tokens (runner/engine/speculative.py) out of
+        what the budget and the pool leave once every decode, prefill chunk and admission has
+        its share: a guess never delays or preempts another request (its blocks may evict
+        least recently used cached ones, like any growth)."""
+        for item in out.scheduled:
+            if budget <= 0 or not self.config.speculative_tokens:
+                return
+            if not item.decodes:
+                continue
+            seq = item.seq
+            k = min(self.config.speculative_tokens, budget)
+            draft = draft_for(seq, k, self.max_model_len, self.bm)
+            if draft:
+                self.bm.append_slots(seq.seq_id, seq.num_tokens + len(draft))
+                item.draft, item.num_new_tokens = draft, 1 + len(draft)
+                budget -= len(draft)
+
+    def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Make room for one more token, preempting the newest other sequences if needed."""
+        while not self.bm.grow(seq.seq_id, seq.num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_prefill_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Schedule the next chunk of a prefill; returns the tokens it takes from the budget."""
+        remaining = seq.num_uncomputed_tokens
+        size = min(remaining, budget) if self.config.enable_chunked_prefill else remaining
+        start = seq.num_computed_tokens
+        out.scheduled.append(ScheduledSeq(seq, size, size == remaining, start))
+        return size
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
+        alloc = self.bm.allocate(
+            seq.seq_id, seq.token_ids, seq.root, readmission=seq.admitted, reuse=seq.reuses_cache
+        )
+        if alloc.copy is not None:
+            self.copy_slots(*alloc.copy)
+        if not seq.admitted:
+            seq.num_cached_tokens = alloc.num_cached_tokens
+        seq.admitted = True
+        seq.num_computed_tokens = alloc.num_cached_tokens
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        out.admitted.append(seq)

@@ -1,0 +1,153 @@
+"""One request as the scheduler sees it: tokens, progress through the KV cache, timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runner.sampling.logprobs import TokenLogprobs
+from runner.sampling.params import SamplingParams
+from runner.sampling.penalties import TokenHistory
+from runner.sampling.structured_outputs import GrammarState
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # an entity: equal only to itself (value equality compared every field)
+class Sequence:
+    """A request's state. Invariant: tokens [0, num_computed_tokens) have K/V in the store.
+
+    `token_ids` is prompt + generated so far; the newest sampled token is not computed yet, so a
+    decoding sequence always has exactly one token to feed.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    root: int  # hash-chain root: model fingerprint + cache salt
+    generator: torch.Generator | None = None
+    prompt_text: str | None = None
+    group: str | None = None  # the request id of its SampleGroup, when SamplingParams.n > 1
+    sample_index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs
+    # When params.prompt_logprobs: per prompt position (None for the first), set by the runner
+    # as each chunk is computed (a recomputed chunk sets the same values again).
+    prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # cached tokens found at first admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_text_cut: int | None = None  # chars of the text kept when a stop string matched
+    arrival_time: float = field(default_factory=time.perf_counter)
+    arrival_step: int = 0
+    wait_since_step: int = 0
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    admitted: bool = False  # admitted at least once (later admissions are re-admissions)
+    # (num_tokens, full-block hashes of token_ids) as of that count; the scheduler's memo.
+    block_hash_cache: tuple[int, list[int]] | None = field(default=None, repr=False)
+    # (cache version, num_tokens, cached prefix length) as of that version and count.
+    cached_prefix_memo: tuple[int, int, int] | None = field(default=None, repr=False)
+    # Its token ids as tensors, made on the first step that penalizes it
+    # (runner/sampling/penalties.py).
+    token_history: TokenHistory | None = field(default=None, repr=False)
+    # Its place in params.structured_outputs' grammar, fed each token as it is recorded.
+    grammar: GrammarState | None = field(default=None, repr=False)
+    # params.bad_words as token sequences (runner/sampling/logit_rules.py), tokenized once when
+    # added.
+    bad_words: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    # prompt + output, kept in step by record_token: every step reads a decoding sequence's
+    # tokens a few times, and joining the two lists each time cost ~1 ms a step at 256 of them.
+    _tokens: list[int] = field(init=False, repr=False, compare=False)
+    _plain_logits: bool | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._tokens = self.prompt_token_ids + self.output_token_ids
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + generated so far. The sequence's own list: read it, never change it."""
+        return self._tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """params.max_tokens: a number once queued (add_request turns None into the room the
+        context leaves)."""
+        assert self.params.max_tokens is not None, "max_tokens is resolved when queued"
+        return self.params.max_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the single newest token is left to compute."""
+        return self.num_uncomputed_tokens > 1 or not self.output_token_ids
+
+    @property
+    def reuses_cache(self) -> bool:
+        """False for a prompt whose every position must be computed (its log-probabilities
+        were asked for): it is served nothing from the cache, though it still fills it."""
+        return self.params.prompt_logprobs is None
+
+    @property
+    def plain_logits(self) -> bool:
+        """Whether sampling takes the model's logits as they are: no grammar, logit rule,
+        penalty or log-probabilities, so a step of such sequences skips that machinery. Settled
+        when first asked (at a step), after add_request has set the grammar and bad words."""
+        if self._plain_logits is None:
+            p = self.params
+            self._plain_logits = not (
+                self.grammar is not None
+                or self.bad_words
+                or p.allowed_token_ids
+                or p.min_tokens
+                or p.bias_items
+                or p.penalized
+                or p.logprobs is not None
+            )
+        return self._plain_logits
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def record_token(
+        self, token_id: int, now: float, logprobs: TokenLogprobs | None = None
+    ) -> None:
+        self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+        self._tokens.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+
+
+def request_id_of(seq: Sequence) -> str:
+    """The id of the request a sequence belongs to: its own, or its sample group's."""
+    return seq.group if seq.group is not None else seq.request_id

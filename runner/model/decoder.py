@@ -1,0 +1,174 @@
+"""Llama-family decoder over flat (varlen) token batches: no padding, no batch dim.
+
+One class covers every architecture of runner/model/architectures.py; its layers are
+runner/model/decoder_layers.py's. Projections are fused (one Linear for q/k/v, one for gate/up) so a
+layer runs four matmuls; load_hf_state_dict() maps HF's separate tensors into the fused ones.
+K/V live in a KVStore and are read through paged_attention().
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcache.store import KVStore
+from runner.attention.paged import AttentionMetadata
+from runner.backends.cpu.linear import PackedLinear
+from runner.model.architectures import (
+    GEMMA_ARCHITECTURES,
+    POST_NORM_ARCHITECTURES,
+    resolve_architecture,
+)
+from runner.model.decoder_layers import Attention, DecoderLayer, PostNormLayer, SandwichNormLayer
+from runner.model.hf_weights import load_hf_weights
+from runner.model.layers import RMSNorm, rope_cos_sin
+
+if TYPE_CHECKING:
+    from runner.backends.cpu.layers import CpuLayers
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.architecture = resolve_architecture(config)
+        self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.max_position_embeddings = config.max_position_embeddings
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        gemma = self.architecture in GEMMA_ARCHITECTURES
+        # Granite: embeddings scaled up, logits scaled down (1 elsewhere). Gemma scales its
+        # embeddings by sqrt(hidden_size), rounded to the weights' dtype as transformers does.
+        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
+        if gemma:
+            self.embedding_multiplier = config.hidden_size**0.5
+        self.round_embedding_multiplier = gemma
+        self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
+        # cap * tanh(logits / cap) where the config sets a final soft cap (Gemma 2's 30).
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+        # "torch", "cpu" or "triton"; the engine may switch it after loading.
+        self.attention_backend = "torch"
+        # A step's layers in one C call, once the model is packed for the CPU kernels.
+        self.cpu_layers: CpuLayers | None = None
+        self.head_s = 0.0  # seconds in compute_logits so far
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layer_class = (
+            SandwichNormLayer
+            if gemma
+            else PostNormLayer
+            if self.architecture in POST_NORM_ARCHITECTURES
+            else DecoderLayer
+        )
+        self.layers = nn.ModuleList(
+            layer_class(config, self.architecture, i) for i in range(self.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma, 1.0 if gemma else 0.0)
+        self.lm_head: nn.Module | None = (
+            None
+            if self.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        attn: Attention = self.layers[0].self_attn  # type: ignore[assignment]
+        self.num_heads: int = attn.num_heads
+        self.num_kv_heads: int = attn.num_kv_heads
+        self.head_dim: int = attn.head_dim
+        self._qkv_sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        # Each layer's RoPE settings, as its attention reads them (None: rope_cos / rope_sin),
+        # and the tables of the layer types with settings of their own (Gemma 3's local layers).
+        attns: list[Attention] = [layer.self_attn for layer in self.layers]  # type: ignore[misc]
+        self.layer_rope_types = [a.rope_type for a in attns]
+        self.rope_by_type: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.embed_tokens.weight.device.type != "meta":
+            self.init_rope_cache()
+
+    def init_rope_cache(self) -> None:
+        """(Re)compute the cos/sin tables on the weights' device and dtype; call after
+        ``to_empty()`` (a meta-built model has no tables yet)."""
+        w = self.embed_tokens.weight
+        self.rope_cos, self.rope_sin = rope_cos_sin(
+            self.config, self.head_dim, self.max_position_embeddings, w.dtype, w.device
+        )
+        self.rope_by_type = {
+            kind: rope_cos_sin(
+                self.config, self.head_dim, self.max_position_embeddings, w.dtype, w.device, kind
+            )
+            for kind in {k for k in self.layer_rope_types if k is not None}
+        }
+
+    def keep_rope_positions(self, positions: int) -> None:
+        """Keep only the first `positions` rows of the RoPE tables: the engine's context, where
+        the model's positions may run far past it (Gemma 3 4B's two tables of 131,072 x 256
+        floats each hold 0.5 GB, of which an 8,192-token context reads 3%)."""
+        self.rope_cos = self.rope_cos[:positions].clone()
+        self.rope_sin = self.rope_sin[:positions].clone()
+        self.rope_by_type = {
+            kind: (cos[:positions].clone(), sin[:positions].clone())
+            for kind, (cos, sin) in self.rope_by_type.items()
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv: KVStore,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [T, H]; writes K/V of all T tokens."""
+        h = self.embed_tokens(input_ids)  # [T, H]
+        if self.round_embedding_multiplier:
+            h = h * torch.tensor(self.embedding_multiplier, dtype=h.dtype)
+        elif self.embedding_multiplier != 1.0:
+            h = h * self.embedding_multiplier
+        cos = self.rope_cos.index_select(0, positions)  # [T, D]
+        sin = self.rope_sin.index_select(0, positions)
+        by_type = {  # [T, D] each, per layer type with its own tables
+            kind: (c.index_select(0, positions), s.index_select(0, positions))
+            for kind, (c, s) in self.rope_by_type.items()
+        }
+        if self.cpu_layers is not None and self.cpu_layers.takes(kv, self.attention_backend):
+            h = self.cpu_layers.run(h, cos, sin, meta, kv, by_type)
+        else:
+            for i, layer in enumerate(self.layers):
+                k_cache, v_cache = kv.layer(i)
+                kind = self.layer_rope_types[i]
+                c, s = (cos, sin) if kind is None else by_type[kind]
+                h = layer(h, c, s, meta, k_cache, v_cache, self.attention_backend)
+        out: torch.Tensor = self.norm(h)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] (only the rows that need sampling) -> logits [N, vocab] float32. Its
+        wall time adds to `head_s` (runner/engine/step_clock.py; on a GPU only the launch)."""
+        start = time.perf_counter()
+        head = self.lm_head
+        logits = F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)
+        self.head_s += time.perf_counter() - start
+        logits = logits.float()
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        cap = self.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def num_matmul_params(self, include_head: bool = True) -> int:
+        """Weights that take part in a token's matrix products: the projections, and the head
+        unless `include_head` is False (a prompt runs it for its last token only)."""
+        total = sum(
+            m.in_features * m.out_features
+            for name, m in self.named_modules()
+            if isinstance(m, nn.Linear | PackedLinear) and name != "lm_head"
+        )
+        return total + (self.vocab_size * self.hidden_size if include_head else 0)
+
+    def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors into our (fused) parameters (runner/model/hf_weights.py)."""
+        load_hf_weights(self, state, self._qkv_sizes)
