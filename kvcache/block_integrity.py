@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from kvcache.block_cache import BlockCache
 from kvcache.radix_tree import Node, RadixTree
-
-if TYPE_CHECKING:
-    from kvcache.block_manager import _Request
+from kvcache.request_blocks import RequestBlocks
 
 
 def check_block_manager(
     cache: BlockCache,
-    requests: dict[int, _Request],
+    requests: dict[int, RequestBlocks],
     num_blocks: int,
     enable_prefix_caching: bool,
 ) -> None:
@@ -83,7 +80,7 @@ def check_block_manager(
         assert tree.node_of(offer.block_id) is None, f"request {rid} offers a tree block"
 
 
-def _check_chain(tree: RadixTree, rid: int, request: _Request) -> None:
+def _check_chain(tree: RadixTree, rid: int, request: RequestBlocks) -> None:
     assert len(request.chain) <= len(request.table), f"request {rid}: chain beyond table"
     pins = set(request.pins)
     parent: Node | None = None

@@ -22,13 +22,14 @@ Invariants kept here (checked by ``check_integrity``):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 from kvcache.block_cache import BlockCache, CachedBlock
 from kvcache.block_integrity import check_block_manager
 from kvcache.hashing import pack_tokens
 from kvcache.radix_tree import Node
+from kvcache.request_blocks import RequestBlocks
 from kvcache.stats import CacheStats
 from kvcache.tail_cache import Tail
 
@@ -51,19 +52,6 @@ class Allocation(NamedTuple):
     copy: SlotCopy | None = None  # the copy that makes the slots past the full blocks cached
 
 
-@dataclass(slots=True)
-class _Request:
-    root: int  # namespace root of the request's chain
-    table: list[int]  # block table, append-only
-    chain: list[Node]  # node of each committed full block, in order
-    pins: list[int] = field(default_factory=list)  # blocks held only because the chain needs them
-    # False: matched nothing at admission (its every block is its own), and it publishes its
-    # blocks only while none is cached already: pinning cached copies it does not use would
-    # take blocks the scheduler never counted for it.
-    reuse: bool = True
-    publishing: bool = True
-
-
 class BlockManager:
     """Prefix-caching block manager. No global state: each instance owns its pool and tree."""
 
@@ -77,7 +65,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._cache = BlockCache(num_blocks, block_size)
         self._pool, self._tree = self._cache.pool, self._cache.tree
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, RequestBlocks] = {}
         self._stats = CacheStats()
 
     # -- read-only questions -------------------------------------------------------------------
@@ -198,7 +186,7 @@ class BlockManager:
             self._cache.hold(node)
         table = [node.block_id for node in nodes]
         table.extend(self._cache.take(self._blocks_for(len(token_ids)) - len(nodes)))
-        self._requests[request_id] = _Request(root, table, nodes, reuse=reuse)
+        self._requests[request_id] = RequestBlocks(root, table, nodes, reuse=reuse)
         copy = None
         if source is not None:  # the slots past the full blocks, from a cached or running block
             copy = SlotCopy(source.block_id, table[len(nodes)], source.num_tokens)
@@ -260,7 +248,7 @@ class BlockManager:
             )
 
     def _commit_full_blocks(
-        self, request: _Request, token_ids: Sequence[int], num_full: int
+        self, request: RequestBlocks, token_ids: Sequence[int], num_full: int
     ) -> None:
         start = len(request.chain)
         if not self.enable_prefix_caching or num_full <= start or not request.publishing:
@@ -300,7 +288,9 @@ class BlockManager:
         tail = self._partial(request, token_ids, num_computed_tokens)
         self._cache.release((*request.table, *request.pins), tail)
 
-    def _partial(self, request: _Request, token_ids: Sequence[int], computed: int) -> Tail | None:
+    def _partial(
+        self, request: RequestBlocks, token_ids: Sequence[int], computed: int
+    ) -> Tail | None:
         """The request's partial block as a tail, if it may be copied from. Pure."""
         if not (self.enable_prefix_caching and request.publishing):
             return None

@@ -1,4 +1,4 @@
-"""A step's layers in one C call (runner/backends/cpu/layers.py,
+"""A step's layers in one C call (runner/model/cpu_layers.py,
 runner/backends/cpu/csrc/layers.c): bit for bit what the modules compute, K/V writes included, for
 decode steps, prefill chunks and mixes of both, and only where it applies. The engine-level greedy
 equality with transformers (test_engine_equivalence.py) runs through it by default and without it
@@ -19,7 +19,7 @@ from kvcache.store import KVStore
 from runner.attention.paged import AttentionMetadata
 from runner.backends.cpu.attention import CpuSplit
 from runner.backends.cpu.loader import load_cpu_kernels
-from runner.backends.cpu.prepack import prepack_for_cpu
+from runner.model.cpu_prepack import prepack_for_cpu
 from runner.model.decoder import CausalLM
 
 pytestmark = pytest.mark.skipif(

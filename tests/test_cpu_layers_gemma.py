@@ -1,5 +1,5 @@
 """Gemma 3's sandwich layers in one C call (runner/backends/cpu/csrc/layers.c,
-runner/backends/cpu/layers.py): four norms a layer scaling by 1 + weight, q/k normed per head, the
+runner/model/cpu_layers.py): four norms a layer scaling by 1 + weight, q/k normed per head, the
 tanh GeLU, and local layers with a window and a RoPE table of their own. Over several engine-like
 steps (prompts, chunks after them, decodes, contexts past the window), the hidden states and every
 layer's K/V written are bit for bit the module path's; the comparison catches a skipped norm. The
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from kvcache import LLM
 from kvcache.store import KVStore
 from runner.attention.paged import AttentionMetadata
-from runner.backends.cpu.layers import MAX_ROPE_TABLES, CpuLayers
 from runner.backends.cpu.loader import load_cpu_kernels
+from runner.model.cpu_layers import MAX_ROPE_TABLES, CpuLayers
 from runner.model.decoder import CausalLM
 from runner.model.decoder_layers import SandwichNormLayer
 

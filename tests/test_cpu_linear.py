@@ -21,7 +21,7 @@ from runner.backends.cpu.linear import (
     prepack_linears,
     prepacking_available,
 )
-from runner.backends.cpu.prepack import prepack_for_cpu
+from runner.model.cpu_prepack import prepack_for_cpu
 from runner.model.decoder import CausalLM
 from runner.model.loader import load_model
 

@@ -25,8 +25,8 @@ from test_cpu_window import random_step as random_window_step
 from kvcache import LLM
 from runner.attention.paged import AttentionMetadata
 from runner.backends.cpu.attention import SHARED_PREFIX_MIN_ROWS, CpuSplit, cpu_paged_attention
-from runner.backends.cpu.layers import CpuLayers
 from runner.backends.cpu.loader import load_cpu_kernels
+from runner.model.cpu_layers import CpuLayers
 from runner.model.decoder import CausalLM
 
 pytestmark = pytest.mark.skipif(

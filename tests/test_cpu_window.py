@@ -5,7 +5,7 @@ softmaxed), for decodes, prefill
 chunks after cached prefixes and mixes of both; windows under a block, across block edges,
 past the context, of one token; float16 caches; decodes whose shared prompt the window cuts
 into (where the decode kernel's shared pass must not run). Then a Mistral with a window through
-the C layers (runner/backends/cpu/layers.py): bit for bit the module path, close to the
+the C layers (runner/model/cpu_layers.py): bit for bit the module path, close to the
 reference."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from transformers import MistralConfig
 from kvcache.store import KVStore
 from runner.attention.paged import AttentionMetadata, write_kv
 from runner.backends.cpu.attention import CpuSplit, cpu_paged_attention
-from runner.backends.cpu.layers import CpuLayers
 from runner.backends.cpu.loader import load_cpu_kernels
-from runner.backends.cpu.prepack import prepack_for_cpu
 from runner.model import decoder_layers
+from runner.model.cpu_layers import CpuLayers
+from runner.model.cpu_prepack import prepack_for_cpu
 from runner.model.decoder import CausalLM
 from runner.model.decoder_layers import Attention
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from runner.backends.cpu.loader import cache_root
 from runner.model import gguf as gguf_mod
-from runner.model.gguf import DEFAULT_GGUF, cache_root, convert_gguf, default_gguf_path
+from runner.model.gguf import DEFAULT_GGUF, convert_gguf, default_gguf_path
 from runner.model.loader import load_model, resolve_dtype
 
 

@@ -5,7 +5,7 @@ scheduling, sampling, Python).
 Forward hooks time every projection and the LM head. On the CPU each product finishes before
 its hook returns, so the sum is exact; on CUDA kernels run asynchronously and the figure is not
 taken. The hooks cost about 2 us a product (~0.5% of a decode step of the default model). Steps
-whose layers run in C (runner/backends/cpu/layers.py) call no module: the C code times its products
+whose layers run in C (runner/model/cpu_layers.py) call no module: the C code times its products
 and the sum is added here.
 """
 

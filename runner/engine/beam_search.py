@@ -16,12 +16,27 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from runner.engine.outputs import RequestOutput
 from runner.sampling.params import MAX_LOGPROBS, SamplingParams
 
-if TYPE_CHECKING:
-    from runner.engine.llm import LLM
+
+class TokenDecoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class BeamEngine(Protocol):
+    """What the search needs of the engine (runner/engine/llm.py's LLM): a Protocol, so that
+    the LLM may import this module."""
+
+    eos_ids: Any
+    max_model_len: int
+
+    @property
+    def stopper(self) -> TokenDecoder: ...
+
+    def generate(self, prompts: Any, params: Any = None) -> list[RequestOutput]: ...
 
 
 @dataclass
@@ -88,7 +103,7 @@ class _Search:
 
 
 def beam_search(
-    llm: LLM, prompts: list[list[int]], params: BeamSearchParams
+    llm: BeamEngine, prompts: list[list[int]], params: BeamSearchParams
 ) -> list[BeamSearchOutput]:
     """Search every prompt (token ids) at once; `llm` is the engine (runner/engine/llm.py)."""
     eos = set() if params.ignore_eos else set(llm.eos_ids)
@@ -150,7 +165,7 @@ def _advance(
     search.done = last or (full and best_running <= search.finished[-1][0])
 
 
-def _result(llm: LLM, search: _Search, eos: Collection[int]) -> BeamSearchOutput:
+def _result(llm: BeamEngine, search: _Search, eos: Collection[int]) -> BeamSearchOutput:
     sequences = [
         BeamSequence(
             token_ids=tokens,

@@ -6,10 +6,9 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from runner.backends.cpu.quant import CPU_WEIGHT_DTYPES
+
 Batching = Literal["continuous", "static"]
-# What the CPU's packed products may store weights as (runner/backends/cpu/quant.py rounds to them);
-# "bfloat16-dot" also rounds each product's inputs to bfloat16 (AVX512-BF16 dot products).
-CPU_WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "bfloat16-dot")
 # Default tokens per step. On the CPU a step's time grows with its tokens, and prefill runs as
 # fast in chunks of 512 as of 2,048, so a prompt that arrives among running answers delays them
 # ~0.8 s a step instead of ~3 s (measured with kvcache bench, README). On a GPU a step of 2,048

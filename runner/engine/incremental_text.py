@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tokenizers import decoders
 
@@ -36,20 +36,29 @@ try:  # tokenizers 0.21+; an older one decodes byte-level outputs whole
 except ImportError:
     DecodeStream = None  # type: ignore[assignment,misc]
 
-if TYPE_CHECKING:
-    from runner.engine.stopping import StopChecker
-
 # The decoder steps whose output is each token's own, except at the text's start and inside
 # runs of byte tokens (see above). A Strip that cuts the text's end is not among them.
 PIECEWISE_STEPS = {"Replace", "Metaspace", "ByteFallback", "Fuse", "Strip"}
 ANCHOR_PIECES = ("a", "x", "0", "!")
 
 
+class TextDecoder(Protocol):
+    """What the running text needs of the stop checker (runner/engine/stopping.py): the
+    tokenizer and how it decodes. A Protocol, so that the checker may import this module."""
+
+    tokenizer: Any
+    cleans_up_spaces: bool
+    decode_anchor: int | None
+    textless_ids: set[int]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
 class OutputText:
     """A running sample's output decoded so far; each call passes the ids of the last call
     extended by the new tokens."""
 
-    def __init__(self, stopper: StopChecker, skip_special_tokens: bool = True) -> None:
+    def __init__(self, stopper: TextDecoder, skip_special_tokens: bool = True) -> None:
         self.stopper = stopper
         self.skip_special_tokens = skip_special_tokens
         self._backend = _byte_level_backend(stopper)
@@ -181,7 +190,7 @@ def decode_anchor(tokenizer: Any) -> int | None:
     return None
 
 
-def _byte_level_backend(stopper: StopChecker) -> Any:
+def _byte_level_backend(stopper: TextDecoder) -> Any:
     """The tokenizers Tokenizer behind a fast tokenizer with a byte-level decoder and no space
     cleanup, or None."""
     backend = getattr(stopper.tokenizer, "backend_tokenizer", None)

@@ -10,14 +10,14 @@ import torch
 from kvcache import BlockManager
 from kvcache.store import KVStore
 from runner.backends.cpu.allocator import keep_step_buffers_in_heap
-from runner.backends.cpu.prepack import prepack_for_cpu
 from runner.backends.cpu.quant import round_matrices
 from runner.engine.config import EngineConfig
 from runner.engine.memory import kv_pool_blocks
+from runner.engine.model_runner import ModelRunner
+from runner.model.cpu_prepack import prepack_for_cpu
 from runner.model.decoder import CausalLM
 from runner.model.layers import rope_context_limit
 from runner.model.loader import LoadedModel, load_model
-from runner.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

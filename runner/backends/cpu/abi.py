@@ -75,7 +75,7 @@ SIGNATURES: dict[str, tuple[Sequence[type], type | None]] = {
     "gelu_tanh_and_mul": ([_ptr] * 2 + [_long] * 2, None),
     # x, y, n, soft cap: the attention kernels' cap on its own (for tests)
     "soft_cap_rows": ([_ptr, _ptr, _long, _float], None),
-    # Every layer of a step in one call (layers.c; runner/backends/cpu/layers.py).
+    # Every layer of a step in one call (layers.c; runner/model/cpu_layers.py).
     "run_layers": (
         [_ptr]  # h
         + [_long] * 6  # rows, hidden, intermediate, Hq, Hkv, D

@@ -1,7 +1,7 @@
 """The CPU kernels of runner/backends/cpu/csrc as Python calls: the panel matrix product
 (panel_gemm.c), decode and prefill attention over the paged cache (decode_attention.c,
 prefill_attention.c), RMSNorm and the gated SiLU and tanh GeLU (elementwise.c), and all layers of a
-step in one call (layers.c, driven by runner/backends/cpu/layers.py). runner/backends/cpu/loader.py
+step in one call (layers.c, driven by runner/model/cpu_layers.py). runner/backends/cpu/loader.py
 builds and loads the library, runner/backends/cpu/abi.py gives ctypes its C types; each method
 checks shapes and dtypes, then hands raw pointers to C.
 """
@@ -38,7 +38,7 @@ class CpuKernels:
         self._silu_and_mul = library.silu_and_mul
         self._gelu_tanh_and_mul = library.gelu_tanh_and_mul
         self._soft_cap = library.soft_cap_rows
-        # Every layer of a step in one call (layers.c; runner/backends/cpu/layers.py).
+        # Every layer of a step in one call (layers.c; runner/model/cpu_layers.py).
         self.run_layers = library.run_layers
         self.layers_scratch = library.layers_scratch
 

@@ -25,9 +25,19 @@ from pathlib import Path
 import torch
 
 from runner.backends.cpu.kernel import LANES, CpuKernels
-from runner.model.gguf import cache_root
 
 log = logging.getLogger(__name__)
+
+
+# The project's cache directory: compiled kernels here, converted GGUF models beside them.
+def cache_root() -> Path:
+    """$KVCACHE_CACHE_DIR, else $XDG_CACHE_HOME/kvcache, else ~/.cache/kvcache."""
+    if os.environ.get("KVCACHE_CACHE_DIR"):
+        return Path(os.environ["KVCACHE_CACHE_DIR"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kvcache"
+    return Path.home() / ".cache" / "kvcache"
+
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name

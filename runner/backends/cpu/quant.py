@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runner.engine.config import CPU_WEIGHT_DTYPES
+# What the CPU's packed products may store weights as (rounded here); "bfloat16-dot" also rounds
+# each product's inputs to bfloat16 (AVX512-BF16 dot products).
+CPU_WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "bfloat16-dot")
 
 INT8_GROUP = 32  # input columns per int8 scale; panel_gemm.c's INT8_GROUP
 

@@ -7,10 +7,10 @@ import logging
 
 import torch
 
-from runner.backends.cpu.layers import CpuLayers
 from runner.backends.cpu.linear import PACKED_DTYPES, PackedLinear, prepack_linears
 from runner.backends.cpu.loader import load_cpu_kernels
 from runner.backends.cpu.quant import round_matrices
+from runner.model.cpu_layers import CpuLayers
 from runner.model.decoder import CausalLM
 from runner.model.decoder_layers import MLP
 from runner.model.layers import RMSNorm
