@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from runner.attention.paged import AttentionMetadata
+from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.kernel import CpuKernels
 from runner.backends.cpu.loader import load_cpu_kernels
 

@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runner.attention.cascade import MIN_SHARED_TOKENS
-from runner.attention.paged import AttentionMetadata, paged_attention
+from runner.attention.metadata import AttentionMetadata
 from runner.attention.plan import CASCADE_MAX_QUERY_LEN, GROUP_MAX_QUERY_LEN
 from runner.backends.cpu.loader import load_cpu_kernels
+from runner.backends.registry import paged_attention
 
 
 def naive_attention(

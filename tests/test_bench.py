@@ -107,12 +107,12 @@ def test_matmul_timer_times_every_product_and_detaches(
     from kvcache import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama_dir), **options)
-    in_c = llm.model.cpu_layers is not None
+    in_c = llm.cpu_layers is not None
     assert in_c == (not options and load_cpu_kernels() is not None)
     stops: list[int] = []
     original = MatmulTimer._stop
     monkeypatch.setattr(MatmulTimer, "_stop", lambda self, *a: stops.append(1) or original(self))
-    timer = MatmulTimer(llm.model)
+    timer = MatmulTimer(llm.model, llm.cpu_layers)
     greedy = SamplingParams(max_tokens=2, temperature=0)
     llm.generate([[5, 6, 7]], greedy)  # two forward passes: the prompt, then one decode
     # qkv, o, gate/up, down through hooks, unless the layers ran in C (timed there); the head

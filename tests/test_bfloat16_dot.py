@@ -62,7 +62,7 @@ def dot_case(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], lis
 def test_greedy_matches_hf_with_rounded_product_inputs(dot_case: Any, variant: dict) -> None:
     path, prompts, refs = dot_case
     llm = LLM(str(path), **DOT, **variant)
-    assert llm.model.cpu_layers is not None  # whole steps in layers.c, on pair panels
+    assert llm.cpu_layers is not None  # whole steps in layers.c, on pair panels
     assert_greedy_matches(llm, prompts, refs, alone=not variant)
 
 

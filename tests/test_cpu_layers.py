@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 import torch
+from cpu_models import CpuModel, packed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from kvcache.store import KVStore
-from runner.attention.paged import AttentionMetadata
-from runner.backends.cpu.attention import CpuSplit
+from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.loader import load_cpu_kernels
-from runner.model.cpu_prepack import prepack_for_cpu
+from runner.backends.cpu.split import CpuSplit
 from runner.model.decoder import CausalLM
 
 pytestmark = pytest.mark.skipif(
@@ -38,9 +38,9 @@ def packed_model(
     cpu_kernels: bool = True,
     arch: str = "llama",
     layers: int = 2,
-) -> CausalLM:
-    """A random model of `layers` layers packed for the CPU kernels. "llama-biases": every
-    product with a bias; "qwen2": q/k/v biases; "qwen3": q/k norms."""
+) -> CpuModel:
+    """A random model of `layers` layers packed for the CPU kernels, with its C layer stack.
+    "llama-biases": every product with a bias; "qwen2": q/k/v biases; "qwen3": q/k norms."""
     torch.manual_seed(0)
     options = {
         "vocab_size": 96,
@@ -65,9 +65,7 @@ def packed_model(
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)  # not all ones, so a norm's scaling is exercised
-    prepack_for_cpu(model, cpu_kernels)
-    model.attention_backend = "cpu"
-    return model
+    return packed(model, cpu_kernels)
 
 
 def one_step(
@@ -162,7 +160,7 @@ def test_biases_and_per_head_norms_match_the_modules(
 
 
 def check_against_modules(
-    model: CausalLM,
+    cpu_model: CpuModel,
     seqs: list[tuple[int, int]],
     block_size: int,
     shared_blocks: int,
@@ -172,7 +170,7 @@ def check_against_modules(
     """Run one step in C and the same step through the modules, on equal caches of
     `num_blocks` blocks; both the hidden states and the caches must be equal. Returns the
     step's CpuSplit."""
-    layers = model.cpu_layers
+    model, layers = cpu_model
     assert layers is not None
     calls: list[int] = []
     run = layers.kernels.run_layers
@@ -192,10 +190,8 @@ def check_against_modules(
             meta = AttentionMetadata.build(
                 [q for q, _ in seqs], [c for _, c in seqs], tables, block_size
             )
-            model.cpu_layers = layers if in_c else None
-            outs.append(model(ids, positions, meta, kv))
+            outs.append(model(ids, positions, meta, kv, cpu_model.backend(in_c)))
             splits.append(meta._cpu_split)
-    model.cpu_layers = layers
     assert splits[0] is not None
     assert calls == [len(ids)]  # the first step ran in C, the second through the modules
     assert torch.equal(outs[0], outs[1])
@@ -204,17 +200,16 @@ def check_against_modules(
 
 
 def test_only_packed_models_on_the_cpu_backend_take_it() -> None:
-    model = packed_model(64, 4, 2, 16, 128)
+    stack = packed_model(64, 4, 2, 16, 128).stack
     kv = KVStore(2, 8, 4, 2, 16, torch.float32, "cpu")
-    assert model.cpu_layers is not None
-    assert model.cpu_layers.takes(kv, "cpu")
-    assert not model.cpu_layers.takes(kv, "torch")
-    assert not model.cpu_layers.takes(KVStore(2, 8, 512, 2, 16, torch.float32, "cpu"), "cpu")
+    assert stack is not None
+    assert stack.takes(kv)
+    assert not stack.takes(KVStore(2, 8, 512, 2, 16, torch.float32, "cpu"))
     for layers, kv_heads, head_dim in ((3, 2, 16), (2, 4, 16), (2, 2, 32)):  # not this model's
         other = KVStore(layers, 8, 4, kv_heads, head_dim, torch.float32, "cpu")
-        assert not model.cpu_layers.takes(other, "cpu")
-    assert packed_model(64, 4, 2, 16, 128, cpu_kernels=False).cpu_layers is None
-    assert packed_model(64, 4, 2, 16, 120).cpu_layers is None  # the SiLU's 7.5 vectors a row
+        assert not stack.takes(other)
+    assert packed_model(64, 4, 2, 16, 128, cpu_kernels=False).stack is None
+    assert packed_model(64, 4, 2, 16, 120).stack is None  # the SiLU's 7.5 vectors a row
 
 
 @st.composite
@@ -290,7 +285,7 @@ def test_scratch_of_a_long_step_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> 
     """A step of over 256 tokens gets scratch of its own; the steps around it, one token
     included, still match the modules with the kept (smaller) scratch."""
     model = packed_model(64, 4, 2, 16, 128)
-    layers = model.cpu_layers
+    layers = model.stack
     assert layers is not None
     check_against_modules(model, [(1, 9), (3, 20)], 4, 0, monkeypatch)
     kept = layers._scratch

@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_models import CpuModel, of_engine
 
 from kvcache import LLM
 from kvcache.store import KVStore
-from runner.attention.paged import AttentionMetadata
+from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.loader import load_cpu_kernels
 from runner.model.cpu_layers import MAX_ROPE_TABLES, CpuLayers
-from runner.model.decoder import CausalLM
 from runner.model.decoder_layers import SandwichNormLayer
 
 pytestmark = pytest.mark.skipif(
@@ -56,20 +56,21 @@ SCHEDULE = [
 
 
 @pytest.fixture(scope="module", params=["tiny", "wider"])
-def gemma(request: pytest.FixtureRequest, make_tiny_model: Callable[..., Path]) -> CausalLM:
+def gemma(request: pytest.FixtureRequest, make_tiny_model: Callable[..., Path]) -> CpuModel:
     """A tiny Gemma 3 as the engine readies it on this CPU: packed, its layers in C."""
     overrides = WIDER if request.param == "wider" else {}
-    model = LLM(str(make_tiny_model("gemma3", **overrides))).model
-    assert model.cpu_layers is not None
-    assert all(isinstance(layer, SandwichNormLayer) for layer in model.layers)
-    return model
+    cpu_model = of_engine(LLM(str(make_tiny_model("gemma3", **overrides))))
+    assert cpu_model.stack is not None
+    assert all(isinstance(layer, SandwichNormLayer) for layer in cpu_model.model.layers)
+    return cpu_model
 
 
 def run_schedule(
-    model: CausalLM, block_size: int, cache_dtype: torch.dtype, in_c: bool
+    cpu_model: CpuModel, block_size: int, cache_dtype: torch.dtype, in_c: bool
 ) -> tuple[list[torch.Tensor], KVStore]:
     """Every step of SCHEDULE on a fresh cache, through the C layers (asserted to run) or the
     modules; each step's hidden states and the cache after the last."""
+    model, layers = cpu_model
     rng = random.Random(7)
     lengths = [sum(n for step in SCHEDULE for s, n in step if s == seq) for seq in range(3)]
     tokens = [[rng.randrange(300) for _ in range(n)] for n in lengths]
@@ -79,15 +80,12 @@ def run_schedule(
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
     shape = (model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
     kv = KVStore(*shape, cache_dtype, "cpu")
-    layers = model.cpu_layers
-    assert layers is not None and layers.takes(kv, model.attention_backend)
+    assert layers is not None and layers.takes(kv)
     calls: list[int] = []
     run = layers.kernels.run_layers
     done, outs = [0, 0, 0], []
     with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
         patch.setattr(layers.kernels, "run_layers", lambda *a: calls.append(a[1]) or run(*a))
-        if not in_c:
-            patch.setattr(model, "cpu_layers", None)
         for step in SCHEDULE:
             ids, positions = [], []
             for seq, n in step:
@@ -96,13 +94,15 @@ def run_schedule(
                 done[seq] += n
             lens, contexts = [n for _, n in step], [done[s] for s, _ in step]
             meta = AttentionMetadata.build(lens, contexts, [tables[s] for s, _ in step], block_size)
-            outs.append(model(torch.tensor(ids), torch.tensor(positions), meta, kv))
+            outs.append(
+                model(torch.tensor(ids), torch.tensor(positions), meta, kv, cpu_model.backend(in_c))
+            )
     assert calls == ([sum(n for _, n in step) for step in SCHEDULE] if in_c else [])
     return outs, kv
 
 
 def assert_c_layers_match_modules(
-    model: CausalLM, block_size: int, cache_dtype: torch.dtype
+    model: CpuModel, block_size: int, cache_dtype: torch.dtype
 ) -> None:
     """The schedule's hidden states after every step, and the whole KV cache after it, are bit
     for bit the same through layers.c as through the modules."""
@@ -116,21 +116,21 @@ def assert_c_layers_match_modules(
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_sandwich_layers_in_c_match_the_modules_bit_for_bit(
-    gemma: CausalLM, block_size: int, cache_dtype: torch.dtype
+    gemma: CpuModel, block_size: int, cache_dtype: torch.dtype
 ) -> None:
     assert_c_layers_match_modules(gemma, block_size, cache_dtype)
 
 
-def test_the_layers_take_two_rope_tables_and_offset_norms(gemma: CausalLM) -> None:
+def test_the_layers_take_two_rope_tables_and_offset_norms(gemma: CpuModel) -> None:
     """Local and global layers rotate with a table each (1 and 2, by first use); every norm
     layers.c reads is 1 + weight, q/k norms included; the MLP gates with the GeLU."""
-    layers = gemma.cpu_layers
+    layers = gemma.stack
     assert layers is not None and layers.gelu
-    kinds = gemma.layer_rope_types
+    kinds = gemma.model.layer_rope_types
     assert layers._rope_layers is not None
     assert list(layers._rope_layers) == [1 + layers._rope_kinds.index(k) for k in kinds]
     assert set(layers._rope_layers) == {1, 2}
-    for i, layer in enumerate(gemma.layers):
+    for i, layer in enumerate(gemma.model.layers):
         tensors = layers._tensors[i * WEIGHTS_PER_LAYER : (i + 1) * WEIGHTS_PER_LAYER]
         norms = [
             (0, layer.input_layernorm),
@@ -145,9 +145,9 @@ def test_the_layers_take_two_rope_tables_and_offset_norms(gemma: CausalLM) -> No
 
 
 @pytest.fixture
-def broken(gemma: CausalLM) -> Iterator[CpuLayers]:
+def broken(gemma: CpuModel) -> Iterator[CpuLayers]:
     """The model's C layers, to break for one test; their norms and tables put back after."""
-    layers = gemma.cpu_layers
+    layers = gemma.stack
     assert layers is not None and layers._rope_layers is not None
     weights, tables = list(layers._weights), list(layers._rope_layers)
     yield layers
@@ -159,7 +159,7 @@ def broken(gemma: CausalLM) -> Iterator[CpuLayers]:
 
 @pytest.mark.parametrize("fault", ["no-post-attention-norm", "no-pre-ffn-norm", "swapped-rope"])
 def test_a_skipped_norm_or_wrong_table_fails_the_comparison(
-    gemma: CausalLM, broken: CpuLayers, fault: str
+    gemma: CpuModel, broken: CpuLayers, fault: str
 ) -> None:
     """With the first layer's post-attention (or pre-feedforward) norm left out in C, or its
     RoPE table swapped for the other, its hidden states are no longer the modules': the
@@ -174,18 +174,18 @@ def test_a_skipped_norm_or_wrong_table_fails_the_comparison(
     assert not torch.equal(in_c[0], modules[0])
 
 
-def test_models_the_layers_cannot_take_run_the_modules(gemma: CausalLM) -> None:
+def test_models_the_layers_cannot_take_run_the_modules(gemma: CpuModel) -> None:
     """Layers of two activations, or of a third RoPE table: no C layers (one flag, two tables)."""
     kernels = load_cpu_kernels()
-    layers = list(gemma.layers)
+    layers = list(gemma.model.layers)
     if len(layers) > MAX_ROPE_TABLES:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(layers[0].self_attn, "rope_type", "third")
-            assert CpuLayers.for_model(gemma, kernels) is None
+            assert CpuLayers.for_model(gemma.model, kernels) is None
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(layers[0].mlp, "activation", "silu")
-        assert CpuLayers.for_model(gemma, kernels) is None
-    assert CpuLayers.for_model(gemma, kernels) is not None
+        assert CpuLayers.for_model(gemma.model, kernels) is None
+    assert CpuLayers.for_model(gemma.model, kernels) is not None
 
 
 def gelu_inputs(seed: int) -> torch.Tensor:
@@ -234,17 +234,17 @@ def test_gelu_and_mul_rounds_the_product_once() -> None:
     assert torch.equal(kernels.gelu_tanh_and_mul(gate_up), alone * up)
 
 
-def test_the_module_path_calls_the_same_gelu(gemma: CausalLM, monkeypatch: Any) -> None:
+def test_the_module_path_calls_the_same_gelu(gemma: CpuModel, monkeypatch: Any) -> None:
     """MLP.forward of a packed model goes through the kernel (not F.gelu), so the C layers and
     the modules agree bit for bit."""
-    layers = gemma.cpu_layers
+    layers = gemma.stack
     assert layers is not None
     calls: list[int] = []
     gelu = layers.kernels.gelu_tanh_and_mul
     monkeypatch.setattr(
         layers.kernels, "gelu_tanh_and_mul", lambda x: calls.append(x.shape[0]) or gelu(x)
     )
-    mlp = gemma.layers[0].mlp
+    mlp = gemma.model.layers[0].mlp
     with torch.inference_mode():
-        mlp(torch.randn(3, gemma.hidden_size))
+        mlp(torch.randn(3, gemma.model.hidden_size))
     assert calls == [3]

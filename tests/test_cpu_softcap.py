@@ -17,17 +17,18 @@ from typing import Any
 import pytest
 import torch
 from cpu_attention_cases import Seq, dense_reference, loaded, random_inputs, random_tables
+from cpu_models import CpuModel, of_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cpu_layers_gemma import assert_c_layers_match_modules, run_schedule
 from test_cpu_window import random_step as random_window_step
 
 from kvcache import LLM
-from runner.attention.paged import AttentionMetadata
-from runner.backends.cpu.attention import SHARED_PREFIX_MIN_ROWS, CpuSplit, cpu_paged_attention
+from runner.attention.metadata import AttentionMetadata
+from runner.backends.cpu.attention import cpu_paged_attention
 from runner.backends.cpu.loader import load_cpu_kernels
+from runner.backends.cpu.split import SHARED_PREFIX_MIN_ROWS, CpuSplit
 from runner.model.cpu_layers import CpuLayers
-from runner.model.decoder import CausalLM
 
 pytestmark = pytest.mark.skipif(
     load_cpu_kernels() is None, reason="the CPU kernels cannot be built on this machine"
@@ -184,30 +185,30 @@ def test_random_capped_steps_match_the_dense_reference(case: dict[str, Any]) -> 
 
 
 @pytest.fixture(scope="module")
-def gemma2(make_tiny_model: Callable[..., Path]) -> CausalLM:
+def gemma2(make_tiny_model: Callable[..., Path]) -> CpuModel:
     """The tiny Gemma 2 (caps of 5 on its scores, a window of 16 in its local layer) as the
     engine readies it on this CPU: packed, its layers in C."""
-    model = LLM(str(make_tiny_model("gemma2"))).model
-    assert model.cpu_layers is not None
-    return model
+    cpu_model = of_engine(LLM(str(make_tiny_model("gemma2"))))
+    assert cpu_model.stack is not None
+    return cpu_model
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_gemma2_layers_in_c_match_the_modules_bit_for_bit(
-    gemma2: CausalLM, block_size: int, cache_dtype: torch.dtype
+    gemma2: CpuModel, block_size: int, cache_dtype: torch.dtype
 ) -> None:
     """Prompts, chunks after them and decodes: the C layers pass the cap to both kernels as the
     module path passes it to cpu_paged_attention, so hidden states and K/V come out equal."""
-    layers = gemma2.cpu_layers
+    layers = gemma2.stack
     assert layers is not None and layers.softcap == 5.0
     assert_c_layers_match_modules(gemma2, block_size, cache_dtype)
 
 
-def test_gemma2_layers_in_c_without_the_cap_differ(gemma2: CausalLM) -> None:
+def test_gemma2_layers_in_c_without_the_cap_differ(gemma2: CpuModel) -> None:
     """The C layers with their cap taken away no longer give the module path's states: the
     comparison above sees the cap."""
-    layers = gemma2.cpu_layers
+    layers = gemma2.stack
     assert layers is not None
     modules, _ = run_schedule(gemma2, 4, torch.float32, in_c=False)
     with pytest.MonkeyPatch.context() as patch:
@@ -216,12 +217,12 @@ def test_gemma2_layers_in_c_without_the_cap_differ(gemma2: CausalLM) -> None:
     assert not torch.equal(in_c[0], modules[0])
 
 
-def test_layers_of_different_caps_run_the_modules(gemma2: CausalLM) -> None:
+def test_layers_of_different_caps_run_the_modules(gemma2: CpuModel) -> None:
     """layers.c takes one cap for the model: layers that disagree get no C layers."""
     kernels = loaded()
-    attention = gemma2.layers[1].self_attn
+    attention = gemma2.model.layers[1].self_attn
     for cap in (7.0, None):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(attention, "softcap", cap)
-            assert CpuLayers.for_model(gemma2, kernels) is None
-    assert CpuLayers.for_model(gemma2, kernels) is not None
+            assert CpuLayers.for_model(gemma2.model, kernels) is None
+    assert CpuLayers.for_model(gemma2.model, kernels) is not None

@@ -16,17 +16,19 @@ from typing import Any, cast
 import pytest
 import torch
 from cpu_attention_cases import Seq, dense_reference, loaded, random_inputs, random_tables
+from cpu_models import CpuModel, packed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import MistralConfig
 
 from kvcache.store import KVStore
-from runner.attention.paged import AttentionMetadata, write_kv
-from runner.backends.cpu.attention import CpuSplit, cpu_paged_attention
+from runner.attention.backend import Attend, AttentionBackend
+from runner.attention.metadata import AttentionMetadata
+from runner.attention.paged import write_kv
+from runner.backends.cpu.attention import cpu_paged_attention
 from runner.backends.cpu.loader import load_cpu_kernels
-from runner.model import decoder_layers
+from runner.backends.cpu.split import CpuSplit
 from runner.model.cpu_layers import CpuLayers
-from runner.model.cpu_prepack import prepack_for_cpu
 from runner.model.decoder import CausalLM
 from runner.model.decoder_layers import Attention
 
@@ -159,7 +161,7 @@ MISTRAL_STEPS: dict[str, list[Seq]] = {
 }
 
 
-def mistral(window: int | None) -> CausalLM:
+def mistral(window: int | None) -> CpuModel:
     """A random 2-layer Mistral (every layer windowed), packed for the C layers."""
     torch.manual_seed(0)
     shape: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
@@ -170,17 +172,22 @@ def mistral(window: int | None) -> CausalLM:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
-    prepack_for_cpu(model, True)
-    model.attention_backend = "cpu"
-    assert model.cpu_layers is not None
-    return model
+    cpu_model = packed(model)
+    assert cpu_model.stack is not None
+    return cpu_model
 
 
 def run_step(
-    model: CausalLM, seqs: list[Seq], block_size: int, in_c: bool, seed: int = 1
+    cpu_model: CpuModel,
+    seqs: list[Seq],
+    block_size: int,
+    in_c: bool,
+    seed: int = 1,
+    attend: Attend | None = None,
 ) -> torch.Tensor:
     """The model's hidden states for one step over a seeded random cache; `in_c`: through its C
-    layers (asserted to run), else through the modules."""
+    layers (asserted to run), else through the modules, which attend with `attend` if given."""
+    model, layers = cpu_model
     rng = random.Random(seed)
     tables, num_blocks = random_tables(seqs, block_size, 0, rng)
     positions = [p for q_len, ctx in seqs for p in range(ctx - q_len, ctx)]
@@ -189,7 +196,6 @@ def run_step(
     torch.manual_seed(seed)
     kv.tensor.normal_()  # the cached context
     meta = AttentionMetadata.build([q for q, _ in seqs], [c for _, c in seqs], tables, block_size)
-    layers = model.cpu_layers
     assert layers is not None
     calls: list[int] = []
     run = layers.kernels.run_layers
@@ -200,9 +206,10 @@ def run_step(
 
     with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
         patch.setattr(layers.kernels, "run_layers", counted)
-        if not in_c:
-            patch.setattr(model, "cpu_layers", None)
-        out = model(ids, torch.tensor(positions), meta, kv)
+        backend = cpu_model.backend(in_c)
+        if attend is not None:
+            backend = AttentionBackend("reference", attend)
+        out = model(ids, torch.tensor(positions), meta, kv, backend)
     assert calls == ([len(ids)] if in_c else [])
     return out
 
@@ -215,11 +222,10 @@ def reference_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    backend: str = "torch",
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """paged_attention's contract through dense_reference, for the module path (Mistral caps
+    """The attention contract through dense_reference, for the module path (Mistral caps
     no scores: softcap stays None)."""
     assert softcap is None
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -236,16 +242,14 @@ def test_mistral_layers_in_c_with_a_window(block_size: int, kind: str, mixed_lay
     bit for bit, close to the modules over the dense reference, and not the windowless ones.
     `mixed_layers`: the second layer attends to the whole context (Qwen2's, Gemma 3's mix)."""
     model = mistral(12)
-    attention = [cast(Attention, layer.self_attn) for layer in model.layers]
+    attention = [cast(Attention, layer.self_attn) for layer in model.model.layers]
     assert [a.sliding_window for a in attention] == [12, 12]
     if mixed_layers:
         attention[1].sliding_window = None
-        model.cpu_layers = CpuLayers.for_model(model, loaded())
+        model = CpuModel(model.model, CpuLayers.for_model(model.model, loaded()))
     seqs = MISTRAL_STEPS[kind]
     in_c = run_step(model, seqs, block_size, in_c=True)
     assert torch.equal(in_c, run_step(model, seqs, block_size, in_c=False))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(decoder_layers, "paged_attention", reference_attention)
-        reference = run_step(model, seqs, block_size, in_c=False)
+    reference = run_step(model, seqs, block_size, in_c=False, attend=reference_attention)
     torch.testing.assert_close(in_c, reference, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(in_c, run_step(mistral(None), seqs, block_size, in_c=True))

@@ -20,7 +20,8 @@ import torch
 
 from kvcache import LLM, SamplingParams, StructuredOutputsParams
 from kvcache.store import KVStore
-from runner.attention.paged import AttentionMetadata
+from runner.attention.metadata import AttentionMetadata
+from runner.backends.registry import attention_backend
 from runner.backends.triton.common import interpreting
 from runner.engine.config import EngineConfig
 from runner.engine.memory import kv_pool_blocks
@@ -110,10 +111,9 @@ def test_decode_graphs_match_eager(make_tiny_model: Callable[..., Path], device:
             assert graphs.can_run(len(ctxs), meta.block_tables.shape[1])
             kv_eager = copy.copy(kv)
             kv_eager.tensor = kv.tensor.clone()
-            with torch.inference_mode():
-                model.attention_backend = "triton"
-                ref = model.compute_logits(model(ids, pos, meta, kv_eager))  # [B, vocab]
-            model.attention_backend = "torch"  # graphs use Triton whatever this says
+            with torch.inference_mode():  # graphs use Triton whatever the engine's backend
+                hidden = model(ids, pos, meta, kv_eager, attention_backend("triton"))
+                ref = model.compute_logits(hidden)  # [B, vocab]
             got = graphs.run(ids, pos, meta)
             torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
             torch.testing.assert_close(kv.tensor, kv_eager.tensor, atol=tol, rtol=tol)

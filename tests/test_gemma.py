@@ -54,13 +54,14 @@ def test_embeddings_scale_by_sqrt_hidden_rounded_to_the_dtype(bf16_pair: tuple) 
 
 
 def test_layers_read_their_kind_from_the_config(make_tiny_model: Callable[..., Path]) -> None:
-    model = LLM(str(make_tiny_model("gemma3"))).model
+    llm = LLM(str(make_tiny_model("gemma3")))
+    model = llm.model
     attns = [layer.self_attn for layer in model.layers]
     assert [a.sliding_window for a in attns] == [16, None]
     assert [a.rope_type for a in attns] == ["sliding_attention", None]  # global: the default
     assert attns[0].scale == pytest.approx(24**-0.5)  # query_pre_attn_scalar, not head_dim
     assert [layer.mlp.activation for layer in model.layers] == ["gelu_pytorch_tanh"] * 2
-    assert model.cpu_layers is not None  # the C layers take Gemma 3's sandwich layout too
+    assert llm.cpu_layers is not None  # the C layers take Gemma 3's sandwich layout too
     # The local layers' table rotates slower than the global one at every position past 0.
     assert set(model.rope_by_type) == {"sliding_attention"}  # the global table is rope_cos
     local_cos, _ = model.rope_by_type["sliding_attention"]

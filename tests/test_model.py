@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+from cpu_models import of_engine
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvcache import LLM
 from kvcache.store import KVStore
-from runner.attention.paged import AttentionMetadata
+from runner.attention.metadata import AttentionMetadata
 from runner.model.decoder import CausalLM
 from runner.model.loader import load_model
 
@@ -234,9 +235,9 @@ def test_architecture_particulars_reach_the_c_layers(make_tiny_model: Callable[.
     """What the C layers are told: SmolLM3's layers without RoPE, OLMo 2's post-norm layout."""
     smollm3 = LLM(str(make_tiny_model("smollm3"))).model
     assert [layer.self_attn.use_rope for layer in smollm3.layers] == [True, False]
-    olmo2 = LLM(str(make_tiny_model("olmo2"))).model
-    assert olmo2.architecture == "Olmo2ForCausalLM"
-    assert olmo2.cpu_layers is not None and olmo2.cpu_layers.post_norm
+    olmo2 = of_engine(LLM(str(make_tiny_model("olmo2"))))
+    assert olmo2.model.architecture == "Olmo2ForCausalLM"
+    assert olmo2.stack is not None and olmo2.stack.post_norm
 
 
 def test_olmo2_norms_round_as_transformers_does_in_bfloat16(

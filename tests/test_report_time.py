@@ -55,7 +55,7 @@ def test_a_cpu_run_records_where_its_steps_went(tiny_llama_dir: Path) -> None:
     prompts = [[3 + (i * 7 + k) % 200 for k in range(40)] for i in range(3)]
     llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     steps = llm.recorder.steps
-    assert llm.model.cpu_layers is not None and len(steps) >= 6
+    assert llm.cpu_layers is not None and len(steps) >= 6
     for s in steps:
         assert 0 < s["attention_s"] < s["model_s"] <= s["duration_s"]
         assert 0 < s["product_s"] < s["model_s"]

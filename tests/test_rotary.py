@@ -54,7 +54,7 @@ def test_greedy_matches_hf(
     with torch.inference_mode():
         refs = [hf_greedy(hf, p, 10, None) for p in prompts]
     llm = LLM(str(path), **options)
-    assert (llm.model.cpu_layers is not None) == (not options)
+    assert (llm.cpu_layers is not None) == (not options)
     assert_greedy_matches(llm, prompts, refs, alone=True)
 
 

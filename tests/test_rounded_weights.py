@@ -97,8 +97,8 @@ def test_panels_hold_fewer_bytes_and_steps_run_in_c(tiny_llama_dir: Path) -> Non
     assert sum(p.nbytes for p in panels(half)) * 2 == full_bytes
     # int8: a byte a weight plus 4 bytes of scale per 32 weights
     assert sum(p.nbytes for p in panels(quarter)) == full_bytes // 4 * (1 + 4 / INT8_GROUP)
-    assert half.model.cpu_layers is not None  # whole steps in layers.c, on bf16 panels
-    assert quarter.model.cpu_layers is not None
+    assert half.cpu_layers is not None  # whole steps in layers.c, on bf16 panels
+    assert quarter.cpu_layers is not None
     # Norms stay float32 and unrounded.
     norm = half.model.layers[0].input_layernorm.weight
     assert norm.dtype == torch.float32

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from runner.attention.paged import AttentionMetadata
+from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.attention import (
     decode_attention,
     prefill_attention,

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from runner.attention.paged import AttentionMetadata
+from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.attention import (
     decode_attention,
     prefill_attention,

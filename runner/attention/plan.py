@@ -20,7 +20,7 @@ from runner.attention.cascade import (
 )
 
 if TYPE_CHECKING:
-    from runner.attention.paged import AttentionMetadata
+    from runner.attention.metadata import AttentionMetadata
 
 # Sequences whose query is at most this long are batched into one padded SDPA; longer
 # ones run alone (padding them to the longest query would waste work).

@@ -88,7 +88,7 @@ def run_kvcache(
         "errors": len(errors),
         "first_errors": errors[:3],
         "num_kv_blocks": llm.block_manager.num_blocks,
-        "attention_backend": llm.model.attention_backend,
+        "attention_backend": llm.attention.name,
         # Whether decode graphs were captured, and how many timed steps replayed one.
         "cuda_graphs": graphs is not None,
         "cuda_graph_replays": (graphs.num_replays - replays_before) if graphs is not None else 0,

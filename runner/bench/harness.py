@@ -85,7 +85,7 @@ def run_engine(
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2, temperature=0), cache_salt="w")
     first_step = len(llm.recorder.steps)
     before = llm.block_manager.stats.as_dict()
-    timer = MatmulTimer(llm.model) if device == "cpu" else None
+    timer = MatmulTimer(llm.model, llm.cpu_layers) if device == "cpu" else None
     matmul_s: dict[int, float] = {}  # recorder step index -> seconds inside products
     start = time.perf_counter()
     outs = _run_with_arrivals(llm, requests, timer, matmul_s, sampling)

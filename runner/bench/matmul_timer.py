@@ -17,14 +17,15 @@ from typing import Any
 from torch import nn
 
 from runner.backends.cpu.linear import PackedLinear
+from runner.model.cpu_layers import CpuLayers
 from runner.model.decoder import CausalLM
 
 
 class MatmulTimer:
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, layers: CpuLayers | None = None) -> None:
         self._hooked_s = 0.0
         self._started = 0.0
-        self._layers = model.cpu_layers
+        self._layers = layers  # the engine's C layer stack, if its steps run there
         self._layers_start = self._layers.product_s if self._layers is not None else 0.0
         self._handles = [
             handle

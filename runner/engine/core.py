@@ -25,6 +25,7 @@ from runner.engine.setup import build_engine_parts
 from runner.engine.speculative import SpecStats, step_tokens
 from runner.engine.step_clock import StepClock, StepTiming
 from runner.engine.stopping import StopChecker
+from runner.model.cpu_layers import CpuLayers
 from runner.model.loader import generation_eos_ids
 from runner.sampling.logit_rules import bad_word_ids
 from runner.sampling.logprobs import TokenLogprobs
@@ -46,6 +47,10 @@ class Engine:
         self.device = parts.device
         self.max_model_len = parts.max_model_len
         self.kv, self.block_manager, self.runner = parts.kv, parts.block_manager, parts.runner
+        self.attention = parts.attention  # the backend every forward pass runs
+        layers = parts.attention.layers
+        # Whole steps in C (runner/model/cpu_layers.py), where the CPU backend has them.
+        self.cpu_layers = layers if isinstance(layers, CpuLayers) else None
         self.scheduler = Scheduler(
             self.config, self.block_manager, self.max_model_len, self.kv.copy_slots
         )
@@ -63,7 +68,7 @@ class Engine:
             eos_ids=frozenset(self.eos_ids),
         )
         self.recorder = MetricsRecorder(record=self.config.record_metrics)
-        self.clock = StepClock(self.model, on_cpu=self.device.type == "cpu")
+        self.clock = StepClock(self.model, self.cpu_layers, on_cpu=self.device.type == "cpu")
         self._seq_ids = itertools.count()
         self._rng = torch.Generator().manual_seed(seed)  # seeds requests' streams (CPU)
         self._roots: dict[str | None, int] = {}

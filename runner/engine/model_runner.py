@@ -11,7 +11,8 @@ import torch
 
 from kvcache import BlockManager
 from kvcache.store import KVStore
-from runner.attention.paged import AttentionMetadata
+from runner.attention.backend import TORCH_ATTENTION, AttentionBackend
+from runner.attention.metadata import AttentionMetadata
 from runner.engine.scheduler import ScheduledSeq
 from runner.model.block_tables import BlockTableRows
 from runner.model.decoder import CausalLM
@@ -37,10 +38,12 @@ class ModelRunner:
         device: torch.device,
         max_num_seqs: int,
         max_model_len: int,
+        attention: AttentionBackend = TORCH_ATTENTION,
         graphs: DecodeGraphs | None = None,
     ) -> None:
         self.graphs = graphs  # CUDA graphs of decode steps, captured at start-up
         self.model = model
+        self.attention = attention  # the engine's backend, passed to every forward pass
         self.kv = kv
         self.bm = block_manager
         self.device = device
@@ -119,7 +122,7 @@ class ModelRunner:
             # A one-token prefill chunk that does not sample can share a decode step.
             keep = [i for i, item in enumerate(batch) if item.sample]
             return logits.index_select(0, torch.tensor(keep, device=logits.device))
-        hidden = self.model(input_ids, positions, meta, self.kv)  # [T, H]
+        hidden = self.model(input_ids, positions, meta, self.kv, self.attention)  # [T, H]
         self._record_prompt_logprobs(batch, meta.query_lens, hidden=hidden)
         if len(batch) == hidden.shape[0] and all(map(_SAMPLES, batch)):
             return self.model.compute_logits(hidden)  # one token an item, each samples: all rows

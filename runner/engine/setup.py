@@ -9,8 +9,10 @@ import torch
 
 from kvcache import BlockManager
 from kvcache.store import KVStore
+from runner.attention.backend import AttentionBackend
 from runner.backends.cpu.allocator import keep_step_buffers_in_heap
 from runner.backends.cpu.quant import round_matrices
+from runner.backends.registry import attention_backend
 from runner.engine.config import EngineConfig
 from runner.engine.memory import kv_pool_blocks
 from runner.engine.model_runner import ModelRunner
@@ -29,6 +31,7 @@ class EngineParts(NamedTuple):
     kv: KVStore
     block_manager: BlockManager
     runner: ModelRunner
+    attention: AttentionBackend
 
 
 def head_dim_of(config: Any) -> int:
@@ -56,14 +59,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         keep_step_buffers_in_heap()
     loaded = load_model(config.model, device=str(device), dtype=dtype)
     model, hf = loaded.model, loaded.config
-    if config.attention_backend is not None:
-        model.attention_backend = config.attention_backend
-    elif device.type == "cuda":
-        model.attention_backend = "triton"
-    elif config.cpu_kernels:
-        model.attention_backend = "cpu"  # the torch path wherever the kernel cannot run
+    attention = attention_backend(attention_backend_name(config, device))
     if device.type == "cpu" and config.prepack_weights:
-        prepack_for_cpu(model, config.cpu_kernels, config.cpu_weight_dtype)
+        packing = prepack_for_cpu(model, config.cpu_kernels, config.cpu_weight_dtype)
+        if attention.name == "cpu":  # whole steps in C where the model fits layers.c
+            attention = attention.with_layers(packing.layers)
     elif config.cpu_weight_dtype == "bfloat16-dot":  # its products are the panel kernel's
         raise ValueError("cpu_weight_dtype='bfloat16-dot' needs prepack_weights")
     elif device.type == "cpu" and config.cpu_weight_dtype != "float32":
@@ -106,7 +106,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     graphs = None
-    if device.type == "cuda" and not config.enforce_eager and model.attention_backend == "triton":
+    if device.type == "cuda" and not config.enforce_eager and attention.name == "triton":
         from runner.model.cuda_graphs import DecodeGraphs
 
         graphs = DecodeGraphs(
@@ -114,9 +114,26 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         )
         graphs.capture()
     runner = ModelRunner(
-        model, kv, block_manager, device, config.max_num_seqs, max_model_len, graphs=graphs
+        model,
+        kv,
+        block_manager,
+        device,
+        config.max_num_seqs,
+        max_model_len,
+        attention,
+        graphs=graphs,
     )
-    return EngineParts(loaded, device, max_model_len, kv, block_manager, runner)
+    return EngineParts(loaded, device, max_model_len, kv, block_manager, runner, attention)
+
+
+def attention_backend_name(config: EngineConfig, device: torch.device) -> str:
+    """The configured backend, else Triton on a GPU and the C kernels on the CPU (which keep
+    the torch path wherever a kernel cannot run), else the torch path."""
+    if config.attention_backend is not None:
+        return config.attention_backend
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if config.cpu_kernels else "torch"
 
 
 def context_length(config: EngineConfig, model: CausalLM) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
+from runner.model.cpu_layers import CpuLayers
 from runner.model.decoder import CausalLM
 
 
@@ -25,15 +26,16 @@ class StepTiming(NamedTuple):
 class StepClock:
     """Times the forward of one step at a time: `start()` before it, `stop()` after."""
 
-    def __init__(self, model: CausalLM, on_cpu: bool) -> None:
+    def __init__(self, model: CausalLM, layers: CpuLayers | None, on_cpu: bool) -> None:
         self.model = model
+        self.layers = layers  # the C layer stack, whose clocks say where its time went
         self.on_cpu = on_cpu
         self._t0 = 0.0
         self._c0 = (0.0, 0.0, 0.0)
 
     def _counters(self) -> tuple[float, float, float]:
         """(C products, C attention, LM head) seconds so far."""
-        layers = self.model.cpu_layers
+        layers = self.layers
         in_c = (layers.product_s, layers.attention_s) if layers is not None else (0.0, 0.0)
         return (*in_c, self.model.head_s)
 

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from kvcache.store import KVStore
-from runner.attention.paged import AttentionMetadata
+from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.abi import step_split
-from runner.backends.cpu.attention import CpuSplit
 from runner.backends.cpu.kernel import LANES, CpuKernels
 from runner.backends.cpu.linear import PackedLinear
 from runner.backends.cpu.panels import weight_type
+from runner.backends.cpu.split import CpuSplit
 from runner.model.decoder_layers import DecoderLayer, PostNormLayer, SandwichNormLayer
 from runner.model.layers import RMSNorm
 
@@ -152,16 +152,14 @@ class CpuLayers:
             return None
         return cls(model, kernels)
 
-    def takes(self, kv: KVStore, backend: str) -> bool:
-        """Whether steps can run here: the CPU kernels' attention, a contiguous store that the
-        decode kernel takes (float32 or float16 on the CPU, its block size), shaped for this model
-        (layers.c reads it by raw offsets: a store of other shapes would be read out of
-        bounds)."""
+    def takes(self, kv: KVStore) -> bool:
+        """Whether steps can run here: a contiguous store that the decode kernel takes (float32
+        or float16 on the CPU, its block size), shaped for this model (layers.c reads it by raw
+        offsets: a store of other shapes would be read out of bounds)."""
         tensor = kv.tensor
         layers, _, _, _, kv_heads, head_dim = tensor.shape
         return (
-            backend == "cpu"
-            and (layers, kv_heads, head_dim) == (self.num_layers, self.num_kv_heads, self.head_dim)
+            (layers, kv_heads, head_dim) == (self.num_layers, self.num_kv_heads, self.head_dim)
             and tensor.is_contiguous()
             and self.kernels.decode_supported(self._query_probe, tensor[0, 0])
         )

@@ -4,6 +4,7 @@ layers (RMSNorm, the gated SiLU), and whole steps in C where the model fits them
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -18,9 +19,14 @@ from runner.model.layers import RMSNorm
 log = logging.getLogger(__name__)
 
 
+class CpuPacking(NamedTuple):
+    packed: int  # matrices packed
+    layers: CpuLayers | None  # the whole layer stack in C, where the model fits layers.c
+
+
 def prepack_for_cpu(
     model: CausalLM, cpu_kernels: bool = True, weight_dtype: str = "float32"
-) -> int:
+) -> CpuPacking:
     """Pack every projection and the LM head once (see runner/backends/cpu/linear.py), for the panel
     kernel where it builds (and then run norms, the activation and, where the model fits, whole
     steps in the CPU kernels too), else for oneDNN. A tied head gets its own packed
@@ -28,7 +34,8 @@ def prepack_for_cpu(
     "int8", every weight matrix is first rounded in place (runner/backends/cpu/quant.py), and the
     panels store it in 2 bytes, or 1 and a scale per group; "bfloat16-dot" stores bfloat16 pairs and
     its products round their inputs too (raises ValueError where the kernels cannot). Call after
-    loading the weights. Returns how many matrices were packed."""
+    loading the weights. Returns how many matrices were packed, and the C layer stack that the
+    "cpu" attention backend runs (runner/attention/backend.py), or None."""
     kernels = load_cpu_kernels() if cpu_kernels else None
     dot = weight_dtype == "bfloat16-dot"
     if dot and (kernels is None or not kernels.has_pairs):
@@ -47,11 +54,11 @@ def prepack_for_cpu(
         tied = int8.get(model.embed_tokens)
         model.lm_head = PackedLinear(weight, None, cpu_kernels, dtype, tied, dot)
         packed += 1
-    model.cpu_layers = CpuLayers.for_model(model, kernels)
+    layers = CpuLayers.for_model(model, kernels)
     if weight_dtype != "float32" and kernels is None:
         log.warning(
             "cpu_weight_dtype=%s without the C kernels: the rounded weights are kept as float32 "
             "(same answers as with the kernels, but no faster and no smaller)",
             weight_dtype,
         )
-    return packed
+    return CpuPacking(packed, layers)

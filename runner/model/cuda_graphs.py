@@ -18,20 +18,18 @@ once and replays them with one call. A graph replays fixed pointers and fixed la
   and is never looked at).
 
 Only the Triton attention path can be captured (the torch path builds its plan from host lists),
-so the graphs always use it, whatever `model.attention_backend` says for eager steps.
+so the graphs always use it, whatever backend the engine chose for eager steps.
 Without CUDA (tests) `capture()` records nothing and `run()` executes the same padded, fixed-grid
 step eagerly, so the padding and fixed-grid logic is testable on the CPU (Triton interpreter).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
 from kvcache.store import KVStore
-from runner.attention.paged import AttentionMetadata
+from runner.attention.metadata import AttentionMetadata
+from runner.backends.registry import attention_backend
 from runner.model.decoder import CausalLM
 
 # Beyond this many rows a decode step is long enough that launch overhead no longer matters,
@@ -55,17 +53,6 @@ def greedy_on_device(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-@contextmanager
-def _triton_attention(model: CausalLM) -> Iterator[None]:
-    """Run the model with the Triton attention path, then restore the eager backend."""
-    saved = model.attention_backend
-    model.attention_backend = "triton"
-    try:
-        yield
-    finally:
-        model.attention_backend = saved
-
-
 class DecodeGraphs:
     """Decode-step graphs of `model` over the KV store `kv` (whose tensors must never move)."""
 
@@ -80,6 +67,7 @@ class DecodeGraphs:
         batch_sizes: list[int] | None = None,
     ) -> None:
         self.model = model
+        self.attention = attention_backend("triton")
         self.kv = kv
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -124,9 +112,10 @@ class DecodeGraphs:
 
     def _step(self, bs: int) -> None:
         """The decode step over the first bs static rows; writes self.logits[:bs]."""
-        with _triton_attention(self.model):
-            hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv)
-            self.logits[:bs].copy_(self.model.compute_logits(hidden))  # [bs, vocab]
+        hidden = self.model(
+            self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv, self.attention
+        )
+        self.logits[:bs].copy_(self.model.compute_logits(hidden))  # [bs, vocab]
 
     @torch.inference_mode()
     def capture(self) -> None:

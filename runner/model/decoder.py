@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvcache.store import KVStore
-from runner.attention.paged import AttentionMetadata
+from runner.attention.backend import TORCH_ATTENTION, AttentionBackend
+from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.linear import PackedLinear
 from runner.model.architectures import (
     GEMMA_ARCHITECTURES,
@@ -27,9 +28,6 @@ from runner.model.architectures import (
 from runner.model.decoder_layers import Attention, DecoderLayer, PostNormLayer, SandwichNormLayer
 from runner.model.hf_weights import load_hf_weights
 from runner.model.layers import RMSNorm, rope_cos_sin
-
-if TYPE_CHECKING:
-    from runner.model.cpu_layers import CpuLayers
 
 
 class CausalLM(nn.Module):
@@ -52,10 +50,6 @@ class CausalLM(nn.Module):
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
         # cap * tanh(logits / cap) where the config sets a final soft cap (Gemma 2's 30).
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-        # "torch", "cpu" or "triton"; the engine may switch it after loading.
-        self.attention_backend = "torch"
-        # A step's layers in one C call, once the model is packed for the CPU kernels.
-        self.cpu_layers: CpuLayers | None = None
         self.head_s = 0.0  # seconds in compute_logits so far
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         layer_class = (
@@ -122,8 +116,10 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,
         kv: KVStore,
+        attention: AttentionBackend = TORCH_ATTENTION,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [T, H]; writes K/V of all T tokens."""
+        """Hidden states after the final norm, [T, H]; writes K/V of all T tokens, through the
+        engine's attention backend (and its layer stack, where it takes this cache)."""
         h = self.embed_tokens(input_ids)  # [T, H]
         if self.round_embedding_multiplier:
             h = h * torch.tensor(self.embedding_multiplier, dtype=h.dtype)
@@ -135,14 +131,15 @@ class CausalLM(nn.Module):
             kind: (c.index_select(0, positions), s.index_select(0, positions))
             for kind, (c, s) in self.rope_by_type.items()
         }
-        if self.cpu_layers is not None and self.cpu_layers.takes(kv, self.attention_backend):
-            h = self.cpu_layers.run(h, cos, sin, meta, kv, by_type)
+        stack = attention.layers
+        if stack is not None and stack.takes(kv):
+            h = stack.run(h, cos, sin, meta, kv, by_type)
         else:
             for i, layer in enumerate(self.layers):
                 k_cache, v_cache = kv.layer(i)
                 kind = self.layer_rope_types[i]
                 c, s = (cos, sin) if kind is None else by_type[kind]
-                h = layer(h, c, s, meta, k_cache, v_cache, self.attention_backend)
+                h = layer(h, c, s, meta, k_cache, v_cache, attention.attend)
         out: torch.Tensor = self.norm(h)
         return out
 

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.attention.paged import AttentionMetadata, paged_attention
+from runner.attention.backend import Attend
+from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.kernel import CpuKernels
 from runner.model.architectures import (
     GEMMA_ARCHITECTURES,
@@ -75,7 +76,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor,  # [blocks, B, Hkv, D]
         v_cache: torch.Tensor,
-        backend: str,
+        attend: Attend,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -93,8 +94,8 @@ class Attention(nn.Module):
             # q and k heads side by side rotate in one pass: [T, Hq + Hkv, D], then split.
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
             q, k = self._rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        o = paged_attention(  # [T, Hq, D]
-            q, k, v, k_cache, v_cache, meta, self.scale, backend, self.sliding_window, self.softcap
+        o = attend(  # [T, Hq, D]
+            q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap
         )
         out: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
         return out
@@ -155,10 +156,10 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        backend: str,
+        attend: Attend,
     ) -> torch.Tensor:
         m = self.residual_multiplier
-        x = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, backend)
+        x = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, attend)
         h = (x if m == 1.0 else x.mul_(m)).add_(h)  # x is a fresh tensor: in place is safe
         x = self.mlp(self.post_attention_layernorm(h))
         return (x if m == 1.0 else x.mul_(m)).add_(h)
@@ -183,9 +184,9 @@ class PostNormLayer(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        backend: str,
+        attend: Attend,
     ) -> torch.Tensor:
-        x = self.self_attn(h, cos, sin, meta, k_cache, v_cache, backend)
+        x = self.self_attn(h, cos, sin, meta, k_cache, v_cache, attend)
         h = self.post_attention_layernorm(x).add_(h)  # a norm's output is fresh: in place
         return self.post_feedforward_layernorm(self.mlp(h)).add_(h)
 
@@ -212,9 +213,9 @@ class SandwichNormLayer(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        backend: str,
+        attend: Attend,
     ) -> torch.Tensor:
-        x = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, backend)
+        x = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, attend)
         h = self.post_attention_layernorm(x).add_(h)  # a norm's output is fresh: in place
         x = self.mlp(self.pre_feedforward_layernorm(h))
         return self.post_feedforward_layernorm(x).add_(h)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvcache.store import KVStore
-from runner.attention.paged import AttentionMetadata
+from runner.attention.metadata import AttentionMetadata
 from runner.model.decoder import CausalLM
 
 

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # runner.backends.cpu.attention loads the library, which imports this module
-    from runner.backends.cpu.attention import CpuSplit
+from runner.backends.cpu.split import CpuSplit
 
 _long, _int, _float, _ptr = ctypes.c_long, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 

@@ -14,12 +14,11 @@ Without CUDA the kernels run in Triton's interpreter on CPU tensors
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
+from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.common import (
     check_cache_pair,
     check_softcap,
@@ -28,9 +27,6 @@ from runner.backends.triton.common import (
 )
 from runner.backends.triton.decode import decode_attention
 from runner.backends.triton.prefill import prefill_attention
-
-if TYPE_CHECKING:  # runner/attention/paged.py imports this module lazily; avoid a cycle at runtime
-    from runner.attention.paged import AttentionMetadata
 
 __all__ = ["decode_attention", "prefill_attention", "store_kv", "triton_paged_attention"]
 
