@@ -3,6 +3,8 @@
 ``from kvcache import LLM, SamplingParams`` is the user-facing entry point. Those two names live
 in ``runner`` (which depends on this package, never the reverse) and are resolved on first
 access, so importing the core alone never pulls in torch or the runner.
+
+May import: nothing else of the project (kvcache.store alone may import torch).
 """
 
 import importlib

@@ -1,6 +1,9 @@
-"""Model side of kvcache: model, attention, loader, and (by others) scheduler/engine.
+"""Everything that runs a model, one package per concern (docs/ARCHITECTURE.md has the map):
+engine/ (LLM, the loop, scheduling), model/ (the decoder, loading), attention/ (the contract),
+backends/ (CPU and Triton kernels), sampling/, cli/, report/, bench/. It depends on kvcache/,
+never the reverse.
 
-Without a GPU the Triton kernels (runner/triton_*.py) run, slowly, on CPU tensors in Triton's
+Without a GPU the Triton kernels (runner/backends/triton/) run, slowly, on CPU tensors in Triton's
 interpreter: that is how CI tests them. Triton reads TRITON_INTERPRET when `triton` is first
 imported (its own library, tl.sum and the like, is decorated then) and at each `@triton.jit`,
 so it is set here, before any module of the package imports Triton. `setdefault` keeps an

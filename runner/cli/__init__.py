@@ -1,1 +1,6 @@
-"""TODO."""
+"""The command line's parts (cli.py at the top level is the entry point): `kvcache generate`
+over batch files (reading, path checks, the crash-safe output), the engine's options, `report`
+and `bench` commands, and process start-up.
+
+May import: kvcache, engine, sampling, report, bench.
+"""

@@ -1,0 +1,97 @@
+"""The layout's rules, checked on the source: no import cycles (TYPE_CHECKING imports count),
+each package imports only what its __init__ docstring allows, and the KV store core stays pure
+Python (torch only in its tensor store, and never the runner)."""
+
+from __future__ import annotations
+
+import pytest
+from import_graph import cycles, import_graph, imported_names, project_modules
+
+# Package -> the packages it may import (besides itself), as each __init__.py says.
+ALLOWED: dict[str, set[str]] = {
+    "kvcache": set(),
+    "runner.attention": {"kvcache.store"},
+    "runner.backends.cpu": {"kvcache.store", "runner.attention"},
+    "runner.backends.triton": {"kvcache.store", "runner.attention"},
+    "runner.backends": {"runner.attention", "runner.backends.cpu", "runner.backends.triton"},
+    "runner.model": {"kvcache.store", "runner.attention", "runner.backends"},
+    "runner.sampling": set(),
+    "runner.engine": {
+        "kvcache",
+        "kvcache.store",
+        "runner.attention",
+        "runner.backends",
+        "runner.model",
+        "runner.sampling",
+    },
+    "runner.report": set(),
+    "runner.cli": {"kvcache", "runner.engine", "runner.sampling", "runner.report", "runner.bench"},
+    "runner.bench": {
+        "kvcache",
+        "runner.attention",
+        "runner.backends",
+        "runner.engine",
+        "runner.model",
+        "runner.sampling",
+    },
+}
+
+
+def package_of(module: str) -> str:
+    """The rule's package of a module: kvcache.store on its own, backends by backend."""
+    if module == "kvcache.store":
+        return module
+    parts = module.split(".")
+    if parts[0] == "kvcache":
+        return "kvcache"
+    if parts[:2] == ["runner", "backends"] and len(parts) > 2 and parts[2] in ("cpu", "triton"):
+        return ".".join(parts[:3])
+    return ".".join(parts[:2])
+
+
+def covers(allowed: set[str], target: str) -> bool:
+    """Whether an allowed package (or one above it: runner.backends covers its backends)
+    names the target's package."""
+    return any(target == a or target.startswith(a + ".") for a in allowed)
+
+
+def test_the_project_has_no_import_cycle() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_sees_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_each_package_imports_only_what_it_may() -> None:
+    wrong = []
+    for module, targets in import_graph().items():
+        source = package_of(module)
+        if source == "runner" or source == "kvcache.store":
+            continue  # runner/__init__.py sets the Triton switch; the store is the core's leaf
+        assert source in ALLOWED, f"{source} has no rule: add it to ALLOWED and its docstring"
+        for target in targets:
+            dest = package_of(target)
+            if dest != source and dest != "runner" and not covers(ALLOWED[source], dest):
+                wrong.append(f"{module} imports {target}")
+    assert wrong == []
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_each_package_docstring_names_what_it_owns_and_imports(package: str) -> None:
+    doc = (project_modules()[package].read_text().split('"""') + ["", ""])[1]
+    assert "May import" in doc, f"{package}/__init__.py must say which packages it may import"
+    for allowed in ALLOWED[package]:
+        assert allowed.removeprefix("runner.") in doc, f"{package}: docstring omits {allowed}"
+
+
+def test_the_core_imports_no_torch_and_no_runner() -> None:
+    heavy = []
+    for name, path in project_modules().items():
+        if not name.startswith("kvcache") or name == "kvcache.store":
+            continue
+        for target in imported_names(path, name):
+            if target.split(".")[0] in ("torch", "runner", "numpy", "transformers"):
+                heavy.append(f"{name} imports {target}")
+    assert heavy == []
