@@ -18,9 +18,9 @@ mkdir -p "$(dirname "$RESULT")"
 BENCH_JSON="$(dirname "$RESULT")/gpu_bench.json"
 TESTS_S="${GPU_CHECK_TESTS_S:-150}"
 BENCH_S="${GPU_CHECK_BENCH_S:-340}"
-DEFAULT_TESTS="tests/test_cuda.py tests/test_gpu_bench.py tests/test_triton_attention.py"
-DEFAULT_TESTS="$DEFAULT_TESTS tests/test_triton_rms_norm.py"
-TESTS="${GPU_CHECK_TESTS:-$DEFAULT_TESTS tests/test_engine_equivalence.py}"
+DEFAULT_TESTS="tests/model/test_cuda.py tests/bench/test_gpu_bench.py tests/backends/triton/test_triton_attention.py"
+DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_rms_norm.py"
+TESTS="${GPU_CHECK_TESTS:-$DEFAULT_TESTS tests/engine/test_engine_equivalence.py}"
 # The scripts import the project from this checkout (the GPU machine does not install it).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The GPU machine has no network: never wait on a hub look-up.

@@ -7,8 +7,8 @@ with its weight matrices as they are, rounded to bfloat16, quantized to int8 as
 runner/backends/cpu/quant.py rounds them, and rounded to bfloat16 with every product's input
 rounded too (`round_product_inputs`), then with float32 weights and a cache that rounds each key
 and value to float16 (`Float16KV`): the very models the CPU engine runs with those options (its
-greedy output equals transformers' on them; tests/test_rounded_weights.py,
-tests/test_bfloat16_dot.py, tests/test_kv_cache_dtype.py).
+greedy output equals transformers' on them; tests/model/test_rounded_weights.py,
+tests/model/test_bfloat16_dot.py, tests/model/test_kv_cache_dtype.py).
 """
 
 from __future__ import annotations

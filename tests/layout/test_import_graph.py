@@ -5,7 +5,7 @@ Python (torch only in its tensor store, and never the runner)."""
 from __future__ import annotations
 
 import pytest
-from import_graph import cycles, import_graph, imported_names, project_modules
+from import_graph import ROOT, cycles, import_graph, imported_names, project_modules
 
 # Package -> the packages it may import (besides itself), as each __init__.py says.
 ALLOWED: dict[str, set[str]] = {
@@ -94,4 +94,16 @@ def test_the_core_imports_no_torch_and_no_runner() -> None:
         for target in imported_names(path, name):
             if target.split(".")[0] in ("torch", "runner", "numpy", "transformers"):
                 heavy.append(f"{name} imports {target}")
+    assert heavy == []
+
+
+def test_the_core_tests_import_no_torch() -> None:
+    """tests/kvcache/ tests the pure core without torch; the tensor store's test alone needs it."""
+    heavy = []
+    for path in sorted((ROOT / "tests" / "kvcache").glob("test_*.py")):
+        if path.name == "test_kv_store.py":
+            continue
+        for target in imported_names(path, f"tests.kvcache.{path.stem}"):
+            if target.split(".")[0] in ("torch", "runner", "numpy", "transformers"):
+                heavy.append(f"{path.name} imports {target}")
     assert heavy == []

@@ -14,7 +14,8 @@ it is compiled.
 
 It must run with TRITON_INTERPRET=0: under the interpreter `@triton.jit` yields interpreted
 functions, which cannot be compiled; `python -m runner.backends.triton.aot` sets it (so run it as a
-process of its own) and prints one line per launch. tests/test_triton_compile.py runs it so.
+process of its own) and prints one line per launch. tests/backends/triton/test_triton_compile.py
+runs it so.
 """
 
 from __future__ import annotations
