@@ -1,4 +1,5 @@
-"""What the scheduler calls: ask (``can_allocate``), then commit (``allocate``); grow, commit, free.
+"""What the scheduler calls: ask, then commit (``can_allocate`` / ``allocate``, ``can_append`` /
+``append_slots``); commit, free.
 
 A request's life: ``allocate`` matches the longest cached prefix (capped so at least one prompt
 token is computed), locks that path (ref += 1) and takes fresh blocks for the rest;
@@ -204,22 +205,14 @@ class BlockManager:
     def append_slots(self, request_id: int, num_tokens: int) -> Sequence[int]:
         """Grow the table to ceil(num_tokens / B) blocks (never shrinks); returns it (read
         only). Mutates the table and the pool (may evict). Raises ValueError when blocks are
-        short."""
-        if not self.grow(request_id, num_tokens):
-            raise ValueError(f"request {request_id}: too few blocks for {num_tokens} tokens")
-        return self._requests[request_id].table
-
-    def grow(self, request_id: int, num_tokens: int) -> bool:
-        """``can_append`` and ``append_slots`` in one call (a decode step makes one per
-        sequence): grows the table, or returns False and changes nothing."""
+        short (ask ``can_append``); nothing is mutated then."""
         table = self._requests[request_id].table
         missing = self._blocks_for(num_tokens) - len(table)
-        if missing <= 0:
-            return True
         if missing > self.num_available_blocks():
-            return False
-        table.extend(self._cache.take(missing))
-        return True
+            raise ValueError(f"request {request_id}: too few blocks for {num_tokens} tokens")
+        if missing > 0:
+            table.extend(self._cache.take(missing))
+        return table
 
     def commit(self, request_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Insert into the tree every full block inside ``num_computed_tokens`` not yet committed.

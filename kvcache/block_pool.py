@@ -49,11 +49,6 @@ class BlockPool:
     def num_in_use(self) -> int:
         return self.num_blocks - len(self._free) - self._num_cached
 
-    @property
-    def num_evictable(self) -> int:
-        """Cached blocks evictable right now (ref-0 leaves); their ancestors follow later."""
-        return len(self._lru)
-
     def ref(self, block: int) -> int:
         return self._ref[block]
 

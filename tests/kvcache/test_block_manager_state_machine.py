@@ -152,16 +152,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         req = self.live[rid]
         if not self.bm.can_append(rid, len(req.tokens) + 1):
             before = list(self.bm.block_table(rid)), self.bm.num_available_blocks()
-            assert not self.bm.grow(rid, len(req.tokens) + 1)  # and changes nothing:
-            assert (list(self.bm.block_table(rid)), self.bm.num_available_blocks()) == before
             with pytest.raises(ValueError):
                 self.bm.append_slots(rid, len(req.tokens) + 1)
+            # and changes nothing:
+            assert (list(self.bm.block_table(rid)), self.bm.num_available_blocks()) == before
             return
         req.tokens.append(new)
-        if data.draw(st.booleans(), label="grow"):  # the scheduler's one-call form
-            assert self.bm.grow(rid, len(req.tokens))
-        else:
-            self.bm.append_slots(rid, len(req.tokens))
+        self.bm.append_slots(rid, len(req.tokens))
         assert len(self.bm.block_table(rid)) == -(-len(req.tokens) // B)
         self._compute(rid, req, len(req.tokens) - 1)
         self._commit(rid, req)
