@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvcache import BlockManager
 from kvcache.store import KVStore
 from runner.attention.backend import TORCH_ATTENTION, AttentionBackend
 from runner.attention.metadata import AttentionMetadata
@@ -34,7 +33,7 @@ class ModelRunner:
         self,
         model: CausalLM,
         kv: KVStore,
-        block_manager: BlockManager,
+        block_size: int,
         device: torch.device,
         max_num_seqs: int,
         max_model_len: int,
@@ -45,9 +44,8 @@ class ModelRunner:
         self.model = model
         self.attention = attention  # the engine's backend, passed to every forward pass
         self.kv = kv
-        self.bm = block_manager
         self.device = device
-        self.block_size = block_manager.block_size
+        self.block_size = block_size
         self.table_rows = BlockTableRows(2 * max_num_seqs, -(-max_model_len // self.block_size))
 
     def prepare(
@@ -66,7 +64,7 @@ class ModelRunner:
         starts = [item.start for item in batch]
         context_lens = [start + q for start, q in zip(starts, query_lens, strict=True)]
         seq_ids = [item.seq.seq_id for item in batch]
-        block_tables = self.table_rows.gather(seq_ids, [self.bm.block_table(i) for i in seq_ids])
+        block_tables = self.table_rows.gather(seq_ids, [item.block_table for item in batch])
         decode_only = all(q == 1 for q in query_lens)
         if decode_only:  # one token each: the newest, at position `start`
             input_ids = [item.seq.token_ids[item.start] for item in batch]

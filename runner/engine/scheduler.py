@@ -4,7 +4,7 @@ for decoding sequences (runner/engine/speculative.py)."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import abc, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +28,9 @@ class ScheduledSeq:
     # Guessed tokens fed after a decoding sequence's newest one (runner/engine/speculative.py): the
     # step computes 1 + len(draft) positions, and the engine keeps those the model agrees with.
     draft: list[int] = field(default_factory=list)
+    # The sequence's block table as the block manager holds it (read only), set once the step
+    # is scheduled: the model runner reads its slots from here, never from the manager.
+    block_table: abc.Sequence[int] = ()
 
     @property
     def decodes(self) -> bool:
@@ -158,6 +161,8 @@ class Scheduler:
                 f"request {self.waiting[0].request_id!r} does not fit in an empty KV pool of "
                 f"{self.bm.num_blocks} blocks"
             )
+        for item in out.scheduled:  # every allocation and growth of the step is done
+            item.block_table = self.bm.block_table(item.seq.seq_id)
         return out
 
     def commit(self, out: SchedulerOutput) -> None:

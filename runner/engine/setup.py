@@ -116,7 +116,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     runner = ModelRunner(
         model,
         kv,
-        block_manager,
+        config.block_size,
         device,
         config.max_num_seqs,
         max_model_len,
