@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every workload of the README's bench table, each system measured side by side in one
+# Every workload of docs/BENCHMARKS.md's tables, each system measured side by side in one
 # process. Writes docs/bench/<workload>.txt (the table) and .json (the rows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
