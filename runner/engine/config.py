@@ -11,8 +11,8 @@ from runner.backends.cpu.quant import CPU_WEIGHT_DTYPES
 Batching = Literal["continuous", "static"]
 # Default tokens per step. On the CPU a step's time grows with its tokens, and prefill runs as
 # fast in chunks of 512 as of 2,048, so a prompt that arrives among running answers delays them
-# ~0.8 s a step instead of ~3 s (measured with kvcache bench, README). On a GPU a step of 2,048
-# tokens costs little more than one of 512, and fewer steps mean less host work.
+# ~0.8 s a step instead of ~3 s (measured with kvcache bench: docs/BENCHMARKS.md). On a GPU a step
+# of 2,048 tokens costs little more than one of 512, and fewer steps mean less host work.
 CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET = 512, 2048
 # What a model's weights may be loaded as (None or "auto": float32 on the CPU, bfloat16 on a
 # GPU).

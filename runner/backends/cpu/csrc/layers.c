@@ -12,7 +12,7 @@
  * branch's input and output, gate with the tanh GeLU and rotate their local layers with a
  * RoPE table of their own. The operations and their order per element are those of
  * runner/model/decoder_layers.py and runner/backends/cpu/attention.py, so h comes out bit for bit as the
- * Python path computes it. Widths must be multiples of 16; runner/backends/cpu/layers.py checks before
+ * Python path computes it. Widths must be multiples of 16; runner/model/cpu_layers.py checks before
  * calling.
  */
 #include <string.h>
