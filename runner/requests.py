@@ -9,6 +9,7 @@ from typing import Any
 
 from runner.logit_rules import stop_ids_of
 from runner.sampling_params import SamplingParams
+from runner.text_checks import check_text
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -111,6 +112,7 @@ class RequestValidator:
             for key in ("role", "content"):
                 if not isinstance(message.get(key), str):
                     raise ValueError(f"messages[{i}] needs a string {key!r}")
+                check_text(f"messages[{i}].{key}", message[key])
 
 
 def check_template_kwargs(template_kwargs: object) -> dict[str, Any]:
@@ -136,6 +138,7 @@ def prompt_token_ids(prompt: object, tokenizer: Any, add_special_tokens: bool) -
             raise ValueError("prompt is empty")
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
+        check_text("prompt", prompt)
         return list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
     if isinstance(prompt, list | tuple):
         return list(prompt)
