@@ -47,7 +47,9 @@ class BatchRun:
                 ResultWriter(output, resume) if output is not None else PrintWriter()
             )
         except OSError as err:  # --resume rewrote it (a torn tail cut) onto a full disk
-            print(f"error: cannot open {output} ({err.strerror}): it is as it was", file=sys.stderr)
+            assert output is not None  # printing opens nothing
+            kept = output.read_bytes().count(b"\n") if output.is_file() else 0
+            print(f"error: {RecordsNotWritten(output, kept, err)}", file=sys.stderr)
             return 1
         with ExitStack() as stack:
             stack.callback(writer.close)
