@@ -121,6 +121,7 @@ class GrammarBook:
         self.eos_ids = sorted(eos_ids)
         self._compiler: Any = None
         self._compiled: dict[tuple[str, str], Any] = {}
+        self._finite_keys: dict[tuple[str, str], bool | None] = {}
 
     def compile(self, params: StructuredOutputsParams | None) -> Any:
         """The compiled grammar of `params` (None for none), compiled on first use. Raises
@@ -147,6 +148,22 @@ class GrammarBook:
         state.matcher.fill_next_token_bitmask(bitmask, 0)
         if not bool(bitmask.any()):
             raise ValueError("structured_outputs: the structure admits no answer at all")
+        if not self._finite(params):
+            raise ValueError(
+                "structured_outputs: the structure admits no finite answer (a part of it "
+                "always needs another copy of itself, as a required property whose schema "
+                "is the whole schema)"
+            )
+
+    def _finite(self, params: StructuredOutputsParams) -> bool:
+        """Whether the structure has an answer that ends (runner/grammar_finite.py), read
+        once per structure; True when its grammar's print cannot be read."""
+        from runner.grammar_finite import has_finite_answer
+
+        key = params.key
+        if key not in self._finite_keys:
+            self._finite_keys[key] = has_finite_answer(str(self.compile(params).grammar))
+        return self._finite_keys[key] is not False
 
     def state_for(self, params: StructuredOutputsParams | None) -> GrammarState | None:
         """A fresh matcher for one sequence under `params` (None for none)."""
