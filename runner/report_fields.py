@@ -8,8 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 # field: (kind, required); numbers are ints or floats, never bools; "number?" may be null too.
-_CACHE = ("query_tokens", "hit_tokens", "readmit_query_tokens", "readmit_hit_tokens")
-_CACHE += ("copied_tokens", "evicted_blocks")
+_CACHE = (
+    *("query_tokens", "hit_tokens", "readmit_query_tokens", "readmit_hit_tokens"),
+    *("copied_tokens", "evicted_blocks"),
+)
 _TOP = ("num_preemptions", "num_draft_tokens", "num_accepted_tokens", "max_num_batched_tokens")
 _REQUEST: dict[str, tuple[str, bool]] = {
     "id": ("any", True),

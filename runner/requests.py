@@ -147,7 +147,7 @@ def prompt_token_ids(prompt: object, tokenizer: Any, add_special_tokens: bool) -
     raise ValueError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
 
 
-def _plain_int(token: object) -> object:
+def _plain_int(token: Any) -> Any:
     """A numpy (or other) integer as the int it is; anything else as it is, for `check`."""
     if isinstance(token, numbers.Integral) and not isinstance(token, int | bool):
         return int(token)

@@ -140,7 +140,7 @@ class GrammarBook:
         """Compile `params` (see `compile`), and refuse a structure no answer can satisfy
         (`root ::= root "a"`): its first mask would allow no token at all."""
         state = self.state_for(params)
-        if state is None:
+        if state is None or params is None:
             return
         import xgrammar as xgr
 
