@@ -54,6 +54,8 @@ class StructuredOutputsParams:
                 json.dumps(self.json)
             except (TypeError, ValueError) as err:
                 raise ValueError(f"json schema is not JSON: {err}") from err
+            except RecursionError:  # a dict nested past the stack: no schema is that deep
+                raise ValueError("json schema is nested too deeply") from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from cli import main
 from kvcache import LLM, SamplingParams
+from runner.structured_outputs import StructuredOutputsParams
 
 SURROGATE = "\\ud800"  # as the JSON escape, written into the file as is
 
@@ -63,5 +64,12 @@ def test_the_api_raises_value_error(tiny_llama_tok_dir: Path) -> None:
         SamplingParams(stop=[bad])
     with pytest.raises(ValueError, match=r"bad_words\[0\] is not valid Unicode"):
         SamplingParams(bad_words=[bad])
+    deep: dict = {}
+    inner = deep
+    for _ in range(5000):
+        inner["items"] = {}
+        inner = inner["items"]
+    with pytest.raises(ValueError, match="json schema is nested too deeply"):
+        StructuredOutputsParams(json=deep)
     assert llm.generate("hello", params)[0].finish_reason == "length"  # the engine goes on
     llm.block_manager.check_integrity()
