@@ -40,7 +40,15 @@ class BatchRun:
         self._hash_of: dict[str, str] = {}  # each queued request's hash, for its record
 
     def execute(self, input_path: str, output: Path | None, resume: bool) -> int:
-        """Returns the exit code: 0 when every line ran, 1 when some failed, 130 on Ctrl-C."""
+        """Returns the exit code: 0 when every line ran, 1 when some failed or the output
+        could not be written (a full disk), 130 on Ctrl-C."""
+        try:
+            return self._execute(input_path, output, resume)
+        except RecordsNotWritten as err:  # a full disk: every record written is whole
+            print(f"\nerror: {err}", file=sys.stderr)
+            return 1
+
+    def _execute(self, input_path: str, output: Path | None, resume: bool) -> int:
         start = time.perf_counter()
         try:
             writer: ResultWriter | PrintWriter = (
@@ -49,81 +57,66 @@ class BatchRun:
         except OSError as err:  # --resume rewrote it (a torn tail cut) onto a full disk
             assert output is not None  # printing opens nothing
             kept = output.read_bytes().count(b"\n") if output.is_file() else 0
-            print(f"error: {RecordsNotWritten(output, kept, err)}", file=sys.stderr)
-            return 1
+            raise RecordsNotWritten(output, kept, err) from err
+        line_of: dict[str, int] = {}
+        given_ids: set[str] = set()  # ids written in the file, not taken from line numbers
         with ExitStack() as stack:
             stack.callback(writer.close)
             try:
-                return self._execute(input_path, output, stack, writer, start)
-            except RecordsNotWritten as err:  # a full disk: every record written is whole
-                print(f"\nerror: {err}", file=sys.stderr)
-                return 1
-
-    def _execute(
-        self,
-        input_path: str,
-        output: Path | None,
-        stack: ExitStack,
-        writer: ResultWriter | PrintWriter,
-        start: float,
-    ) -> int:
-        line_of: dict[str, int] = {}
-        given_ids: set[str] = set()  # ids written in the file, not taken from line numbers
-        try:
-            stream = self._open(input_path, stack)
-        except OSError as err:
-            print(f"error: cannot read {input_path}: {err}", file=sys.stderr)
-            return 2
-        is_text = input_path.endswith(".txt")
-        for line_no, text, error in read_lines(stream, is_text):
-            if text is None:
-                self._fail(writer, BatchLine(line_no, str(line_no), error=error))
-                continue
-            line = parse_line(line_no, text, self.defaults, is_text)
-            if line.request_id in writer.done_ids:
-                if not writer.is_stale(line):
-                    self.num_skipped += 1
+                stream = self._open(input_path, stack)
+            except OSError as err:
+                print(f"error: cannot read {input_path}: {err}", file=sys.stderr)
+                return 2
+            is_text = input_path.endswith(".txt")
+            for line_no, text, error in read_lines(stream, is_text):
+                if text is None:
+                    self._fail(writer, BatchLine(line_no, str(line_no), error=error))
                     continue
-                self.num_rerun += 1
-                print(
-                    f"line {line_no}: id {line.request_id!r}: its record in {output} was "
-                    "made from another request (the input or the options changed since); "
-                    "running it again",
-                    file=sys.stderr,
-                )
-            if line.error is None and line.request_id in line_of:
-                line.error = self._repeat_error(line, line_of[line.request_id], given_ids)
-            if line.error is not None:
-                self._fail(writer, line)
-                continue
-            line_of[line.request_id] = line_no
-            self._hash_of[line.request_id] = line.request_hash
-            if line.id_given:
-                given_ids.add(line.request_id)
-            if self.beam_width:
-                self.beam_lines.append(line)
-            else:
-                self._submit(writer, line)
-        total = len(self.beam_lines) or self.num_queued
-        bar = tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
-        stack.callback(bar.close)
-        try:
-            if self.beam_width:
-                search_lines(
-                    self.llm,
-                    self.beam_lines,
-                    self.beam_width,
-                    lambda line, record: self._searched(
-                        writer, {**record, "request_hash": line.request_hash}, bar, start
-                    ),
-                    lambda line: self._fail(writer, line),
-                )
-            self.llm.run_until_done(lambda out: self._finish(writer, out, line_of, bar, start))
-        except KeyboardInterrupt:
-            bar.close()
-            where = f"written to {output}; rerun with --resume" if output else "printed"
-            print(f"\ninterrupted: {self.num_done} requests {where}", file=sys.stderr)
-            return 130
+                line = parse_line(line_no, text, self.defaults, is_text)
+                if line.request_id in writer.done_ids:
+                    if not writer.is_stale(line):
+                        self.num_skipped += 1
+                        continue
+                    self.num_rerun += 1
+                    print(
+                        f"line {line_no}: id {line.request_id!r}: its record in {output} was "
+                        "made from another request (the input or the options changed since); "
+                        "running it again",
+                        file=sys.stderr,
+                    )
+                if line.error is None and line.request_id in line_of:
+                    line.error = self._repeat_error(line, line_of[line.request_id], given_ids)
+                if line.error is not None:
+                    self._fail(writer, line)
+                    continue
+                line_of[line.request_id] = line_no
+                self._hash_of[line.request_id] = line.request_hash
+                if line.id_given:
+                    given_ids.add(line.request_id)
+                if self.beam_width:
+                    self.beam_lines.append(line)
+                else:
+                    self._submit(writer, line)
+            total = len(self.beam_lines) or self.num_queued
+            bar = tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
+            stack.callback(bar.close)
+            try:
+                if self.beam_width:
+                    search_lines(
+                        self.llm,
+                        self.beam_lines,
+                        self.beam_width,
+                        lambda line, record: self._searched(
+                            writer, {**record, "request_hash": line.request_hash}, bar, start
+                        ),
+                        lambda line: self._fail(writer, line),
+                    )
+                self.llm.run_until_done(lambda out: self._finish(writer, out, line_of, bar, start))
+            except KeyboardInterrupt:
+                bar.close()
+                where = f"written to {output}; rerun with --resume" if output else "printed"
+                print(f"\ninterrupted: {self.num_done} requests {where}", file=sys.stderr)
+                return 130
         self._summary(output, time.perf_counter() - start)
         return 1 if self.num_errors else 0
 
