@@ -14,7 +14,7 @@ from runner.batch_records import RecordsNotWritten, drop_stale, recover, request
 from runner.requests import check_template_kwargs
 from runner.sampling_params import SamplingParams
 from runner.structured_outputs import StructuredOutputsParams
-from runner.text_checks import first_bad_text
+from runner.text_checks import first_bad_text, may_hold_surrogates
 
 SAMPLING_FIELDS = (
     "max_tokens",
@@ -99,7 +99,7 @@ def parse_line(line_no: int, text: str, defaults: dict[str, Any], is_text_file: 
         return BatchLine(line_no, str(line_no), error=f"line {line_no}: JSON nested too deeply")
     if not isinstance(obj, dict):
         return BatchLine(line_no, str(line_no), error=f"line {line_no}: expected a JSON object")
-    bad_text = first_bad_text(obj, "")
+    bad_text = first_bad_text(obj, "") if may_hold_surrogates(text) else None
     if bad_text is not None:  # before any of it reaches an encoder: the id, the prompt, ...
         return BatchLine(line_no, str(line_no), error=f"line {line_no}: {bad_text}")
     request_id = obj.get("id", str(line_no))

@@ -5,7 +5,11 @@ enters, as the ValueError every other bad field gets."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+# JSON text decoded from UTF-8 holds no surrogate itself: one can only come from an escape.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def check_text(name: str, text: str) -> None:
@@ -17,6 +21,12 @@ def check_text(name: str, text: str) -> None:
             f"{name} is not valid Unicode text: a lone surrogate U+{ord(text[err.start]):04X} "
             f"at character {err.start}"
         ) from None
+
+
+def may_hold_surrogates(json_text: str) -> bool:
+    """Whether JSON text has an escape that decodes to a surrogate (a pair, or a lone one):
+    only then is its parsed value worth walking with `first_bad_text`."""
+    return _SURROGATE_ESCAPE.search(json_text) is not None
 
 
 def first_bad_text(value: Any, name: str) -> str | None:
@@ -38,6 +48,10 @@ def first_bad_text(value: Any, name: str) -> str | None:
                 except ValueError as err:
                     return str(err)
                 todo.append((child, f"{where}.{key}" if where else key))
-        elif isinstance(item, list):
-            todo.extend((child, f"{where}[{i}]") for i, child in reversed(list(enumerate(item))))
+        elif isinstance(item, list):  # token ids and numbers cost no name, nor a push
+            todo.extend(
+                (child, f"{where}[{i}]")
+                for i, child in reversed(list(enumerate(item)))
+                if isinstance(child, str | dict | list)
+            )
     return None
