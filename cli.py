@@ -109,7 +109,12 @@ def main() -> None:
     "a later run starts with this run's prefixes cached.",
 )
 @click.option("--resume", is_flag=True, help="Skip ids already in OUTPUT and append the rest.")
-@click.option("--overwrite", is_flag=True, help="Replace an OUTPUT that holds results.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace an OUTPUT that holds results, and a --prefix-cache file that is not a prefix "
+    "cache of this engine.",
+)
 @engine_options
 def generate(
     input_path: str,
@@ -149,7 +154,14 @@ def generate(
     from runner.cli.batch_paths import check_paths
 
     try:  # before the model loads: a wrong path costs nothing yet
-        check_paths(input_path, output_path, metrics_path, resume=resume, overwrite=overwrite)
+        check_paths(
+            input_path,
+            output_path,
+            metrics_path,
+            resume=resume,
+            overwrite=overwrite,
+            prefix_cache_path=prefix_cache_path,
+        )
     except ValueError as err:
         raise click.UsageError(str(err)) from err
     if beam_width and (temperature != 0 or samples != 1):
@@ -180,26 +192,20 @@ def generate(
         "prompt_logprobs": prompt_logprobs,
     }
     engine_options["record_metrics"] = bool(metrics_path)  # else memory grows with every token
-    with start_up_without_gc():
-        try:  # Ctrl-C in the imports or the model load: nothing was generated yet
-            run = _start_batch_run(model, engine_options, defaults, beam_width)
-        except KeyboardInterrupt:
-            click.echo("interrupted while loading the model; nothing was generated", err=True)
-            sys.exit(130)
-    cache_file = Path(prefix_cache_path) if prefix_cache_path else None
-    if cache_file is not None and cache_file.exists():
-        try:
-            blocks = run.llm.load_prefix_cache(cache_file)
-            click.echo(f"prefix cache: {blocks} blocks loaded from {cache_file}", err=True)
-        except ValueError as err:  # a stale cache costs a cold start, not the run
-            click.echo(f"prefix cache: ignored, starting cold: {err}", err=True)
-    code = run.execute(input_path, Path(output_path) if output_path else None, resume=resume)
-    if cache_file is not None:
-        blocks = run.llm.save_prefix_cache(cache_file)
-        click.echo(f"prefix cache: {blocks} blocks saved to {cache_file}", err=True)
-    if metrics_path:
-        Path(metrics_path).write_text(json.dumps(run.llm.metrics()))
-        click.echo(f"metrics written to {metrics_path}", err=True)
+    from runner.cli.batch_finish import PrefixCacheFile, run_batch
+    from runner.cli.signals import sigterm_as_sigint
+
+    with sigterm_as_sigint():  # `kill`: what Ctrl-C does, not an exit without a word
+        with start_up_without_gc():
+            try:  # Ctrl-C in the imports or the model load: nothing was generated yet
+                run = _start_batch_run(model, engine_options, defaults, beam_width)
+            except KeyboardInterrupt:
+                click.echo("interrupted while loading the model; nothing was generated", err=True)
+                sys.exit(130)
+        cache = PrefixCacheFile(Path(prefix_cache_path), overwrite) if prefix_cache_path else None
+        output = Path(output_path) if output_path else None
+        metrics = Path(metrics_path) if metrics_path else None
+        code = run_batch(run, input_path, output, resume, cache, metrics)
     sys.exit(code)
 
 

@@ -1,6 +1,6 @@
 """The sampler's cost per step: ms per 16 sampled rows, before (the dense filters and the one-pass
 draw over the whole vocabulary, plus an argmax of every row, as `sample` ran them) and after
-(`runner.sampling.sample`), on one torch thread.
+(`runner.sampling.sampler.sample`), on one torch thread.
 
     python scripts/sampler_speed.py [--rows 16] [--vocabs 49152,151936,262144]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -9,9 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from runner.cli.batch_records import RecordsNotWritten, drop_stale, recover, request_hash
 from runner.engine.requests import check_template_kwargs
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams
+from runner.sampling.text_checks import first_bad_text, may_hold_surrogates
 
 SAMPLING_FIELDS = (
     "max_tokens",
@@ -59,6 +62,7 @@ class BatchLine:
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     id_given: bool = False  # False: the id is the line number, since the line named none
+    request_hash: str = ""  # of the request as it runs (runner/cli/batch_records.py), for --resume
 
 
 def read_lines(stream: IO[bytes], is_text_file: bool) -> Iterator[tuple[int, str | None, str]]:
@@ -91,8 +95,13 @@ def parse_line(line_no: int, text: str, defaults: dict[str, Any], is_text_file: 
         obj = json.loads(text)
     except json.JSONDecodeError as err:
         return BatchLine(line_no, str(line_no), error=f"line {line_no}: not valid JSON ({err.msg})")
+    except RecursionError:  # valid JSON, but nested deeper than the parser's stack goes
+        return BatchLine(line_no, str(line_no), error=f"line {line_no}: JSON nested too deeply")
     if not isinstance(obj, dict):
         return BatchLine(line_no, str(line_no), error=f"line {line_no}: expected a JSON object")
+    bad_text = first_bad_text(obj, "") if may_hold_surrogates(text) else None
+    if bad_text is not None:  # before any of it reaches an encoder: the id, the prompt, ...
+        return BatchLine(line_no, str(line_no), error=f"line {line_no}: {bad_text}")
     request_id = obj.get("id", str(line_no))
     if not isinstance(request_id, str | int) or isinstance(request_id, bool):
         return BatchLine(line_no, str(line_no), error=f"line {line_no}: 'id' must be a string")
@@ -142,6 +151,7 @@ def parse_line(line_no: int, text: str, defaults: dict[str, Any], is_text_file: 
 
 def _with_params(line: BatchLine, given: dict[str, Any], defaults: dict[str, Any]) -> BatchLine:
     try:
+        line.request_hash = request_hash(line, {**defaults, **given})
         structure = given.get("structured_outputs")
         if isinstance(structure, dict):  # {"json": {...}}, {"regex": "..."}, {"choice": [...]}
             unknown = sorted(set(structure) - set(StructuredOutputsParams.__dataclass_fields__))
@@ -151,53 +161,55 @@ def _with_params(line: BatchLine, given: dict[str, Any], defaults: dict[str, Any
         line.params = SamplingParams(**{**defaults, **given})
     except (ValueError, TypeError) as err:
         line.error = f"line {line.line_no}: {err}"
+    except RecursionError:  # a field nested nearly as deep as the parser's stack goes
+        line.error = f"line {line.line_no}: a field is nested too deeply"
     return line
 
 
 class ResultWriter:
-    """Appends one JSON record per finished request; each record is one write and a flush, so
-    a killed run leaves only whole lines (a torn tail from an older crash is cut on open)."""
+    """Appends one JSON record per finished request; each record is one write and an fsync,
+    so a killed run leaves only whole lines (a torn tail from an older crash is cut on open).
+    A write that fails (a full disk) is cut back off and raised as RecordsNotWritten."""
 
     def __init__(self, path: Path, resume: bool) -> None:
         self.path = path
-        self.done_ids: set[str] = set()
-        if resume and path.exists():
-            self.done_ids = _recover(path)
-        # "w" empties the file in place, through a symlink, instead of unlinking it.
-        self._file = path.open("a" if resume else "w", encoding="utf-8")
+        self.done: dict[str, str | None] = recover(path) if resume and path.exists() else {}
+        self.done_ids: set[str] = set(self.done)
+        self.num_records = len(self.done)
+        self._stale: set[str] = set()  # done ids whose input line changed: answered again
+        # O_TRUNC empties the file in place, through a symlink, instead of unlinking it.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if resume else os.O_TRUNC)
+        self._fd = os.open(path, flags, 0o666)
+        self._opened_size = os.fstat(self._fd).st_size  # the records of earlier runs
+
+    def is_stale(self, line: BatchLine) -> bool:
+        """Whether the record kept for a done id answers another request than `line` (its
+        hash differs, or the line no longer parses): the line then runs again, and the old
+        record is dropped when the writer closes. A record without a hash (written before
+        records had one) is trusted."""
+        kept = self.done.get(line.request_id)
+        if kept is None or (line.error is None and kept == line.request_hash):
+            return False
+        self._stale.add(line.request_id)
+        self.done_ids.discard(line.request_id)
+        return True
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:  # a short write (the disk filling up) is continued or raises
+                view = view[os.write(self._fd, view) :]
+            os.fsync(self._fd)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, end)  # no half record left for --resume to cut
+            raise RecordsNotWritten(self.path, self.num_records, err) from err
+        self.num_records += 1
 
     def close(self) -> None:
-        self._file.close()
-
-
-def _recover(path: Path) -> set[str]:
-    """Ids already generated in `path`. Cuts a last line that a crash left half written, and
-    drops error records, so that their lines run again (an input line fixed since, a failed
-    engine step) instead of being skipped as done, and are not written twice."""
-    data = path.read_bytes()
-    keep = data.rfind(b"\n") + 1
-    done: set[str] = set()
-    kept: list[bytes] = []
-    for raw in data[:keep].splitlines(keepends=True):
-        try:
-            record = json.loads(raw)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and "id" in record and "error" not in record:
-            done.add(str(record["id"]))
-            kept.append(raw)
-    if b"".join(kept) != data:  # rewritten whole, then swapped in: a crash here loses nothing
-        path = path.resolve()  # through a symlink: replace its target, keep the link
-        tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("wb") as f:
-            os.chmod(f.fileno(), path.stat().st_mode & 0o7777)
-            f.write(b"".join(kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    return done
+        os.close(self._fd)
+        if self._stale:  # their new records are in: the old ones go (a crash first: recover)
+            with contextlib.suppress(OSError):  # a full disk: the next --resume drops them
+                drop_stale(self.path, self._opened_size, self._stale)

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file: by identity (device and inode) when both exist, so a
+    hard link or a symlink of a file is that file; else by their resolved names."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): a name is all there is to compare
+        return Path(a).resolve() == Path(b).resolve()
 
 
 def check_paths(
@@ -12,29 +22,39 @@ def check_paths(
     *,
     resume: bool,
     overwrite: bool,
+    prefix_cache_path: str | None = None,
 ) -> None:
-    """Raise ValueError for an output that would lose work or fail late: OUTPUT or --metrics
-    naming the input (it would be emptied), a folder that does not exist (the run would crash
-    at its first or last write), or an OUTPUT holding results that neither --resume (finish
-    them) nor --overwrite (drop them) was asked about."""
+    """Raise ValueError for an output that would lose work or fail late: OUTPUT, --metrics or
+    --prefix-cache naming the input or each other (one would be emptied or overwritten), a
+    folder that does not exist (the run would crash at its first or last write), or an OUTPUT
+    holding results that neither --resume (finish them) nor --overwrite (drop them) was asked
+    about."""
     if resume and output_path is None:
         raise ValueError("--resume needs -o OUTPUT")
     if resume and overwrite:
         raise ValueError("--resume keeps OUTPUT's results and --overwrite drops them: pick one")
-    if (
-        output_path is not None
-        and metrics_path is not None
-        and Path(output_path).resolve() == Path(metrics_path).resolve()
-    ):
-        raise ValueError("-o OUTPUT and --metrics name the same file: pick another --metrics")
-    for option, path in (("-o OUTPUT", output_path), ("--metrics", metrics_path)):
-        if path is None:
-            continue
-        resolved = Path(path).resolve()
-        if input_path != "-" and resolved == Path(input_path).resolve():
+    named = [
+        (option, path)
+        for option, path in (
+            ("-o OUTPUT", output_path),
+            ("--metrics", metrics_path),
+            ("--prefix-cache", prefix_cache_path),
+        )
+        if path is not None
+    ]
+    for i, (option, path) in enumerate(named):
+        for other, other_path in named[:i]:
+            if same_file(path, other_path):
+                raise ValueError(f"{other} and {option} name the same file: pick another {option}")
+    for option, path in named:
+        if input_path != "-" and same_file(path, input_path):
             raise ValueError(f"{option} {path} is the input file; pick another path")
-        if not resolved.parent.is_dir():
+        if not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{option}: folder {Path(path).parent} does not exist")
+    if prefix_cache_path is not None:
+        cache = Path(prefix_cache_path)
+        if cache.exists() and not cache.is_file():
+            raise ValueError(f"--prefix-cache {prefix_cache_path} is not a regular file")
     if output_path is None:
         return
     out = Path(output_path)

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from runner.cli.batch_beams import line_prompt, search_lines
 from runner.cli.batch_file import BatchLine, ResultWriter, parse_line, read_lines
+from runner.cli.batch_records import RecordsNotWritten
 from runner.engine.llm import LLM
 from runner.engine.outputs import RequestOutput
 
@@ -35,13 +36,28 @@ class BatchRun:
         self.num_skipped = 0
         self.output_tokens = 0
         self.num_queued = 0
+        self.num_rerun = 0  # done ids in OUTPUT whose input line changed since: run again
+        self._hash_of: dict[str, str] = {}  # each queued request's hash, for its record
 
     def execute(self, input_path: str, output: Path | None, resume: bool) -> int:
-        """Returns the exit code: 0 when every line ran, 1 when some failed, 130 on Ctrl-C."""
+        """Returns the exit code: 0 when every line ran, 1 when some failed or the output
+        could not be written (a full disk), 130 on Ctrl-C."""
+        try:
+            return self._execute(input_path, output, resume)
+        except RecordsNotWritten as err:  # a full disk: every record written is whole
+            print(f"\nerror: {err}", file=sys.stderr)
+            return 1
+
+    def _execute(self, input_path: str, output: Path | None, resume: bool) -> int:
         start = time.perf_counter()
-        writer: ResultWriter | PrintWriter = (
-            ResultWriter(output, resume) if output is not None else PrintWriter()
-        )
+        try:
+            writer: ResultWriter | PrintWriter = (
+                ResultWriter(output, resume) if output is not None else PrintWriter()
+            )
+        except OSError as err:  # --resume rewrote it (a torn tail cut) onto a full disk
+            assert output is not None  # printing opens nothing
+            kept = output.read_bytes().count(b"\n") if output.is_file() else 0
+            raise RecordsNotWritten(output, kept, err) from err
         line_of: dict[str, int] = {}
         given_ids: set[str] = set()  # ids written in the file, not taken from line numbers
         with ExitStack() as stack:
@@ -58,14 +74,23 @@ class BatchRun:
                     continue
                 line = parse_line(line_no, text, self.defaults, is_text)
                 if line.request_id in writer.done_ids:
-                    self.num_skipped += 1
-                    continue
+                    if not writer.is_stale(line):
+                        self.num_skipped += 1
+                        continue
+                    self.num_rerun += 1
+                    print(
+                        f"line {line_no}: id {line.request_id!r}: its record in {output} was "
+                        "made from another request (the input or the options changed since); "
+                        "running it again",
+                        file=sys.stderr,
+                    )
                 if line.error is None and line.request_id in line_of:
                     line.error = self._repeat_error(line, line_of[line.request_id], given_ids)
                 if line.error is not None:
                     self._fail(writer, line)
                     continue
                 line_of[line.request_id] = line_no
+                self._hash_of[line.request_id] = line.request_hash
                 if line.id_given:
                     given_ids.add(line.request_id)
                 if self.beam_width:
@@ -81,7 +106,9 @@ class BatchRun:
                         self.llm,
                         self.beam_lines,
                         self.beam_width,
-                        lambda line, record: self._searched(writer, record, bar, start),
+                        lambda line, record: self._searched(
+                            writer, {**record, "request_hash": line.request_hash}, bar, start
+                        ),
                         lambda line: self._fail(writer, line),
                     )
                 self.llm.run_until_done(lambda out: self._finish(writer, out, line_of, bar, start))
@@ -113,6 +140,9 @@ class BatchRun:
         except ValueError as err:
             line.error = f"line {line.line_no}: {err}"
             self._fail(writer, line)
+        except (TypeError, RecursionError, UnicodeError) as err:  # a check missed it: alone
+            line.error = f"line {line.line_no}: {type(err).__name__}: {err}"
+            self._fail(writer, line)
 
     @staticmethod
     def _repeat_error(line: BatchLine, first_line: int, given_ids: set[str]) -> str:
@@ -137,7 +167,8 @@ class BatchRun:
         bar: tqdm,
         start: float,
     ) -> None:
-        writer.write({**out.to_record(), "line": line_of[out.request_id]})
+        record = {**out.to_record(), "line": line_of[out.request_id]}
+        writer.write({**record, "request_hash": self._hash_of.pop(out.request_id, "")})
         if out.error is not None:  # its engine step failed: an error, not a result
             self.num_errors += 1
             tqdm.write(f"error: line {line_of[out.request_id]}: {out.error}", file=sys.stderr)
@@ -167,7 +198,8 @@ class BatchRun:
         s = self.llm.stats()
         lines = [
             f"done: {self.num_done} requests, {self.num_errors} errors"
-            + (f", {self.num_skipped} skipped (already in output)" if self.num_skipped else ""),
+            + (f", {self.num_skipped} skipped (already in output)" if self.num_skipped else "")
+            + (f", {self.num_rerun} run again (changed since)" if self.num_rerun else ""),
             f"output tokens: {self.output_tokens} in {elapsed:.1f} s "
             f"({self.output_tokens / max(elapsed, 1e-9):.1f} tok/s)",
             f"prefix cache: {s['hit_tokens']}/{s['query_tokens']} prompt tokens hit "
@@ -191,6 +223,9 @@ class PrintWriter:
     """Without an output file: print each result as a readable line on stdout."""
 
     done_ids: frozenset[str] = frozenset()
+
+    def is_stale(self, line: BatchLine) -> bool:
+        return False  # nothing was done before: there is no record to be stale
 
     def write(self, record: dict[str, Any]) -> None:
         if "error" in record:

@@ -24,6 +24,7 @@ from runner.engine.sequence import SeqStatus, Sequence
 from runner.engine.setup import build_engine_parts
 from runner.engine.speculative import SpecStats, step_tokens
 from runner.engine.step_clock import StepClock, StepTiming
+from runner.engine.step_isolation import run_each_alone
 from runner.engine.stopping import StopChecker
 from runner.model.cpu_layers import CpuLayers
 from runner.model.loader import generation_eos_ids
@@ -239,9 +240,11 @@ class Engine:
                 timing = self.clock.stop()
                 samplers, drafts = [i.seq for i in sampling], [i.draft for i in sampling]
                 emitted, logprobs = step_tokens(logits, samplers, drafts, self.eos_ids)
-            except Exception as err:  # noqa: BLE001 - one step's failure must not wedge the engine
+            except Exception as err:  # noqa: BLE001 - one request's failure fails it alone
+                alone = run_each_alone(self.runner, out.scheduled, self.eos_ids, err)
                 with interrupts_held():
-                    self._fail_step(out, err)
+                    self._fail_step(out, alone.failed)
+                    self._settle(out, alone.sampling, alone.emitted, alone.logprobs, t_start, None)
                 return
         with interrupts_held():
             self._settle(out, sampling, emitted, logprobs, t_start, timing)
@@ -284,13 +287,15 @@ class Engine:
         for seq in done:  # after on_step, which still shows them in this step's states
             self.recorder.on_finish(seq)
 
-    def _fail_step(self, out: SchedulerOutput, err: Exception) -> None:
-        """The model or sampler raised: drop this step's requests (freeing their blocks) and
-        hand them back as errors, so the rest of the queue goes on."""
-        self.recorder.note_preempted(out.preempted)  # they wait, and show as preempted
-        error = f"{type(err).__name__}: {err}"
-        for item in out.scheduled:
+    def _fail_step(self, out: SchedulerOutput, failed: list[tuple[ScheduledSeq, str]]) -> None:
+        """The model or sampler raised for the step, and these of its requests raised again
+        run alone (runner/engine/step_isolation.py): drop them (freeing their blocks), hand them
+        back as errors, and leave the step to the rest."""
+        for item, error in failed:
             self._outputs.keep(self._drop(item.seq, "error", error))
+        gone = {id(item) for item, _ in failed}
+        out.scheduled = [item for item in out.scheduled if id(item) not in gone]
+        out.admitted = [seq for seq in out.admitted if seq.status is not SeqStatus.FINISHED]
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput.of(

@@ -240,7 +240,10 @@ class LLM(Engine):
         pool fills up). Raises ValueError for a file saved for another model, weight rounding,
         block size or K/V layout, or one that is damaged; nothing is loaded then."""
         identity, request_id = self._cache_identity(), next(self._seq_ids)
-        return load_prefix_cache(self.block_manager, self.kv, identity, Path(path), request_id)
+        vocab = int(self.hf_config.vocab_size)  # its token ids are checked against it
+        return load_prefix_cache(
+            self.block_manager, self.kv, identity, Path(path), request_id, vocab_size=vocab
+        )
 
     def _cache_identity(self) -> dict[str, str]:
         return cache_identity(self.kv, self.fingerprint, self.config.cpu_weight_dtype)

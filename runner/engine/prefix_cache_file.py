@@ -79,6 +79,7 @@ def load_prefix_cache(
     identity: dict[str, str],
     path: Path,
     request_id: int,
+    vocab_size: int | None = None,
 ) -> int:
     """Rebuild the cache saved in `path` into `block_manager` and `kv` (`request_id`: an id no
     live request has, used while each chain is loaded). Returns the blocks loaded: fewer than
@@ -89,6 +90,8 @@ def load_prefix_cache(
     if not block_manager.enable_prefix_caching:
         raise ValueError("the prefix cache is off in this engine: nothing to load it into")
     parents, roots, tokens, lengths, saved_kv = _read(path, identity, kv)
+    if vocab_size is not None:
+        check_token_ids(tokens, lengths, vocab_size, path)
     B = block_manager.block_size
     has_child = set(parents.tolist())
     cached_before = block_manager.stats.blocks_cached
@@ -155,6 +158,25 @@ def _read(
     ):
         raise ValueError(f"{path}: its tensors do not fit together (a damaged file?)")
     return parents, roots, tokens, lengths, saved_kv
+
+
+def check_token_ids(
+    tokens: torch.Tensor, lengths: torch.Tensor, vocab_size: int, path: Path
+) -> None:
+    """Raise ValueError when a saved block holds a token id outside the vocabulary: the file
+    passes for this model's otherwise, and such an id, loaded, would be fed to the model as a
+    speculative guess (an IndexError in the embedding) or matched as a prompt's prefix."""
+    if not len(tokens):
+        return
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    real = positions < lengths.unsqueeze(1)  # a tail's padding is not a token
+    bad = real & ((tokens < 0) | (tokens >= vocab_size))
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{path}: block {row} holds token id {int(tokens[row, col])}, outside the "
+            f"vocabulary [0, {vocab_size}) (a damaged or crafted file)"
+        )
 
 
 def _path(parents: torch.Tensor, leaf: int) -> list[int]:

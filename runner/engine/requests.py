@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from runner.sampling.logit_rules import stop_ids_of
 from runner.sampling.params import SamplingParams
+from runner.sampling.text_checks import check_text
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -87,6 +89,7 @@ class RequestValidator:
         """Token ids a request's logit rules name must be in the vocabulary, and its allowed
         tokens must leave one to sample while min_tokens bans the stop tokens."""
         named = [("allowed_token_ids", t) for t in params.allowed_token_ids or ()]
+        named += [("stop_token_ids", t) for t in params.stop_token_ids or ()]
         named += [("logit_bias", t) for t, _ in params.bias_items]
         for field_name, token in named:
             if token >= self.vocab_size:
@@ -111,6 +114,7 @@ class RequestValidator:
             for key in ("role", "content"):
                 if not isinstance(message.get(key), str):
                     raise ValueError(f"messages[{i}] needs a string {key!r}")
+                check_text(f"messages[{i}].{key}", message[key])
 
 
 def check_template_kwargs(template_kwargs: object) -> dict[str, Any]:
@@ -136,10 +140,18 @@ def prompt_token_ids(prompt: object, tokenizer: Any, add_special_tokens: bool) -
             raise ValueError("prompt is empty")
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
+        check_text("prompt", prompt)
         return list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
     if isinstance(prompt, list | tuple):
-        return list(prompt)
+        return [_plain_int(token) for token in prompt]
     raise ValueError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
+
+
+def _plain_int(token: Any) -> Any:
+    """A numpy (or other) integer as the int it is; anything else as it is, for `check`."""
+    if isinstance(token, numbers.Integral) and not isinstance(token, int | bool):
+        return int(token)
+    return token
 
 
 def prompt_batch(prompts: Any) -> list[Prompt]:
@@ -148,7 +160,9 @@ def prompt_batch(prompts: Any) -> list[Prompt]:
         raise ValueError(
             f"prompts must be text, token ids or a list of them, got {type(prompts).__name__}"
         )
-    single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+    single = isinstance(prompts, str) or (
+        bool(prompts) and isinstance(prompts[0], numbers.Integral)  # numpy's too
+    )
     return [prompts] if single else list(prompts)  # type: ignore[list-item]
 
 

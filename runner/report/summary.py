@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from runner.report.fields import check_fields
 from runner.report.time_split import TIME_HEADER, time_breakdown, time_cells
 
 SCHEMA_VERSION = 1
@@ -49,6 +50,7 @@ def validate_metrics(metrics: Any, source: str = "metrics") -> None:
     for key, kind in (("cache", dict), ("requests", list), ("steps", list)):
         if not isinstance(metrics[key], kind):
             raise ValueError(f"{source}: '{key}' should be a {kind.__name__}")
+    check_fields(metrics, source)  # every field the report reads, by name
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

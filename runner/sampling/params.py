@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from runner.sampling.structured_outputs import StructuredOutputsParams
+from runner.sampling.text_checks import check_text
 
 _GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default cap: each costs a top-k column and a host transfer
@@ -97,9 +98,13 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop_strings = (self.stop,) if self.stop else ()
         elif isinstance(self.stop, list | tuple) and all(isinstance(s, str) for s in self.stop):
-            self.stop_strings = tuple(s for s in self.stop if s)
+            if "" in self.stop:  # it would match at once, everywhere: never what was meant
+                raise ValueError(f"stop must not hold an empty string, got {self.stop!r}")
+            self.stop_strings = tuple(self.stop)
         else:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        for i, stop in enumerate(self.stop_strings):
+            check_text(f"stop[{i}]", stop)
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list | tuple) or not all(
                 _is_token_id(t) for t in self.stop_token_ids
@@ -124,6 +129,8 @@ class SamplingParams:
             raise ValueError(
                 f"bad_words must be a list of non-blank strings, got {self.bad_words!r}"
             )
+        for i, word in enumerate(self.bad_words or ()):
+            check_text(f"bad_words[{i}]", word)
         self._check_structure()
         if self.allowed_token_ids is not None and (
             not isinstance(self.allowed_token_ids, list | tuple)

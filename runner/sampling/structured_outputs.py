@@ -54,6 +54,8 @@ class StructuredOutputsParams:
                 json.dumps(self.json)
             except (TypeError, ValueError) as err:
                 raise ValueError(f"json schema is not JSON: {err}") from err
+            except RecursionError:  # a dict nested past the stack: no schema is that deep
+                raise ValueError("json schema is nested too deeply") from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -121,6 +123,7 @@ class GrammarBook:
         self.eos_ids = sorted(eos_ids)
         self._compiler: Any = None
         self._compiled: dict[tuple[str, str], Any] = {}
+        self._finite_keys: dict[tuple[str, str], bool | None] = {}
 
     def compile(self, params: StructuredOutputsParams | None) -> Any:
         """The compiled grammar of `params` (None for none), compiled on first use. Raises
@@ -139,7 +142,7 @@ class GrammarBook:
         """Compile `params` (see `compile`), and refuse a structure no answer can satisfy
         (`root ::= root "a"`): its first mask would allow no token at all."""
         state = self.state_for(params)
-        if state is None:
+        if state is None or params is None:
             return
         import xgrammar as xgr
 
@@ -147,6 +150,22 @@ class GrammarBook:
         state.matcher.fill_next_token_bitmask(bitmask, 0)
         if not bool(bitmask.any()):
             raise ValueError("structured_outputs: the structure admits no answer at all")
+        if not self._finite(params):
+            raise ValueError(
+                "structured_outputs: the structure admits no finite answer (a part of it "
+                "always needs another copy of itself, as a required property whose schema "
+                "is the whole schema)"
+            )
+
+    def _finite(self, params: StructuredOutputsParams) -> bool:
+        """Whether the structure has an answer that ends (runner/sampling/grammar_finite.py), read
+        once per structure; True when its grammar's print cannot be read."""
+        from runner.sampling.grammar_finite import has_finite_answer
+
+        key = params.key
+        if key not in self._finite_keys:
+            self._finite_keys[key] = has_finite_answer(str(self.compile(params).grammar))
+        return self._finite_keys[key] is not False
 
     def state_for(self, params: StructuredOutputsParams | None) -> GrammarState | None:
         """A fresh matcher for one sequence under `params` (None for none)."""
