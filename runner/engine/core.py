@@ -19,17 +19,17 @@ from runner.engine.output_routing import OutputRouter
 from runner.engine.outputs import RequestOutput
 from runner.engine.requests import Prompt, RequestValidator, prompt_token_ids
 from runner.engine.sample_groups import sample_params, sample_request_id
-from runner.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from runner.engine.sequence import SeqStatus, Sequence
+from runner.engine.scheduler import Scheduler, SchedulerOutput
+from runner.engine.sequence import Sequence
 from runner.engine.setup import build_engine_parts
-from runner.engine.speculative import SpecStats, step_tokens
-from runner.engine.step_clock import StepClock, StepTiming
+from runner.engine.speculative import SpecStats
+from runner.engine.step_clock import StepClock
 from runner.engine.step_isolation import run_each_alone
+from runner.engine.step_result import StepResult, sample_step
 from runner.engine.stopping import StopChecker
 from runner.model.cpu_layers import CpuLayers
 from runner.model.loader import generation_eos_ids
 from runner.sampling.logit_rules import bad_word_ids
-from runner.sampling.logprobs import TokenLogprobs
 from runner.sampling.params import SamplingParams
 from runner.sampling.sampler import request_generator
 from runner.sampling.structured_outputs import GrammarBook
@@ -162,19 +162,8 @@ class Engine:
         result = None
         with interrupts_held():  # a half-done abort would leave blocks held by no one
             for seq in self.samples_of(request_id):
-                seq.finish_time = time.perf_counter()
-                result = self._drop(seq, "abort")  # the last one's is the whole request's
+                result = self._finish(seq, "abort")  # the last one's is the whole request's
         return result
-
-    def _drop(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput | None:
-        """End a queued or running sequence outside a normal finish (an abort, a failed step):
-        free its blocks wherever it is, mark it finished for `reason`, and forget it."""
-        self.scheduler.abort(seq)
-        seq.finish_reason, seq.status = reason, SeqStatus.FINISHED
-        output = self._output(seq)
-        output.error = error
-        self.recorder.on_finish(seq)  # its report row says why, like its output
-        return self._requests.finish(seq, output)
 
     def _root(self, cache_salt: str | None) -> int:
         if cache_salt not in self._roots:
@@ -222,80 +211,78 @@ class Engine:
         return self._outputs.waiting_ids()
 
     def _step(self) -> None:
-        """One engine step. Its bookkeeping runs with Ctrl-C held (runner/engine/interrupts.py): an
+        """One engine step: schedule, run the model and sample, then update the requests and
+        the cache. The bookkeeping runs with Ctrl-C held (runner/engine/interrupts.py): an
         interrupt lands before the step's requests are scheduled, during the model's forward
         pass (which nothing has counted on yet), or once every request that finished in the
         step has its output with the router, never between."""
         t_start = time.perf_counter()
         with interrupts_held():
             out = self.scheduler.schedule()
-        sampling = [item for item in out.scheduled if item.sample]
-        emitted: list[list[int]] = []
-        logprobs: list[TokenLogprobs | None] = []
-        timing: StepTiming | None = None
-        if not out.is_empty:
-            try:
-                self.clock.start()
-                logits = self.runner.run(out.scheduled)
-                timing = self.clock.stop()
-                samplers, drafts = [i.seq for i in sampling], [i.draft for i in sampling]
-                emitted, logprobs = step_tokens(logits, samplers, drafts, self.eos_ids)
-            except Exception as err:  # noqa: BLE001 - one request's failure fails it alone
-                alone = run_each_alone(self.runner, out.scheduled, self.eos_ids, err)
-                with interrupts_held():
-                    self._fail_step(out, alone.failed)
-                    self._settle(out, alone.sampling, alone.emitted, alone.logprobs, t_start, None)
-                return
+        result = StepResult.nothing() if out.is_empty else self._run(out)
         with interrupts_held():
-            self._settle(out, sampling, emitted, logprobs, t_start, timing)
+            self._update(out, result, t_start)
 
-    def _settle(
-        self,
-        out: SchedulerOutput,
-        sampling: list[ScheduledSeq],
-        emitted: list[list[int]],
-        logprobs: list[TokenLogprobs | None],
-        t_start: float,
-        timing: StepTiming | None,
-    ) -> None:
-        """After the model ran: record the step's new tokens (a drafted sequence's one at a
-        time, up to the first that ends it), cache the blocks they filled, finish the requests
-        they end (each output to the router as its request is forgotten), record the step."""
+    def _run(self, out: SchedulerOutput) -> StepResult:
+        """The forward pass over the step's batch and the sampler over its rows. When either
+        raises, each request runs again alone (runner/engine/step_isolation.py), so that only
+        a request that fails alone too fails."""
+        try:
+            self.clock.start()
+            logits = self.runner.run(out.scheduled)
+            return sample_step(logits, out.scheduled, self.eos_ids, self.clock.stop())
+        except Exception as err:  # noqa: BLE001 - one request's failure fails it alone
+            return run_each_alone(self.runner, out.scheduled, self.eos_ids, err)
+
+    def _update(self, out: SchedulerOutput, result: StepResult, t_start: float) -> None:
+        """After the model ran: fail the requests that failed alone, record the others' new
+        tokens (a drafted sequence's one at a time, up to the first that ends it), cache the
+        blocks they filled, finish the requests they end (each output to the router as its
+        request is forgotten), and record the step."""
+        for item, error in result.failed:
+            self._outputs.keep(self._finish(item.seq, "error", error))
         now = time.perf_counter()
-        seqs = [item.seq for item in sampling]
-        finishing = self.stopper.record_tokens(seqs, emitted, logprobs, now)
-        for item, tokens in zip(sampling, emitted, strict=True):
+        seqs = [item.seq for item in result.sampling]
+        finishing = self.stopper.record_tokens(seqs, result.emitted, result.logprobs, now)
+        for item, tokens in zip(result.sampling, result.emitted, strict=True):
             if item.draft:  # computed and kept: the newest token, then the accepted guesses
-                item.num_new_tokens = len(tokens)
                 self.spec_stats.update(drafted=len(item.draft), accepted=len(tokens) - 1)
-        self.scheduler.commit(out)
-        done: list[Sequence] = []
+        self.scheduler.commit(result.computed())
+        done = [seq for seq, _ in finishing]
         for seq, reason in finishing:
-            seq.finish_time = now
-            self.scheduler.finish(seq, reason)
-            done.append(seq)
-            self._outputs.keep(self._requests.finish(seq, self._output(seq)))
+            self._outputs.keep(self._finish(seq, reason, now=now, record=False))
+        ran = out if not result.failed else out.without([item.seq for item, _ in result.failed])
         self.recorder.on_step(
             self.scheduler.step_count,
-            out,
+            ran,
             self.scheduler.held,
             t_start,
             time.perf_counter() - t_start,
             self.block_manager.stats,
-            timing,
+            result.timing,
         )
         for seq in done:  # after on_step, which still shows them in this step's states
             self.recorder.on_finish(seq)
 
-    def _fail_step(self, out: SchedulerOutput, failed: list[tuple[ScheduledSeq, str]]) -> None:
-        """The model or sampler raised for the step, and these of its requests raised again
-        run alone (runner/engine/step_isolation.py): drop them (freeing their blocks), hand them
-        back as errors, and leave the step to the rest."""
-        for item, error in failed:
-            self._outputs.keep(self._drop(item.seq, "error", error))
-        gone = {id(item) for item, _ in failed}
-        out.scheduled = [item for item in out.scheduled if id(item) not in gone]
-        out.admitted = [seq for seq in out.admitted if seq.status is not SeqStatus.FINISHED]
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: str,
+        error: str | None = None,
+        now: float | None = None,
+        record: bool = True,
+    ) -> RequestOutput | None:
+        """The one place a sequence ends, whatever ends it (a stop, its length, an abort, an
+        error): out of the scheduler (its blocks freed or, in a static batch, held), its output
+        made, the request forgotten. Returns the request's output once its last sample ends;
+        `record`: report its finish now (a step's own finishes are reported after the step)."""
+        seq.finish_time = now if now is not None else time.perf_counter()
+        self.scheduler.finish(seq, reason)
+        output = self._output(seq)
+        output.error = error
+        if record:
+            self.recorder.on_finish(seq)  # its report row says why, like its output
+        return self._requests.finish(seq, output)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput.of(

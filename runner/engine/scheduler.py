@@ -21,9 +21,9 @@ class ScheduledSeq:
     num_new_tokens: int
     # True when this chunk ends at the sequence's newest token: its logits pick the next token.
     sample: bool
-    # K/V positions [start, start + num_new_tokens) are computed this step. For a drafted
-    # item the engine then sets num_new_tokens to what it kept (the newest token and the
-    # accepted guesses), so `commit` caches only positions whose tokens were output.
+    # K/V positions [start, start + num_new_tokens) are computed this step. Of a drafted
+    # item's, `commit` caches only those whose tokens were output (the newest token and the
+    # accepted guesses: StepResult.computed).
     start: int = 0
     # Guessed tokens fed after a decoding sequence's newest one (runner/engine/speculative.py): the
     # step computes 1 + len(draft) positions, and the engine keeps those the model agrees with.
@@ -55,6 +55,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def without(self, gone: list[Sequence]) -> SchedulerOutput:
+        """The step as it ran once these sequences failed out of it (for the step's record)."""
+        ids = {id(seq) for seq in gone}
+        return SchedulerOutput(
+            [item for item in self.scheduled if id(item.seq) not in ids],
+            [seq for seq in self.admitted if id(seq) not in ids],
+            list(self.preempted),
+        )
 
 
 class Scheduler:
@@ -95,25 +104,23 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Take a finished sequence out of the batch; its full blocks stay cached."""
+        """End a sequence wherever it is, for `reason`: out of the queue, or out of the batch
+        with its blocks freed (its full blocks stay cached). A static batch's member that
+        stopped or reached its length holds its slot until the batch is done; one that was
+        aborted or failed gives its blocks back at once."""
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        self.running.remove(seq)
-        if self.config.batching == "static":
-            self.held.append(seq)
-            self._release_held()
-        else:
-            self._free(seq)
-
-    def abort(self, seq: Sequence) -> None:
-        """Drop a request that failed or was aborted: free its blocks wherever it is."""
         if seq in self.waiting:
             self.waiting.remove(seq)
             return
-        if seq in self.running:
-            self.running.remove(seq)
+        if seq not in self.running:
+            return
+        self.running.remove(seq)
+        if self.config.batching == "static" and reason in ("stop", "length"):
+            self.held.append(seq)
+        else:
             self._free(seq)
-            self._release_held()
+        self._release_held()
 
     def _release_held(self) -> None:
         """Once no member of a static batch runs (whether the last one finished, failed, was
@@ -165,11 +172,12 @@ class Scheduler:
             item.block_table = self.bm.block_table(item.seq.seq_id)
         return out
 
-    def commit(self, out: SchedulerOutput) -> None:
-        """After the model ran: advance progress and cache every block that just filled."""
-        for item in out.scheduled:
+    def commit(self, computed: list[tuple[ScheduledSeq, int]]) -> None:
+        """After the model ran: advance each item's progress by the positions its step kept
+        (runner/engine/step_result.py) and cache every block that just filled."""
+        for item, kept in computed:
             seq = item.seq
-            seq.num_computed_tokens = item.start + item.num_new_tokens
+            seq.num_computed_tokens = item.start + kept
             self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _schedule_continuous(self, out: SchedulerOutput) -> None:

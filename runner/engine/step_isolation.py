@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
-from typing import NamedTuple, Protocol
+from dataclasses import replace
+from typing import Protocol
 
 import torch
 
 from runner.engine.scheduler import ScheduledSeq
 from runner.engine.speculative import step_tokens
+from runner.engine.step_result import StepResult
 from runner.sampling.logprobs import TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -33,26 +35,15 @@ class _Runner(Protocol):
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor: ...
 
 
-class AloneResult(NamedTuple):
-    """The items that ran alone (with what their sampling items emitted, in order) and the
-    items that raised even alone, each with its error."""
-
-    kept: list[ScheduledSeq]
-    sampling: list[ScheduledSeq]
-    emitted: list[list[int]]
-    logprobs: list[TokenLogprobs | None]
-    failed: list[tuple[ScheduledSeq, str]]
-
-
 def describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
 def run_each_alone(
     runner: _Runner, scheduled: list[ScheduledSeq], eos_ids: Collection[int], err: Exception
-) -> AloneResult:
+) -> StepResult:
     """Run each of a failed step's items alone (`err`: what the whole step raised)."""
-    result = AloneResult([], [], [], [], [])
+    result = StepResult.nothing()
     if len(scheduled) == 1 and not scheduled[0].draft:  # nothing to tell apart: it is the one
         result.failed.append((scheduled[0], describe(err)))
         return result
@@ -63,13 +54,13 @@ def run_each_alone(
             if not item.draft:
                 result.failed.append((item, describe(first)))
                 continue
-            item.draft, item.num_new_tokens = [], 1  # the guesses may be what failed
+            item = replace(item, draft=[], num_new_tokens=1)  # the guesses may be what failed
             try:
                 emitted, logprobs = _run_alone(runner, item, eos_ids)
             except Exception as second:  # noqa: BLE001
                 result.failed.append((item, describe(second)))
                 continue
-        result.kept.append(item)
+        result.ran.append(item)
         if item.sample:
             result.sampling.append(item)
             result.emitted.append(emitted)
