@@ -17,7 +17,12 @@ from starlette.exceptions import HTTPException
 from runner.serve.calls import Call, CallError
 from runner.serve.engine_loop import Delta, EngineLoop, Submission
 from runner.serve.metrics import ServeMetrics
-from runner.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from runner.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    field_named,
+)
 from runner.serve.responses import (
     LogprobFormat,
     chat_chunk,
@@ -186,7 +191,7 @@ def _admit(state: ServerState, body: SamplingFields, count: int) -> Any:
     try:
         params = body.sampling_params()  # type: ignore[attr-defined]
     except ValueError as err:
-        raise CallError(400, str(err), "invalid_request_error", _field_of(str(err))) from err
+        raise CallError(400, str(err), "invalid_request_error", field_named(str(err))) from err
     if state.engine.queued() + count > state.settings.max_queued_requests:
         state.metrics.rejected.labels(status="429").inc()
         raise CallError(429, "too many requests queued; retry later", "rate_limit_exceeded")
@@ -199,12 +204,6 @@ async def _start(state: ServerState, request: Request, subs: list[Submission], p
         sub.request_id = f"{call.id}-{sub.index}"
     await call.start()
     return call
-
-
-def _field_of(message: str) -> str | None:
-    """The field a ValueError from SamplingParams names: its first word, as they all start."""
-    head = message.split(" ", 1)[0].rstrip(":")
-    return head.split("[", 1)[0] or None
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:

@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 from runner.outputs import RequestOutput
 from runner.serve.engine_loop import Accepted, Delta, Done, EngineLoop, Event, Rejected, Submission
+from runner.serve.protocol import field_named
 from runner.serve.responses import error_body, sse, usage_of
 
 DISCONNECT_POLL_S = 0.25  # how often a call with nothing new looks whether its client left
@@ -61,7 +62,8 @@ class Call:
                     accepted += 1
                 elif isinstance(event, Rejected):
                     self.open.discard(event.index)
-                    raise CallError(400, event.message, "invalid_request_error", self.prompt_param)
+                    param = field_named(event.message, self.prompt_param)
+                    raise CallError(400, event.message, "invalid_request_error", param)
                 else:
                     early.append(event)
         except BaseException:

@@ -176,3 +176,11 @@ def unsupported(**given: bool) -> None:
     for name, is_set in given.items():
         if is_set:
             raise ValueError(f"{name}: not supported by this server")
+
+
+def field_named(message: str, default: str | None = None) -> str | None:
+    """The request field an engine's ValueError is about: its first word when that is a field
+    (SamplingParams' messages all start with the field's name), else `default`."""
+    head = message.split(" ", 1)[0].rstrip(":").split("[", 1)[0]
+    fields = CompletionRequest.model_fields.keys() | ChatCompletionRequest.model_fields.keys()
+    return head if head in fields else default
