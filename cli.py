@@ -1,4 +1,4 @@
-"""kvcache command line: generate | report | bench | serve."""
+"""kvcache command line: generate | report | bench | serve | router."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from runner.cli_bench import bench
 from runner.cli_engine import engine_options
 from runner.cli_report import report
 from runner.cli_startup import start_up_without_gc
+from runner.router.command import router
 from runner.serve.command import serve
 
 
@@ -243,6 +244,7 @@ def _start_batch_run(
 main.add_command(report)
 main.add_command(bench)
 main.add_command(serve)
+main.add_command(router)
 
 
 if __name__ == "__main__":
