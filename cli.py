@@ -1,4 +1,4 @@
-"""kvcache command line: generate | report | bench | serve | router."""
+"""kvcache command line: generate | report | bench | serve | router | bench-serve."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from runner.bench_serve.command import bench_serve
 from runner.cli_bench import bench
 from runner.cli_engine import engine_options
 from runner.cli_report import report
@@ -245,6 +246,7 @@ main.add_command(report)
 main.add_command(bench)
 main.add_command(serve)
 main.add_command(router)
+main.add_command(bench_serve)
 
 
 if __name__ == "__main__":
