@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ def build_app(llm: Any, settings: ServeSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.engine.start()
+        state.engine.start(asyncio.get_running_loop())
         yield
         state.engine.stop()
 

@@ -47,12 +47,7 @@ class Call:
     async def start(self) -> None:
         """Submit every request and wait until each is queued; CallError 400 if one is
         refused (the others are then aborted)."""
-        loop = asyncio.get_running_loop()
-
-        def sink(event: Event) -> None:
-            loop.call_soon_threadsafe(self.events.put_nowait, event)
-
-        self.engine.submit(self.submissions, sink)
+        self.engine.submit(self.submissions, self.events.put_nowait)  # run in this loop
         self.open = {s.index for s in self.submissions}
         accepted, early = 0, []
         try:

@@ -5,11 +5,15 @@ HTTP handler gave (which puts them on the handler's asyncio queue).
 
 Every engine call happens on this thread, so the HTTP event loop never waits for a step; the
 handlers only put commands in the inbox. Text deltas are made as runner/streaming.py makes
-them (TextStream): they add up to the request's final text exactly.
+them (TextStream): they add up to the request's final text exactly. The events of one step
+(or one batch of commands) go to the event loop in one call, so a step of 64 streams costs
+the HTTP thread one wake-up, not 64: with the GIL shared, a loop that woke the HTTP thread per
+token starved it (chunks then left in bursts, and first tokens late).
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -105,10 +109,15 @@ class EngineLoop:
         self._pending = 0  # submissions in the inbox
         self._waiting = 0  # published by the loop after each step
         self._stop = threading.Event()
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: list[tuple[Sink, Event]] = []  # the loop thread's, until _flush
         self._thread = threading.Thread(target=self._run, name="kvcache-engine-loop", daemon=True)
 
     # ------------------------------------------------------------------ any thread
-    def start(self) -> None:
+    def start(self, event_loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the loop thread. With `event_loop`, sinks are called in that loop's thread
+        (a batch of events per step); without, in the loop thread itself."""
+        self._event_loop = event_loop
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -143,15 +152,35 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._take_commands(block=not self._llm.has_unfinished())
+            self._flush()
             if not self._llm.has_unfinished():
                 continue
             try:
                 outputs = self._llm.step()
             except Exception as err:  # noqa: BLE001 - the scheduler itself failed: end all
                 self._end_all(f"{type(err).__name__}: {err}")
+                self._flush()
                 continue
             self._publish(outputs)
+            self._flush()
         self._end_all(None)
+        self._flush()
+
+    def _deliver(self, sink: Sink, event: Event) -> None:
+        self._outbox.append((sink, event))
+
+    def _flush(self) -> None:
+        """Hand the events gathered so far to their sinks, in one call to the event loop."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        if self._event_loop is None:
+            _run_sinks(batch)
+            return
+        try:
+            self._event_loop.call_soon_threadsafe(_run_sinks, batch)
+        except RuntimeError:  # the event loop closed (the server is shutting down)
+            pass
 
     def _take_commands(self, block: bool) -> None:
         try:
@@ -188,7 +217,7 @@ class EngineLoop:
                 add_special_tokens=sub.messages is None,
             )
         except ValueError as err:
-            _deliver(sink, Rejected(sub.index, str(err)))
+            self._deliver(sink, Rejected(sub.index, str(err)))
             return
         seqs = llm.samples_of(sub.request_id) or [seq]
         tracked = _Tracked(sub.index, sink, seqs, arrival=time.perf_counter())
@@ -197,7 +226,7 @@ class EngineLoop:
             tracked.sent[s.seq_id] = 0
         self._live[sub.request_id] = tracked
         self._waiting = len(llm.scheduler.waiting)
-        _deliver(sink, Accepted(sub.index))
+        self._deliver(sink, Accepted(sub.index))
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """After a step: every live request's deltas, then the Done of each that ended."""
@@ -223,7 +252,7 @@ class EngineLoop:
                 output.num_cached_tokens,
                 generated,
             )
-            _deliver(tracked.sink, Done(tracked.index, output))
+            self._deliver(tracked.sink, Done(tracked.index, output))
 
     def _deltas(self, tracked: _Tracked, now: float) -> None:
         stopper = self._llm.stopper
@@ -252,7 +281,7 @@ class EngineLoop:
                         self._metrics.itl.observe(gap)
                 tracked.last_token = now
             delta = Delta(tracked.index, seq.sample_index, new_tokens, text, logprobs, reason)
-            _deliver(tracked.sink, delta)
+            self._deliver(tracked.sink, delta)
 
     def _end_all(self, error: str | None) -> None:
         """End every live request: as errors (the engine failed) or aborted (shutting down)."""
@@ -263,12 +292,9 @@ class EngineLoop:
                 continue
             if error is not None:
                 output.finish_reason, output.error = "error", error
-            _deliver(tracked.sink, Done(tracked.index, output))
+            self._deliver(tracked.sink, Done(tracked.index, output))
 
 
-def _deliver(sink: Sink, event: Event) -> None:
-    """Hand an event to its handler; one whose event loop is gone simply misses it."""
-    try:
+def _run_sinks(batch: list[tuple[Sink, Event]]) -> None:
+    for sink, event in batch:
         sink(event)
-    except RuntimeError:  # the event loop closed (the server is shutting down)
-        pass
