@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from runner.serve.calls import Call, CallError
-from runner.serve.engine_loop import Delta, EngineLoop, Submission
+from runner.serve.engine_loop import EngineLoop
+from runner.serve.events import Delta, Submission
 from runner.serve.metrics import ServeMetrics
 from runner.serve.protocol import (
     ChatCompletionRequest,
@@ -190,7 +191,7 @@ def _admit(state: ServerState, body: SamplingFields, count: int) -> Any:
         message = f"model {body.model!r} is not served here (this is {state.settings.model_name!r})"
         raise CallError(404, message, "invalid_request_error", "model")
     try:
-        params = body.sampling_params()  # type: ignore[attr-defined]
+        params = body.sampling_params()
     except ValueError as err:
         raise CallError(400, str(err), "invalid_request_error", field_named(str(err))) from err
     if state.engine.queued() + count > state.settings.max_queued_requests:

@@ -16,7 +16,8 @@ from typing import Any
 from starlette.requests import Request
 
 from runner.outputs import RequestOutput
-from runner.serve.engine_loop import Accepted, Delta, Done, EngineLoop, Event, Rejected, Submission
+from runner.serve.engine_loop import EngineLoop
+from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Submission
 from runner.serve.protocol import field_named
 from runner.serve.responses import error_body, sse, usage_of
 

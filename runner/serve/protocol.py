@@ -119,6 +119,10 @@ class SamplingFields(Strict):
             raise ValueError("response_format: type json_schema needs a json_schema object")
         return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
+    def sampling_params(self) -> SamplingParams:
+        """The request's SamplingParams; ValueError naming the field when one is bad."""
+        raise NotImplementedError  # each endpoint's request says how its fields map
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
