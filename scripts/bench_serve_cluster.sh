@@ -2,7 +2,8 @@
 # One benchmark of `kvcache router` over N fresh `kvcache serve` replicas on this machine.
 #   scripts/bench_serve_cluster.sh MODEL N POLICY OUT.json [bench-serve options...]
 # Replica i listens on 127.0.0.1:$((BASE_PORT + 1 + i)) and is pinned to core i mod ncores
-# (one torch thread each); the router listens on BASE_PORT. Everything started here is stopped
+# (one torch thread each); the router listens on BASE_PORT. $SERVE_OPTIONS and $ROUTER_OPTIONS
+# go to every replica and to the router. Everything started here is stopped
 # by its pid at the end, however the run ends.
 set -euo pipefail
 model=$1 n=$2 policy=$3 out=$4
@@ -22,7 +23,7 @@ for i in $(seq 0 $((n - 1))); do
   replicas+=(--replica "http://127.0.0.1:$port")
 done
 for i in $(seq 0 $((n - 1))); do wait_up "http://127.0.0.1:$((base + 1 + i))"; done
-kvcache router "${replicas[@]}" --policy "$policy" --port "$base" >"/tmp/kvcache-router-$base.log" 2>&1 &
+kvcache router "${replicas[@]}" --policy "$policy" --port "$base" ${ROUTER_OPTIONS:-} >"/tmp/kvcache-router-$base.log" 2>&1 &
 pids+=($!)
 wait_up "http://127.0.0.1:$base"
 kvcache bench-serve --base-url "http://127.0.0.1:$base" --result-json "$out" "$@"

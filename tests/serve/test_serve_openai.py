@@ -5,6 +5,7 @@ greedy answers equal the engine's own, token for token; usage reports the prefix
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -121,3 +122,23 @@ def test_samples_models_health_and_metrics(server: LiveServer) -> None:
         "kvcache_inter_token_latency_seconds_bucket",
     ):
         assert name in metrics, name
+
+
+def test_response_format_and_chat_logprobs(server: LiveServer) -> None:
+    api = client(server)
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    out = api.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "yes or no?"}],
+        max_tokens=10,
+        temperature=0,
+        response_format=fmt,  # type: ignore[arg-type]
+        logprobs=True,
+        top_logprobs=2,
+    )
+    choice = out.choices[0]
+    assert json.loads(choice.message.content or "") in ("yes", "no")
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert out.usage is not None and len(choice.logprobs.content) == out.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 2 for entry in choice.logprobs.content)
