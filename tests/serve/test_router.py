@@ -5,6 +5,7 @@ to the idler replica, and a replica that dies is taken out with its requests ret
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -126,3 +127,22 @@ def test_least_loaded_and_a_dead_replica(replica_llms: list[LLM]) -> None:
         metrics = httpx.get(f"{router.url}/metrics").text
         assert "kvcache_router_requests_total" in metrics
         assert "kvcache_router_retries_total 1.0" in metrics
+
+
+def test_a_client_leaving_a_routed_stream_frees_the_replicas_blocks(
+    replica_llms: list[LLM],
+) -> None:
+    with cluster(replica_llms, "round_robin") as (router, replicas):
+        body = {"model": "tiny", "prompt": "leave early " * 3, "max_tokens": 400}
+        body |= {"ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: {")  # passed through as the replica sent it
+        server = replicas[0]
+        deadline = time.monotonic() + 10
+        while server.state.engine.live() or server.state.llm.has_unfinished():
+            assert time.monotonic() < deadline, "the replica still runs the abandoned request"
+            time.sleep(0.02)
+        assert server.state.llm.stats()["blocks_in_use"] == 0
+        server.state.llm.block_manager.check_integrity()
+        assert httpx.get(f"{router.url}/router/stats").json()["replicas"][0]["in_flight"] == 0
