@@ -1,4 +1,4 @@
-"""kvcache command line: generate | report | bench."""
+"""kvcache command line: generate | report | bench | serve | router | bench-serve."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ from typing import Any
 
 import click
 
+from runner.bench.serve.command import bench_serve
 from runner.cli.bench import bench
 from runner.cli.engine_options import engine_options
 from runner.cli.report import report
 from runner.cli.startup import start_up_without_gc
+from runner.router.command import router
+from runner.serve.command import serve
 
 
 @click.group()
@@ -247,6 +250,9 @@ def _start_batch_run(
 
 main.add_command(report)
 main.add_command(bench)
+main.add_command(serve)
+main.add_command(router)
+main.add_command(bench_serve)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ from kvcache import block_hashes, namespace_root
 from runner.engine.config import EngineConfig
 from runner.engine.interrupts import interrupts_held
 from runner.engine.live_requests import LiveRequests
+from runner.engine.lock import locked
 from runner.engine.metrics import MetricsRecorder
 from runner.engine.output_routing import OutputRouter
 from runner.engine.outputs import RequestOutput
@@ -76,8 +78,11 @@ class Engine:
         self._requests = LiveRequests()  # queued or running requests by id, and sample groups
         self._outputs = OutputRouter()  # finished outputs waiting for the caller they belong to
         self.spec_stats = SpecStats()  # drafted and accepted tokens (runner/engine/speculative.py)
+        # Held by every add, abort and step (runner/engine/lock.py): threads may share an engine.
+        self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ requests
+    @locked
     def add_request(
         self,
         prompt: Prompt,
@@ -148,10 +153,12 @@ class Engine:
         ids = [request_id] + [sample_request_id(request_id, j) for j in range(n) if n > 1]
         return [i for i in ids if self._taken(i)]
 
+    @locked
     def samples_of(self, request_id: str) -> list[Sequence]:
         """The live sequences of a request: its one, or those of its samples still running."""
         return self._requests.samples_of(request_id)
 
+    @locked
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a queued or running request (every sample of it) and free its blocks; returns
         what it generated so far (finish_reason "abort"), its output if it finished but was
@@ -170,23 +177,27 @@ class Engine:
             self._roots[cache_salt] = namespace_root(self.fingerprint, cache_salt)
         return self._roots[cache_salt]
 
+    @locked
     def has_unfinished(self) -> bool:
         """Whether a request is queued or running, or has finished with its output waiting
         for `step` (not counting outputs a running `generate` or stream waits for)."""
         return self._outputs.any_for_step() or self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ the loop
+    @locked
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it, and any that
         finished while `generate` or `stream` ran the engine for requests of their own."""
         self._step()
         return self._outputs.for_step()
 
+    @locked
     def reserve_outputs(self, request_ids: set[str]) -> None:
         """Hand these requests' outputs only to `step_for` (a `generate` or a stream that
         queued them waits for them), never to `step`."""
         self._outputs.reserve(request_ids)
 
+    @locked
     def release_outputs(self, request_ids: set[str]) -> None:
         """End `reserve_outputs` for these requests: aborted what still runs, dropped what
         waits (the caller that reserved them is gone)."""
@@ -194,6 +205,7 @@ class Engine:
             self.abort_request(request_id)
         self._outputs.unreserve(request_ids)
 
+    @locked
     def step_for(self, request_ids: set[str]) -> list[RequestOutput]:
         """Those of `request_ids` that finished since the last call: kept from another
         caller's step, or, if none was kept and any of them is still running, in one engine
@@ -206,6 +218,7 @@ class Engine:
         return self._outputs.take(request_ids)
 
     @property
+    @locked
     def kept(self) -> set[str]:
         """Ids of finished requests whose outputs wait for the `step` or `step_for` that asks."""
         return self._outputs.waiting_ids()
@@ -221,7 +234,10 @@ class Engine:
             out = self.scheduler.schedule()
         result = StepResult.nothing() if out.is_empty else self._run(out)
         with interrupts_held():
-            self._update(out, result, t_start)
+            try:
+                self._update(out, result, t_start)
+            except Exception as err:  # noqa: BLE001 - as a failed forward pass: the step's end
+                self._fail_unfinished(out, err)
 
     def _run(self, out: SchedulerOutput) -> StepResult:
         """The forward pass over the step's batch and the sampler over its rows. When either
@@ -283,6 +299,16 @@ class Engine:
         if record:
             self.recorder.on_finish(seq)  # its report row says why, like its output
         return self._requests.finish(seq, output)
+
+    def _fail_unfinished(self, out: SchedulerOutput, err: Exception) -> None:
+        """The step's bookkeeping raised: end its requests that are not finished yet as errors
+        (freeing their blocks: nothing they computed in the step is cached), so the rest of
+        the queue goes on."""
+        self.recorder.note_preempted(out.preempted)  # they wait, and show as preempted
+        error = f"{type(err).__name__}: {err}"
+        for item in out.scheduled:
+            if not item.seq.is_finished:  # one that _update finished has its output already
+                self._outputs.keep(self._finish(item.seq, "error", error))
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput.of(

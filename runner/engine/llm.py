@@ -12,6 +12,7 @@ from tqdm import tqdm
 from runner.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from runner.engine.core import Engine
 from runner.engine.frozen_heap import frozen_heap
+from runner.engine.lock import locked
 from runner.engine.outputs import RequestOutput
 from runner.engine.prefix_cache_file import cache_identity, load_prefix_cache, save_prefix_cache
 from runner.engine.requests import (
@@ -138,8 +139,10 @@ class LLM(Engine):
                 tqdm(total=len(prompts), disable=not use_tqdm, desc="generate") as bar,
             ):
                 while pending:
-                    outputs = self.step_for(pending)
-                    if not outputs and not any(self.samples_of(r) for r in pending):
+                    with self.lock:  # the step and the look at what is left: one view
+                        outputs = self.step_for(pending)
+                        stalled = not outputs and not any(self.samples_of(r) for r in pending)
+                    if stalled:
                         missing = sorted(order[r] for r in pending)
                         raise RuntimeError(f"engine stopped with prompts {missing} unfinished")
                     for output in outputs:
@@ -191,6 +194,7 @@ class LLM(Engine):
         return queued
 
     # ------------------------------------------------------------------ reports
+    @locked
     def stats(self) -> dict[str, Any]:
         """The cache's counters and the pool's state now (see CacheStats), with the hit rate
         and the preemptions so far."""
@@ -205,6 +209,7 @@ class LLM(Engine):
             "block_size": self.config.block_size,
         }
 
+    @locked
     def metrics(self) -> dict[str, Any]:
         """Every recorded step and request with the run's settings: what `kvcache report`
         reads. Raises ValueError for an engine made with record_metrics=False."""
@@ -228,12 +233,14 @@ class LLM(Engine):
         )
 
     # ------------------------------------------------------------------ warm starts
+    @locked
     def save_prefix_cache(self, path: str | Path) -> int:
         """Write the prefix cache (every cached block, its tokens and its K/V) to one file, for
         `load_prefix_cache` in a later engine of the same model; returns the blocks saved."""
         identity = self._cache_identity()
         return save_prefix_cache(self.block_manager, self.kv, identity, Path(path))
 
+    @locked
     def load_prefix_cache(self, path: str | Path) -> int:
         """Load a file written by `save_prefix_cache`: its prefixes are then cached here, as if
         this engine had computed them. Returns the blocks loaded (fewer than saved when the

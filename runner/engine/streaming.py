@@ -109,36 +109,43 @@ def stream_requests(
         llm.reserve_outputs(set(index_of))
         with frozen_heap():  # until the end, or until the caller closes the stream
             while running:
-                # Finished in this step, or in another caller's step since the last one.
-                outputs = llm.step_for(unfinished) if unfinished else []
-                deltas: list[StreamDelta] = []
-                for seq in running:
-                    new_tokens = seq.output_token_ids[tokens_sent[seq.seq_id] :]
-                    if not new_tokens and not seq.is_finished:
-                        continue
-                    tokens_sent[seq.seq_id] += len(new_tokens)
-                    stream, rid = texts[seq.seq_id], request_id_of(seq)
-                    if seq.is_finished:
-                        text = stream.final_delta(llm.stopper.output_text(seq))
-                    else:
-                        text = stream.settled_delta(seq)
-                    reason = seq.finish_reason if seq.is_finished else None
-                    deltas.append(
-                        StreamDelta(index_of[rid], rid, new_tokens, text, seq.sample_index, reason)
-                    )
-                running = [seq for seq in running if not seq.is_finished]
-                for output in outputs:
-                    unfinished.discard(output.request_id)
-                    ours = [d for d in deltas if d.request_id == output.request_id]
-                    if ours:  # its last sample's final delta is in this step's
-                        ours[-1].output = output
-                    else:  # that delta went out before its output came back
-                        index = index_of[output.request_id]
-                        deltas.append(StreamDelta(index, output.request_id, [], "", output=output))
-                if not deltas and not any(llm.samples_of(rid) for rid in unfinished):
-                    raise RuntimeError(f"engine stopped with {sorted(unfinished)} unfinished")
-                # Aborted by the caller meanwhile: its samples' last deltas are out; no output.
-                unfinished = {rid for rid in unfinished if llm.samples_of(rid) or rid in llm.kept}
+                with llm.lock:  # one view of the engine: no other thread steps meanwhile
+                    # Finished in this step, or in another caller's step since the last one.
+                    outputs = llm.step_for(unfinished) if unfinished else []
+                    deltas: list[StreamDelta] = []
+                    for seq in running:
+                        new_tokens = seq.output_token_ids[tokens_sent[seq.seq_id] :]
+                        if not new_tokens and not seq.is_finished:
+                            continue
+                        tokens_sent[seq.seq_id] += len(new_tokens)
+                        stream, rid = texts[seq.seq_id], request_id_of(seq)
+                        if seq.is_finished:
+                            text = stream.final_delta(llm.stopper.output_text(seq))
+                        else:
+                            text = stream.settled_delta(seq)
+                        reason = seq.finish_reason if seq.is_finished else None
+                        deltas.append(
+                            StreamDelta(
+                                index_of[rid], rid, new_tokens, text, seq.sample_index, reason
+                            )
+                        )
+                    running = [seq for seq in running if not seq.is_finished]
+                    for output in outputs:
+                        unfinished.discard(output.request_id)
+                        ours = [d for d in deltas if d.request_id == output.request_id]
+                        if ours:  # its last sample's final delta is in this step's
+                            ours[-1].output = output
+                        else:  # that delta went out before its output came back
+                            index = index_of[output.request_id]
+                            deltas.append(
+                                StreamDelta(index, output.request_id, [], "", output=output)
+                            )
+                    if not deltas and not any(llm.samples_of(rid) for rid in unfinished):
+                        raise RuntimeError(f"engine stopped with {sorted(unfinished)} unfinished")
+                    # Aborted by the caller meanwhile: its samples' last deltas are out; no output.
+                    unfinished = {
+                        rid for rid in unfinished if llm.samples_of(rid) or rid in llm.kept
+                    }
                 yield from deltas
     finally:  # left early: what still runs is aborted, what waits is dropped
         llm.release_outputs(set(index_of))

@@ -25,6 +25,8 @@ ALLOWED: dict[str, set[str]] = {
         "runner.sampling",
     },
     "runner.report": set(),
+    "runner.serve": {"runner.engine", "runner.sampling", "runner.cli"},
+    "runner.router": {"kvcache", "runner.engine", "runner.serve"},
     "runner.cli": {"kvcache", "runner.engine", "runner.sampling", "runner.report", "runner.bench"},
     "runner.bench": {
         "kvcache",

@@ -1,0 +1,244 @@
+"""The router's FastAPI app: OpenAI's POST routes forwarded to the replica the policy picks
+(streams passed through chunk by chunk as they arrive), retried on another replica when the
+chosen one cannot be reached or is draining before it answered; /v1/models from a healthy
+replica; /health; /router/stats (JSON) and Prometheus /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from runner.router.policy import make_policy
+from runner.router.prompt_hashes import PromptHasher
+from runner.router.replicas import Replica, ReplicaSet
+from runner.serve.responses import error_body
+
+FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+PASSED_BACK_HEADERS = ("retry-after",)
+
+
+@dataclass
+class RouterSettings:
+    policy: str = "cache_aware"
+    threshold: float = 0.3
+    balance_abs: int = 64
+    balance_rel: float = 1.5
+    health_interval_s: float = 1.0
+    tokenizer: str | None = None  # default: the first replica's model folder
+    max_attempts: int = 3
+    request_timeout_s: float = 600.0
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.routed = Counter(
+            "kvcache_router_requests",
+            "Requests routed, by replica and reason",
+            ["replica", "reason"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "kvcache_router_retries", "Requests retried on another replica", registry=self.registry
+        )
+
+
+class Router:
+    """The replicas, the policy, and the tokenizer the cache-aware policy hashes prompts with."""
+
+    def __init__(self, urls: list[str], settings: RouterSettings, client: httpx.AsyncClient):
+        self.settings = settings
+        self.policy = make_policy(
+            settings.policy, settings.threshold, settings.balance_abs, settings.balance_rel
+        )
+        self.replicas = ReplicaSet(urls, client, settings.health_interval_s)
+        self.client = client
+        self.hasher: PromptHasher | None = None
+        self.metrics = RouterMetrics()
+        self.reasons: dict[str, int] = {}
+
+    async def load_tokenizer(self) -> None:
+        """The prompts' tokenizer (cache_aware only): --tokenizer, else the folder the first
+        replica that answers reports for its model (same machine)."""
+        if not self.policy.uses_prefixes or self.hasher is not None:
+            return
+        path = self.settings.tokenizer
+        if path is None:
+            path = next((r.info["model_path"] for r in self.replicas.replicas if r.info), None)
+        if path is None:
+            return  # no replica is up yet: tried again on the next request
+        from transformers import AutoTokenizer
+
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+        self.hasher = PromptHasher(tokenizer)
+
+    async def forward(self, path: str, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None  # forwarded as it is: the replica answers its 400
+        await self.load_tokenizer()
+        token_ids = None
+        if self.hasher is not None and isinstance(body, dict):
+            token_ids = self.hasher.token_ids(path, body)
+        salt = body.get("cache_salt") if isinstance(body, dict) else None
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        hashes: dict[str, list[int]] = {}  # per replica: replicas may name blocks otherwise
+
+        def hashes_of(replica: Replica) -> list[int]:
+            if token_ids is None or self.hasher is None or replica.info is None:
+                return []
+            if replica.url not in hashes:
+                hashes[replica.url] = self.hasher.hashes(token_ids, replica.info, salt)
+            return hashes[replica.url]
+
+        tried: set[str] = set()
+        for _ in range(self.settings.max_attempts):
+            candidates = self.replicas.healthy(exclude=tried)
+            if not candidates:
+                break
+            route = self.policy.choose(candidates, hashes_of)
+            replica = route.replica
+            if self.policy.uses_prefixes:
+                replica.index.insert(hashes_of(replica))
+            response = await self._send(replica, path, raw, headers)
+            if response is None:
+                tried.add(replica.url)
+                self.metrics.retries.inc()
+                continue
+            self.metrics.routed.labels(replica=replica.url, reason=route.reason).inc()
+            self.reasons[route.reason] = self.reasons.get(route.reason, 0) + 1
+            return await self._relay(replica, response)
+        message = "no replica could take the request (all are down or draining)"
+        return JSONResponse(error_body(message, "service_unavailable"), 503)
+
+    async def _send(
+        self, replica: Replica, path: str, raw: bytes, headers: dict[str, str]
+    ) -> httpx.Response | None:
+        """The replica's response, its body not read yet; None when it must be retried
+        elsewhere: unreachable (taken out until its health check passes) or draining."""
+        replica.in_flight += 1
+        replica.sent += 1
+        upstream = self.client.build_request(
+            "POST", replica.url + path, content=raw, headers=headers
+        )
+        try:
+            response = await self.client.send(upstream, stream=True)
+        except httpx.TransportError:
+            replica.in_flight -= 1
+            self.replicas.mark_dead(replica)
+            return None
+        if response.status_code == 503:
+            await response.aclose()
+            replica.in_flight -= 1
+            self.replicas.mark_dead(replica)  # draining: back once its /health says ok
+            return None
+        return response
+
+    async def _relay(self, replica: Replica, response: httpx.Response) -> Response:
+        headers = {k: v for k, v in response.headers.items() if k.lower() in PASSED_BACK_HEADERS}
+        media_type = response.headers.get("content-type")
+        if not (media_type or "").startswith("text/event-stream"):
+            try:
+                content = await response.aread()
+            finally:
+                await response.aclose()
+                replica.in_flight -= 1
+            return Response(content, response.status_code, headers, media_type)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            except httpx.TransportError:  # the replica died mid-stream: the stream just ends
+                pass
+            finally:  # the client left, or the stream ended: the replica's request ends too
+                await response.aclose()
+                replica.in_flight -= 1
+
+        return StreamingResponse(chunks(), response.status_code, headers, media_type)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "policy": self.settings.policy,
+            "reasons": dict(self.reasons),
+            "replicas": [
+                {
+                    "url": r.url,
+                    "healthy": r.healthy,
+                    "in_flight": r.in_flight,
+                    "sent": r.sent,
+                    "indexed_blocks": len(r.index),
+                }
+                for r in self.replicas.replicas
+            ],
+        }
+
+
+def build_router_app(urls: list[str], settings: RouterSettings) -> FastAPI:
+    """The app routing over `urls`; its health loop runs from startup to shutdown."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(settings.request_timeout_s, connect=5.0)
+    client = httpx.AsyncClient(limits=limits, timeout=timeout)
+    router = Router(urls, settings, client)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.replicas.check_all()
+        await router.load_tokenizer()
+        health = asyncio.create_task(router.replicas.run_health_checks())
+        yield
+        health.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await health
+        await client.aclose()
+
+    app = FastAPI(title="kvcache router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.forward("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await router.forward("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        for replica in router.replicas.healthy():
+            headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+            try:
+                resp = await client.get(f"{replica.url}/v1/models", headers=headers)
+            except httpx.TransportError:
+                continue
+            return Response(resp.content, resp.status_code, media_type="application/json")
+        return JSONResponse(error_body("no replica is up", "service_unavailable"), 503)
+
+    @app.get("/health")
+    async def health() -> Response:
+        up = len(router.replicas.healthy())
+        return JSONResponse(
+            {"status": "ok" if up else "down", "replicas_up": up}, 200 if up else 503
+        )
+
+    @app.get("/router/stats")
+    async def stats() -> dict[str, Any]:
+        return router.stats()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type="text/plain")
+
+    return app

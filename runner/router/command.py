@@ -1,0 +1,70 @@
+"""`kvcache router`: the click command. The web stack is imported when it runs."""
+
+from __future__ import annotations
+
+import click
+
+from runner.router.policy import POLICIES
+
+
+@click.command()
+@click.option(
+    "--replica",
+    "replicas",
+    multiple=True,
+    required=True,
+    help="A `kvcache serve` URL, such as http://127.0.0.1:8001 (repeatable).",
+)
+@click.option("--policy", type=click.Choice(POLICIES), default="cache_aware", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option(
+    "--cache-threshold",
+    type=click.FloatRange(0, 1),
+    default=0.3,
+    show_default=True,
+    help="cache_aware: the share of the prompt's blocks a replica must hold to get it.",
+)
+@click.option(
+    "--balance-abs",
+    type=click.IntRange(min=0),
+    default=64,
+    show_default=True,
+    help="cache_aware: loads are unbalanced past this many requests between busiest and idlest",
+)
+@click.option(
+    "--balance-rel",
+    type=click.FloatRange(min=1),
+    default=1.5,
+    show_default=True,
+    help="cache_aware: ... and past this ratio; then the least loaded replica gets the request.",
+)
+@click.option("--health-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True)
+@click.option(
+    "--tokenizer", default=None, help="cache_aware: tokenizer folder [default: the replicas']."
+)
+def router(
+    replicas: tuple[str, ...],
+    policy: str,
+    host: str,
+    port: int,
+    cache_threshold: float,
+    balance_abs: int,
+    balance_rel: float,
+    health_interval: float,
+    tokenizer: str | None,
+) -> None:
+    """One OpenAI endpoint in front of several `kvcache serve` replicas."""
+    import uvicorn
+
+    from runner.router.app import RouterSettings, build_router_app
+
+    settings = RouterSettings(
+        policy, cache_threshold, balance_abs, balance_rel, health_interval, tokenizer
+    )
+    try:
+        app = build_router_app(list(replicas), settings)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from err
+    click.echo(f"kvcache router ({policy}) on http://{host}:{port}/v1", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

@@ -1,0 +1,49 @@
+"""A request's prompt as the replica's engine will see it (its token ids, through the model's
+tokenizer and chat template, as runner/serve does it), and the chained block hashes the engine
+will name its blocks by (kvcache.block_hashes, rooted in the replica's model fingerprint and
+the request's cache_salt)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcache import block_hashes, namespace_root
+from runner.engine.requests import render_chat
+from runner.serve.protocol import ChatMessage
+
+
+class PromptHasher:
+    """Token ids and block hashes of request bodies; None where a body has no prompt this can
+    read (the replica then answers it, with its 400 if it is bad)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._roots: dict[tuple[str, str | None], int] = {}
+
+    def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        try:
+            if path.endswith("/chat/completions"):
+                messages = [
+                    ChatMessage.model_validate(m).as_template_message() for m in body["messages"]
+                ]
+                text = render_chat(self.tokenizer, messages, body.get("chat_template_kwargs"))
+                return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+                prompt = prompt[0]  # a batch is routed by its first prompt
+            if isinstance(prompt, str):
+                return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return list(prompt)
+        except (KeyError, TypeError, ValueError):
+            return None
+        return None
+
+    def hashes(self, token_ids: list[int], info: dict[str, Any], cache_salt: Any) -> list[int]:
+        """The chained hashes of the prompt's full blocks on a replica described by `info`
+        (its /kvcache/info)."""
+        salt = cache_salt if isinstance(cache_salt, str) else None
+        key = (str(info["fingerprint"]), salt)
+        if key not in self._roots:
+            self._roots[key] = namespace_root(key[0], salt)
+        return block_hashes(token_ids, int(info["block_size"]), self._roots[key])

@@ -1,0 +1,81 @@
+"""The replicas behind a router: each one's URL, whether it answers its health check, how
+many requests it has in flight from this router, and how it names its cache blocks (its
+model fingerprint and block size, read from its /kvcache/info)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from runner.router.prefix_index import PrefixIndex
+
+HEALTH_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Replica:
+    url: str
+    healthy: bool = False
+    in_flight: int = 0
+    sent: int = 0  # requests routed here, retries included
+    info: dict[str, Any] | None = None  # its /kvcache/info, once read
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+
+class ReplicaSet:
+    """The replicas, and the health loop that takes a dead one out and puts it back once it
+    answers again."""
+
+    def __init__(self, urls: list[str], client: httpx.AsyncClient, interval_s: float) -> None:
+        if not urls:
+            raise ValueError("a router needs at least one --replica")
+        if len(set(urls)) != len(urls):
+            raise ValueError("a --replica is given twice")
+        self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        self.client = client
+        self.interval_s = interval_s
+
+    def healthy(self, exclude: frozenset[str] | set[str] = frozenset()) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy and r.url not in exclude]
+
+    def mark_dead(self, replica: Replica) -> None:
+        """Out of rotation until its health check passes again."""
+        replica.healthy = False
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(r) for r in self.replicas))
+
+    async def check(self, replica: Replica) -> None:
+        """One health check. A replica that comes back (or up) has its /kvcache/info read
+        afresh; its prefix index is emptied if it now names blocks otherwise (another model or
+        block size). A slow health check under load must not cost the index."""
+        url = replica.url
+        try:
+            ok = (await self.client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)).is_success
+            if ok and not replica.healthy:
+                resp = await self.client.get(f"{url}/kvcache/info", timeout=HEALTH_TIMEOUT_S)
+                info = resp.json() if resp.is_success else None
+                if _naming(info) != _naming(replica.info):
+                    replica.index = PrefixIndex(replica.index.capacity)
+                replica.info = info
+        except (httpx.HTTPError, ValueError):
+            ok = False
+        replica.healthy = ok
+
+    async def run_health_checks(self) -> None:
+        """Forever: every interval, each replica's /health (cancelled at shutdown)."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.check_all()
+
+
+def _naming(info: dict[str, Any] | None) -> tuple[Any, Any]:
+    """What a replica's block hashes depend on."""
+    return (None, None) if info is None else (info.get("fingerprint"), info.get("block_size"))

@@ -1,0 +1,10 @@
+"""`kvcache serve`: an OpenAI-compatible HTTP server over one engine.
+
+Owns the HTTP side only: the request and response bodies (protocol.py, responses.py), the
+engine loop thread that alone calls the engine (engine_loop.py) and the events it exchanges
+with the handlers (events.py), one call's life from submit to its last chunk (calls.py), the
+FastAPI routes (app.py), uvicorn with its SIGTERM drain (server.py), Prometheus metrics
+(metrics.py) and the click command (command.py).
+May import: engine (the LLM, streaming, outputs), sampling (SamplingParams), cli (the engine's
+options); nothing in the engine imports this package. Importing it imports nothing heavy.
+"""

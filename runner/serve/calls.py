@@ -1,0 +1,132 @@
+"""One HTTP call's life on the engine: submit its requests to the engine loop, wait until the
+loop has queued them (so a bad prompt is still a 400), then collect the whole answer or stream
+it as OpenAI's chunks. A client that goes away has its requests aborted at once: a stream's
+generator is cancelled by Starlette when the connection drops, and a waiting call watches
+for the disconnect itself."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from runner.engine.outputs import RequestOutput
+from runner.serve.engine_loop import EngineLoop
+from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Submission
+from runner.serve.protocol import field_named
+from runner.serve.responses import error_body, sse, usage_of
+
+DISCONNECT_POLL_S = 0.25  # how often a call with nothing new looks whether its client left
+
+
+class CallError(Exception):
+    """A call that ends with an HTTP error: its status and OpenAI error object."""
+
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, kind, param)
+
+
+@dataclass
+class Call:
+    """The engine requests of one HTTP call and the queue their events arrive on."""
+
+    engine: EngineLoop
+    request: Request
+    submissions: list[Submission]
+    prompt_param: str  # the field a rejected prompt is reported under
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    open: set[int] = field(default_factory=set)  # indexes of requests not yet Done
+
+    async def start(self) -> None:
+        """Submit every request and wait until each is queued; CallError 400 if one is
+        refused (the others are then aborted)."""
+        self.engine.submit(self.submissions, self.events.put_nowait)  # run in this loop
+        self.open = {s.index for s in self.submissions}
+        accepted, early = 0, []
+        try:
+            while accepted < len(self.submissions):
+                event = await self.next_event()
+                if isinstance(event, Accepted):
+                    accepted += 1
+                elif isinstance(event, Rejected):
+                    self.open.discard(event.index)
+                    param = field_named(event.message, self.prompt_param)
+                    raise CallError(400, event.message, "invalid_request_error", param)
+                else:
+                    early.append(event)
+        except BaseException:
+            self.abort()
+            raise
+        for event in early:  # deltas that came before the last request was queued
+            self.events.put_nowait(event)
+
+    async def next_event(self) -> Event:
+        """The next event; if the client disconnects meanwhile, abort and cancel."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await self.request.is_disconnected():
+                    self.abort()
+                    raise asyncio.CancelledError("client disconnected") from None
+
+    def abort(self) -> None:
+        """Abort the requests still running (a no-op once every one is Done)."""
+        ids = [s.request_id for s in self.submissions if s.index in self.open]
+        if ids:
+            self.engine.abort(ids)
+        self.open.clear()
+
+    async def outputs(self) -> list[RequestOutput]:
+        """Every request's output, in index order; CallError 500 if one failed."""
+        done: dict[int, RequestOutput] = {}
+        try:
+            while self.open:
+                event = await self.next_event()
+                if isinstance(event, Done):
+                    self.open.discard(event.index)
+                    done[event.index] = event.output
+                    if event.output.finish_reason == "error":
+                        raise CallError(
+                            500, f"request failed: {event.output.error}", "server_error"
+                        )
+        finally:
+            self.abort()
+        return [done[i] for i in sorted(done)]
+
+    async def stream(
+        self,
+        chunk_of: Callable[[Delta], dict[str, Any]],
+        first_chunks: list[dict[str, Any]],
+        usage_chunk: Callable[[dict[str, Any]], dict[str, Any]] | None,
+    ) -> AsyncIterator[str]:
+        """The SSE body: `first_chunks`, one chunk per delta, a request's failure as an error
+        event, the usage chunk when asked for, then [DONE]. Closed early (the client went
+        away), it aborts what still runs."""
+        done: list[RequestOutput] = []
+        try:
+            for chunk in first_chunks:
+                yield sse(chunk)
+            while self.open:
+                event = await self.next_event()
+                if isinstance(event, Delta):
+                    yield sse(chunk_of(event))
+                elif isinstance(event, Done):
+                    self.open.discard(event.index)
+                    done.append(event.output)
+                    if event.output.finish_reason == "error":
+                        message = f"request failed: {event.output.error}"
+                        yield sse(error_body(message, "server_error"))
+            if usage_chunk is not None:
+                yield sse(usage_chunk(usage_of(done)))
+            yield sse("[DONE]")
+        finally:
+            self.abort()

@@ -1,0 +1,70 @@
+"""`kvcache serve`: the click command. The web stack and the engine are imported when it runs,
+so `kvcache --help` stays fast."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from runner.cli.engine_options import engine_options
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@click.command()
+@click.option("--model", default=None, help="HF folder or .gguf file; default: SmolLM2-135M.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="KVCACHE_API_KEY",
+    help="Clients must send 'Authorization: Bearer KEY' to /v1/* (or $KVCACHE_API_KEY).",
+)
+@click.option(
+    "--served-model-name", default=None, help="The model's name in the API [default: its folder]."
+)
+@click.option(
+    "--max-queued-requests",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="Past this many requests waiting to start, new ones get 429 with Retry-After.",
+)
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM, seconds running requests get to finish before they are aborted.",
+)
+@engine_options
+def serve(
+    model: str | None,
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_name: str | None,
+    max_queued_requests: int,
+    drain_timeout: float,
+    engine_options: dict[str, Any],
+) -> None:
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with /health
+    and Prometheus /metrics, over one engine that batches every request continuously."""
+    from runner.cli.startup import start_up_without_gc
+    from runner.engine.llm import LLM
+    from runner.serve.app import ServeSettings, build_app
+    from runner.serve.server import run_server
+
+    name = served_model_name or (Path(model).stem if model else DEFAULT_MODEL_NAME)
+    engine_options["record_metrics"] = False  # a server's memory must not grow per token
+    with start_up_without_gc():
+        try:
+            llm = LLM(model, **engine_options)
+        except ValueError as err:
+            raise click.ClickException(str(err)) from err
+    settings = ServeSettings(name, api_key=api_key, max_queued_requests=max_queued_requests)
+    click.echo(f"kvcache serve: {name} on http://{host}:{port}/v1", err=True)
+    run_server(build_app(llm, settings), host, port, drain_timeout)

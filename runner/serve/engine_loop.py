@@ -1,0 +1,246 @@
+"""One thread that owns the engine: it takes requests and aborts as they arrive, steps the
+engine while anything runs (a request that arrives joins the batch at the next step:
+continuous batching over HTTP), and hands each request's new tokens and text to the sink its
+HTTP handler gave (which puts them on the handler's asyncio queue).
+
+Every engine call happens on this thread, so the HTTP event loop never waits for a step; the
+handlers only put commands in the inbox. Text deltas are made as runner/engine/streaming.py makes
+them (TextStream): they add up to the request's final text exactly. The events of one step
+(or one batch of commands) go to the event loop in one call, so a step of 64 streams costs
+the HTTP thread one wake-up, not 64: with the GIL shared, a loop that woke the HTTP thread per
+token starved it (chunks then left in bursts, and first tokens late).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from runner.engine.outputs import RequestOutput
+from runner.engine.sequence import Sequence
+from runner.engine.streaming import TextStream
+from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Sink, Submission
+from runner.serve.metrics import ServeMetrics
+
+IDLE_WAIT_S = 0.5  # how long an idle loop sleeps before it looks at its stop flag again
+
+
+@dataclass
+class _Tracked:
+    """A live request as the loop follows it."""
+
+    index: int
+    sink: Sink
+    seqs: list[Sequence]
+    arrival: float
+    texts: dict[int, TextStream] = field(default_factory=dict)
+    sent: dict[int, int] = field(default_factory=dict)  # tokens handed out, per sequence
+    ended: set[int] = field(default_factory=set)  # sequences whose last delta is out
+    last_token: float | None = None
+
+
+class EngineLoop:
+    """Owns `llm` from `start` to `stop`: nothing else may call it meanwhile."""
+
+    def __init__(self, llm: Any, metrics: ServeMetrics) -> None:
+        self._llm = llm
+        self._metrics = metrics
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._live: dict[str, _Tracked] = {}  # the loop thread's own
+        self._pending_lock = threading.Lock()
+        self._pending = 0  # submissions in the inbox
+        self._waiting = 0  # published by the loop after each step
+        self._stop = threading.Event()
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: list[tuple[Sink, Event]] = []  # the loop thread's, until _flush
+        self._thread = threading.Thread(target=self._run, name="kvcache-engine-loop", daemon=True)
+
+    # ------------------------------------------------------------------ any thread
+    def start(self, event_loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the loop thread. With `event_loop`, sinks are called in that loop's thread
+        (a batch of events per step); without, in the loop thread itself."""
+        self._event_loop = event_loop
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what still runs (each request's sink gets its Done, "abort") and end."""
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+
+    def submit(self, submissions: list[Submission], sink: Sink) -> None:
+        with self._pending_lock:
+            self._pending += len(submissions)
+        for sub in submissions:
+            self._inbox.put(("add", (sub, sink)))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests and free their blocks; their sinks hear nothing more."""
+        self._inbox.put(("abort", list(request_ids)))
+
+    def queued(self) -> int:
+        """Requests not yet admitted to the batch: in the inbox, or waiting in the scheduler."""
+        return self._pending + self._waiting
+
+    def live(self) -> int:
+        """Requests queued or running (what a drain waits for)."""
+        return self._pending + len(self._live)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ the loop thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._take_commands(block=not self._llm.has_unfinished())
+            self._flush()
+            if not self._llm.has_unfinished():
+                continue
+            try:
+                outputs = self._llm.step()
+            except Exception as err:  # noqa: BLE001 - the scheduler itself failed: end all
+                self._end_all(f"{type(err).__name__}: {err}")
+                self._flush()
+                continue
+            self._publish(outputs)
+            self._flush()
+        self._end_all(None)
+        self._flush()
+
+    def _deliver(self, sink: Sink, event: Event) -> None:
+        self._outbox.append((sink, event))
+
+    def _flush(self) -> None:
+        """Hand the events gathered so far to their sinks, in one call to the event loop."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        if self._event_loop is None:
+            _run_sinks(batch)
+            return
+        try:
+            self._event_loop.call_soon_threadsafe(_run_sinks, batch)
+        except RuntimeError:  # the event loop closed (the server is shutting down)
+            pass
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, value = command
+            if kind == "add":
+                self._add(*value)
+            elif kind == "abort":
+                for request_id in value:
+                    if self._live.pop(request_id, None) is not None:
+                        self._llm.abort_request(request_id)
+                        self._metrics.requests.labels(finish_reason="abort").inc()
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, sub: Submission, sink: Sink) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+        llm = self._llm
+        try:
+            prompt = sub.prompt
+            if sub.messages is not None:
+                prompt = llm.apply_chat_template(sub.messages, sub.template_kwargs)
+            seq = llm.add_request(
+                prompt,
+                sub.params,
+                request_id=sub.request_id,
+                cache_salt=sub.cache_salt,
+                add_special_tokens=sub.messages is None,
+            )
+        except ValueError as err:
+            self._deliver(sink, Rejected(sub.index, str(err)))
+            return
+        seqs = llm.samples_of(sub.request_id) or [seq]
+        tracked = _Tracked(sub.index, sink, seqs, arrival=time.perf_counter())
+        for s in seqs:
+            tracked.texts[s.seq_id] = TextStream(llm.stopper, s.params.skip_special_tokens)
+            tracked.sent[s.seq_id] = 0
+        self._live[sub.request_id] = tracked
+        self._waiting = len(llm.scheduler.waiting)
+        self._deliver(sink, Accepted(sub.index))
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """After a step: every live request's deltas, then the Done of each that ended."""
+        llm, now = self._llm, time.perf_counter()
+        with llm.lock:
+            for live in self._live.values():
+                self._deltas(live, now)
+            self._waiting = len(llm.scheduler.waiting)
+            self._metrics.on_step(
+                len(llm.scheduler.running),
+                self.queued(),
+                llm.block_manager.stats,
+                llm.block_manager.num_blocks,
+            )
+        for output in outputs:
+            tracked = self._live.pop(output.request_id, None)
+            if tracked is None:
+                continue  # aborted meanwhile: its client is gone
+            generated = sum(len(o.token_ids) for o in output.outputs)
+            self._metrics.on_finish(
+                output.finish_reason or "stop",
+                len(output.prompt_token_ids),
+                output.num_cached_tokens,
+                generated,
+            )
+            self._deliver(tracked.sink, Done(tracked.index, output))
+
+    def _deltas(self, tracked: _Tracked, now: float) -> None:
+        stopper = self._llm.stopper
+        for seq in tracked.seqs:
+            sent = tracked.sent[seq.seq_id]
+            new_tokens = seq.output_token_ids[sent:]
+            if seq.seq_id in tracked.ended or not (new_tokens or seq.is_finished):
+                continue
+            stream = tracked.texts[seq.seq_id]
+            tracked.sent[seq.seq_id] = sent + len(new_tokens)
+            if seq.is_finished:
+                text = stream.final_delta(stopper.output_text(seq))
+                tracked.ended.add(seq.seq_id)
+            else:
+                text = stream.settled_delta(seq)
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = list(seq.output_logprobs[sent : sent + len(new_tokens)])
+            reason = seq.finish_reason if seq.is_finished else None
+            if new_tokens and seq.sample_index == 0:
+                if tracked.last_token is None:
+                    self._metrics.ttft.observe(now - tracked.arrival)
+                else:
+                    gap = (now - tracked.last_token) / len(new_tokens)
+                    for _ in new_tokens:
+                        self._metrics.itl.observe(gap)
+                tracked.last_token = now
+            delta = Delta(tracked.index, seq.sample_index, new_tokens, text, logprobs, reason)
+            self._deliver(tracked.sink, delta)
+
+    def _end_all(self, error: str | None) -> None:
+        """End every live request: as errors (the engine failed) or aborted (shutting down)."""
+        for request_id, tracked in list(self._live.items()):
+            output = self._llm.abort_request(request_id)
+            del self._live[request_id]
+            if output is None:
+                continue
+            if error is not None:
+                output.finish_reason, output.error = "error", error
+            self._deliver(tracked.sink, Done(tracked.index, output))
+
+
+def _run_sinks(batch: list[tuple[Sink, Event]]) -> None:
+    for sink, event in batch:
+        sink(event)

@@ -1,0 +1,64 @@
+"""What passes between the HTTP handlers and the engine loop: a Submission in, then for each
+request an Accepted or a Rejected, its Deltas, and its Done."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from runner.engine.outputs import RequestOutput
+from runner.sampling.logprobs import TokenLogprobs
+from runner.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One sample's new tokens and settled text after a step; `finish_reason` on its last."""
+
+    index: int  # the prompt's position in its HTTP call
+    sample_index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class Done:
+    """A request ended (every sample): its output, "error" as finish_reason if it failed."""
+
+    index: int
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A request could not be queued (a bad prompt, too long for the context): a 400."""
+
+    index: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A request is queued: its Deltas and its Done follow."""
+
+    index: int
+
+
+Event = Accepted | Delta | Done | Rejected
+Sink = Callable[[Event], None]
+
+
+@dataclass
+class Submission:
+    """One engine request of an HTTP call: a prompt (text or ids), or messages to render."""
+
+    request_id: str
+    index: int
+    params: SamplingParams
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None

@@ -1,0 +1,175 @@
+"""OpenAI's response bodies: completions and chat completions, whole or as stream chunks, their
+usage (with the prefix cache's hits as `prompt_tokens_details.cached_tokens`), log-probabilities
+in each endpoint's own shape, and the error object."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from runner.engine.outputs import RequestOutput
+from runner.sampling.logprobs import TokenLogprobs
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: Any = None) -> dict:
+    """OpenAI's error object: {"error": {message, type, param, code}}."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event: `data: <json>` (or the final `[DONE]`) and a blank line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def usage_of(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """Usage of one call's requests: every sample's tokens; a prompt (and its cached tokens,
+    sample 0's) counted once per request."""
+    return usage(
+        sum(len(o.prompt_token_ids) for o in outputs),
+        sum(len(s.token_ids) for o in outputs for s in o.outputs),
+        sum(o.num_cached_tokens for o in outputs),
+    )
+
+
+class LogprobFormat:
+    """Token strings for log-probabilities, decoded one token at a time."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return str(self.tokenizer.decode([token_id]))
+
+    def completion(
+        self, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int
+    ) -> dict[str, Any]:
+        """The completions shape: parallel lists, `text_offset` from `offset` characters."""
+        tokens = [self.token(t) for t in token_ids]
+        offsets, at = [], offset
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self.token(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def chat(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+        """The chat shape: one entry per token, with its bytes and its top alternatives."""
+        return {
+            "content": [
+                {
+                    **self._entry(t, lp.logprob),
+                    "top_logprobs": [self._entry(a, v) for a, v in lp.top],
+                }
+                for t, lp in zip(token_ids, logprobs, strict=True)
+            ]
+        }
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def completion_response(
+    call_id: str,
+    model: str,
+    created: int,
+    outputs: list[RequestOutput],
+    fmt: LogprobFormat,
+) -> dict[str, Any]:
+    """The whole answer of POST /v1/completions: choice i * n + j is prompt i's sample j."""
+    choices: list[dict[str, Any]] = []
+    for output in outputs:
+        for sample in output.outputs:
+            logprobs = None
+            if sample.logprobs is not None:
+                logprobs = fmt.completion(sample.token_ids, sample.logprobs, 0)
+            choices.append(
+                {
+                    "index": len(choices),
+                    "text": sample.text,
+                    "logprobs": logprobs,
+                    "finish_reason": sample.finish_reason,
+                }
+            )
+    return {
+        "id": call_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_of(outputs),
+    }
+
+
+def chat_response(
+    call_id: str, model: str, created: int, output: RequestOutput, fmt: LogprobFormat
+) -> dict[str, Any]:
+    """The whole answer of POST /v1/chat/completions: one choice per sample."""
+    choices: list[dict[str, Any]] = []
+    for sample in output.outputs:
+        logprobs = None
+        if sample.logprobs is not None:
+            logprobs = fmt.chat(sample.token_ids, sample.logprobs)
+        choices.append(
+            {
+                "index": sample.index,
+                "message": {"role": "assistant", "content": sample.text},
+                "logprobs": logprobs,
+                "finish_reason": sample.finish_reason,
+            }
+        )
+    return {
+        "id": call_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_of([output]),
+    }
+
+
+def completion_chunk(
+    call_id: str, model: str, created: int, choices: list[dict[str, Any]], usage: Any = None
+) -> dict[str, Any]:
+    chunk = {
+        "id": call_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def chat_chunk(
+    call_id: str, model: str, created: int, choices: list[dict[str, Any]], usage: Any = None
+) -> dict[str, Any]:
+    chunk = {
+        "id": call_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
