@@ -194,8 +194,10 @@ class LLM(Engine):
         """The cache's counters and the pool's state now (see CacheStats), with the hit rate
         and the preemptions so far."""
         stats = self.block_manager.stats
+        tiers = self.tiers.stats() if self.tiers is not None else None
         return {
             **stats.as_dict(),
+            **({"cache_tiers": tiers} if tiers is not None else {}),
             "hit_rate": stats.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_draft_tokens": self.spec_stats.num_draft_tokens,
