@@ -232,16 +232,19 @@ class LLM(Engine):
     def save_prefix_cache(self, path: str | Path) -> int:
         """Write the prefix cache (every cached block, its tokens and its K/V) to one file, for
         `load_prefix_cache` in a later engine of the same model; returns the blocks saved."""
-        identity = self._cache_identity()
-        return save_prefix_cache(self.block_manager, self.kv, identity, Path(path))
+        identity, spec, key = self._cache_identity(), self.block_spec, self.cache_mac_key
+        return save_prefix_cache(self.block_manager, self.kv, identity, Path(path), spec, key)
 
     def load_prefix_cache(self, path: str | Path) -> int:
         """Load a file written by `save_prefix_cache`: its prefixes are then cached here, as if
         this engine had computed them. Returns the blocks loaded (fewer than saved when the
-        pool fills up). Raises ValueError for a file saved for another model, weight rounding,
-        block size or K/V layout, or one that is damaged; nothing is loaded then."""
+        pool fills up, or when blocks fail their checksum or MAC: those are dropped with the
+        blocks below them, with a warning). Raises ValueError for a file saved for another
+        model, weight rounding, block size or K/V layout, or one that is not a cache file;
+        nothing is loaded then."""
         identity, request_id = self._cache_identity(), next(self._seq_ids)
-        return load_prefix_cache(self.block_manager, self.kv, identity, Path(path), request_id)
+        bm, spec, key = self.block_manager, self.block_spec, self.cache_mac_key
+        return load_prefix_cache(bm, self.kv, identity, Path(path), request_id, spec, key)
 
     def _cache_identity(self) -> dict[str, str]:
         return cache_identity(self.kv, self.fingerprint, self.config.cpu_weight_dtype)
