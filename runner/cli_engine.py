@@ -125,6 +125,10 @@ _OPTIONS = [
 ]
 
 
+# Options whose flag is not their keyword's name.
+_FLAGS = {"remote_cache_url": "--remote-cache", "disk_cache_dir": "--disk-cache"}
+
+
 def engine_config_kwargs(values: dict[str, Any]) -> dict[str, Any]:
     """The options' values as EngineConfig's keyword arguments, checked by EngineConfig itself;
     a bad one is a usage error naming the option."""
@@ -134,7 +138,7 @@ def engine_config_kwargs(values: dict[str, Any]) -> dict[str, Any]:
         EngineConfig(**kwargs)
     except ValueError as err:
         option = next((name for name in kwargs if str(err).startswith(name)), None)
-        hint = f"--{option.replace('_', '-')}" if option else None
+        hint = _FLAGS.get(option, f"--{option.replace('_', '-')}") if option else None
         raise click.BadParameter(str(err), param_hint=hint) from err
     return kwargs
 

@@ -246,5 +246,11 @@ class LLM(Engine):
         bm, spec, key = self.block_manager, self.block_spec, self.cache_mac_key
         return load_prefix_cache(bm, self.kv, identity, Path(path), request_id, spec, key)
 
+    def flush_cache_tiers(self) -> None:
+        """Wait until every block queued for the disk and remote tiers is written (a process
+        about to exit, or to hand its tiers to another engine); nothing without tiers."""
+        if self.tiers is not None:
+            self.tiers.flush()
+
     def _cache_identity(self) -> dict[str, str]:
         return cache_identity(self.kv, self.fingerprint, self.config.cpu_weight_dtype)
