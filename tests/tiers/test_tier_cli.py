@@ -59,3 +59,19 @@ def test_bad_tier_options_fail_before_the_model_loads(
     result = CliRunner().invoke(main, [*base, *flags])
     assert result.exit_code == 2, result.output
     assert named in result.output and "no-such-model" not in result.output
+
+
+def test_the_report_shows_each_tier(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    prompts = [[3 + (i * 5) % 300 for i in range(48)] + [10 + i] for i in range(2)]
+    src.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    metrics = tmp_path / "m.json"
+    args = ["generate", str(src), "-o", str(tmp_path / "o.jsonl"), "--model", str(tiny_llama_dir)]
+    tiers = ["--disk-cache", str(tmp_path / "disk"), "--host-cache-bytes", "1MiB"]
+    result = CliRunner().invoke(main, [*args, "--metrics", str(metrics), *tiers])
+    assert result.exit_code == 0, result.output
+    report = CliRunner().invoke(main, ["report", str(metrics)])
+    assert report.exit_code == 0, report.output
+    assert "Cache tiers" in report.output and "dropped writes 0" in report.output
+    rows = [line.split()[0] for line in report.output.splitlines() if line.split()[:1]]
+    assert {"device", "host", "disk"} <= set(rows)
