@@ -63,6 +63,7 @@ class Engine:
             self.max_model_len,
             self.kv.copy_slots,
             self.tiers.load if self.tiers is not None else None,
+            self.tiers.prefetch if self.tiers is not None else None,
         )
         self.stopper = StopChecker(
             self.hf_config, self.tokenizer, self.max_model_len, generation_eos_ids(self.model_path)

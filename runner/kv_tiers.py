@@ -25,6 +25,7 @@ from kvcache.hashing import pack_tokens
 from kvcache.radix_tree import Node
 from kvcache.store import KVStore
 from kvcache.tiers import BlockSpec, DiskTier, HostTier, Pending, RemoteTier, TieredStore
+from kvcache.tiers.prefetch import Prefetcher
 from runner.config import EngineConfig
 from runner.kv_transfer import read_blocks, write_blocks
 
@@ -55,14 +56,20 @@ class TierLoader:
         self, config: EngineConfig, bm: BlockManager, kv: KVStore, spec: BlockSpec
     ) -> None:
         tiers: list[Any] = []
-        if config.host_cache_bytes:
-            tiers.append(HostTier(config.host_cache_bytes))
+        host = HostTier(config.host_cache_bytes) if config.host_cache_bytes else None
+        if host is not None:
+            tiers.append(host)
         if config.disk_cache_dir:
             tiers.append(DiskTier(config.disk_cache_dir, config.disk_cache_bytes))
         if config.remote_cache_url:
             tiers.append(RemoteTier(config.remote_cache_url))
         self.store = TieredStore(spec, tiers, mac_key=cache_mac_key(config))
-        self._close = weakref.finalize(self, self.store.close)  # queued writes land at exit
+        # A waiting request's blocks are read up from disk or Redis into the host tier.
+        self.prefetcher = (
+            Prefetcher(self.store, host) if host is not None and len(tiers) > 1 else None
+        )
+        # At exit (or when this loader is collected) the queued writes still land.
+        self._close = weakref.finalize(self, _close, self.prefetcher, self.store)
         self.bm, self.kv = bm, kv
         self.block_size = config.block_size
         self._loading = False  # blocks committed by a load came from the tiers: not written back
@@ -95,17 +102,31 @@ class TierLoader:
         self.store.write(("host",), [self._pending(node, payload)])
 
     # -- up ------------------------------------------------------------------------------------
+    def _chain_past_device(self, token_ids: Sequence[int], root: int) -> tuple[int, list[int]]:
+        """(blocks the device tree matches, every loadable block's hash). Pure."""
+        B = self.block_size
+        max_blocks = (len(token_ids) - 1) // B  # as BlockCache.match: one token is computed
+        on_device = -(-len(token_ids) // B) - self.bm.blocks_needed(token_ids, root)
+        if on_device >= max_blocks:
+            return on_device, []
+        return on_device, block_hashes(token_ids[: max_blocks * B], B, root)
+
+    def prefetch(self, token_ids: Sequence[int], root: int) -> None:
+        """Start reading a queued request's blocks up into the host tier (Scheduler.add)."""
+        if self.prefetcher is not None:
+            on_device, hashes = self._chain_past_device(token_ids, root)
+            self.prefetcher.prefetch(hashes[on_device:])
+
     def load(self, token_ids: Sequence[int], root: int) -> int:
         """Load the tiers' blocks that continue the device tree's longest match of this prompt
         into the pool (as cached blocks); returns how many. Loads fewer when the pool cannot
         spare the blocks (nothing held is ever evicted for it)."""
         B, bm = self.block_size, self.bm
-        max_blocks = (len(token_ids) - 1) // B  # as BlockCache.match: one token is computed
-        on_device = -(-len(token_ids) // B) - bm.blocks_needed(token_ids, root)
-        if on_device >= max_blocks:
-            return 0
         started = time.perf_counter()
-        hashes = block_hashes(token_ids[: max_blocks * B], B, root)
+        on_device, hashes = self._chain_past_device(token_ids, root)
+        if not hashes:
+            return 0
+        max_blocks = len(hashes)
         packed = pack_tokens(token_ids[: max_blocks * B])
         width = len(packed) // max_blocks
         blocks = [packed[i * width : (i + 1) * width] for i in range(on_device, max_blocks)]
@@ -125,8 +146,9 @@ class TierLoader:
             finally:
                 self._loading = False
                 bm.free(_LOADING_ID)
-        self.loaded_blocks += n
-        self.load_seconds += time.perf_counter() - started
+        if n:  # the time of loads that found something (a miss costs its lookup alone)
+            self.loaded_blocks += n
+            self.load_seconds += time.perf_counter() - started
         return n
 
     def _probe(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
@@ -141,6 +163,7 @@ class TierLoader:
         out = self.store.stats()
         for counters in out["tiers"].values():
             counters["hit_tokens"] = counters["hit_blocks"] * self.block_size
+        out["prefetched_blocks"] = self.prefetcher.prefetched_blocks if self.prefetcher else 0
         out["loaded_blocks"] = self.loaded_blocks
         out["load_ms_per_block"] = (
             1000 * self.load_seconds / self.loaded_blocks if self.loaded_blocks else 0.0
@@ -148,9 +171,18 @@ class TierLoader:
         return out
 
     def flush(self) -> None:
-        """Wait for every queued write (tests; a process about to hand its tiers to another)."""
+        """Wait for every queued write and prefetch (tests; a process about to hand its tiers
+        to another)."""
+        if self.prefetcher is not None:
+            self.prefetcher.flush()
         self.store.flush()
 
     def close(self) -> None:
         """Finish queued writes and close the tiers."""
         self._close()
+
+
+def _close(prefetcher: Prefetcher | None, store: TieredStore) -> None:
+    if prefetcher is not None:
+        prefetcher.close()
+    store.close()

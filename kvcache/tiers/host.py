@@ -33,6 +33,10 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._values)
 
+    def __contains__(self, key: object) -> bool:
+        """Whether a value is held, without making it recent. Pure."""
+        return key in self._values
+
     def keys(self) -> list[str]:
         """Keys from least to most recently used. Pure copy."""
         with self._lock:

@@ -116,7 +116,7 @@ class TieredStore:
             want = [i for i in range(n) if i not in found]
             if not want:
                 break
-            values = self._guarded(tier, partial(tier.get_many, [keys[i] for i in want]))
+            values = self.guarded(tier, partial(tier.get_many, [keys[i] for i in want]))
             for i, value in zip(want, values or [], strict=False):
                 if value is not None:
                     found[i] = (tier, value)
@@ -134,7 +134,7 @@ class TieredStore:
                 counters.rejected_blocks += 1
                 self._warn_once(f"reject-{tier.name}", f"{tier.name} tier: {result.reason}")
                 if result.reason.startswith(DAMAGED):
-                    self._guarded(tier, partial(tier.discard, keys[i]))
+                    self.guarded(tier, partial(tier.discard, keys[i]))
                 break
             counters.hit_blocks += 1
             counters.read_bytes += len(data)
@@ -142,7 +142,7 @@ class TieredStore:
             parent = hashes[i]
         return hits
 
-    def _guarded(self, tier: Tier, call: Callable[[], Any]) -> Any:
+    def guarded(self, tier: Tier, call: Callable[[], Any]) -> Any:
         """Run one tier call; a failure is counted, warned once, and returns None."""
         counters = self.counters[tier.name]
         try:
@@ -216,10 +216,10 @@ class TieredStore:
         """Write values to one tier (one pipeline where the tier has ``put_many``)."""
         put_many = getattr(tier, "put_many", None)
         if put_many is not None:
-            done = self._guarded(tier, lambda: put_many(batch) or True)
+            done = self.guarded(tier, lambda: put_many(batch) or True)
             written = batch if done else []
         else:
-            written = [kv for kv in batch if self._guarded(tier, partial(tier.put, *kv))]
+            written = [kv for kv in batch if self.guarded(tier, partial(tier.put, *kv))]
         counters = self.counters[tier.name]
         counters.written_blocks += len(written)
         counters.written_bytes += sum(len(value) for _, value in written)

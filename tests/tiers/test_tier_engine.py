@@ -142,3 +142,20 @@ def test_tier_options_are_checked(tiny_llama_dir: Path, monkeypatch: pytest.Monk
         LLM(str(tiny_llama_dir), remote_cache_url="http://localhost:6379")
     monkeypatch.setenv("KVCACHE_CACHE_KEY", "from-the-environment")
     assert LLM(str(tiny_llama_dir), require_cache_mac=True).cache_mac_key == b"from-the-environment"
+
+
+def test_a_waiting_request_is_prefetched_into_the_host_tier(
+    tiny_llama_dir: Path, reference: list[list[int]], tmp_path: Path
+) -> None:
+    first = LLM(str(tiny_llama_dir), disk_cache_dir=str(tmp_path))
+    first.generate(workload()[:2], GREEDY)
+    first.flush_cache_tiers()
+    second = LLM(str(tiny_llama_dir), disk_cache_dir=str(tmp_path), host_cache_bytes=2**24)
+    for prompt in workload()[6:8]:
+        second.add_request(prompt, GREEDY)
+    second.flush_cache_tiers()  # the prefetch has read both chains up before any step
+    outs = sorted(second.run_until_done(), key=lambda o: int(o.request_id))
+    assert [o.token_ids for o in outs] == reference[6:8]
+    stats = second.stats()["cache_tiers"]
+    assert stats["prefetched_blocks"] == 8
+    assert stats["tiers"]["host"]["hit_blocks"] == 8 and stats["tiers"]["disk"]["hit_blocks"] == 0
