@@ -158,7 +158,10 @@ def replicas(model: str | None, conversations: int, turns: int, pool: int, redis
 @click.option("--model", default=None)
 @click.option("--prompt-tokens", default=512, show_default=True)
 @click.option("--redis", "redis_url", default=None)
-def per_block(model: str | None, prompt_tokens: int, redis_url: str | None) -> None:
+@click.option("--cache-key", default=None, help="MAC every value (its cost is in the loads).")
+def per_block(
+    model: str | None, prompt_tokens: int, redis_url: str | None, cache_key: str | None
+) -> None:
     prompt = _tokens(random.Random(4), prompt_tokens + 1, VOCAB)
     blocks = prompt_tokens // 16
     cold = LLM(model)
@@ -175,6 +178,7 @@ def per_block(model: str | None, prompt_tokens: int, redis_url: str | None) -> N
     if redis_url:
         tiers.append(("remote", {"remote_cache_url": redis_url}))
     for name, options in tiers:
+        options["cache_key"] = cache_key
         writer = LLM(model, num_kv_blocks=blocks + 2, **options)
         writer.generate([prompt], ONE)
         writer.generate([_tokens(random.Random(5), prompt_tokens, 300)], ONE)  # evicts it
