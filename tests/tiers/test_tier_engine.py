@@ -159,3 +159,19 @@ def test_a_waiting_request_is_prefetched_into_the_host_tier(
     stats = second.stats()["cache_tiers"]
     assert stats["prefetched_blocks"] == 8
     assert stats["tiers"]["host"]["hit_blocks"] == 8 and stats["tiers"]["disk"]["hit_blocks"] == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_other_architectures_through_host_and_disk(
+    make_tiny_model: Any, tmp_path: Path, arch: str
+) -> None:
+    """Another head size, and a model whose local layers attend to a window of 16 tokens."""
+    model = str(make_tiny_model(arch))
+    prompts = workload(seed=1)
+    expected = [
+        o.token_ids for o in LLM(model, enable_prefix_caching=False).generate(prompts, GREEDY)
+    ]
+    llm = LLM(model, num_kv_blocks=POOL, host_cache_bytes=2**22, disk_cache_dir=str(tmp_path))
+    outs = one_by_one(llm, prompts)
+    assert [o.token_ids for o in outs] == expected
+    assert [o.num_cached_tokens for o in outs][6:] == [64] * 6
