@@ -6,6 +6,8 @@ bounded LRU in RAM; ``disk``: a directory that survives restarts; ``remote``: a 
 shared by every engine), and ``tiered``: lookup of a chain across them and the bounded
 background writer. It imports neither torch nor ``runner``: the engine copies K/V in and out
 of the pool (runner/kv_transfer.py) and hands this package bytes.
+
+May import: the rest of kvcache (its hashing), redis and xxhash; never torch nor runner.
 """
 
 from kvcache.tiers.block_value import BlockSpec, BlockValue, Miss, decode, encode, storage_key
