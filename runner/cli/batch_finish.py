@@ -97,6 +97,7 @@ def run_batch(
         _say("\ninterrupted")
         code = 130
     try:
+        run.llm.flush_cache_tiers()  # the disk and remote tiers have every block before exit
         if cache is not None:
             cache.save(run.llm)
         if metrics_path is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from runner.report.fields import check_fields
+from runner.report.tiers import HEADER, tier_footer, tier_rows
 from runner.report.time_split import TIME_HEADER, time_breakdown, time_cells
 
 SCHEMA_VERSION = 1
@@ -247,6 +248,10 @@ def format_summary(metrics: dict[str, Any], max_groups: int = 20) -> str:
     if timing:
         lines += ["", "Where the time went (shares of each kind's wall time):"]
         lines += _table(TIME_HEADER, [time_cells(r) for r in timing], right=set(range(1, 8)))
+    tiers = tier_rows(metrics)
+    if tiers:
+        lines += ["", "Cache tiers (hits served from each; the device pool first):"]
+        lines += _table(HEADER, tiers, right=set(range(1, 8))) + [tier_footer(metrics)]
     groups = prefix_breakdown(metrics)
     lines += ["", f"By shared prefix (first full block), {len(groups)} groups:"]
     rows = [

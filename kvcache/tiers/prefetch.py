@@ -1,0 +1,79 @@
+"""Prefetch: while a request waits in the queue, the blocks of its chain that only the disk or
+the remote tier holds are read into the host tier, so that its admission finds them in memory
+instead of waiting on a file or a round trip.
+
+One daemon thread, fed by a bounded queue of chains (a full queue drops the prefetch, counted:
+the admission then reads the lower tiers itself). Values are copied up as they are, unverified:
+the admission's lookup checks every value it serves, whichever tier it comes from.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from functools import partial
+
+from kvcache.tiers.host import HostTier
+from kvcache.tiers.tiered import TieredStore
+
+
+class Prefetcher:
+    """Copies a chain's values from the store's lower tiers into its host tier."""
+
+    def __init__(self, store: TieredStore, host: HostTier, queue_chains: int = 64) -> None:
+        self.store, self.host = store, host
+        self.lower = [t for t in store.tiers if t is not host]
+        self.prefetched_blocks = 0  # values copied up into the host tier
+        self.dropped = 0  # chains not prefetched: the queue was full
+        self._queue: queue.Queue[list[int] | None] = queue.Queue(maxsize=queue_chains)
+        self._thread = threading.Thread(target=self._loop, name="kv-prefetch", daemon=True)
+        self._thread.start()
+
+    def prefetch(self, hashes: Sequence[int]) -> None:
+        """Queue a chain (block hashes in order) to be read up. Never blocks."""
+        if not hashes or not self.lower:
+            return
+        try:
+            self._queue.put_nowait(list(hashes))
+        except queue.Full:
+            self.dropped += 1
+
+    def _loop(self) -> None:
+        while True:
+            hashes = self._queue.get()
+            try:
+                if hashes is None:
+                    return
+                self._fetch(hashes)
+            finally:
+                self._queue.task_done()
+
+    def _fetch(self, hashes: list[int]) -> None:
+        """Read up the chain's values up to its first block no tier holds."""
+        keys = [self.store.key_of(h) for h in hashes]
+        missing = [i for i, key in enumerate(keys) if key not in self.host]
+        found: dict[int, bytes] = {}
+        for tier in self.lower:
+            want = [i for i in missing if i not in found]
+            if not want:
+                break
+            values = self.store.guarded(tier, partial(tier.get_many, [keys[i] for i in want]))
+            for i, value in zip(want, values or [], strict=False):
+                if value is not None:
+                    found[i] = value
+        for i in range(len(keys)):
+            if keys[i] in self.host:
+                continue
+            if i not in found:
+                break
+            self.host.put(keys[i], found[i])
+            self.prefetched_blocks += 1
+
+    def flush(self) -> None:
+        """Wait until every queued chain is read up (tests)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
