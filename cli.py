@@ -196,6 +196,7 @@ def generate(
         except ValueError as err:  # a stale cache costs a cold start, not the run
             click.echo(f"prefix cache: ignored, starting cold: {err}", err=True)
     code = run.execute(input_path, Path(output_path) if output_path else None, resume=resume)
+    run.llm.flush_cache_tiers()  # the disk and remote tiers have every block before exit
     if cache_file is not None:
         blocks = run.llm.save_prefix_cache(cache_file)
         click.echo(f"prefix cache: {blocks} blocks saved to {cache_file}", err=True)

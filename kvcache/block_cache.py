@@ -10,7 +10,7 @@ own (ref 1) and is never cached content.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from kvcache.block_pool import BlockPool
@@ -40,6 +40,9 @@ class BlockCache:
         self.tails = TailCache(block_size)
         self.live = LiveTails()  # running requests' partial blocks
         self.evicted_blocks = 0  # cached blocks reclaimed by eviction so far
+        # Told of each tree node about to be evicted, while its block still holds its K/V
+        # (the tiers below the pool keep a copy: runner/kv_tiers.py).
+        self.on_evict: Callable[[Node], None] | None = None
 
     @property
     def version(self) -> int:
@@ -211,6 +214,8 @@ class BlockCache:
                 self.tails.remove(tail.block_id)
                 pool.lru_discard(tail.block_id)
                 evicted.append(tail.block_id)
+            if self.on_evict is not None:
+                self.on_evict(node)
             tree.remove_leaf(node)
             parent = node.parent
             if parent is not None and not parent.children and pool.ref(parent.block_id) == 0:

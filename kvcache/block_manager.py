@@ -21,7 +21,7 @@ Invariants kept here (checked by ``check_integrity``):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -79,6 +79,18 @@ class BlockManager:
         self._pool, self._tree = self._cache.pool, self._cache.tree
         self._requests: dict[int, _Request] = {}
         self._stats = CacheStats()
+        self._on_commit: Callable[[list[Node]], None] | None = None
+
+    def watch(
+        self,
+        on_commit: Callable[[list[Node]], None] | None,
+        on_evict: Callable[[Node], None] | None,
+    ) -> None:
+        """Be told of the nodes each commit adds to the tree (after the forward that wrote
+        their K/V) and of each node about to be evicted (its K/V still intact): how the tiers
+        below the pool get their blocks. Mutates only these two callbacks."""
+        self._on_commit = on_commit
+        self._cache.on_evict = on_evict
 
     # -- read-only questions -------------------------------------------------------------------
     @property
@@ -279,6 +291,8 @@ class BlockManager:
         for node in result.created:
             self._pool.mark_cached(node.block_id)
             node.tick = self._pool.next_tick()
+        if result.created and self._on_commit is not None:
+            self._on_commit(result.created)
         request.chain.extend(result.existing)
         request.chain.extend(result.created)
         # On a collision the chain stops before the colliding block; the request's own copy

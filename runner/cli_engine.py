@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from runner.cli_sizes import ByteSize
 from runner.config import CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig
 
 _OPTIONS = [
@@ -89,7 +90,43 @@ _OPTIONS = [
         help="float16: CPU, keys and values in half the bytes of a float32 model's (twice the "
         "tokens in the pool, half the bytes a decode step reads for its contexts).",
     ),
+    click.option(
+        "--host-cache-bytes",
+        type=ByteSize(),
+        default=None,
+        help="Keep blocks evicted from the KV pool in this much host memory (e.g. 2GiB).",
+    ),
+    click.option(
+        "--disk-cache",
+        "disk_cache_dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        help="Write cached blocks to this directory; a later run pointed at it gets hits.",
+    ),
+    click.option(
+        "--disk-cache-bytes",
+        type=ByteSize(),
+        default="10GiB",
+        show_default=True,
+        help="The most the disk cache may take on disk.",
+    ),
+    click.option(
+        "--remote-cache",
+        "remote_cache_url",
+        default=None,
+        help="Share cached blocks with every engine pointed at this Redis: redis://host:port/db.",
+    ),
+    click.option(
+        "--cache-key",
+        default=None,
+        help="Sign every stored block with this key, and serve none that another key (or none) "
+        "signed [default: $KVCACHE_CACHE_KEY]. Without a key, cache files and tiers are trusted.",
+    ),
 ]
+
+
+# Options whose flag is not their keyword's name.
+_FLAGS = {"remote_cache_url": "--remote-cache", "disk_cache_dir": "--disk-cache"}
 
 
 def engine_config_kwargs(values: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +138,7 @@ def engine_config_kwargs(values: dict[str, Any]) -> dict[str, Any]:
         EngineConfig(**kwargs)
     except ValueError as err:
         option = next((name for name in kwargs if str(err).startswith(name)), None)
-        hint = f"--{option.replace('_', '-')}" if option else None
+        hint = _FLAGS.get(option, f"--{option.replace('_', '-')}") if option else None
         raise click.BadParameter(str(err), param_hint=hint) from err
     return kwargs
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 Batching = Literal["continuous", "static"]
@@ -79,6 +79,18 @@ class EngineConfig:
     # Speculative decoding by n-gram lookup (runner/speculative.py): up to this many guessed
     # tokens checked after a plain greedy request's newest one each step; 0 turns it off.
     speculative_tokens: int = 0
+    # Tiers below the device pool (kvcache/tiers, docs/TIERS.md), each off when None: blocks
+    # evicted from the pool kept in this process's memory; blocks written to a directory that
+    # survives restarts; blocks shared with every engine pointed at one Redis server.
+    host_cache_bytes: int | None = None
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 10 * 2**30
+    remote_cache_url: str | None = None
+    # The key of the MAC every stored block (a tier's, a cache file's) carries and is checked
+    # against; None: the environment's KVCACHE_CACHE_KEY, if any. Without one, stored blocks are
+    # trusted input, like the model's files. require_cache_mac refuses to run without a key.
+    cache_key: str | None = field(default=None, repr=False)
+    require_cache_mac: bool = False
 
     @property
     def token_budget(self) -> int:
@@ -86,6 +98,11 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return CPU_TOKEN_BUDGET if str(self.device).startswith("cpu") else GPU_TOKEN_BUDGET
+
+    @property
+    def has_tiers(self) -> bool:
+        """Whether any tier below the device pool is configured."""
+        return bool(self.host_cache_bytes or self.disk_cache_dir or self.remote_cache_url)
 
     def __post_init__(self) -> None:
         if not DEVICE_PATTERN.fullmatch(str(self.device)):  # a torch.device passes as its name
@@ -134,6 +151,19 @@ class EngineConfig:
             )
         if self.max_wait_steps < 0:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")
+        if self.host_cache_bytes is not None and self.host_cache_bytes < 1:
+            raise ValueError(f"host_cache_bytes must be >= 1, got {self.host_cache_bytes}")
+        if self.disk_cache_bytes < 1:
+            raise ValueError(f"disk_cache_bytes must be >= 1, got {self.disk_cache_bytes}")
+        if self.remote_cache_url is not None and not self.remote_cache_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError(
+                "remote_cache_url must look like redis://host:port/db, "
+                f"got {self.remote_cache_url!r}"
+            )
+        if self.has_tiers and not self.enable_prefix_caching:
+            raise ValueError("host/disk/remote cache tiers need the prefix cache on")
         if not 0 <= self.speculative_tokens <= 16:
             raise ValueError(
                 f"speculative_tokens must be in [0, 16], got {self.speculative_tokens}"

@@ -198,8 +198,10 @@ class LLM(Engine):
         """The cache's counters and the pool's state now (see CacheStats), with the hit rate
         and the preemptions so far."""
         stats = self.block_manager.stats
+        tiers = self.tiers.stats() if self.tiers is not None else None
         return {
             **stats.as_dict(),
+            **({"cache_tiers": tiers} if tiers is not None else {}),
             "hit_rate": stats.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_draft_tokens": self.spec_stats.num_draft_tokens,
@@ -226,6 +228,7 @@ class LLM(Engine):
             "speculative_tokens": self.config.speculative_tokens,
             "num_draft_tokens": self.spec_stats.num_draft_tokens,
             "num_accepted_tokens": self.spec_stats.num_accepted_tokens,
+            **({"cache_tiers": self.tiers.stats()} if self.tiers is not None else {}),
         }
         return self.recorder.to_dict(
             header, self.block_manager.stats, self.scheduler.num_preemptions
@@ -236,17 +239,26 @@ class LLM(Engine):
     def save_prefix_cache(self, path: str | Path) -> int:
         """Write the prefix cache (every cached block, its tokens and its K/V) to one file, for
         `load_prefix_cache` in a later engine of the same model; returns the blocks saved."""
-        identity = self._cache_identity()
-        return save_prefix_cache(self.block_manager, self.kv, identity, Path(path))
+        identity, spec, key = self._cache_identity(), self.block_spec, self.cache_mac_key
+        return save_prefix_cache(self.block_manager, self.kv, identity, Path(path), spec, key)
 
     @locked
     def load_prefix_cache(self, path: str | Path) -> int:
         """Load a file written by `save_prefix_cache`: its prefixes are then cached here, as if
         this engine had computed them. Returns the blocks loaded (fewer than saved when the
-        pool fills up). Raises ValueError for a file saved for another model, weight rounding,
-        block size or K/V layout, or one that is damaged; nothing is loaded then."""
+        pool fills up, or when blocks fail their checksum or MAC: those are dropped with the
+        blocks below them, with a warning). Raises ValueError for a file saved for another
+        model, weight rounding, block size or K/V layout, or one that is not a cache file;
+        nothing is loaded then."""
         identity, request_id = self._cache_identity(), next(self._seq_ids)
-        return load_prefix_cache(self.block_manager, self.kv, identity, Path(path), request_id)
+        bm, spec, key = self.block_manager, self.block_spec, self.cache_mac_key
+        return load_prefix_cache(bm, self.kv, identity, Path(path), request_id, spec, key)
+
+    def flush_cache_tiers(self) -> None:
+        """Wait until every block queued for the disk and remote tiers is written (a process
+        about to exit, or to hand its tiers to another engine); nothing without tiers."""
+        if self.tiers is not None:
+            self.tiers.flush()
 
     def _cache_identity(self) -> dict[str, str]:
         return cache_identity(self.kv, self.fingerprint, self.config.cpu_weight_dtype)

@@ -16,6 +16,8 @@ from runner.config import EngineConfig
 from runner.engine_lock import locked
 from runner.engine_setup import build_engine_parts
 from runner.interrupts import interrupts_held
+from runner.kv_tiers import TierLoader, cache_identity_string, cache_mac_key
+from runner.kv_transfer import block_spec
 from runner.live_requests import LiveRequests
 from runner.loader import generation_eos_ids
 from runner.logit_rules import bad_word_ids
@@ -40,6 +42,7 @@ class Engine:
 
     def __init__(self, model: str | None = None, *, seed: int = 0, **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
+        mac_key = cache_mac_key(self.config)  # before the model loads: a missing key costs nothing
         parts = build_engine_parts(self.config)
         loaded = parts.loaded
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.config
@@ -48,8 +51,20 @@ class Engine:
         self.device = parts.device
         self.max_model_len = parts.max_model_len
         self.kv, self.block_manager, self.runner = parts.kv, parts.block_manager, parts.runner
+        self.cache_mac_key = mac_key  # the MAC key of stored blocks (runner/kv_tiers.py)
+        identity = cache_identity_string(self.fingerprint, self.config.cpu_weight_dtype)
+        self.block_spec = block_spec(self.kv, identity)
+        self.tiers = (
+            TierLoader(self.config, self.block_manager, self.kv, self.block_spec)
+            if self.config.has_tiers
+            else None
+        )
         self.scheduler = Scheduler(
-            self.config, self.block_manager, self.max_model_len, self.kv.copy_slots
+            self.config,
+            self.block_manager,
+            self.max_model_len,
+            self.kv.copy_slots,
+            self.tiers.load if self.tiers is not None else None,
         )
         self.stopper = StopChecker(
             self.hf_config, self.tokenizer, self.max_model_len, generation_eos_ids(self.model_path)

@@ -1,31 +1,37 @@
 """Saving the prefix cache to a file and loading it into another engine: a warm start.
 
-A saved cache is one safetensors file: every block of the radix tree and every tail (its
-tokens and how many, its parent, its namespace root) and its K/V, with what the K/V depends on
-in the metadata (the model's fingerprint, its weight rounding, the block size, the K/V layout
-and dtype). Loading rebuilds the chains through the block manager's own calls, so its
-invariants hold as for any request: each leaf's path is allocated (the part already loaded
-matches and is held, the rest takes fresh blocks), the fresh blocks get their K/V, the path is
-committed into the tree and the allocation freed, with its tail's tokens when the leaf is a
-tail (so the free keeps it, as a finished request's). The blocks are left cached and
-evictable, and the hit counters count none of it. Files of format 1 (full blocks only, no
-`lengths`) still load.
+A saved cache is a short envelope (a magic line and what the K/V depend on, as JSON: the model's
+fingerprint, its weight rounding, the block size, the K/V layout and dtype) followed by every
+block of the radix tree, each after its parent, then every tail, each one a block value of
+kvcache/tiers/block_value.py: the one format of a block stored outside the pool, the tiers'
+too, with its own checksum and, when a cache key is set, its MAC. A value that fails its checks
+(flipped bytes, a wrong MAC) is dropped with its descendants, with a warning; the rest loads.
+
+Loading rebuilds the chains through the block manager's own calls, so its invariants hold as
+for any request: each leaf's path is allocated (the part already loaded matches and is held,
+the rest takes fresh blocks), the fresh blocks get their K/V, the path is committed into the
+tree and the allocation freed, with its tail's tokens when the leaf is a tail (so the free
+keeps it, as a finished request's). The blocks are left cached and evictable, and the hit
+counters count none of it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import struct
+import warnings
 from pathlib import Path
 
-import torch
-
 from kvcache import BlockManager
+from kvcache.hashing import TOKEN_BYTES, hash_packed_block, pack_tokens, unpack_tokens
 from kvcache.store import KVStore
+from kvcache.tiers import BlockSpec, BlockValue, Miss, decode, encode
+from runner.kv_transfer import read_blocks, write_blocks
 
-FORMAT = "kvcache-prefix-cache/2"  # 2: tails too, with their lengths
-_FORMATS = ("kvcache-prefix-cache/1", FORMAT)  # what loads
-_TENSORS = ("parents", "roots", "tokens", "kv")
-_BLOCKS_PER_COPY = 256
+FORMAT = "kvcache-prefix-cache/3"  # 3: block values (kvcache/tiers/block_value.py)
+MAGIC = b"KVCACHE-PREFIX-CACHE\n"
+_LEN = struct.Struct("<Q")
 
 
 def cache_identity(kv: KVStore, fingerprint: str, weights: str) -> dict[str, str]:
@@ -41,32 +47,34 @@ def cache_identity(kv: KVStore, fingerprint: str, weights: str) -> dict[str, str
 
 
 def save_prefix_cache(
-    block_manager: BlockManager, kv: KVStore, identity: dict[str, str], path: Path
+    block_manager: BlockManager,
+    kv: KVStore,
+    identity: dict[str, str],
+    path: Path,
+    spec: BlockSpec,
+    mac_key: bytes | None = None,
 ) -> int:
     """Write every block of the tree, every tail and their K/V to `path` (replaced whole,
     never half written); returns the number of blocks."""
-    blocks = block_manager.cached_blocks()
-    B = kv.block_size
-    row = {b.block_id: i for i, b in enumerate(blocks)}
-    ids = torch.tensor([b.block_id for b in blocks], dtype=torch.int64, device=kv.device)
-    tensors = {
-        "parents": torch.tensor(
-            [-1 if b.parent is None else row[b.parent] for b in blocks], dtype=torch.int64
-        ),
-        # Roots are unsigned 64-bit hashes; int64 keeps their bits.
-        "roots": torch.tensor([_signed(b.root) for b in blocks], dtype=torch.int64),
-        # A tail's row is padded with zeros after its `lengths` tokens.
-        "tokens": torch.tensor(
-            [b.token_ids + [0] * (B - len(b.token_ids)) for b in blocks], dtype=torch.int64
-        ).reshape(len(blocks), B),
-        "lengths": torch.tensor([len(b.token_ids) for b in blocks], dtype=torch.int64),
-        "kv": _gather_blocks(kv, ids),  # [L, 2, n, B, H, D], on the CPU
-    }
-    from safetensors.torch import save_file
-
+    blocks = block_manager.cached_blocks()  # each after its parent
+    hashes: dict[int, int] = {}  # block id -> its chained hash
     partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        save_file(tensors, str(partial), metadata=identity)
+        with open(partial, "wb") as f:
+            head = json.dumps(identity, sort_keys=True).encode()
+            f.write(MAGIC + _LEN.pack(len(head)) + head)
+            for start in range(0, len(blocks), 256):  # K/V copied off the pool a slice at a time
+                chunk = blocks[start : start + 256]
+                payloads = read_blocks(kv, [b.block_id for b in chunk])
+                for block, payload in zip(chunk, payloads, strict=True):
+                    parent = block.root if block.parent is None else hashes[block.parent]
+                    tokens = pack_tokens(block.token_ids)
+                    key = hashes[block.block_id] = hash_packed_block(parent, tokens)
+                    value = encode(
+                        spec, key, parent, tokens, payload, top=block.parent is None,
+                        mac_key=mac_key,
+                    )  # fmt: skip
+                    f.write(_LEN.pack(len(value)) + value)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
@@ -79,34 +87,39 @@ def load_prefix_cache(
     identity: dict[str, str],
     path: Path,
     request_id: int,
+    spec: BlockSpec,
+    mac_key: bytes | None = None,
 ) -> int:
     """Rebuild the cache saved in `path` into `block_manager` and `kv` (`request_id`: an id no
     live request has, used while each chain is loaded). Returns the blocks loaded: fewer than
-    saved when the free blocks run out (nothing cached is evicted for it), or when some were
-    cached already. Raises ValueError naming
-    the problem for a file that is not a saved cache or was saved for another model or
-    layout; nothing is loaded then."""
+    saved when the free blocks run out (nothing cached is evicted for it), when some were
+    cached already, or when some failed their checks (dropped with their descendants, with a
+    warning). Raises ValueError naming the problem for a file that is not a saved cache or was
+    saved for another model or layout; nothing is loaded then."""
     if not block_manager.enable_prefix_caching:
         raise ValueError("the prefix cache is off in this engine: nothing to load it into")
-    parents, roots, tokens, lengths, saved_kv = _read(path, identity, kv)
+    values = _read(path, identity, spec, mac_key)
     B = block_manager.block_size
-    has_child = set(parents.tolist())
+    parents = {v.parent for v in values}
+    by_key = {v.key: v for v in values if len(v.tokens) == B * TOKEN_BYTES}  # full blocks
     cached_before = block_manager.stats.blocks_cached
-    for leaf in (i for i in range(len(parents)) if i not in has_child):
-        chain = _path(parents, leaf)
-        full = len(chain) if int(lengths[leaf]) == B else len(chain) - 1  # blocks before a tail
-        known = tokens[chain].reshape(-1).tolist()[: full * B + int(lengths[leaf])]
+    for leaf in (v for v in values if v.key not in parents):  # tails are never parents
+        chain = [leaf]
+        while not chain[-1].top:
+            chain.append(by_key[chain[-1].parent])
+        chain.reverse()
+        root = chain[0].parent
+        known = unpack_tokens(b"".join(v.tokens for v in chain))
+        full = len(chain) if len(known) == len(chain) * B else len(chain) - 1  # before a tail
         probe = known + [0]  # one more token: every full block matches
-        root = int(roots[chain[0]]) % 2**64
         if block_manager.blocks_needed(probe, root) > block_manager.stats.blocks_free:
             continue  # only free blocks: a chain must not evict one loaded before it
         alloc = block_manager.allocate(request_id, probe, root, count=False)
+        have = alloc.num_cached_tokens // B
         try:  # the K/V of every fresh block of the chain (a tail's own block included)
-            have = alloc.num_cached_tokens // B
             if have < len(chain):
                 fresh = alloc.block_table[have : len(chain)]
-                dst = torch.tensor(fresh, dtype=torch.int64, device=kv.device)
-                kv.tensor.index_copy_(2, dst, saved_kv[:, :, chain[have:]].to(kv.device))
+                write_blocks(kv, fresh, [v.kv for v in chain[have:]])
             block_manager.commit(request_id, probe, full * B)
         finally:  # with its tokens: a tail's block stays cached as a tail
             block_manager.free(request_id, known, len(known) if have < len(chain) else 0)
@@ -114,68 +127,54 @@ def load_prefix_cache(
 
 
 def _read(
-    path: Path, identity: dict[str, str], kv: KVStore
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The file's tensors (parents, roots, tokens, lengths, K/V), once its metadata and shapes
-    say it fits this engine."""
-    from safetensors import safe_open
-
+    path: Path, identity: dict[str, str], spec: BlockSpec, mac_key: bytes | None
+) -> list[BlockValue]:
+    """The file's values that pass their checks and hang under a value that does (each after
+    its parent), once its envelope says it fits this engine. Warns about the ones dropped."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            if metadata.get("format") not in _FORMATS:
-                raise ValueError(f"{path}: not a kvcache prefix cache file")
-            for key, ours in identity.items():
-                if key != "format" and metadata.get(key) != ours:
-                    raise ValueError(
-                        f"{path}: saved for {key} {metadata.get(key)!r}, this engine has {ours!r}"
-                    )
-            parents, roots, tokens, saved_kv = (f.get_tensor(name) for name in _TENSORS)
-            lengths = (
-                f.get_tensor("lengths")
-                if "lengths" in f.keys()
-                else torch.full((len(parents),), kv.block_size, dtype=torch.int64)
-            )
-    except ValueError:
-        raise
-    except Exception as err:  # noqa: BLE001 - safetensors raises its own types for bad files
+        data = memoryview(path.read_bytes())
+    except OSError as err:
         raise ValueError(f"{path}: not a readable prefix cache file ({err})") from err
-    n = len(parents)
-    shape = (kv.num_layers, 2, n, kv.block_size, kv.num_kv_heads, kv.head_dim)
-    tails = set((lengths < kv.block_size).nonzero()[:, 0].tolist()) if n else set()
-    if (
-        roots.shape != (n,)
-        or lengths.shape != (n,)
-        or bool(((lengths < 1) | (lengths > kv.block_size)).any())
-        or bool(tails & set(parents.tolist()))  # a tail is never a parent
-        or tokens.shape != (n, kv.block_size)
-        or tuple(saved_kv.shape) != shape
-        or saved_kv.dtype != kv.dtype
-        or any(not -1 <= p < i for i, p in enumerate(parents.tolist()))
-    ):
-        raise ValueError(f"{path}: its tensors do not fit together (a damaged file?)")
-    return parents, roots, tokens, lengths, saved_kv
-
-
-def _path(parents: torch.Tensor, leaf: int) -> list[int]:
-    """Rows from the top of the leaf's chain down to the leaf."""
-    chain = [leaf]
-    while (parent := int(parents[chain[-1]])) >= 0:
-        chain.append(parent)
-    return chain[::-1]
-
-
-def _gather_blocks(kv: KVStore, ids: torch.Tensor) -> torch.Tensor:
-    """The K/V of blocks `ids` copied to the CPU a slice at a time: on a GPU whose memory the
-    pool fills, a copy of every cached block at once on the device might not fit."""
-    slices = [
-        kv.tensor.index_select(2, ids[i : i + _BLOCKS_PER_COPY]).cpu()
-        for i in range(0, len(ids), _BLOCKS_PER_COPY)
-    ]
-    if not slices:
-        return kv.tensor[:, :, :0].cpu().contiguous()
-    return torch.cat(slices, dim=2)
-
-
-def _signed(value: int) -> int:
-    return value - 2**64 if value >= 2**63 else value
+    if not data[: len(MAGIC)] == MAGIC or len(data) < len(MAGIC) + _LEN.size:
+        raise ValueError(f"{path}: not a readable prefix cache file (no kvcache header)")
+    (head_len,) = _LEN.unpack_from(data, len(MAGIC))
+    offset = len(MAGIC) + _LEN.size + head_len
+    try:
+        saved = json.loads(bytes(data[len(MAGIC) + _LEN.size : offset]))
+    except ValueError as err:
+        raise ValueError(f"{path}: not a readable prefix cache file ({err})") from err
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a kvcache prefix cache file of {FORMAT}")
+    for key, ours in identity.items():
+        if key != "format" and saved.get(key) != ours:
+            raise ValueError(
+                f"{path}: saved for {key} {saved.get(key)!r}, this engine has {ours!r}"
+            )
+    kept: list[BlockValue] = []
+    full_keys: set[int] = set()
+    dropped: list[str] = []
+    orphans = 0
+    while offset < len(data):
+        if offset + _LEN.size > len(data):
+            dropped.append("a truncated entry")
+            break
+        (length,) = _LEN.unpack_from(data, offset)
+        value = decode(
+            data[offset + _LEN.size : offset + _LEN.size + length], spec, mac_key=mac_key
+        )
+        offset += _LEN.size + length
+        if isinstance(value, Miss):
+            dropped.append(value.reason)
+        elif not value.top and value.parent not in full_keys:
+            orphans += 1  # below a dropped block: its K/V depend on that block's
+        else:
+            kept.append(value)
+            if len(value.tokens) == spec.block_size * TOKEN_BYTES:
+                full_keys.add(value.key)
+    if dropped or orphans:
+        warnings.warn(
+            f"{path}: {len(dropped)} blocks failed their checks ({dropped[0] if dropped else ''})"
+            f" and were dropped with {orphans} blocks below them; the rest loads",
+            stacklevel=3,
+        )
+    return kept

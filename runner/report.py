@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from runner.report_tiers import HEADER, tier_footer, tier_rows
 from runner.report_time import TIME_HEADER, time_breakdown, time_cells
 
 SCHEMA_VERSION = 1
@@ -245,6 +246,10 @@ def format_summary(metrics: dict[str, Any], max_groups: int = 20) -> str:
     if timing:
         lines += ["", "Where the time went (shares of each kind's wall time):"]
         lines += _table(TIME_HEADER, [time_cells(r) for r in timing], right=set(range(1, 8)))
+    tiers = tier_rows(metrics)
+    if tiers:
+        lines += ["", "Cache tiers (hits served from each; the device pool first):"]
+        lines += _table(HEADER, tiers, right=set(range(1, 8))) + [tier_footer(metrics)]
     groups = prefix_breakdown(metrics)
     lines += ["", f"By shared prefix (first full block), {len(groups)} groups:"]
     rows = [

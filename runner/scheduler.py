@@ -69,12 +69,16 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         copy_slots: Callable[[int, int, int], None],
+        load_from_tiers: Callable[[list[int], int], int] | None = None,
     ) -> None:
         self.config = config
         self.bm = block_manager
         # Runs an Allocation's SlotCopy (src, dst, tokens) on the KV store, at once: the source
         # block may be handed out again by a later admission of the same step.
         self.copy_slots = copy_slots
+        # Loads the blocks the tiers below the pool hold past the device's cached prefix of
+        # (tokens, root) into the pool, just before a request is allocated (runner/kv_tiers.py).
+        self.load_from_tiers = load_from_tiers
         self.admission = Admission(config, block_manager)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -264,6 +268,8 @@ class Scheduler:
         return size
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if self.load_from_tiers is not None and seq.reuses_cache:
+            self.load_from_tiers(seq.token_ids, seq.root)
         alloc = self.bm.allocate(
             seq.seq_id, seq.token_ids, seq.root, readmission=seq.admitted, reuse=seq.reuses_cache
         )

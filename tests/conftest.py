@@ -256,3 +256,6 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+from tests.redis_server import redis_server  # noqa: E402, F401  (a fixture: a real Redis server)

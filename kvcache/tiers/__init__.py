@@ -1,0 +1,32 @@
+"""kvcache.tiers: the KV store below the device pool, in pure Python (bytes in, bytes out).
+
+What it owns: the one format of a block stored outside the pool (``block_value``: header,
+tokens, raw K/V, checksum, optional keyed MAC), the tiers that hold such values (``host``: a
+bounded LRU in RAM; ``disk``: a directory that survives restarts; ``remote``: a Redis server
+shared by every engine), and ``tiered``: lookup of a chain across them and the bounded
+background writer. It imports neither torch nor ``runner``: the engine copies K/V in and out
+of the pool (runner/kv_transfer.py) and hands this package bytes.
+"""
+
+from kvcache.tiers.block_value import BlockSpec, BlockValue, Miss, decode, encode, storage_key
+from kvcache.tiers.disk import DiskTier
+from kvcache.tiers.host import HostTier
+from kvcache.tiers.remote import RemoteTier
+from kvcache.tiers.tiered import Hit, Pending, TierCounters, TierDown, TieredStore
+
+__all__ = [
+    "BlockSpec",
+    "BlockValue",
+    "DiskTier",
+    "Hit",
+    "HostTier",
+    "Miss",
+    "Pending",
+    "RemoteTier",
+    "TierCounters",
+    "TierDown",
+    "TieredStore",
+    "decode",
+    "encode",
+    "storage_key",
+]

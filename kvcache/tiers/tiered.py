@@ -1,0 +1,243 @@
+"""The tiers in order (host, disk, remote): a chain lookup at admission and a bounded
+background writer.
+
+Lookup: given a request's block hashes past what the device pool holds, each tier is asked
+once for the keys the tiers above it did not have (the remote one in one round trip), and the
+longest run of consecutive blocks found, each one verified (``block_value.decode`` against its
+expected hash, parent and tokens), is the hit. A tier that fails is a miss, warned once per
+tier and counted; it never fails the request.
+
+Writes: committed blocks are written through to disk and remote, blocks evicted from the
+device pool back to the host tier, all on one daemon thread fed by a bounded queue: when the
+queue is full the write is dropped and counted, never waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any, NamedTuple, Protocol
+
+from kvcache.tiers.block_value import BlockSpec, BlockValue, Miss, decode, encode, storage_key
+
+log = logging.getLogger(__name__)
+# Miss reasons that mean the stored bytes themselves are bad: those values are deleted.
+DAMAGED = ("truncated header", "truncated or oversized value", "not a block value", "checksum")
+_BATCH = 64  # writes the writer thread takes from the queue at a time (one pipeline)
+
+
+class TierDown(ConnectionError):
+    """A tier that cannot be reached now (a miss for the caller, never a failed request)."""
+
+
+class Tier(Protocol):
+    name: str
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]: ...
+    def put(self, key: str, value: bytes) -> bool: ...
+    def discard(self, key: str) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class TierCounters:
+    """What one tier did so far (all counters only grow)."""
+
+    hit_blocks: int = 0  # blocks served from this tier
+    read_bytes: int = 0  # bytes of the values served
+    written_blocks: int = 0
+    written_bytes: int = 0
+    rejected_blocks: int = 0  # values found but failing their checks (never served)
+    errors: int = 0  # calls that failed (I/O error, server down, timeout)
+    skipped: int = 0  # calls not made while the tier was backing off
+
+
+class Pending(NamedTuple):
+    """A block to write: its place in the chain and its K/V bytes (copied off the pool)."""
+
+    key: int
+    parent: int
+    tokens: bytes
+    top: bool
+    kv: bytes
+
+
+class Hit(NamedTuple):
+    tier: str
+    value: BlockValue
+
+
+class _Job(NamedTuple):
+    targets: tuple[str, ...]
+    block: Pending
+
+
+class TieredStore:
+    """Tiers below the device pool, in lookup order; owns the writer thread."""
+
+    def __init__(
+        self,
+        spec: BlockSpec,
+        tiers: Sequence[Tier],
+        *,
+        mac_key: bytes | None = None,
+        queue_blocks: int = 256,
+        warn: Callable[[str], None] = log.warning,
+    ) -> None:
+        self.spec = spec
+        self.tiers = list(tiers)
+        self.mac_key = mac_key
+        self.counters = {t.name: TierCounters() for t in self.tiers}
+        self.dropped_writes = 0  # blocks not written because the queue was full
+        self._warn = warn
+        self._warned: set[str] = set()
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_blocks)
+        self._writer = threading.Thread(target=self._write_loop, name="kv-tiers", daemon=True)
+        self._writer.start()
+
+    def has(self, name: str) -> bool:
+        return name in self.counters
+
+    def key_of(self, block_hash: int) -> str:
+        return storage_key(self.spec, block_hash)
+
+    # -- lookup --------------------------------------------------------------------------------
+    def lookup(self, hashes: Sequence[int], parent: int, tokens: Sequence[bytes]) -> list[Hit]:
+        """The longest run of ``hashes`` (block i's tokens ``tokens[i]``, the first one's parent
+        ``parent``) the tiers hold, each value verified, in order."""
+        n = len(hashes)
+        keys = [self.key_of(h) for h in hashes]
+        found: dict[int, tuple[Tier, bytes]] = {}
+        for tier in self.tiers:
+            want = [i for i in range(n) if i not in found]
+            if not want:
+                break
+            values = self._guarded(tier, partial(tier.get_many, [keys[i] for i in want]))
+            for i, value in zip(want, values or [], strict=False):
+                if value is not None:
+                    found[i] = (tier, value)
+        hits: list[Hit] = []
+        for i in range(n):
+            if i not in found:
+                break
+            tier, data = found[i]
+            result = decode(
+                data, self.spec, mac_key=self.mac_key, key=hashes[i], parent=parent,
+                tokens=tokens[i],
+            )  # fmt: skip
+            counters = self.counters[tier.name]
+            if isinstance(result, Miss):
+                counters.rejected_blocks += 1
+                self._warn_once(f"reject-{tier.name}", f"{tier.name} tier: {result.reason}")
+                if result.reason.startswith(DAMAGED):
+                    self._guarded(tier, partial(tier.discard, keys[i]))
+                break
+            counters.hit_blocks += 1
+            counters.read_bytes += len(data)
+            hits.append(Hit(tier.name, result))
+            parent = hashes[i]
+        return hits
+
+    def _guarded(self, tier: Tier, call: Callable[[], Any]) -> Any:
+        """Run one tier call; a failure is counted, warned once, and returns None."""
+        counters = self.counters[tier.name]
+        try:
+            return call()
+        except TierDown as err:
+            if "backing off" in str(err):
+                counters.skipped += 1
+            else:
+                counters.errors += 1
+                self._warn_once(tier.name, f"{tier.name} tier unavailable, read as a miss: {err}")
+        except Exception as err:  # noqa: BLE001 - a tier's fault is a miss, never the request's
+            counters.errors += 1
+            self._warn_once(tier.name, f"{tier.name} tier failed, read as a miss: {err!r}")
+        return None
+
+    def _warn_once(self, topic: str, message: str) -> None:
+        if topic not in self._warned:
+            self._warned.add(topic)
+            self._warn(message)
+
+    # -- writes --------------------------------------------------------------------------------
+    def write(self, targets: Sequence[str], blocks: list[Pending]) -> int:
+        """Queue ``blocks`` for the tiers named ``targets`` (those configured); returns how many
+        were dropped because the queue was full. Never blocks."""
+        names = tuple(t for t in targets if t in self.counters)
+        dropped = 0
+        for block in blocks if names else []:
+            try:
+                self._queue.put_nowait(_Job(names, block))
+            except queue.Full:
+                dropped += 1
+        self.dropped_writes += dropped
+        return dropped
+
+    def room(self) -> bool:
+        """Whether the write queue has room now (so copying K/V off the pool is worth it)."""
+        return not self._queue.full()
+
+    def _write_loop(self) -> None:
+        """Take a job, and whatever else is queued up to _BATCH, and write them: one pipeline
+        per tier for a batch."""
+        while True:
+            jobs = [self._queue.get()]
+            while len(jobs) < _BATCH and jobs[-1] is not None:
+                try:
+                    jobs.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._write_jobs([job for job in jobs if job is not None])
+            finally:
+                for _ in jobs:
+                    self._queue.task_done()
+            if jobs[-1] is None:
+                return
+
+    def _write_jobs(self, jobs: list[_Job]) -> None:
+        values = [(self.key_of(job.block.key), self._encode(job.block)) for job in jobs]
+        for tier in self.tiers:
+            batch = [v for v, job in zip(values, jobs, strict=True) if tier.name in job.targets]
+            if batch:
+                self._put_batch(tier, batch)
+
+    def _encode(self, block: Pending) -> bytes:
+        return encode(
+            self.spec, block.key, block.parent, block.tokens, block.kv, top=block.top,
+            mac_key=self.mac_key,
+        )  # fmt: skip
+
+    def _put_batch(self, tier: Tier, batch: list[tuple[str, bytes]]) -> None:
+        """Write values to one tier (one pipeline where the tier has ``put_many``)."""
+        put_many = getattr(tier, "put_many", None)
+        if put_many is not None:
+            done = self._guarded(tier, lambda: put_many(batch) or True)
+            written = batch if done else []
+        else:
+            written = [kv for kv in batch if self._guarded(tier, partial(tier.put, *kv))]
+        counters = self.counters[tier.name]
+        counters.written_blocks += len(written)
+        counters.written_bytes += sum(len(value) for _, value in written)
+
+    def flush(self) -> None:
+        """Wait until every queued write is done (tests, shutdown)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Finish the queued writes, stop the writer, close the tiers."""
+        self._queue.put(None)
+        self._writer.join()
+        for tier in self.tiers:
+            tier.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters per tier and the dropped writes, as plain numbers. Pure."""
+        return {
+            "tiers": {name: asdict(c) for name, c in self.counters.items()},
+            "dropped_writes": self.dropped_writes,
+        }

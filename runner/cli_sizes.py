@@ -1,0 +1,38 @@
+"""Byte sizes on the command line: ``2GiB``, ``512MB``, ``10gb``, ``4096`` (bytes)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import click
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text`` (a number with an optional unit; KiB/MiB/GiB are powers of two, KB/MB/GB
+    powers of ten). Raises ValueError naming the problem."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 2GiB, 512MB, 4096)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+class ByteSize(click.ParamType):
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(str(value))
+        except ValueError as err:
+            self.fail(str(err), param, ctx)

@@ -1,0 +1,53 @@
+"""Copying whole blocks' K/V between the pool (kvcache/store.py) and bytes, for the tiers below
+the device pool and the prefix-cache file (kvcache/tiers/block_value.py). One block's bytes
+are its slice ``[layers, 2, block_size, kv_heads, head_dim]`` of the pool, C-contiguous, in the
+pool's dtype: what ``BlockSpec.block_nbytes`` counts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcache.store import KVStore
+from kvcache.tiers import BlockSpec
+
+# Blocks copied per transfer: on a GPU whose memory the pool fills, a copy of every block at
+# once might not fit.
+_BLOCKS_PER_COPY = 256
+
+
+def block_spec(kv: KVStore, identity: str) -> BlockSpec:
+    """What a stored block must agree with to be loaded into ``kv``."""
+    nbytes = KVStore.bytes_per_block(
+        kv.num_layers, kv.block_size, kv.num_kv_heads, kv.head_dim, kv.dtype
+    )
+    return BlockSpec(
+        identity, kv.dtype_name, kv.block_size, kv.num_layers, kv.num_kv_heads, kv.head_dim,
+        nbytes,
+    )  # fmt: skip
+
+
+def read_blocks(kv: KVStore, block_ids: Sequence[int]) -> list[bytes]:
+    """Each block's K/V as bytes (copied off the pool, so the block may be reused at once)."""
+    out: list[bytes] = []
+    for start in range(0, len(block_ids), _BLOCKS_PER_COPY):
+        ids = torch.tensor(block_ids[start : start + _BLOCKS_PER_COPY], device=kv.device)
+        # [layers, 2, n, B, H, D] -> [n, layers, 2, B, H, D]: one block's bytes contiguous
+        blocks = kv.tensor.index_select(2, ids).movedim(2, 0).contiguous().cpu()
+        raw = blocks.view(torch.uint8).reshape(len(ids), -1).numpy()
+        out.extend(row.tobytes() for row in raw)
+    return out
+
+
+def write_blocks(
+    kv: KVStore, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
+) -> None:
+    """Put each payload (one block's bytes, as ``read_blocks`` gives them) into its block."""
+    shape = (kv.num_layers, 2, kv.block_size, kv.num_kv_heads, kv.head_dim)
+    for start in range(0, len(block_ids), _BLOCKS_PER_COPY):
+        chunk = payloads[start : start + _BLOCKS_PER_COPY]
+        raw = bytearray(b"".join(chunk))  # writable: torch.frombuffer warns on read-only
+        blocks = torch.frombuffer(raw, dtype=torch.uint8).view(kv.dtype).view(len(chunk), *shape)
+        ids = torch.tensor(block_ids[start : start + len(chunk)], device=kv.device)
+        kv.tensor.index_copy_(2, ids, blocks.movedim(0, 2).to(kv.device))
