@@ -110,7 +110,7 @@ def decode_process(model_dir: Path) -> Iterator[tuple[subprocess.Popen[bytes], s
     """`kvcache serve --role decode` as its own process (so it can be killed outright)."""
     port = free_port()
     args = [sys.executable, "-c", "import cli; cli.main()", "serve", "--model", str(model_dir)]
-    args += ["--port", str(port), "--role", "decode", "--num-kv-blocks", "256"]
+    args += ["--port", str(port), "--role", "decode", "--num-kv-blocks", "256", "--cpus", "0"]
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
