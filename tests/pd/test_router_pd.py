@@ -146,3 +146,24 @@ def test_decode_worker_killed_mid_stream(worker: WorkerFactory, tiny_llama_tok_d
             assert events[-1] == "[DONE]"
             assert "died mid-stream" in events[-2]
         assert held(prefill) == 0  # it had pulled (and released) before it died
+
+
+def test_a_client_that_leaves_frees_the_blocks_on_both_workers(worker: WorkerFactory) -> None:
+    with worker("prefill") as prefill, worker("decode") as decode:
+        with pd_router([prefill.url], [decode.url]) as router:
+            body = {"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "stream": True}
+            body |= {"ignore_eos": True}
+            with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n == 4:
+                        break  # the client goes away mid-stream
+            deadline = time.monotonic() + 20
+            while decode.server.state.engine.live() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert decode.server.state.engine.live() == 0  # aborted on the decode worker
+        assert held(prefill) == 0 and prefill.server.state.engine.live() == 0
+        for side in (prefill, decode):
+            with side.llm.lock:
+                side.llm.block_manager.check_integrity()
+                bm = side.llm.block_manager
+                assert bm.num_available_blocks() == bm.num_blocks  # nothing held by a request
