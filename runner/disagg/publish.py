@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvcache.tiers import TierDown
 from runner.disagg.blocks import cached_values, prompt_chain
 from runner.disagg.held import HeldHandovers
 from runner.disagg.redis_transport import RedisHandover
@@ -22,6 +23,7 @@ class PublishCounters:
     blocks: int = 0
     bytes: int = 0
     seconds: float = 0.0  # reading off the pool, encoding and (Redis) writing
+    failed: int = 0  # handovers Redis did not take (the decode worker computes their blocks)
 
 
 class Publisher:
@@ -44,8 +46,8 @@ class Publisher:
         self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None
     ) -> dict[str, Any]:
         """Make the prompt's cached blocks available under ``handover_id``; returns the
-        kv_transfer_params. Raises TierDown when Redis cannot take them (the request then
-        fails on this worker, and the router says so)."""
+        kv_transfer_params. When Redis cannot take them, the params name no block (the decode
+        worker then computes the prompt)."""
         started = time.perf_counter()
         values = cached_values(self.llm, token_ids, cache_salt)
         hashes = prompt_chain(self.llm, token_ids, cache_salt).hashes[: len(values)]
@@ -54,8 +56,12 @@ class Publisher:
             transport, endpoint = "zmq", self.server.endpoint
         else:
             assert self.redis is not None
-            self.redis.publish(hashes, values)
             transport, endpoint = "redis", self.redis.endpoint
+            try:
+                self.redis.publish(hashes, values)
+            except TierDown:  # a tier that fails is a miss: the decode worker computes them
+                self.counters.failed += 1
+                values = []
         seconds = time.perf_counter() - started
         nbytes = sum(len(v) for v in values)
         c = self.counters

@@ -102,8 +102,8 @@ class Puller:
         hashes = chain.hashes[start:]
         client = None
         if transport == "redis":
-            if self.redis is None:
-                raise ValueError("this decode worker has no Redis handover (--handover redis://)")
+            if self.redis is None:  # misconfigured: computed here, and the reason says why
+                raise HandoverUnreachable("this decode worker has no --handover redis://")
             chunks = self.redis.fetch(hashes, self.chunk_blocks)
         else:
             client = ZmqHandoverClient(endpoint, self.timeout_s)

@@ -80,3 +80,19 @@ def test_missing_block_over_redis(
         redis.Redis.from_url(url).delete(storage_key(decode.llm.block_spec, chain.hashes[BAD]))
         pulled = pull_and_check(decode, params, body, reference_llm)
         assert "missing" in pulled["reason"]
+
+
+def test_redis_down_is_computed_not_failed(
+    worker: WorkerFactory, reference_llm: LLM, redis_server: RedisServer
+) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    url = redis_server.url
+    with worker("prefill", url) as prefill, worker("decode", url) as decode:
+        redis_server.stop()
+        params = prefill_only(prefill, body)
+        assert params["num_blocks"] == 0  # Redis did not take them: nothing to pull
+        pulled = httpx.post(f"{decode.url}/kvcache/pull", json=params, timeout=60).json()
+        assert pulled["blocks"] == 0 and pulled["reason"] is not None  # Redis down here too
+        answer = complete(decode, body)
+        assert answer["choices"][0]["text"] == expected(reference_llm, PROMPT, 16)
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
