@@ -1,14 +1,16 @@
 """Prefill/decode disaggregation: a `kvcache serve` worker in the prefill or the decode role,
-and the handover of a prompt's KV blocks between them.
+and the handover of a prompt's KV blocks between them (docs/DISAGGREGATION.md).
 
-Owns: the roles and the handover options (roles.py), reading a prompt's committed blocks off a
-prefill worker's pool as block values (blocks.py: the one format of kvcache/tiers/block_value.py,
-its storage keys and its checks), the handovers a prefill worker holds until they are pulled or
-released (held.py), the transports (Redis: redis_transport.py; a direct ZeroMQ path:
-zmq_transport.py), the decode side's pull into its host tier (pull.py), the workers' extra routes
-(routes.py) and CPU pinning (cpus.py).
+Owns: the roles and their options (roles.py, serve_role.py: the one hook the serve command
+calls), reading a prompt's committed blocks off a prefill worker's pool as block values and
+checking them on arrival (blocks.py: the one format of kvcache/tiers/block_value.py, its
+storage keys and its checks), the handovers a prefill worker holds until pulled, released or
+expired (held.py), publishing them (publish.py), the transports (zmq_transport.py: direct;
+redis_transport.py: the shared Redis tier), the decode side's pull into its host tier
+(pull.py), the workers' extra routes (routes.py), CPU pinning (cpus.py), and the
+pd_interference bench (bench.py, bench_command.py, bench_worker.py).
 
-May import: kvcache (and kvcache.tiers), runner.serve, runner.engine's objects it is handed, torch
-only through runner.kv_transfer. Never imports runner.router (the router imports nothing here but
-the wire names in runner/disagg/wire.py).
+May import: kvcache (and kvcache.tiers), runner.serve, runner.kv_transfer, runner.engine (the
+bench's worker process), runner.workloads. Never imports runner.router: the router
+(runner/router/pd.py) speaks to the workers over HTTP only.
 """
