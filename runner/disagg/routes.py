@@ -23,9 +23,11 @@ from runner.serve.app import _admit  # the server's own checks: draining, model,
 from runner.serve.calls import Call, CallError
 from runner.serve.engine_loop import Submission
 from runner.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from runner.serve.responses import error_body
 
 # Fields of the client's body a prefill does not take: it answers once, with one sample.
 _PREFILL_DROPPED = ("stream_options", "max_completion_tokens", "logprobs", "top_logprobs")
+_GUARDED = ("/kvcache/prefill/", "/kvcache/pull", "/kvcache/release")
 
 
 def prefill_body(kind: str, raw: dict[str, Any]) -> SamplingFields:
@@ -50,9 +52,20 @@ def prefill_body(kind: str, raw: dict[str, Any]) -> SamplingFields:
 
 
 def attach_role(app: FastAPI, parts: RoleParts) -> None:
-    """Add the role's routes to a `kvcache serve` app."""
+    """Add the role's routes to a `kvcache serve` app. With --api-key they take the same key
+    as /v1/* (the server's middleware guards only /v1/)."""
     state = app.state.serve
     publisher, puller = parts.publisher, parts.puller
+
+    @app.middleware("http")
+    async def api_key(request: Request, call_next: Any) -> Any:
+        key = state.settings.api_key
+        if key is not None and request.url.path.startswith(_GUARDED):
+            if request.headers.get("authorization") != f"Bearer {key}":
+                message = "invalid or missing API key"
+                body = error_body(message, "invalid_request_error", None, "invalid_api_key")
+                return JSONResponse(body, 401)
+        return await call_next(request)
 
     async def prefill(kind: str, raw: dict[str, Any], request: Request) -> JSONResponse:
         if publisher is None:

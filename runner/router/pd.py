@@ -107,7 +107,7 @@ class PDRouter:
             return await self._decode(path, body, headers, params)
         except Unavailable:
             self.counts["decode_failed"] += 1
-            await self._release(prefill, params["handover_id"])
+            await self._release(prefill, params["handover_id"], headers)
             message = "no decode worker could take the request (all are down or draining)"
             return JSONResponse(error_body(message, "service_unavailable"), 503)
 
@@ -123,7 +123,8 @@ class PDRouter:
             worker.sent += 1
             worker.in_flight += 1
             try:
-                pulled = await self.client.post(f"{worker.url}/kvcache/pull", json=params)
+                pull = f"{worker.url}/kvcache/pull"
+                pulled = await self.client.post(pull, json=params, headers=headers)
                 if pulled.status_code == 200:
                     upstream = self.client.build_request(
                         "POST", worker.url + path, json=body, headers=headers
@@ -150,13 +151,12 @@ class PDRouter:
         self.handover["bytes"] += int(pulled.get("bytes", 0))
         self.handover["pull_ms"] += float(pulled.get("ms", 0.0))
 
-    async def _release(self, prefill: Replica, handover_id: str) -> None:
+    async def _release(self, prefill: Replica, handover_id: str, headers: dict[str, str]) -> None:
         """Tell the prefill worker its handover will not be pulled (best effort: unreleased,
         it expires there)."""
         with contextlib.suppress(httpx.HTTPError):
-            await self.client.post(
-                f"{prefill.url}/kvcache/release", json={"handover_id": handover_id}
-            )
+            url, body = f"{prefill.url}/kvcache/release", {"handover_id": handover_id}
+            await self.client.post(url, json=body, headers=headers)
             self.counts["released"] += 1
 
     async def _relay(self, worker: Replica, response: httpx.Response) -> Response:

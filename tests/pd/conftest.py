@@ -29,12 +29,14 @@ class Worker(NamedTuple):
         return self.server.url
 
 
-def start_worker(model_dir: Path, role: str, handover: str = "zmq", **engine: Any) -> Worker:
+def start_worker(
+    model_dir: Path, role: str, handover: str = "zmq", api_key: str | None = None, **engine: Any
+) -> Worker:
     options = RoleOptions(role=role, handover=handover)
     engine = {"num_kv_blocks": 256, "max_num_seqs": 16} | engine
     llm = LLM(str(model_dir), **engine_options_for(options, engine))
     parts = build_role(llm, options)
-    app = build_app(llm, ServeSettings("tiny"))
+    app = build_app(llm, ServeSettings("tiny", api_key=api_key))
     attach_role(app, parts)
     return Worker(LiveServer(app).start(), llm, parts)
 
@@ -50,11 +52,14 @@ WorkerFactory = Callable[..., AbstractContextManager[Worker]]
 
 @pytest.fixture
 def worker(tiny_llama_tok_dir: Path) -> WorkerFactory:
-    """worker(role, handover="zmq", **engine options) -> context manager of a Worker."""
+    """worker(role, handover="zmq", api_key=None, **engine options) -> context manager of a
+    Worker."""
 
     @contextmanager
-    def start(role: str, handover: str = "zmq", **engine: Any) -> Iterator[Worker]:
-        live = start_worker(tiny_llama_tok_dir, role, handover, **engine)
+    def start(
+        role: str, handover: str = "zmq", api_key: str | None = None, **engine: Any
+    ) -> Iterator[Worker]:
+        live = start_worker(tiny_llama_tok_dir, role, handover, api_key, **engine)
         try:
             yield live
         finally:

@@ -167,3 +167,17 @@ def test_a_client_that_leaves_frees_the_blocks_on_both_workers(worker: WorkerFac
                 side.llm.block_manager.check_integrity()
                 bm = side.llm.block_manager
                 assert bm.num_available_blocks() == bm.num_blocks  # nothing held by a request
+
+
+def test_the_api_key_guards_the_handover_routes(worker: WorkerFactory, reference_llm: LLM) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0)
+    (want,) = [o.text for o in reference_llm.generate([PROMPT], params)]
+    with worker("prefill", api_key="k") as prefill, worker("decode", api_key="k") as decode:
+        for url in (f"{prefill.url}/kvcache/prefill/v1/completions", f"{decode.url}/kvcache/pull"):
+            assert httpx.post(url, json={"prompt": PROMPT}).status_code == 401
+        with pd_router([prefill.url], [decode.url]) as router:
+            client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="k", max_retries=0)
+            answer = client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=8, temperature=0
+            )
+            assert answer.choices[0].text == want
