@@ -26,7 +26,13 @@ from runner.serve.protocol import ChatCompletionRequest, CompletionRequest, Samp
 from runner.serve.responses import error_body
 
 # Fields of the client's body a prefill does not take: it answers once, with one sample.
-_PREFILL_DROPPED = ("stream_options", "max_completion_tokens", "logprobs", "top_logprobs")
+_PREFILL_DROPPED = (
+    "stream_options",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "best_of",
+)
 _GUARDED = ("/kvcache/prefill/", "/kvcache/pull", "/kvcache/release")
 
 
