@@ -2,5 +2,5 @@
 over batch files (reading, path checks, the crash-safe output), the engine's options, `report`
 and `bench` commands, and process start-up.
 
-May import: kvcache, engine, sampling, report, bench.
+May import: kvcache, engine, sampling, report, bench, disagg (the bench of the served systems).
 """

@@ -107,6 +107,11 @@ def bench(
 
         core_main()
         return
+    if workload == "pd_interference" or "engine-pd" in systems:  # served systems (runner/disagg)
+        from runner.disagg.bench_command import pd_bench
+
+        pd_bench(workload, systems, model, limit, json_path)
+        return
     from runner.bench.beams import NO_BEAMS
     from runner.bench.harness import ENGINE_SYSTEMS, PEER_SYSTEMS, run_bench
     from runner.bench.peers import Sampling

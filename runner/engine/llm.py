@@ -128,12 +128,13 @@ class LLM(Engine):
         cache_salt: str | None,
         chat: bool,
     ) -> list[RequestOutput]:
-        queued = self._queue_all(prompts, params, cache_salt, chat)
-        order = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
+        with self.lock:  # queued and reserved at once: no other caller's step may finish them
+            queued = self._queue_all(prompts, params, cache_salt, chat)  # between the two
+            order = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
+            self.reserve_outputs(set(order))
         results: list[RequestOutput | None] = [None] * len(prompts)
         pending = set(order)
         try:
-            self.reserve_outputs(set(order))
             with (
                 frozen_heap(),
                 tqdm(total=len(prompts), disable=not use_tqdm, desc="generate") as bar,

@@ -99,14 +99,15 @@ def stream_requests(
     `abort_request` meanwhile ends with deltas whose finish_reason is "abort" and no output
     (the caller got it from `abort_request`). Queueing waits for the first `next`, so a stream
     that is never iterated leaves nothing queued."""
-    queued = queue()
-    index_of = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
+    with llm.lock:  # queued and reserved at once: no other caller's step may finish them between
+        queued = queue()
+        index_of = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
+        llm.reserve_outputs(set(index_of))
     running = [seq for samples in queued for seq in samples]
     texts = {seq.seq_id: TextStream(llm.stopper, seq.params.skip_special_tokens) for seq in running}
     tokens_sent = {seq.seq_id: 0 for seq in running}
     unfinished = set(index_of)  # requests whose output has not been handed out
     try:
-        llm.reserve_outputs(set(index_of))
         with frozen_heap():  # until the end, or until the caller closes the stream
             while running:
                 with llm.lock:  # one view of the engine: no other thread steps meanwhile

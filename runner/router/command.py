@@ -12,9 +12,15 @@ from runner.router.policy import POLICIES
     "--replica",
     "replicas",
     multiple=True,
-    required=True,
     help="A `kvcache serve` URL, such as http://127.0.0.1:8001 (repeatable).",
 )
+@click.option(
+    "--prefill",
+    "prefill",
+    multiple=True,
+    help="A `kvcache serve --role prefill` URL (repeatable; with --decode, instead of --replica).",
+)
+@click.option("--decode", "decode", multiple=True, help="A `kvcache serve --role decode` URL.")
 @click.option("--policy", type=click.Choice(POLICIES), default="cache_aware", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
@@ -45,6 +51,8 @@ from runner.router.policy import POLICIES
 )
 def router(
     replicas: tuple[str, ...],
+    prefill: tuple[str, ...],
+    decode: tuple[str, ...],
     policy: str,
     host: str,
     port: int,
@@ -62,8 +70,16 @@ def router(
     settings = RouterSettings(
         policy, cache_threshold, balance_abs, balance_rel, health_interval, tokenizer
     )
+    from runner.router.pd import build_pd_router_app
+
+    if bool(replicas) == bool(prefill or decode):
+        raise click.UsageError("give --replica URLs, or --prefill and --decode URLs")
     try:
-        app = build_router_app(list(replicas), settings)
+        if replicas:
+            app = build_router_app(list(replicas), settings)
+        else:
+            app = build_pd_router_app(list(prefill), list(decode), settings)
+            policy = "prefill/decode"
     except ValueError as err:
         raise click.UsageError(str(err)) from err
     click.echo(f"kvcache router ({policy}) on http://{host}:{port}/v1", err=True)

@@ -6,5 +6,6 @@ with the handlers (events.py), one call's life from submit to its last chunk (ca
 FastAPI routes (app.py), uvicorn with its SIGTERM drain (server.py), Prometheus metrics
 (metrics.py) and the click command (command.py).
 May import: engine (the LLM, streaming, outputs), sampling (SamplingParams), cli (the engine's
-options); nothing in the engine imports this package. Importing it imports nothing heavy.
+options), disagg (only command.py, which starts a worker in its role); nothing in the engine
+imports this package. Importing it imports nothing heavy.
 """

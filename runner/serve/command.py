@@ -40,6 +40,20 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
     show_default=True,
     help="On SIGTERM, seconds running requests get to finish before they are aborted.",
 )
+@click.option(
+    "--role",
+    type=click.Choice(["both", "prefill", "decode"]),
+    default="both",
+    show_default=True,
+    help="prefill/decode: one half of a disaggregated pair (docs/DISAGGREGATION.md).",
+)
+@click.option(
+    "--handover",
+    default="zmq",
+    show_default=True,
+    help="How prefill hands KV to decode: zmq, zmq://HOST:PORT (direct) or redis://HOST:PORT/DB.",
+)
+@click.option("--cpus", default=None, help="Pin this worker to these CPUs (0 or 0-3,6).")
 @engine_options
 def serve(
     model: str | None,
@@ -49,11 +63,15 @@ def serve(
     served_model_name: str | None,
     max_queued_requests: int,
     drain_timeout: float,
+    role: str,
+    handover: str,
+    cpus: str | None,
     engine_options: dict[str, Any],
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with /health
     and Prometheus /metrics, over one engine that batches every request continuously."""
     from runner.cli.startup import start_up_without_gc
+    from runner.disagg.serve_role import start_role
     from runner.engine.llm import LLM
     from runner.serve.app import ServeSettings, build_app
     from runner.serve.server import run_server
@@ -62,9 +80,10 @@ def serve(
     engine_options["record_metrics"] = False  # a server's memory must not grow per token
     with start_up_without_gc():
         try:
-            llm = LLM(model, **engine_options)
+            make = lambda options: LLM(model, **options)  # noqa: E731
+            llm, attach = start_role(role, handover, cpus, make, engine_options)
         except ValueError as err:
             raise click.ClickException(str(err)) from err
     settings = ServeSettings(name, api_key=api_key, max_queued_requests=max_queued_requests)
-    click.echo(f"kvcache serve: {name} on http://{host}:{port}/v1", err=True)
-    run_server(build_app(llm, settings), host, port, drain_timeout)
+    click.echo(f"kvcache serve ({role}): {name} on http://{host}:{port}/v1", err=True)
+    run_server(attach(build_app(llm, settings)), host, port, drain_timeout)

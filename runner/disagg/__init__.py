@@ -1,0 +1,16 @@
+"""Prefill/decode disaggregation: a `kvcache serve` worker in the prefill or the decode role,
+and the handover of a prompt's KV blocks between them (docs/DISAGGREGATION.md).
+
+Owns: the roles and their options (roles.py, serve_role.py: the one hook the serve command
+calls), reading a prompt's committed blocks off a prefill worker's pool as block values and
+checking them on arrival (blocks.py: the one format of kvcache/tiers/block_value.py, its
+storage keys and its checks), the handovers a prefill worker holds until pulled, released or
+expired (held.py), publishing them (publish.py), the transports (zmq_transport.py: direct;
+redis_transport.py: the shared Redis tier), the decode side's pull into its host tier
+(pull.py), the workers' extra routes (routes.py), CPU pinning (cpus.py), and the
+pd_interference bench (bench.py, bench_command.py, bench_worker.py).
+
+May import: kvcache (and kvcache.tiers), serve (its app, which the roles extend), engine
+(kv_transfer.py; llm.py in the bench's worker process), bench (workloads.py). Never imports
+runner.router: the router (runner/router/pd.py) speaks to the workers over HTTP only.
+"""

@@ -1,0 +1,205 @@
+"""`kvcache bench --workload pd_interference --systems engine,engine-nochunk,engine-pd`: the
+stall a long prompt's prefill puts on running decodes, with and without disaggregation.
+
+Every system is served (real processes on loopback) and driven the same way, by streamed
+requests sent at their workload arrival times (data/pd_interference.jsonl: a few long decodes
+at t=0, long prompts arriving while they run). engine and engine-nochunk are one colocated
+`kvcache serve` on every CPU this process may use (chunked prefill on / off); engine-pd is a
+prefill worker on the first CPU, a decode worker on the second (ZeroMQ handover) and the
+router. Per system: the decodes' inter-token latency p50 / p99 / max (the gaps between their
+stream chunks), the long prompts' TTFT, total throughput, the KV bytes and milliseconds handed
+over, and whether every output equals the first system's (greedy)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from runner.bench.workloads import workload_path
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEMS: dict[str, dict[str, Any]] = {
+    "engine": {},
+    "engine-nochunk": {"enable_chunked_prefill": False},
+    "engine-pd": {},
+}
+START_TIMEOUT_S = 300.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_healthy(process: subprocess.Popen[bytes], url: str, what: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the {what} exited with {process.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the {what} did not start")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+
+
+@contextmanager
+def _process(args: list[str], what: str) -> Iterator[str]:
+    """A server process started with ``args`` plus --port; its URL once /health is ok."""
+    port = _free_port()
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([*args, "--port", str(port)], env=env, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(process, url, what)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _worker(model: str | None, role: str, cpus: str, options: dict[str, Any]) -> Any:
+    args = [sys.executable, "-m", "runner.disagg.bench_worker", "--role", role, "--cpus", cpus]
+    args += ["--options", json.dumps(options), *(["--model", model] if model else [])]
+    return _process(args, f"{role} worker")
+
+
+@contextmanager
+def _system(name: str, model: str | None, cpus: list[int]) -> Iterator[tuple[str, bool]]:
+    """(the URL requests go to, whether it is the disaggregated router)."""
+    if name != "engine-pd":
+        every = ",".join(str(c) for c in cpus)
+        with _worker(model, "both", every, SYSTEMS[name]) as url:
+            yield url, False
+        return
+    first, second = str(cpus[0]), str(cpus[1 % len(cpus)])
+    with _worker(model, "prefill", first, {}) as prefill, _worker(model, "decode", second, {}) as d:
+        router = [sys.executable, "-c", "import cli; cli.main()", "router"]
+        with _process([*router, "--prefill", prefill, "--decode", d], "router") as url:
+            yield url, True
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, row: dict[str, Any], t0: float
+) -> dict[str, Any]:
+    """Send one request at its arrival time; the times its stream chunks arrived."""
+    await asyncio.sleep(max(0.0, t0 + float(row.get("arrival_s", 0.0)) - time.perf_counter()))
+    body = {"prompt": row["prompt"], "max_tokens": row["max_tokens"], "temperature": 0}
+    body |= {"stream": True, "ignore_eos": bool(row.get("ignore_eos", False))}
+    sent = time.perf_counter()
+    times: list[float] = []
+    text: list[str] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{row['id']}: {chunk['error']}")
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    times.append(time.perf_counter())
+                    text.append(choice["text"])
+    return {"id": row["id"], "kind": row.get("kind", "decode"), "sent": sent, "times": times,
+            "text": "".join(text)}  # fmt: skip
+
+
+async def _drive(url: str, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float]:
+    timeout = httpx.Timeout(600.0, connect=10.0)
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        warm = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        (await client.post(f"{url}/v1/completions", json=warm)).raise_for_status()
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_one(client, url, row, t0) for row in rows))
+        return list(results), time.perf_counter() - t0
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
+
+
+def run_system(name: str, model: str | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's figures (ms) and its outputs by request id."""
+    cpus = sorted(os.sched_getaffinity(0))
+    with _system(name, model, cpus) as (url, is_pd):
+        results, wall = asyncio.run(_drive(url, rows))
+        stats = httpx.get(f"{url}/router/stats").json() if is_pd else None
+    gaps = [
+        1000 * (b - a)
+        for r in results
+        if r["kind"] == "decode"
+        for a, b in zip(r["times"], r["times"][1:], strict=False)
+    ]
+    ttft = [1000 * (r["times"][0] - r["sent"]) for r in results if r["kind"] == "long"]
+    tokens = sum(len(r["times"]) for r in results)
+    out: dict[str, Any] = {
+        "system": name,
+        "itl_p50_ms": _pct(gaps, 0.5),
+        "itl_p99_ms": _pct(gaps, 0.99),
+        "itl_max_ms": max(gaps, default=0.0),
+        "long_ttft_ms": ttft,
+        "throughput_tok_s": tokens / wall,
+        "wall_s": wall,
+        "outputs": {r["id"]: r["text"] for r in results},
+    }
+    if stats is not None:
+        handover = stats["handover"]
+        out |= {"handover_bytes": handover["bytes"], "handover_blocks": handover["blocks"]}
+        out |= {"handover_ms": handover["pull_ms"] + handover["publish_ms"]}
+    return out
+
+
+def run_pd_bench(
+    workload: str, systems: list[str], model: str | None, limit: int | None = None
+) -> list[dict[str, Any]]:
+    """Every system's figures, in order; ``same_output`` against the first system."""
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown systems {unknown}; this workload runs {', '.join(SYSTEMS)}")
+    lines = workload_path(workload).read_text().splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()][:limit]
+    results = [run_system(name, model, rows) for name in systems]
+    for result in results:
+        result["same_output"] = result["outputs"] == results[0]["outputs"]
+    return results
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    head = (
+        "system           ITL p50   p99     max     long TTFT (ms)    tok/s  KV handed over  same"
+    )
+    lines = [head]
+    for r in results:
+        ttft = "/".join(f"{t:.0f}" for t in r["long_ttft_ms"])
+        handed = (
+            f"{r['handover_bytes'] / 2**20:.1f} MiB {r['handover_ms']:.0f} ms"
+            if "handover_bytes" in r
+            else "-"
+        )
+        lines.append(
+            f"{r['system']:<16} {r['itl_p50_ms']:6.1f} {r['itl_p99_ms']:7.1f}"
+            f" {r['itl_max_ms']:7.1f}   {ttft:<16} {r['throughput_tok_s']:6.1f}"
+            f"  {handed:<15} {r['same_output']}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""A prompt's blocks as block values (kvcache/tiers/block_value.py), both ways: the prefill
+worker reads the full blocks its pool holds for a prompt and encodes them (header with tokens,
+parent hash, xxh3 checksum, the MAC when a cache key is set); the decode worker checks each
+value that arrives against the chain it computes itself from the prompt's tokens (its own
+namespace root, so another model's or another salt's blocks never pass) and keeps the run of
+values that pass, up to the first one missing or bad: the rest is recomputed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from kvcache import block_hashes, namespace_root
+from kvcache.hashing import TOKEN_BYTES, pack_tokens
+from kvcache.tiers import Miss, decode, encode
+from runner.engine.kv_transfer import read_blocks
+
+
+class PromptChain(NamedTuple):
+    """The chained hashes and packed tokens of the blocks a prompt can take from a cache: its
+    full blocks but the one holding its last token (that token is always computed)."""
+
+    root: int
+    hashes: list[int]
+    tokens: list[bytes]
+
+
+def prompt_chain(llm: Any, token_ids: Sequence[int], cache_salt: str | None) -> PromptChain:
+    """The chain of ``token_ids`` as ``llm`` names its blocks. Pure."""
+    block_size = llm.config.block_size
+    count = max(0, (len(token_ids) - 1) // block_size)
+    root = namespace_root(llm.fingerprint, cache_salt)
+    hashes = block_hashes(list(token_ids[: count * block_size]), block_size, root)
+    packed = pack_tokens(list(token_ids[: count * block_size]))
+    width = block_size * TOKEN_BYTES
+    return PromptChain(root, hashes, [packed[i * width : (i + 1) * width] for i in range(count)])
+
+
+def cached_values(llm: Any, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
+    """The encoded values of the prompt's blocks ``llm``'s pool holds now, in chain order (the
+    longest cached run; fewer when blocks were evicted meanwhile). Holds the engine lock while
+    it copies the K/V off the pool, then encodes without it."""
+    chain = prompt_chain(llm, token_ids, cache_salt)
+    with llm.lock:
+        # The block manager's own lookup (pure: no stats, no LRU touch), capped as admission is.
+        nodes = llm.block_manager._match(list(token_ids), chain.root)[: len(chain.hashes)]
+        payloads = read_blocks(llm.kv, [node.block_id for node in nodes])
+    values = []
+    parent = chain.root
+    for node, kv in zip(nodes, payloads, strict=True):
+        value = encode(
+            llm.block_spec, node.key, parent, node.tokens, kv, top=parent == chain.root,
+            mac_key=llm.cache_mac_key,
+        )  # fmt: skip
+        values.append(value)
+        parent = node.key
+    return values
+
+
+class Checked(NamedTuple):
+    """How many values (from the first one checked) passed, and why the next did not."""
+
+    passed: int
+    reason: str | None  # None: every value passed
+
+
+def check_values(
+    llm: Any, chain: PromptChain, start: int, values: Sequence[bytes | None]
+) -> Checked:
+    """Check ``values`` as blocks ``start``, ``start + 1``, ... of ``chain``: each must decode
+    (format, model identity, dtype, shape, checksum, MAC) and be exactly that block (its hash,
+    its parent, its tokens). Stops at the first that is missing or fails. Pure."""
+    for i, data in enumerate(values):
+        at = start + i
+        if data is None:
+            return Checked(i, f"block {at} missing")
+        parent = chain.hashes[at - 1] if at else chain.root
+        result = decode(
+            data, llm.block_spec, mac_key=llm.cache_mac_key, key=chain.hashes[at], parent=parent,
+            tokens=chain.tokens[at],
+        )  # fmt: skip
+        if isinstance(result, Miss):
+            return Checked(i, f"block {at}: {result.reason}")
+    return Checked(len(values), None)

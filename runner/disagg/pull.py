@@ -1,0 +1,139 @@
+"""The decode worker's side of a handover: before a request is queued, pull the prompt's blocks
+its pool and host tier lack from the prefill worker (directly or through Redis), check each one
+as it arrives (blocks.py), and put the run that passes into the host tier. The engine's
+admission then loads them like any tier hit (runner/engine/kv_tiers.py, which checks them once more
+against the request's own tokens); whatever did not arrive, or arrived bad, is computed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvcache.tiers import HostTier, TierDown, storage_key
+from runner.disagg.blocks import check_values, prompt_chain
+from runner.disagg.redis_transport import RedisHandover
+from runner.disagg.zmq_transport import HandoverUnreachable, ZmqHandoverClient
+
+DEFAULT_CHUNK_BLOCKS = 16  # blocks per round trip: hundreds of tokens, never one key a layer
+
+
+@dataclass
+class PullCounters:
+    """What the pulls did so far (all counters only grow)."""
+
+    pulls: int = 0
+    blocks: int = 0  # blocks that arrived and passed their checks
+    bytes: int = 0
+    seconds: float = 0.0
+    skipped_blocks: int = 0  # blocks not asked for: this worker had them cached
+    rejected_blocks: int = 0  # blocks that arrived and failed a check (never served)
+    missing_blocks: int = 0  # blocks asked for and not there (computed instead)
+    failed_pulls: int = 0  # the other side did not answer
+
+
+def host_tier_of(llm: Any) -> HostTier:
+    """The host tier a decode worker pulls into (it must have one: --host-cache-bytes)."""
+    tiers = llm.tiers.store.tiers if llm.tiers is not None else []
+    for tier in tiers:
+        if isinstance(tier, HostTier):
+            return tier
+    raise ValueError("a decode worker needs a host tier (--host-cache-bytes)")
+
+
+class Puller:
+    """Pulls handovers into ``llm``'s host tier."""
+
+    def __init__(
+        self,
+        llm: Any,
+        redis: RedisHandover | None = None,
+        chunk_blocks: int = DEFAULT_CHUNK_BLOCKS,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.llm, self.redis = llm, redis
+        self.host = host_tier_of(llm)
+        self.chunk_blocks, self.timeout_s = chunk_blocks, timeout_s
+        self.counters = PullCounters()
+
+    def pull(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Pull the handover ``params`` describe (a prefill worker's kv_transfer_params);
+        returns what this pull did. Never raises for the other side's faults: a block that
+        does not come is a block computed here. Raises ValueError for params that are not a
+        handover's."""
+        try:
+            tokens = [int(t) for t in params["prompt_token_ids"]]
+            transport, handover_id = str(params["transport"]), str(params["handover_id"])
+            endpoint = str(params.get("endpoint", ""))
+            salt = params.get("cache_salt")
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"kv_transfer_params: {err!r}") from err
+        if transport not in ("zmq", "redis"):
+            raise ValueError(f"kv_transfer_params.transport: unknown transport {transport!r}")
+        started = time.perf_counter()
+        llm, chain = self.llm, prompt_chain(self.llm, tokens, salt)
+        keys = [storage_key(llm.block_spec, h) for h in chain.hashes]
+        with llm.lock:  # pure lookup: how much of the chain the pool holds already
+            start = len(llm.block_manager._match(tokens, chain.root)[: len(keys)])
+        for value in self.host.get_many(keys[start:]):
+            if value is None:
+                break
+            start += 1  # held in the host tier already (checked again at admission)
+        out: dict[str, Any] = {"wanted": len(keys), "skipped": start, "blocks": 0, "bytes": 0}
+        out["reason"] = None
+        try:
+            out |= self._fetch(transport, endpoint, handover_id, chain, start, keys)
+        except (HandoverUnreachable, TierDown, OSError) as err:
+            self.counters.failed_pulls += 1
+            out["reason"] = f"{type(err).__name__}: {err}"
+        out["ms"] = 1000 * (time.perf_counter() - started)
+        c = self.counters
+        c.pulls += 1
+        c.blocks += out["blocks"]
+        c.bytes += out["bytes"]
+        c.seconds += out["ms"] / 1000
+        c.skipped_blocks += start
+        return out
+
+    def _fetch(
+        self, transport: str, endpoint: str, handover_id: str, chain: Any, start: int,
+        keys: list[str],
+    ) -> dict[str, Any]:  # fmt: skip
+        hashes = chain.hashes[start:]
+        client = None
+        if transport == "redis":
+            if self.redis is None:  # misconfigured: computed here, and the reason says why
+                raise HandoverUnreachable("this decode worker has no --handover redis://")
+            chunks = self.redis.fetch(hashes, self.chunk_blocks)
+        else:
+            client = ZmqHandoverClient(endpoint, self.timeout_s)
+            chunks = client.fetch(handover_id, hashes, self.chunk_blocks)
+        at, nbytes, reason = start, 0, None
+        try:
+            for values in chunks if hashes else []:
+                checked = check_values(self.llm, chain, at, values)
+                for i in range(checked.passed):
+                    value = values[i]
+                    assert value is not None  # passed its checks
+                    self.host.put(keys[at + i], value)
+                    nbytes += len(value)
+                at += checked.passed
+                if checked.reason is not None:
+                    reason = checked.reason
+                    if "missing" in reason:
+                        self.counters.missing_blocks += len(keys) - at
+                    else:
+                        self.counters.rejected_blocks += 1
+                    break
+        finally:
+            if client is not None:
+                try:
+                    client.release(handover_id)  # the prefill worker frees its copy now
+                except HandoverUnreachable:
+                    pass  # gone: its copy expires there (held.py), nothing is held here
+                finally:
+                    client.close()
+        return {"blocks": at - start, "bytes": nbytes, "reason": reason}
+
+    def stats(self) -> dict[str, Any]:
+        return asdict(self.counters)

@@ -1,0 +1,136 @@
+"""A worker's extra routes for its role, on the `kvcache serve` app (runner/serve/app.py):
+
+* prefill: POST /kvcache/prefill/v1/completions and /kvcache/prefill/v1/chat/completions take
+  the client's body, run it with max_tokens 1 (the prompt and its first token) and answer the
+  kv_transfer_params a decode worker pulls with; POST /kvcache/release frees a handover that
+  will not be pulled.
+* decode: POST /kvcache/pull takes those params and pulls the blocks (before the router sends
+  the request itself to /v1/...).
+* both roles: GET /kvcache/disagg, what the handovers did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from runner.disagg.roles import RoleParts
+from runner.serve.app import _admit  # the server's own checks: draining, model, 400, 429
+from runner.serve.calls import Call, CallError
+from runner.serve.engine_loop import Submission
+from runner.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from runner.serve.responses import error_body
+
+# Fields of the client's body a prefill does not take: it answers once, with one sample.
+_PREFILL_DROPPED = (
+    "stream_options",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "best_of",
+)
+_GUARDED = ("/kvcache/prefill/", "/kvcache/pull", "/kvcache/release")
+
+
+def prefill_body(kind: str, raw: dict[str, Any]) -> SamplingFields:
+    """The client's body as a prefill runs it: max_tokens 1, not streamed, one sample.
+    Raises CallError 400 naming the problem."""
+    if not isinstance(raw, dict):
+        raise CallError(400, "the body must be a JSON object", "invalid_request_error")
+    body = {k: v for k, v in raw.items() if k not in _PREFILL_DROPPED}
+    body |= {"max_tokens": 1, "stream": False, "n": 1}
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        raise CallError(400, message, "invalid_request_error", param) from err
+    if isinstance(parsed, CompletionRequest) and len(parsed.prompts()) != 1:
+        message = "a disaggregated completion takes one prompt"
+        raise CallError(400, message, "invalid_request_error", "prompt")
+    return parsed
+
+
+def attach_role(app: FastAPI, parts: RoleParts) -> None:
+    """Add the role's routes to a `kvcache serve` app. With --api-key they take the same key
+    as /v1/* (the server's middleware guards only /v1/)."""
+    state = app.state.serve
+    publisher, puller = parts.publisher, parts.puller
+
+    @app.middleware("http")
+    async def api_key(request: Request, call_next: Any) -> Any:
+        key = state.settings.api_key
+        if key is not None and request.url.path.startswith(_GUARDED):
+            if request.headers.get("authorization") != f"Bearer {key}":
+                message = "invalid or missing API key"
+                body = error_body(message, "invalid_request_error", None, "invalid_api_key")
+                return JSONResponse(body, 401)
+        return await call_next(request)
+
+    async def prefill(kind: str, raw: dict[str, Any], request: Request) -> JSONResponse:
+        if publisher is None:
+            raise CallError(404, "this worker is not a prefill worker", "invalid_request_error")
+        body = prefill_body(kind, raw)
+        params = _admit(state, body, 1)
+        salt = body.cache_salt
+        if isinstance(body, ChatCompletionRequest):
+            sub = Submission(
+                "", 0, params, messages=body.template_messages(),
+                template_kwargs=body.chat_template_kwargs, cache_salt=salt,
+            )  # fmt: skip
+        else:
+            assert isinstance(body, CompletionRequest)
+            sub = Submission("", 0, params, prompt=body.prompts()[0], cache_salt=salt)
+        call = Call(state.engine, request, [sub], "messages" if kind == "chat" else "prompt")
+        sub.request_id = f"{call.id}-0"
+        await call.start()
+        (output,) = await call.outputs()
+        tokens = output.prompt_token_ids
+        kv = await asyncio.to_thread(publisher.publish, call.id, tokens, salt)
+        first = output.outputs[0]
+        usage = {"prompt_tokens": len(tokens), "cached_tokens": output.num_cached_tokens}
+        answer = {"id": call.id, "text": first.text, "token_ids": list(first.token_ids)}
+        return JSONResponse({"kv_transfer_params": kv, "prefill": answer | usage})
+
+    @app.post("/kvcache/prefill/v1/completions")
+    async def prefill_completion(raw: dict[str, Any], request: Request) -> JSONResponse:
+        return await prefill("completion", raw, request)
+
+    @app.post("/kvcache/prefill/v1/chat/completions")
+    async def prefill_chat(raw: dict[str, Any], request: Request) -> JSONResponse:
+        return await prefill("chat", raw, request)
+
+    @app.post("/kvcache/release")
+    async def release(raw: dict[str, Any]) -> JSONResponse:
+        if publisher is None:
+            raise CallError(404, "this worker is not a prefill worker", "invalid_request_error")
+        handover_id = raw.get("handover_id") if isinstance(raw, dict) else None
+        if not isinstance(handover_id, str):
+            raise CallError(400, "handover_id: a string", "invalid_request_error", "handover_id")
+        return JSONResponse({"released": publisher.release(handover_id)})
+
+    @app.post("/kvcache/pull")
+    async def pull(raw: dict[str, Any]) -> JSONResponse:
+        if puller is None:
+            raise CallError(404, "this worker is not a decode worker", "invalid_request_error")
+        if state.draining:
+            raise CallError(503, "the server is shutting down", "service_unavailable")
+        try:
+            return JSONResponse(await asyncio.to_thread(puller.pull, raw))
+        except ValueError as err:
+            raise CallError(400, str(err), "invalid_request_error") from err
+
+    @app.get("/kvcache/disagg")
+    async def disagg() -> dict[str, Any]:
+        out: dict[str, Any] = {"role": parts.options.role, "handover": parts.options.handover}
+        if publisher is not None:
+            out["published"] = publisher.stats()
+        if puller is not None:
+            out["pulled"] = puller.stats()
+        return out

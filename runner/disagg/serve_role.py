@@ -1,0 +1,38 @@
+"""The one hook `kvcache serve` calls (runner/serve/command.py): pin the worker's CPUs, build
+its engine with the role's options, and give back the step that adds the role's routes to
+the app."""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+
+from runner.disagg.cpus import pin_to_cpus
+from runner.disagg.roles import RoleOptions, build_role, engine_options_for
+from runner.disagg.routes import attach_role
+
+
+def start_role(
+    role: str,
+    handover: str,
+    cpus: str | None,
+    make_llm: Callable[[dict[str, Any]], Any],
+    engine_options: dict[str, Any],
+) -> tuple[Any, Callable[[FastAPI], FastAPI]]:
+    """(the engine, app -> app with the role's routes). Raises ValueError naming a bad
+    option."""
+    options = RoleOptions(role=role, handover=handover)
+    if cpus is not None:
+        pin_to_cpus(cpus)  # before the engine starts its threads
+    llm = make_llm(engine_options_for(options, engine_options))
+    parts = build_role(llm, options)
+    atexit.register(parts.close)
+
+    def attach(app: FastAPI) -> FastAPI:
+        attach_role(app, parts)
+        return app
+
+    return llm, attach

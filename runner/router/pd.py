@@ -1,0 +1,240 @@
+"""The disaggregated router: `kvcache router --prefill URL ... --decode URL ...`. Each request
+goes to a prefill worker (POST /kvcache/prefill/v1/...: the prompt and its first token, as
+vLLM's proxy sends max_tokens 1), whose answer is the handover's kv_transfer_params; then to a
+decode worker, which pulls the blocks (POST /kvcache/pull) and answers the request itself
+(POST /v1/...), streamed back as it comes. Workers are picked by fewest requests in flight.
+
+Faults: a worker that cannot be reached (or is draining) before it answered is taken out and
+the step retried on another; when no prefill worker is left the request fails with 503, and
+when no decode worker is left the prefill worker is told to release the handover. A decode
+worker that dies mid-answer ends the stream with an error event (a whole answer: 502)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from runner.router.app import FORWARDED_HEADERS, RouterSettings
+from runner.router.replicas import Replica, ReplicaSet
+from runner.serve.responses import error_body, sse
+
+
+class Unavailable(Exception):
+    """No worker of a kind could take the step (all down or draining)."""
+
+
+class PDRouter:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        settings: RouterSettings,
+        client: httpx.AsyncClient,
+    ) -> None:
+        if not prefill or not decode:
+            raise ValueError("a disaggregated router needs --prefill and --decode workers")
+        self.prefill = ReplicaSet(prefill, client, settings.health_interval_s)
+        self.decode = ReplicaSet(decode, client, settings.health_interval_s)
+        self.settings, self.client = settings, client
+        self.counts = {"requests": 0, "prefill_failed": 0, "decode_failed": 0, "released": 0}
+        self.handover = {"blocks": 0, "bytes": 0, "pull_ms": 0.0, "publish_ms": 0.0}
+
+    async def check_all(self) -> None:
+        await asyncio.gather(self.prefill.check_all(), self.decode.check_all())
+
+    async def run_health_checks(self) -> None:
+        await asyncio.gather(self.prefill.run_health_checks(), self.decode.run_health_checks())
+
+    async def _post(
+        self, workers: ReplicaSet, path: str, body: Any, headers: dict[str, str]
+    ) -> tuple[Replica, httpx.Response]:
+        """POST to the least busy healthy worker, retried on another when one cannot be
+        reached or is draining. Raises Unavailable."""
+        tried: set[str] = set()
+        for _ in range(self.settings.max_attempts):
+            candidates = workers.healthy(exclude=tried)
+            if not candidates:
+                break
+            worker = min(candidates, key=lambda r: r.in_flight)
+            worker.sent += 1
+            worker.in_flight += 1
+            try:
+                response = await self.client.post(worker.url + path, json=body, headers=headers)
+            except httpx.TransportError:
+                response = None
+            finally:
+                worker.in_flight -= 1
+            if response is None or response.status_code == 503:
+                workers.mark_dead(worker)
+                tried.add(worker.url)
+                continue
+            return worker, response
+        raise Unavailable
+
+    async def forward(self, path: str, request: Request) -> Response:
+        self.counts["requests"] += 1
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return JSONResponse(
+                error_body("the body must be a JSON object", "invalid_request_error"), 400
+            )
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        headers.pop("content-length", None)
+        try:
+            prefill, answer = await self._post(
+                self.prefill, "/kvcache/prefill" + path, body, headers
+            )
+        except Unavailable:
+            self.counts["prefill_failed"] += 1
+            message = "no prefill worker could take the request (all are down or draining)"
+            return JSONResponse(error_body(message, "service_unavailable"), 503)
+        if answer.status_code != 200:  # the client's 400, a 429, a failed prefill's 500
+            return Response(answer.content, answer.status_code, media_type="application/json")
+        params = answer.json()["kv_transfer_params"]
+        self.handover["publish_ms"] += float(params.get("publish_ms", 0.0))
+        try:
+            return await self._decode(path, body, headers, params)
+        except Unavailable:
+            self.counts["decode_failed"] += 1
+            await self._release(prefill, params["handover_id"], headers)
+            message = "no decode worker could take the request (all are down or draining)"
+            return JSONResponse(error_body(message, "service_unavailable"), 503)
+
+    async def _decode(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], params: dict[str, Any]
+    ) -> Response:
+        tried: set[str] = set()
+        for _ in range(self.settings.max_attempts):
+            candidates = self.decode.healthy(exclude=tried)
+            if not candidates:
+                break
+            worker = min(candidates, key=lambda r: r.in_flight)
+            worker.sent += 1
+            worker.in_flight += 1
+            try:
+                pull = f"{worker.url}/kvcache/pull"
+                pulled = await self.client.post(pull, json=params, headers=headers)
+                if pulled.status_code == 200:
+                    upstream = self.client.build_request(
+                        "POST", worker.url + path, json=body, headers=headers
+                    )
+                    response = await self.client.send(upstream, stream=True)
+                    if response.status_code != 503:
+                        self._count(pulled.json())
+                        return await self._relay(worker, response)
+                    await response.aclose()
+                elif pulled.status_code != 503:
+                    worker.in_flight -= 1
+                    return Response(
+                        pulled.content, pulled.status_code, media_type="application/json"
+                    )
+            except httpx.TransportError:
+                pass
+            worker.in_flight -= 1
+            self.decode.mark_dead(worker)
+            tried.add(worker.url)
+        raise Unavailable
+
+    def _count(self, pulled: dict[str, Any]) -> None:
+        self.handover["blocks"] += int(pulled.get("blocks", 0))
+        self.handover["bytes"] += int(pulled.get("bytes", 0))
+        self.handover["pull_ms"] += float(pulled.get("ms", 0.0))
+
+    async def _release(self, prefill: Replica, handover_id: str, headers: dict[str, str]) -> None:
+        """Tell the prefill worker its handover will not be pulled (best effort: unreleased,
+        it expires there)."""
+        with contextlib.suppress(httpx.HTTPError):
+            url, body = f"{prefill.url}/kvcache/release", {"handover_id": handover_id}
+            await self.client.post(url, json=body, headers=headers)
+            self.counts["released"] += 1
+
+    async def _relay(self, worker: Replica, response: httpx.Response) -> Response:
+        media_type = response.headers.get("content-type") or ""
+        if not media_type.startswith("text/event-stream"):
+            try:
+                content = await response.aread()
+            except httpx.TransportError:
+                message = "the decode worker died before it answered"
+                return JSONResponse(error_body(message, "server_error"), 502)
+            finally:
+                await response.aclose()
+                worker.in_flight -= 1
+            return Response(content, response.status_code, media_type=media_type or None)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            except httpx.TransportError:  # died mid-stream: the client is told, then [DONE]
+                self.counts["decode_failed"] += 1
+                message = "the decode worker died mid-stream"
+                yield (sse(error_body(message, "server_error")) + sse("[DONE]")).encode()
+            finally:
+                await response.aclose()
+                worker.in_flight -= 1
+
+        return StreamingResponse(chunks(), response.status_code, media_type=media_type)
+
+    def stats(self) -> dict[str, Any]:
+        def workers(rs: ReplicaSet) -> list[dict[str, Any]]:
+            return [
+                {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "sent": r.sent}
+                for r in rs.replicas
+            ]
+
+        return self.counts | {
+            "handover": dict(self.handover),
+            "prefill": workers(self.prefill),
+            "decode": workers(self.decode),
+        }
+
+
+def build_pd_router_app(prefill: list[str], decode: list[str], settings: RouterSettings) -> FastAPI:
+    """The disaggregated router's app; its health loop runs from startup to shutdown."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(settings.request_timeout_s, connect=5.0)
+    client = httpx.AsyncClient(limits=limits, timeout=timeout)
+    router = PDRouter(prefill, decode, settings, client)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.check_all()
+        health = asyncio.create_task(router.run_health_checks())
+        yield
+        health.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await health
+        await client.aclose()
+
+    app = FastAPI(title="kvcache router (prefill/decode)", lifespan=lifespan)
+    app.state.router = router
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.forward("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await router.forward("/v1/chat/completions", request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        up = bool(router.prefill.healthy()) and bool(router.decode.healthy())
+        return JSONResponse({"status": "ok" if up else "down"}, 200 if up else 503)
+
+    @app.get("/router/stats")
+    async def stats() -> dict[str, Any]:
+        return router.stats()
+
+    return app
