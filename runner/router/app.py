@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from fastapi import FastAPI, Request
@@ -186,25 +186,38 @@ class Router:
         }
 
 
-def build_router_app(urls: list[str], settings: RouterSettings) -> FastAPI:
-    """The app routing over `urls`; its health loop runs from startup to shutdown."""
+class Forwarder(Protocol):
+    async def forward(self, path: str, request: Request) -> Response: ...
+
+
+def upstream_client(settings: RouterSettings) -> httpx.AsyncClient:
+    """The one client a router's upstream calls share."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(settings.request_timeout_s, connect=5.0)
-    client = httpx.AsyncClient(limits=limits, timeout=timeout)
-    router = Router(urls, settings, client)
+    return httpx.AsyncClient(limits=limits, timeout=timeout)
+
+
+def proxy_app(
+    title: str,
+    router: Forwarder,
+    client: httpx.AsyncClient,
+    start: Callable[[], Awaitable[None]],
+    health_loop: Callable[[], Coroutine[Any, Any, None]],
+) -> FastAPI:
+    """An app whose OpenAI routes go through `router`: `start` runs at startup, the health
+    loop from then to shutdown, and the client closes last."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await router.replicas.check_all()
-        await router.load_tokenizer()
-        health = asyncio.create_task(router.replicas.run_health_checks())
+        await start()
+        health = asyncio.create_task(health_loop())
         yield
         health.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await health
         await client.aclose()
 
-    app = FastAPI(title="kvcache router", lifespan=lifespan)
+    app = FastAPI(title=title, lifespan=lifespan)
     app.state.router = router
 
     @app.post("/v1/completions")
@@ -214,6 +227,20 @@ def build_router_app(urls: list[str], settings: RouterSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await router.forward("/v1/chat/completions", request)
+
+    return app
+
+
+def build_router_app(urls: list[str], settings: RouterSettings) -> FastAPI:
+    """The app routing over `urls`; its health loop runs from startup to shutdown."""
+    client = upstream_client(settings)
+    router = Router(urls, settings, client)
+
+    async def start() -> None:
+        await router.replicas.check_all()
+        await router.load_tokenizer()
+
+    app = proxy_app("kvcache router", router, client, start, router.replicas.run_health_checks)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

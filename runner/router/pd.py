@@ -15,14 +15,13 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from runner.router.app import FORWARDED_HEADERS, RouterSettings
+from runner.router.app import FORWARDED_HEADERS, RouterSettings, proxy_app, upstream_client
 from runner.router.replicas import Replica, ReplicaSet
 from runner.serve.responses import error_body, sse
 
@@ -202,31 +201,10 @@ class PDRouter:
 
 def build_pd_router_app(prefill: list[str], decode: list[str], settings: RouterSettings) -> FastAPI:
     """The disaggregated router's app; its health loop runs from startup to shutdown."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    timeout = httpx.Timeout(settings.request_timeout_s, connect=5.0)
-    client = httpx.AsyncClient(limits=limits, timeout=timeout)
+    client = upstream_client(settings)
     router = PDRouter(prefill, decode, settings, client)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await router.check_all()
-        health = asyncio.create_task(router.run_health_checks())
-        yield
-        health.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await health
-        await client.aclose()
-
-    app = FastAPI(title="kvcache router (prefill/decode)", lifespan=lifespan)
-    app.state.router = router
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.forward("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await router.forward("/v1/chat/completions", request)
+    title = "kvcache router (prefill/decode)"
+    app = proxy_app(title, router, client, router.check_all, router.run_health_checks)
 
     @app.get("/health")
     async def health() -> Response:

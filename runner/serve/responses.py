@@ -148,28 +148,25 @@ def chat_response(
 def completion_chunk(
     call_id: str, model: str, created: int, choices: list[dict[str, Any]], usage: Any = None
 ) -> dict[str, Any]:
-    chunk = {
-        "id": call_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if usage is not None:
-        chunk["usage"] = usage
-    return chunk
+    return _chunk("text_completion", call_id, model, created, choices, usage)
 
 
 def chat_chunk(
     call_id: str, model: str, created: int, choices: list[dict[str, Any]], usage: Any = None
 ) -> dict[str, Any]:
-    chunk = {
-        "id": call_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
+    return _chunk("chat.completion.chunk", call_id, model, created, choices, usage)
+
+
+def _chunk(
+    kind: str,
+    call_id: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage: Any,
+) -> dict[str, Any]:
+    """One streamed chunk in OpenAI's shape; the usage only where it is sent (the last)."""
+    chunk = {"id": call_id, "object": kind, "created": created, "model": model, "choices": choices}
     if usage is not None:
         chunk["usage"] = usage
     return chunk
