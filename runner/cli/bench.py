@@ -15,7 +15,9 @@ import click
     "--workload",
     default="shared_system_prompt",
     show_default=True,
-    help="A data/ workload name or .jsonl file; 'core' runs the block-manager micro-bench.",
+    help="A data/ workload name or .jsonl file; 'core' runs the block-manager micro-bench; "
+    "'tiers-working-set', 'tiers-restart', 'tiers-replicas' and 'tiers-per-block' the KV tiers' "
+    "figures (docs/TIERS.md).",
 )
 @click.option(
     "--systems",
@@ -106,6 +108,15 @@ def bench(
         from kvcache.microbench import main as core_main
 
         core_main()
+        return
+    if workload.startswith("tiers-"):  # the tiers' own runs (runner/bench/tiers.py)
+        from runner.bench.tiers import main as tiers_main
+
+        figure = workload.removeprefix("tiers-")
+        if figure not in tiers_main.commands:
+            known = ", ".join(f"tiers-{name}" for name in tiers_main.commands)
+            raise click.UsageError(f"no tier benchmark {workload!r}; known: {known}")
+        tiers_main.main([figure, *(["--model", model] if model else [])], standalone_mode=False)
         return
     if workload == "pd_interference" or "engine-pd" in systems:  # served systems (runner/disagg)
         from runner.disagg.bench_command import pd_bench

@@ -287,6 +287,8 @@ def test_report_and_bench_refuse_bad_arguments_up_front(tmp_path: Path) -> None:
     for option in ("--max-num-seqs", "--max-num-batched-tokens", "--limit", "--max-tokens"):
         result = CliRunner().invoke(main, ["bench", option, "0"])
         assert result.exit_code == 2 and option in result.output
+    result = CliRunner().invoke(main, ["bench", "--workload", "tiers-nothing"])
+    assert result.exit_code == 2 and "tiers-working-set" in result.output  # names the known ones
 
 
 def test_resume_keeps_a_symlinked_output_and_its_mode(tmp_path: Path) -> None:
