@@ -24,8 +24,7 @@ from typing import Protocol
 import torch
 
 from runner.engine.scheduler import ScheduledSeq
-from runner.engine.speculative import step_tokens
-from runner.engine.step_result import StepResult
+from runner.engine.step_result import StepResult, sample_step
 from runner.sampling.logprobs import TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -77,5 +76,5 @@ def _run_alone(
     logits = runner.run([item])
     if not item.sample:
         return [], None
-    emitted, logprobs = step_tokens(logits, [item.seq], [item.draft], eos_ids)
-    return emitted[0], logprobs[0]
+    result = sample_step(logits, [item], eos_ids)
+    return result.emitted[0], result.logprobs[0]
