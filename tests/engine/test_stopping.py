@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import tiny_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runner.engine.sequence import Sequence
 from runner.engine.stopping import StopChecker, first_stop
 from runner.sampling.params import SamplingParams
+from tests.conftest import tiny_tokenizer
 
 MAX_MODEL_LEN = 10_000
 
