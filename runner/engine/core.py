@@ -14,8 +14,6 @@ import torch
 from kvcache import block_hashes, namespace_root
 from runner.engine.config import EngineConfig
 from runner.engine.interrupts import interrupts_held
-from runner.engine.kv_tiers import TierLoader, cache_identity_string, cache_mac_key
-from runner.engine.kv_transfer import block_spec
 from runner.engine.live_requests import LiveRequests
 from runner.engine.lock import locked
 from runner.engine.metrics import MetricsRecorder
@@ -44,7 +42,6 @@ class Engine:
 
     def __init__(self, model: str | None = None, *, seed: int = 0, **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
-        mac_key = cache_mac_key(self.config)  # before the model loads: a missing key costs nothing
         parts = build_engine_parts(self.config)
         loaded = parts.loaded
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.config
@@ -53,14 +50,8 @@ class Engine:
         self.device = parts.device
         self.max_model_len = parts.max_model_len
         self.kv, self.block_manager, self.runner = parts.kv, parts.block_manager, parts.runner
-        self.cache_mac_key = mac_key  # the MAC key of stored blocks (runner/engine/kv_tiers.py)
-        identity = cache_identity_string(self.fingerprint, self.config.cpu_weight_dtype)
-        self.block_spec = block_spec(self.kv, identity)
-        self.tiers = (
-            TierLoader(self.config, self.block_manager, self.kv, self.block_spec)
-            if self.config.has_tiers
-            else None
-        )
+        self.block_spec, self.tiers = parts.block_spec, parts.tiers
+        self.cache_mac_key = parts.cache_mac_key
         self.attention = parts.attention  # the backend every forward pass runs
         layers = parts.attention.layers
         # Whole steps in C (runner/model/cpu_layers.py), where the CPU backend has them.
@@ -70,8 +61,7 @@ class Engine:
             self.block_manager,
             self.max_model_len,
             self.kv.copy_slots,
-            self.tiers.load if self.tiers is not None else None,
-            self.tiers.prefetch if self.tiers is not None else None,
+            self.tiers,
         )
         self.stopper = StopChecker(
             self.hf_config, self.tokenizer, self.max_model_len, generation_eos_ids(self.model_path)

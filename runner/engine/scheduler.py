@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from kvcache import BlockManager
 from runner.engine.admission import Admission
 from runner.engine.config import EngineConfig
+from runner.engine.kv_tiers import TierLoader
 from runner.engine.sequence import SeqStatus, Sequence
 from runner.engine.speculative import draft_for
 
@@ -81,19 +82,14 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         copy_slots: Callable[[int, int, int], None],
-        load_from_tiers: Callable[[list[int], int], int] | None = None,
-        prefetch_from_tiers: Callable[[list[int], int], None] | None = None,
+        tiers: TierLoader | None = None,
     ) -> None:
         self.config = config
         self.bm = block_manager
         # Runs an Allocation's SlotCopy (src, dst, tokens) on the KV store, at once: the source
         # block may be handed out again by a later admission of the same step.
         self.copy_slots = copy_slots
-        # Loads the blocks the tiers below the pool hold past the device's cached prefix of
-        # (tokens, root) into the pool, just before a request is allocated
-        # (runner/engine/kv_tiers.py).
-        self.load_from_tiers = load_from_tiers
-        self.prefetch_from_tiers = prefetch_from_tiers  # the same, started when a request queues
+        self.tiers = tiers  # the KV tiers below the pool (runner/engine/kv_tiers.py), if any
         self.admission = Admission(config, block_manager)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -106,8 +102,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = seq.wait_since_step = self.step_count
         self.waiting.append(seq)
-        if self.prefetch_from_tiers is not None and seq.reuses_cache:
-            self.prefetch_from_tiers(seq.token_ids, seq.root)
+        if self.tiers is not None and seq.reuses_cache:
+            self.tiers.prefetch(seq.token_ids, seq.root)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -287,8 +283,8 @@ class Scheduler:
         return size
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
-        if self.load_from_tiers is not None and seq.reuses_cache:
-            self.load_from_tiers(seq.token_ids, seq.root)
+        if self.tiers is not None and seq.reuses_cache:
+            self.tiers.load(seq.token_ids, seq.root)
         alloc = self.bm.allocate(
             seq.seq_id, seq.token_ids, seq.root, readmission=seq.admitted, reuse=seq.reuses_cache
         )

@@ -9,11 +9,14 @@ import torch
 
 from kvcache import BlockManager
 from kvcache.store import KVStore
+from kvcache.tiers import BlockSpec
 from runner.attention.backend import AttentionBackend
 from runner.backends.cpu.allocator import keep_step_buffers_in_heap
 from runner.backends.cpu.quant import round_matrices
 from runner.backends.registry import attention_backend
 from runner.engine.config import EngineConfig
+from runner.engine.kv_tiers import TierLoader, cache_identity_string, cache_mac_key
+from runner.engine.kv_transfer import block_spec
 from runner.engine.memory import kv_pool_blocks
 from runner.engine.model_runner import ModelRunner
 from runner.model.cpu_prepack import prepack_for_cpu
@@ -32,6 +35,9 @@ class EngineParts(NamedTuple):
     block_manager: BlockManager
     runner: ModelRunner
     attention: AttentionBackend
+    block_spec: BlockSpec  # what a block stored outside the pool must agree with
+    cache_mac_key: bytes | None  # the MAC key of stored blocks (runner/engine/kv_tiers.py)
+    tiers: TierLoader | None  # the tiers below the pool, where any is configured
 
 
 def head_dim_of(config: Any) -> int:
@@ -42,7 +48,8 @@ def head_dim_of(config: Any) -> int:
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     """Load the model, choose its attention backend, size and allocate the KV pool (once: it
-    never grows), and on CUDA capture decode graphs."""
+    never grows), open the tiers below it, and on CUDA capture decode graphs."""
+    mac_key = cache_mac_key(config)  # before the model loads: a missing key costs nothing
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
@@ -123,7 +130,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         attention,
         graphs=graphs,
     )
-    return EngineParts(loaded, device, max_model_len, kv, block_manager, runner, attention)
+    spec = block_spec(kv, cache_identity_string(loaded.fingerprint, config.cpu_weight_dtype))
+    tiers = TierLoader(config, block_manager, kv, spec) if config.has_tiers else None
+    return EngineParts(
+        loaded, device, max_model_len, kv, block_manager, runner, attention, spec, mac_key, tiers
+    )
 
 
 def attention_backend_name(config: EngineConfig, device: torch.device) -> str:
