@@ -65,6 +65,9 @@ class EngineConfig:
     # embeddings included (runner/backends/cpu/quant.py). "bfloat16-dot" stores bfloat16 weights and
     # rounds each product's input rows to bfloat16 too, summing exact products in float32
     # (twice the multiply-adds per instruction; needs AVX512-BF16 and the C kernels).
+    # "int8-dot" quantizes weights per output column and each product's input rows to int8,
+    # summed exactly in int32 by AVX512-VNNI (the fastest prefill where VNNI runs 2.8x
+    # float32's multiply-adds; needs the C kernels; docs/BENCHMARKS.md has its quality).
     cpu_weight_dtype: str = "float32"
     # The KV cache's dtype: "auto" is the model's; "float16" stores a float32 model's keys and
     # values in half the bytes (rounded as they are stored; attention reads them widened, so

@@ -71,8 +71,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         packing = prepack_for_cpu(model, config.cpu_kernels, config.cpu_weight_dtype)
         if attention.name == "cpu":  # whole steps in C where the model fits layers.c
             attention = attention.with_layers(packing.layers)
-    elif config.cpu_weight_dtype == "bfloat16-dot":  # its products are the panel kernel's
-        raise ValueError("cpu_weight_dtype='bfloat16-dot' needs prepack_weights")
+    elif config.cpu_weight_dtype in ("bfloat16-dot", "int8-dot"):  # the panel kernel's products
+        raise ValueError(f"cpu_weight_dtype={config.cpu_weight_dtype!r} needs prepack_weights")
     elif device.type == "cpu" and config.cpu_weight_dtype != "float32":
         round_matrices(model, config.cpu_weight_dtype)  # the same model, in torch's products
         log.warning("cpu_weight_dtype without prepack_weights: the rounded weights stay float32")

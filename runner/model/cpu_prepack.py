@@ -33,7 +33,8 @@ def prepack_for_cpu(
     copy; the embedding keeps the plain one for lookups. With `weight_dtype` "bfloat16" or
     "int8", every weight matrix is first rounded in place (runner/backends/cpu/quant.py), and the
     panels store it in 2 bytes, or 1 and a scale per group; "bfloat16-dot" stores bfloat16 pairs and
-    its products round their inputs too (raises ValueError where the kernels cannot). Call after
+    its products round their inputs too, "int8-dot" int8 quads whose products quantize their
+    inputs to int8 (each raises ValueError where the kernels cannot). Call after
     loading the weights. Returns how many matrices were packed, and the C layer stack that the
     "cpu" attention backend runs (runner/attention/backend.py), or None."""
     kernels = load_cpu_kernels() if cpu_kernels else None
@@ -43,16 +44,22 @@ def prepack_for_cpu(
             "cpu_weight_dtype='bfloat16-dot' needs the C kernels on a CPU with AVX512-BF16 "
             "(this one " + ("has no such kernels" if kernels is None else "lacks AVX512-BF16") + ")"
         )
+    int8_dot = weight_dtype == "int8-dot"
+    if int8_dot and (kernels is None or not kernels.has_quads):
+        raise ValueError(
+            "cpu_weight_dtype='int8-dot' needs the C kernels on a CPU with AVX512-VNNI "
+            "(this one " + ("has no such kernels" if kernels is None else "lacks AVX512-VNNI") + ")"
+        )
     int8 = round_matrices(model, weight_dtype)
-    dtype = torch.bfloat16 if dot else getattr(torch, weight_dtype)
-    packed = prepack_linears(model, cpu_kernels, dtype, int8, dot)
+    dtype = torch.bfloat16 if dot else torch.int8 if int8_dot else getattr(torch, weight_dtype)
+    packed = prepack_linears(model, cpu_kernels, dtype, int8, dot, int8_dot)
     for module in model.modules():
         if isinstance(module, RMSNorm | MLP):
             module.kernels = kernels
     weight = model.embed_tokens.weight
     if packed and model.lm_head is None and weight.dtype in PACKED_DTYPES:
         tied = int8.get(model.embed_tokens)
-        model.lm_head = PackedLinear(weight, None, cpu_kernels, dtype, tied, dot)
+        model.lm_head = PackedLinear(weight, None, cpu_kernels, dtype, tied, dot, int8_dot)
         packed += 1
     layers = CpuLayers.for_model(model, kernels)
     if weight_dtype != "float32" and kernels is None:

@@ -61,6 +61,7 @@ SIGNATURES: dict[str, tuple[Sequence[type], type | None]] = {
     # x, ldx, packed, weight type, y, M, K, panels
     "panel_gemm": ([_ptr, _long, _ptr, _int, _ptr, _long, _long, _long], None),
     "panel_gemm_has_pairs": ([], _long),
+    "panel_gemm_has_quads": ([], _long),
     # q, caches, tables, context lengths, out; S, Hq, Hkv, D, block size, max blocks, shared
     # blocks, window (0: none); scale, soft cap (0: none); float16 caches
     "decode_attention": ([_ptr] * 6 + [_long] * 8 + [_float] * 2 + [_int], _int),

@@ -15,7 +15,16 @@ from collections.abc import Callable
 import torch
 
 from runner.backends.cpu.abi import declare
-from runner.backends.cpu.panels import BF16_PAIRS, LANES, fits, pack_pairs, pack_panels, weight_type
+from runner.backends.cpu.panels import (
+    BF16_PAIRS,
+    INT8_QUADS,
+    LANES,
+    fits,
+    pack_pairs,
+    pack_panels,
+    pack_quads,
+    weight_type,
+)
 
 # Rows of x this many floats long (2 KB) alias in the L1 cache (see panel_gemm.c).
 ALIASING_FLOATS = 512
@@ -32,6 +41,8 @@ class CpuKernels:
         self._gemm = library.panel_gemm
         # Whether the library was built with AVX512-BF16, for bfloat16 pair panels.
         self.has_pairs = bool(library.panel_gemm_has_pairs())
+        # Whether it was built with AVX512-VNNI, for int8 quad panels.
+        self.has_quads = bool(library.panel_gemm_has_quads())
         self._decode = library.decode_attention
         self._prefill = library.prefill_attention
         self._rms_norm = library.rms_norm
@@ -44,6 +55,7 @@ class CpuKernels:
 
     pack = staticmethod(pack_panels)  # the layouts live in runner/backends/cpu/panels.py
     pack_pairs = staticmethod(pack_pairs)
+    pack_quads = staticmethod(pack_quads)
 
     def matmul(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
@@ -58,11 +70,13 @@ class CpuKernels:
         wtype = weight_type(packed)
         if wtype == BF16_PAIRS and not self.has_pairs:
             raise ValueError("bfloat16 pair panels need a CPU with AVX512-BF16")
+        if wtype == INT8_QUADS and not self.has_quads:
+            raise ValueError("int8 quad panels need a CPU with AVX512-VNNI")
         m = math.prod(x.shape[:-1])
         rows = x.reshape(m, k)
-        if k % ALIASING_FLOATS == 0 and m >= LANES and wtype != BF16_PAIRS:
+        if k % ALIASING_FLOATS == 0 and m >= LANES and wtype not in (BF16_PAIRS, INT8_QUADS):
             # 16 rows 2 KB apart share one L1 set: read them from a copy 64 bytes wider. (Pair
-            # panels read x from a rounded copy of their own, laid out 16 rows to a line.)
+            # and quad panels read x from a rounded copy of their own, 16 rows to a line.)
             rows = torch.empty((m, k + LANES)).narrow(1, 0, k).copy_(rows)
         elif not (rows.stride(1) == 1 and rows.stride(0) >= k):
             rows = rows.contiguous()

@@ -29,7 +29,12 @@ from torch import nn
 
 from runner.backends.cpu.kernel import CpuKernels
 from runner.backends.cpu.loader import load_cpu_kernels
-from runner.backends.cpu.quant import Int8Weight, dequantize_int8, quantize_int8
+from runner.backends.cpu.quant import (
+    Int8Weight,
+    dequantize_int8,
+    quantize_int8,
+    quantize_int8_columns,
+)
 
 # Only float32 models are packed: the dtype whose greedy output is proven equal to transformers'
 # on the CPU (oneDNN's bf16 path needs CPU features a machine may lack). Their weights may be
@@ -73,7 +78,9 @@ class PackedLinear(nn.Module):
     where given, else runner/backends/cpu/quant.py's quantize_int8 of W): the panel kernel then
     stores half or a quarter of the bytes and widens each weight as it reads it; oneDNN keeps the
     rounded values as float32 (the same products, no faster). `bfloat16_dot=True` stores W as
-    bfloat16 pairs and rounds x to bfloat16 too (panel kernel with AVX512-BF16 only).
+    bfloat16 pairs and rounds x to bfloat16 too (panel kernel with AVX512-BF16 only);
+    `int8_dot=True` stores `int8` (one scale per row: quant.py quantize_int8_columns) as int8
+    quads and quantizes x per row to int8 too (panel kernel with AVX512-VNNI only).
     """
 
     def __init__(
@@ -84,6 +91,7 @@ class PackedLinear(nn.Module):
         weight_dtype: torch.dtype = torch.float32,
         int8: Int8Weight | None = None,
         bfloat16_dot: bool = False,
+        int8_dot: bool = False,
     ) -> None:
         super().__init__()
         if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
@@ -94,6 +102,11 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().contiguous().clone()
         self._kernel: CpuKernels | None = load_cpu_kernels() if panel_kernel else None
         # Not a parameter or buffer: the model never saves, moves or trains a packed weight.
+        if int8_dot:
+            if self._kernel is None or not self._kernel.has_quads:
+                raise ValueError("int8 dot products need the C kernels and AVX512-VNNI")
+            self.packed = self._kernel.pack_quads(int8 or quantize_int8_columns(weight.detach()))
+            return
         if weight_dtype == torch.int8 and int8 is None:
             int8 = quantize_int8(weight.detach())
         if bfloat16_dot:
@@ -135,6 +148,7 @@ def prepack_linears(
     weight_dtype: torch.dtype = torch.float32,
     int8: dict[nn.Module, Int8Weight] | None = None,
     bfloat16_dot: bool = False,
+    int8_dot: bool = False,
 ) -> int:
     """Replace every float32 CPU nn.Linear under `module` by a PackedLinear (weights stored as
     `weight_dtype`; int8 ones as `int8[linear]` where given), in place. Returns how many were
@@ -152,7 +166,7 @@ def prepack_linears(
     for parent, name, child in targets:
         quantized = (int8 or {}).get(child)
         packed = PackedLinear(
-            child.weight, child.bias, panel_kernel, weight_dtype, quantized, bfloat16_dot
+            child.weight, child.bias, panel_kernel, weight_dtype, quantized, bfloat16_dot, int8_dot
         )
         setattr(parent, name, packed)
     return len(targets)

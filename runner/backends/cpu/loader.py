@@ -44,6 +44,7 @@ SOURCES = tuple(
     for name in (
         "panel_gemm.c",
         "pair_gemm.c",
+        "quad_gemm.c",
         "decode_attention.c",
         "prefill_attention.c",
         "elementwise.c",

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 # What the CPU's packed products may store weights as (rounded here); "bfloat16-dot" also rounds
-# each product's inputs to bfloat16 (AVX512-BF16 dot products).
-CPU_WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "bfloat16-dot")
+# each product's inputs to bfloat16 (AVX512-BF16 dot products), "int8-dot" quantizes weights
+# per row and each product's inputs per row to int8 (AVX512-VNNI integer dot products).
+CPU_WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "bfloat16-dot", "int8-dot")
 
 INT8_GROUP = 32  # input columns per int8 scale; panel_gemm.c's INT8_GROUP
 
@@ -38,6 +39,26 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group
     q = torch.round(grouped / scales[:, :, None]).clamp_(-127, 127).to(torch.int8)
     return q.view(n, groups * INT8_GROUP)[:, :k].contiguous(), scales.contiguous()
+
+
+def quantize_int8_columns(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric int8 of weight [N, K] float32 with one scale per row (an output column of the
+    product; "int8-dot"): q = round(w / s) in [-127, 127], s = max|w| / 127 over the row.
+    scales [N, 1]."""
+    scales = weight.abs().amax(dim=1, keepdim=True).div_(127.0)
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row
+    q = torch.round(weight / scales).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scales.contiguous()
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] float32 as "int8-dot" products read it: each row quantized to int8 with its own
+    scale (s = max|x| / 127, q = round(x / s) to nearest even, clamped to [-127, 127]) and
+    returned as q * s, float32. runner/backends/cpu/csrc/quad_gemm.c quantizes so, to the bit;
+    the reference model rounds each product's input with this."""
+    scales = x.abs().amax(dim=-1, keepdim=True).div(127.0)
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(x / scales).clamp_(-127, 127) * scales
 
 
 def dequantize_int8(quantized: Int8Weight) -> torch.Tensor:
@@ -62,8 +83,10 @@ def _grouped(matrix: torch.Tensor, groups: int) -> torch.Tensor:
 @torch.no_grad()
 def round_matrices(model: nn.Module, dtype: str) -> dict[nn.Module, Int8Weight]:
     """Replace every float32 nn.Linear and nn.Embedding weight of `model` by its `dtype`
-    ("bfloat16", "bfloat16-dot" or "int8") rounding, in place, kept as float32. Returns the
-    int8 form of each module's weight (empty otherwise), which the packed products store."""
+    ("bfloat16", "bfloat16-dot", "int8" or "int8-dot") rounding, in place, kept as float32.
+    Returns the int8 form of each module's weight (empty otherwise), which the packed products
+    store:
+    "int8" with a scale per group of INT8_GROUP columns, "int8-dot" with one per row."""
     if dtype not in CPU_WEIGHT_DTYPES:
         raise ValueError(f"weight dtype must be one of {CPU_WEIGHT_DTYPES}, got {dtype!r}")
     quantized: dict[nn.Module, Int8Weight] = {}
@@ -77,6 +100,9 @@ def round_matrices(model: nn.Module, dtype: str) -> dict[nn.Module, Int8Weight]:
             continue
         if dtype.startswith("bfloat16"):  # "bfloat16-dot" stores the same rounded weights
             weight.copy_(weight.to(torch.bfloat16))
+        elif dtype == "int8-dot":
+            q, scales = quantized[module] = quantize_int8_columns(weight)
+            weight.copy_(q.float() * scales)
         else:
             quantized[module] = quantize_int8(weight)
             weight.copy_(dequantize_int8(quantized[module]))

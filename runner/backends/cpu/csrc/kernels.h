@@ -4,7 +4,8 @@
 #define KVCACHE_KERNELS_H
 
 /* panel_gemm.c: y [M, panels * 16] = x [M, K] (rows ldx apart) @ packed panels of float32
- * (wtype 0), bfloat16 (1) or int8 weights with group scales (2). */
+ * (wtype 0), bfloat16 (1) or int8 weights with group scales (2), bfloat16 pairs (3) or int8
+ * quads (4), which round or quantize x too. */
 void panel_gemm(const float *x, long ldx, const void *packed, int wtype, float *y, long M, long K,
                 long panels);
 

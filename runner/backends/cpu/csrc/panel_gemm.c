@@ -25,7 +25,9 @@
  * A fourth type, bfloat16 pairs, rounds x too: the products take both inputs rounded to
  * bfloat16 and sum in float32 (torch's float32 matmul precision "medium"; llama.cpp's bf16
  * products on the CPU), through AVX512-BF16's dot product of bfloat16 pairs, which does twice
- * the multiply-adds of a float32 FMA per instruction. See pair_gemm.c.
+ * the multiply-adds of a float32 FMA per instruction. See pair_gemm.c. A fifth, int8 quads,
+ * quantizes x to int8 per row and weights per column, summed exactly in int32 by AVX512-VNNI:
+ * see quad_gemm.c.
  *
  * Built at run time with -march=native, on AVX-512 machines only (see
  * runner/backends/cpu/loader.py); the vector type becomes one AVX-512 register, the widening of
@@ -223,6 +225,10 @@ void panel_gemm(const float *x, long ldx, const void *packed, int wtype, float *
 {
     if (wtype == WEIGHTS_BF16_PAIRS) {
         pair_gemm(x, ldx, packed, y, M, K, panels);
+        return;
+    }
+    if (wtype == WEIGHTS_INT8_QUADS) {
+        quad_gemm(x, ldx, packed, y, M, K, panels);
         return;
     }
     const long full = M / MAX_ROWS * MAX_ROWS;
