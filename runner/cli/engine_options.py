@@ -80,7 +80,9 @@ _OPTIONS = [
         show_default=True,
         help="CPU: store weight matrices as bfloat16 or int8 (a half or a quarter of the bytes a "
         "decode step reads; the float32 model with its weights rounded so); bfloat16-dot also "
-        "rounds each product's inputs (AVX512-BF16: about twice the arithmetic speed).",
+        "rounds each product's inputs to bfloat16 (AVX512-BF16); int8-dot quantizes weights "
+        "and each product's inputs to int8 (AVX512-VNNI: about 3x float32 per product from 16 "
+        "rows, perplexity +3.9%; docs/BENCHMARKS.md).",
     ),
     click.option(
         "--kv-cache-dtype",
