@@ -149,6 +149,8 @@ def test_tier_options_are_checked(tiny_llama_dir: Path, monkeypatch: pytest.Monk
         LLM(str(tiny_llama_dir), host_cache_bytes=2**20, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="remote_cache_url"):
         LLM(str(tiny_llama_dir), remote_cache_url="http://localhost:6379")
+    with pytest.raises(ValueError, match="cache_chunk_tokens must be a positive multiple"):
+        LLM(str(tiny_llama_dir), cache_chunk_tokens=24)
     monkeypatch.setenv("KVCACHE_CACHE_KEY", "from-the-environment")
     assert LLM(str(tiny_llama_dir), require_cache_mac=True).cache_mac_key == b"from-the-environment"
 
