@@ -1,16 +1,27 @@
 """kvcache.tiers: the KV store below the device pool, in pure Python (bytes in, bytes out).
 
-What it owns: the one format of a block stored outside the pool (``block_value``: header,
-tokens, raw K/V, checksum, optional keyed MAC), the tiers that hold such values (``host``: a
-bounded LRU in RAM; ``disk``: a directory that survives restarts; ``remote``: a Redis server
-shared by every engine), and ``tiered``: lookup of a chain across them and the bounded
-background writer. It imports neither torch nor ``runner``: the engine copies K/V in and out
-of the pool (runner/engine/kv_transfer.py) and hands this package bytes.
+What it owns: the one format of KV stored outside the pool (``block_value``: a block or a
+chunk of blocks, header, tokens, raw K/V, checksum, optional keyed MAC), the tiers that
+hold such values (``host``: a bounded LRU in RAM; ``disk``: a directory that survives
+restarts; ``remote``: a Redis server shared by every engine), and ``tiered``: lookup of a
+chain across them and the bounded background writer. It imports neither torch nor
+``runner``: the engine copies K/V in and out of the pool (runner/engine/kv_transfer.py)
+and hands this package bytes.
 
 May import: the rest of kvcache (its hashing), redis and xxhash; never torch nor runner.
 """
 
-from kvcache.tiers.block_value import BlockSpec, BlockValue, Miss, decode, encode, storage_key
+from kvcache.tiers.block_value import (
+    BlockSpec,
+    BlockValue,
+    Link,
+    Miss,
+    decode,
+    decode_chunk,
+    encode,
+    encode_chunk,
+    storage_key,
+)
 from kvcache.tiers.disk import DiskTier
 from kvcache.tiers.host import HostTier
 from kvcache.tiers.remote import RemoteTier
@@ -22,6 +33,7 @@ __all__ = [
     "DiskTier",
     "Hit",
     "HostTier",
+    "Link",
     "Miss",
     "Pending",
     "RemoteTier",
@@ -29,6 +41,8 @@ __all__ = [
     "TierDown",
     "TieredStore",
     "decode",
+    "decode_chunk",
     "encode",
+    "encode_chunk",
     "storage_key",
 ]

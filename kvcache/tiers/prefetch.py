@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 from functools import partial
 
+from kvcache.tiers.block_value import value_blocks
 from kvcache.tiers.host import HostTier
 from kvcache.tiers.tiered import TieredStore
 
@@ -50,25 +51,20 @@ class Prefetcher:
                 self._queue.task_done()
 
     def _fetch(self, hashes: list[int]) -> None:
-        """Read up the chain's values up to its first block no tier holds."""
+        """Read up the chain's values that the host tier lacks. A value is keyed by its last
+        block, and a chunk covers the blocks before it: every value found is copied, and the
+        admission's lookup decides which of them continue the chain."""
         keys = [self.store.key_of(h) for h in hashes]
-        missing = [i for i, key in enumerate(keys) if key not in self.host]
-        found: dict[int, bytes] = {}
+        missing = [key for key in keys if key not in self.host]
         for tier in self.lower:
-            want = [i for i in missing if i not in found]
-            if not want:
+            if not missing:
                 break
-            values = self.store.guarded(tier, partial(tier.get_many, [keys[i] for i in want]))
-            for i, value in zip(want, values or [], strict=False):
+            values = self.store.guarded(tier, partial(tier.get_many, missing))
+            for key, value in zip(missing, values or [], strict=False):
                 if value is not None:
-                    found[i] = value
-        for i in range(len(keys)):
-            if keys[i] in self.host:
-                continue
-            if i not in found:
-                break
-            self.host.put(keys[i], found[i])
-            self.prefetched_blocks += 1
+                    self.host.put(key, value)
+                    self.prefetched_blocks += value_blocks(value)
+            missing = [key for key in missing if key not in self.host]
 
     def flush(self) -> None:
         """Wait until every queued chain is read up (tests)."""

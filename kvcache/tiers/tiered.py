@@ -3,13 +3,14 @@ background writer.
 
 Lookup: given a request's block hashes past what the device pool holds, each tier is asked
 once for the keys the tiers above it did not have (the remote one in one round trip), and the
-longest run of consecutive blocks found, each one verified (``block_value.decode`` against its
-expected hash, parent and tokens), is the hit. A tier that fails is a miss, warned once per
-tier and counted; it never fails the request.
+longest run of consecutive blocks the values found cover, each block verified
+(``block_value.decode_chunk``, then its expected hash, parent and tokens), is the hit. A
+tier that fails is a miss, warned once per tier and counted; it never fails the request.
 
-Writes: committed blocks are written through to disk and remote, blocks evicted from the
-device pool back to the host tier, all on one daemon thread fed by a bounded queue: when the
-queue is full the write is dropped and counted, never waited for.
+Writes: committed blocks are written through to disk and remote (in chunks of consecutive
+blocks, one value each), blocks evicted from the device pool back to the host tier, all on
+one daemon thread fed by a queue bounded in blocks: when it is full the write is dropped and
+counted, never waited for.
 """
 
 from __future__ import annotations
@@ -22,7 +23,17 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, NamedTuple, Protocol
 
-from kvcache.tiers.block_value import BlockSpec, BlockValue, Miss, decode, encode, storage_key
+from kvcache.tiers.block_value import (
+    BlockSpec,
+    BlockValue,
+    Link,
+    Miss,
+    decode_chunk,
+    encode_chunk,
+    expect,
+    storage_key,
+    value_blocks,
+)
 
 log = logging.getLogger(__name__)
 # Miss reasons that mean the stored bytes themselves are bad: those values are deleted.
@@ -50,6 +61,7 @@ class TierCounters:
     hit_blocks: int = 0  # blocks served from this tier
     read_bytes: int = 0  # bytes of the values served
     written_blocks: int = 0
+    written_values: int = 0  # keys written: a chunk is one value of several blocks
     written_bytes: int = 0
     rejected_blocks: int = 0  # values found but failing their checks (never served)
     errors: int = 0  # calls that failed (I/O error, server down, timeout)
@@ -73,7 +85,7 @@ class Hit(NamedTuple):
 
 class _Job(NamedTuple):
     targets: tuple[str, ...]
-    block: Pending
+    blocks: tuple[Pending, ...]  # one value: consecutive blocks of a chain, keyed by the last
 
 
 class TieredStore:
@@ -95,7 +107,11 @@ class TieredStore:
         self.dropped_writes = 0  # blocks not written because the queue was full
         self._warn = warn
         self._warned: set[str] = set()
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_blocks)
+        # Bounded in blocks (a chunk counts each of its blocks), not in values.
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._capacity = queue_blocks
+        self._queued_blocks = 0
+        self._lock = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tiers", daemon=True)
         self._writer.start()
 
@@ -108,7 +124,13 @@ class TieredStore:
     # -- lookup --------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[int], parent: int, tokens: Sequence[bytes]) -> list[Hit]:
         """The longest run of ``hashes`` (block i's tokens ``tokens[i]``, the first one's parent
-        ``parent``) the tiers hold, each value verified, in order."""
+        ``parent``) the tiers hold, each value verified, in order, one Hit a block.
+
+        Every block's key is asked for (a value is keyed by its last block, and a chunk may end
+        at any of them); each tier once, for the keys the tiers above did not have. Then, from
+        the first block on, the value that covers it and reaches furthest is decoded and
+        checked block by block against the chain; a value that fails is a miss and the next
+        best one is tried."""
         n = len(hashes)
         keys = [self.key_of(h) for h in hashes]
         found: dict[int, tuple[Tier, bytes]] = {}
@@ -121,26 +143,58 @@ class TieredStore:
                 if value is not None:
                     found[i] = (tier, value)
         hits: list[Hit] = []
-        for i in range(n):
-            if i not in found:
+        while len(hits) < n:
+            pos = len(hits)
+            covering = [k for k in found if k >= pos and k - value_blocks(found[k][1]) < pos]
+            if not covering:
                 break
-            tier, data = found[i]
-            result = decode(
-                data, self.spec, mac_key=self.mac_key, key=hashes[i], parent=parent,
-                tokens=tokens[i],
-            )  # fmt: skip
+            last = max(covering)
+            tier, data = found.pop(last)
+            blocks = self._check(tier, keys[last], data, (hashes, tokens, parent), pos, last)
+            if blocks is None:
+                continue
             counters = self.counters[tier.name]
-            if isinstance(result, Miss):
-                counters.rejected_blocks += 1
-                self._warn_once(f"reject-{tier.name}", f"{tier.name} tier: {result.reason}")
-                if result.reason.startswith(DAMAGED):
-                    self.guarded(tier, partial(tier.discard, keys[i]))
-                break
-            counters.hit_blocks += 1
+            counters.hit_blocks += len(blocks)
             counters.read_bytes += len(data)
-            hits.append(Hit(tier.name, result))
-            parent = hashes[i]
+            hits.extend(Hit(tier.name, block) for block in blocks)
+            parent = hashes[last]
         return hits
+
+    def _check(
+        self,
+        tier: Tier,
+        key: str,
+        data: bytes,
+        chain: tuple[Sequence[int], Sequence[bytes], int],
+        pos: int,
+        last: int,
+    ) -> list[BlockValue] | None:
+        """The blocks of ``data`` (found under block ``last``'s key) for chain places ``pos``
+        through ``last`` (``chain``: every block's hash and tokens, and the parent of block
+        ``pos``); None, counted and warned once, when the value fails any check. A chunk's
+        blocks before ``pos`` (held on the device already) are only checked to lead to it."""
+        hashes, tokens, parent = chain
+        result = decode_chunk(data, self.spec, mac_key=self.mac_key)
+        if not isinstance(result, Miss):
+            first = last - len(result) + 1  # the value's first block's place in the chain
+            wanted = result[pos - first :] if first <= pos else []
+            if not wanted:
+                result = Miss("its blocks do not reach the block needed")
+            for i, block in enumerate(wanted):
+                miss = expect(
+                    block, key=hashes[pos + i], tokens=tokens[pos + i],
+                    parent=parent if i == 0 else hashes[pos + i - 1],
+                )  # fmt: skip
+                if miss is not None:
+                    result = miss
+                    break
+        if isinstance(result, Miss):
+            self.counters[tier.name].rejected_blocks += 1
+            self._warn_once(f"reject-{tier.name}", f"{tier.name} tier: {result.reason}")
+            if result.reason.startswith(DAMAGED):
+                self.guarded(tier, partial(tier.discard, key))
+            return None
+        return wanted
 
     def guarded(self, tier: Tier, call: Callable[[], Any]) -> Any:
         """Run one tier call; a failure is counted, warned once, and returns None."""
@@ -165,21 +219,32 @@ class TieredStore:
 
     # -- writes --------------------------------------------------------------------------------
     def write(self, targets: Sequence[str], blocks: list[Pending]) -> int:
-        """Queue ``blocks`` for the tiers named ``targets`` (those configured); returns how many
-        were dropped because the queue was full. Never blocks."""
+        """Queue ``blocks`` for the tiers named ``targets`` (those configured), one value each;
+        returns how many were dropped because the queue was full. Never blocks."""
+        return self.write_chunks(targets, [[block] for block in blocks])
+
+    def write_chunks(self, targets: Sequence[str], chunks: Sequence[Sequence[Pending]]) -> int:
+        """Queue each chunk (consecutive blocks of one chain, in order) as one value, keyed by
+        its last block, for the tiers named ``targets``; returns how many blocks were dropped
+        because the queue (bounded in blocks) was full. Never blocks."""
         names = tuple(t for t in targets if t in self.counters)
         dropped = 0
-        for block in blocks if names else []:
-            try:
-                self._queue.put_nowait(_Job(names, block))
-            except queue.Full:
-                dropped += 1
+        for chunk in chunks if names else []:
+            with self._lock:
+                fits = self._queued_blocks + len(chunk) <= self._capacity
+                if fits:
+                    self._queued_blocks += len(chunk)
+            if fits:
+                self._queue.put_nowait(_Job(names, tuple(chunk)))
+            else:
+                dropped += len(chunk)
         self.dropped_writes += dropped
         return dropped
 
-    def room(self) -> bool:
-        """Whether the write queue has room now (so copying K/V off the pool is worth it)."""
-        return not self._queue.full()
+    def room(self, num_blocks: int = 1) -> bool:
+        """Whether the write queue has room for ``num_blocks`` now (so copying K/V off the pool
+        is worth it)."""
+        return self._queued_blocks + num_blocks <= self._capacity
 
     def _write_loop(self) -> None:
         """Take a job, and whatever else is queued up to _BATCH, and write them: one pipeline
@@ -194,23 +259,24 @@ class TieredStore:
             try:
                 self._write_jobs([job for job in jobs if job is not None])
             finally:
+                with self._lock:
+                    self._queued_blocks -= sum(len(job.blocks) for job in jobs if job)
                 for _ in jobs:
                     self._queue.task_done()
             if jobs[-1] is None:
                 return
 
     def _write_jobs(self, jobs: list[_Job]) -> None:
-        values = [(self.key_of(job.block.key), self._encode(job.block)) for job in jobs]
+        values = [(self.key_of(job.blocks[-1].key), self._encode(job.blocks)) for job in jobs]
         for tier in self.tiers:
             batch = [v for v, job in zip(values, jobs, strict=True) if tier.name in job.targets]
             if batch:
                 self._put_batch(tier, batch)
 
-    def _encode(self, block: Pending) -> bytes:
-        return encode(
-            self.spec, block.key, block.parent, block.tokens, block.kv, top=block.top,
-            mac_key=self.mac_key,
-        )  # fmt: skip
+    def _encode(self, blocks: tuple[Pending, ...]) -> bytes:
+        links = [Link(b.key, b.parent, b.tokens) for b in blocks]
+        kv = blocks[0].kv if len(blocks) == 1 else b"".join(b.kv for b in blocks)
+        return encode_chunk(self.spec, links, kv, top=blocks[0].top, mac_key=self.mac_key)
 
     def _put_batch(self, tier: Tier, batch: list[tuple[str, bytes]]) -> None:
         """Write values to one tier (one pipeline where the tier has ``put_many``)."""
@@ -221,7 +287,8 @@ class TieredStore:
         else:
             written = [kv for kv in batch if self.guarded(tier, partial(tier.put, *kv))]
         counters = self.counters[tier.name]
-        counters.written_blocks += len(written)
+        counters.written_values += len(written)
+        counters.written_blocks += sum(value_blocks(value) for _, value in written)
         counters.written_bytes += sum(len(value) for _, value in written)
 
     def flush(self) -> None:

@@ -83,6 +83,19 @@ import click
     help="KV block size for the engine systems (default 16).",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option(
+    "--redis", default=None, help="tiers-*: redis://host:port/db, or auto (a server of its own)."
+)
+@click.option(
+    "--prompts", type=click.IntRange(min=1), default=None, help="tiers-*: prompts (conversations)."
+)
+@click.option(
+    "--prompt-tokens", type=click.IntRange(min=1), default=None, help="tiers-*: tokens a prompt."
+)
+@click.option("--repeat", type=click.IntRange(min=1), default=None, help="tiers-working-set.")
+@click.option(
+    "--cache-chunk-tokens", type=click.IntRange(min=1), default=None, help="tiers-*: a value."
+)
 def bench(
     workload: str,
     systems: str,
@@ -99,24 +112,44 @@ def bench(
     beam_width: int | None,
     block_size: int | None,
     json_path: str | None,
+    redis: str | None,
+    prompts: int | None,
+    prompt_tokens: int | None,
+    repeat: int | None,
+    cache_chunk_tokens: int | None,
 ) -> None:
     """Run a workload through several systems in one process and print one table.
 
     Systems: engine, engine-nocache, engine-static, engine-nochunk, engine-bf16, engine-int8,
     engine-bf16dot, engine-bf16dot-kv16, engine-kv16, engine-spec, hf-static, hf-cb, hf-lookup."""
+    tier_options = {
+        "prompts": prompts, "prompt_tokens": prompt_tokens, "redis": redis, "repeat": repeat,
+        "chunk_tokens": cache_chunk_tokens,
+    }  # fmt: skip
+    given = [value for value in tier_options.values() if value is not None]
+    if given and not workload.startswith("tiers-"):
+        raise click.UsageError(
+            "--redis, --prompts, --prompt-tokens, --repeat and --cache-chunk-tokens apply to "
+            "the tiers-* workloads only"
+        )
     if workload == "core":
         from kvcache.microbench import main as core_main
 
         core_main()
         return
     if workload.startswith("tiers-"):  # the tiers' own runs (runner/bench/tiers.py)
+        from runner.bench.tiers import figure_args
         from runner.bench.tiers import main as tiers_main
 
         figure = workload.removeprefix("tiers-")
         if figure not in tiers_main.commands:
             known = ", ".join(f"tiers-{name}" for name in tiers_main.commands)
             raise click.UsageError(f"no tier benchmark {workload!r}; known: {known}")
-        tiers_main.main([figure, *(["--model", model] if model else [])], standalone_mode=False)
+        try:
+            args = figure_args(figure, model, tier_options)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from err
+        tiers_main.main(args, standalone_mode=False)
         return
     if workload == "pd_interference" or "engine-pd" in systems:  # served systems (runner/disagg)
         from runner.disagg.bench_command import pd_bench

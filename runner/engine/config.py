@@ -88,6 +88,10 @@ class EngineConfig:
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 10 * 2**30
     remote_cache_url: str | None = None
+    # Tokens a disk or Redis value holds (consecutive blocks of a chain, a multiple of the block
+    # size): one key and one header per chunk, not per block (LMCache's unit is 256 too);
+    # block_size: one block a value.
+    cache_chunk_tokens: int = 256
     # The key of the MAC every stored block (a tier's, a cache file's) carries and is checked
     # against; None: the environment's KVCACHE_CACHE_KEY, if any. Without one, stored blocks are
     # trusted input, like the model's files. require_cache_mac refuses to run without a key.
@@ -155,6 +159,13 @@ class EngineConfig:
             raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")
         if self.host_cache_bytes is not None and self.host_cache_bytes < 1:
             raise ValueError(f"host_cache_bytes must be >= 1, got {self.host_cache_bytes}")
+        # A chunk smaller than a block (the default with blocks over 256 tokens) is one block.
+        chunk = self.cache_chunk_tokens
+        if chunk < 1 or (chunk > self.block_size and chunk % self.block_size):
+            raise ValueError(
+                f"cache_chunk_tokens must be a positive multiple of block_size "
+                f"({self.block_size}), got {chunk}"
+            )
         if self.disk_cache_bytes < 1:
             raise ValueError(f"disk_cache_bytes must be >= 1, got {self.disk_cache_bytes}")
         if self.remote_cache_url is not None and not self.remote_cache_url.startswith(

@@ -1,10 +1,11 @@
 """The engine's side of the tiers below the device pool (kvcache/tiers): which blocks go down,
 and how hits come back up.
 
-* Each block a commit adds to the tree is copied off the pool and queued for the write-through
-  tiers (disk, remote); each block about to be evicted from the pool, for the host tier
-  (write-back). The copy is made at once, while the block still holds its K/V; encoding,
-  checksums, MACs and I/O run on the store's writer thread.
+* Each block a commit adds to the tree is copied off the pool and queued for the
+  write-through tiers (disk, remote), in chunks of ``cache_chunk_tokens`` (``_chunks``); each
+  block about to be evicted from the pool, for the host tier (write-back). The copy is made at
+  once, while the block still holds its K/V; encoding, checksums, MACs and I/O run on the
+  store's writer thread.
 * At admission (``load``, before the block manager's allocate) the request's chain of block
   hashes is followed past the device tree's longest match through the tiers; the verified hits
   are copied into fresh blocks and committed into the tree, as if this engine had computed them,
@@ -72,6 +73,7 @@ class TierLoader:
         self._close = weakref.finalize(self, _close, self.prefetcher, self.store)
         self.bm, self.kv = bm, kv
         self.block_size = config.block_size
+        self.chunk_blocks = max(1, config.cache_chunk_tokens // config.block_size)
         self._loading = False  # blocks committed by a load came from the tiers: not written back
         self.loaded_blocks = 0
         self.load_seconds = 0.0
@@ -86,13 +88,38 @@ class TierLoader:
     def _committed(self, nodes: list[Node]) -> None:
         if self._loading or not any(self.store.has(t) for t in WRITE_THROUGH):
             return
-        if not self.store.room():  # dropped: copying them off the pool would be wasted
-            self.store.dropped_writes += len(nodes)
+        chunks = self._chunks(nodes)
+        count = sum(len(chunk) for chunk in chunks)
+        if not self.store.room(count):  # dropped: copying them off the pool would be wasted
+            self.store.dropped_writes += count
             return
-        payloads = read_blocks(self.kv, [n.block_id for n in nodes])
-        self.store.write(
-            WRITE_THROUGH, [self._pending(n, p) for n, p in zip(nodes, payloads, strict=True)]
+        payloads = iter(read_blocks(self.kv, [n.block_id for chunk in chunks for n in chunk]))
+        self.store.write_chunks(
+            WRITE_THROUGH, [[self._pending(n, next(payloads)) for n in chunk] for chunk in chunks]
         )
+
+    def _chunks(self, nodes: list[Node]) -> list[list[Node]]:
+        """The values a commit's new nodes go down as. Chunks are aligned on the chain (chunk i
+        is blocks i*C .. i*C+C-1, C = chunk_blocks), so every engine cuts a chain the same way:
+        each chunk a new node completes is written whole, with its blocks committed earlier;
+        the new nodes past the last one completed, one block a value. Those are where a prompt
+        ends, and a later prompt that shares only part of their chunk (a system prompt, then
+        another question) finds them by their own hashes: a partial chunk keyed by its last
+        block would be found only by a prompt equal up to that block. Pure."""
+        C = self.chunk_blocks
+        out: list[list[Node]] = []
+        tail_from, depth, previous = 0, -1, None
+        for i, node in enumerate(nodes):
+            depth = depth + 1 if previous is not None and node.parent is previous else _depth(node)
+            previous = node
+            if (depth + 1) % C == 0:
+                chunk = [node]
+                while len(chunk) < C and chunk[-1].parent is not None:
+                    chunk.append(chunk[-1].parent)
+                out.append(chunk[::-1])
+                tail_from = i + 1
+        out.extend([node] for node in nodes[tail_from:])
+        return out
 
     def _evicting(self, node: Node) -> None:
         if not self.store.room():
@@ -183,6 +210,14 @@ class TierLoader:
     def close(self) -> None:
         """Finish queued writes and close the tiers."""
         self._close()
+
+
+def _depth(node: Node) -> int:
+    """A node's place in its chain (0: a top block). Pure."""
+    depth = 0
+    while node.parent is not None:
+        node, depth = node.parent, depth + 1
+    return depth
 
 
 def _close(prefetcher: Prefetcher | None, store: TieredStore) -> None:

@@ -28,13 +28,32 @@ def block_spec(kv: KVStore, identity: str) -> BlockSpec:
     )  # fmt: skip
 
 
+def to_host(blocks: torch.Tensor) -> torch.Tensor:
+    """``blocks`` in host memory: page-locked (pinned) when they are on CUDA, so the copy is
+    one DMA instead of a copy through the driver's own staging buffer; on the CPU, as they
+    are (no copy, no change)."""
+    if blocks.device.type != "cuda":
+        return blocks.cpu()
+    host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+    host.copy_(blocks)
+    return host
+
+
+def to_device(blocks: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host ``blocks`` on ``device``: through pinned memory when it is CUDA (torch's pinned
+    allocator keeps the buffer until the asynchronous copy is done)."""
+    if device.type != "cuda":
+        return blocks.to(device)
+    return blocks.pin_memory().to(device, non_blocking=True)
+
+
 def read_blocks(kv: KVStore, block_ids: Sequence[int]) -> list[bytes]:
     """Each block's K/V as bytes (copied off the pool, so the block may be reused at once)."""
     out: list[bytes] = []
     for start in range(0, len(block_ids), _BLOCKS_PER_COPY):
         ids = torch.tensor(block_ids[start : start + _BLOCKS_PER_COPY], device=kv.device)
         # [layers, 2, n, B, H, D] -> [n, layers, 2, B, H, D]: one block's bytes contiguous
-        blocks = kv.tensor.index_select(2, ids).movedim(2, 0).contiguous().cpu()
+        blocks = to_host(kv.tensor.index_select(2, ids).movedim(2, 0).contiguous())
         raw = blocks.view(torch.uint8).reshape(len(ids), -1).numpy()
         out.extend(row.tobytes() for row in raw)
     return out
@@ -50,4 +69,4 @@ def write_blocks(
         raw = bytearray(b"".join(chunk))  # writable: torch.frombuffer warns on read-only
         blocks = torch.frombuffer(raw, dtype=torch.uint8).view(kv.dtype).view(len(chunk), *shape)
         ids = torch.tensor(block_ids[start : start + len(chunk)], device=kv.device)
-        kv.tensor.index_copy_(2, ids, blocks.movedim(0, 2).to(kv.device))
+        kv.tensor.index_copy_(2, ids, to_device(blocks, kv.device).movedim(0, 2))

@@ -29,7 +29,7 @@ from kvcache.store import KVStore
 from kvcache.tiers import BlockSpec, BlockValue, Miss, decode, encode
 from runner.engine.kv_transfer import read_blocks, write_blocks
 
-FORMAT = "kvcache-prefix-cache/3"  # 3: block values (kvcache/tiers/block_value.py)
+FORMAT = "kvcache-prefix-cache/4"  # 4: block values of version 2 (kvcache/tiers/block_value.py)
 MAGIC = b"KVCACHE-PREFIX-CACHE\n"
 _LEN = struct.Struct("<Q")
 

@@ -43,15 +43,20 @@ def one_by_one(llm: LLM, prompts: list[list[int]], **kwargs: Any) -> list[Any]:
     return outs
 
 
-@pytest.mark.parametrize("tiers", ["host", "disk", "remote", "host+disk+remote"])
+# Chunks of 3 blocks: each system prompt goes down as one chunk and one single block (its last).
+@pytest.mark.parametrize(
+    ("tiers", "chunk"),
+    [("host", 48), ("disk", 48), ("remote", 48), ("host+disk+remote", 48), ("disk+remote", 16)],
+)
 def test_every_tier_combination_equals_no_cache(
     tiny_llama_dir: Path,
     reference: list[list[int]],
     tmp_path: Path,
     redis_server: RedisServer,
     tiers: str,
+    chunk: int,
 ) -> None:
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"cache_chunk_tokens": chunk}
     if "host" in tiers:
         options["host_cache_bytes"] = 2**24
     if "disk" in tiers:
@@ -67,6 +72,10 @@ def test_every_tier_combination_equals_no_cache(
     assert sum(t["hit_tokens"] for t in per_tier.values()) == 6 * 64
     assert stats["evicted_blocks"] > 0 and stats["cache_tiers"]["dropped_writes"] == 0
     assert all(t["errors"] == 0 and t["rejected_blocks"] == 0 for t in per_tier.values())
+    for name in ("disk", "remote"):  # 4 blocks a system prompt: a chunk of 3 and 1, or 4 of 1
+        if name in per_tier:
+            assert per_tier[name]["written_blocks"] == 6 * 4
+            assert per_tier[name]["written_values"] == 6 * (2 if chunk == 48 else 4)
     llm.block_manager.check_integrity()
     # A whole batch at once (admission order, preemption, eviction mid-batch): same answers.
     batch = LLM(str(tiny_llama_dir), num_kv_blocks=POOL, **options).generate(workload(), GREEDY)
@@ -140,6 +149,8 @@ def test_tier_options_are_checked(tiny_llama_dir: Path, monkeypatch: pytest.Monk
         LLM(str(tiny_llama_dir), host_cache_bytes=2**20, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="remote_cache_url"):
         LLM(str(tiny_llama_dir), remote_cache_url="http://localhost:6379")
+    with pytest.raises(ValueError, match="cache_chunk_tokens must be a positive multiple"):
+        LLM(str(tiny_llama_dir), cache_chunk_tokens=24)
     monkeypatch.setenv("KVCACHE_CACHE_KEY", "from-the-environment")
     assert LLM(str(tiny_llama_dir), require_cache_mac=True).cache_mac_key == b"from-the-environment"
 

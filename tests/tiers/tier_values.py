@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvcache.hashing import hash_packed_block, pack_tokens
-from kvcache.tiers import BlockSpec, encode
+from kvcache.tiers import BlockSpec, Link, encode, encode_chunk
 
 SPEC = BlockSpec("model-a|weights=float32", "float32", 4, 1, 1, 2, 2 * 1 * 4 * 1 * 2 * 4)
 ROOT = 0x1234_5678_9ABC_DEF0
@@ -33,3 +33,13 @@ def value_of(
     """(hash, encoded value) of block ``index`` of ``tokens``' chain."""
     key, parent, packed = chain(tokens)[index]
     return key, encode(SPEC, key, parent, packed, kv_bytes(seed), top=index == 0, mac_key=mac_key)
+
+
+def chunk_of(
+    tokens: list[int], first: int, last: int, seed: int = 0, mac_key: bytes | None = None
+) -> tuple[int, bytes]:
+    """(hash of block ``last``, one value holding blocks ``first..last`` of ``tokens``' chain);
+    block i's K/V are ``kv_bytes(seed + i)``."""
+    links = [Link(*link) for link in chain(tokens)[first : last + 1]]
+    kv = b"".join(kv_bytes(seed + i) for i in range(first, last + 1))
+    return links[-1].key, encode_chunk(SPEC, links, kv, top=first == 0, mac_key=mac_key)
