@@ -54,6 +54,17 @@ def hf_greedy(
     return out[0, len(prompt) :].tolist()
 
 
+def hf_references(
+    hf: Any, seed: int, max_new: int = 10, **options: Any
+) -> tuple[list[list[int]], list[list[int]]]:
+    """make_prompts over the model's vocabulary, and transformers' greedy answers to them
+    (hf_greedy, never stopping early; `options` are more of generate's arguments)."""
+    prompts = make_prompts(hf.config.vocab_size, seed=seed)
+    with torch.inference_mode():
+        refs = [hf_greedy(hf, p, max_new, None, **options) for p in prompts]
+    return prompts, refs
+
+
 def assert_greedy_matches(
     llm: LLM, prompts: list[list[int]], refs: list[list[int]], alone: bool = False
 ) -> None:
