@@ -178,6 +178,6 @@ def test_with_a_float16_kv_cache_too(tiny_qwen2_dir: Path) -> None:
     """The two roundings together (the fastest setting for long contexts): the reference rounds
     the products' inputs and caches float16 keys and values."""
     hf = dot_hf(tiny_qwen2_dir)
-    prompts, refs = hf_references(hf, seed=17, **float16_kv(hf))
+    prompts, refs = hf_references(hf, seed=17, options=lambda: float16_kv(hf))
     llm = LLM(str(tiny_qwen2_dir), **DOT, kv_cache_dtype="float16")
     assert_greedy_matches(llm, prompts, refs, alone=True)

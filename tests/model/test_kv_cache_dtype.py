@@ -41,7 +41,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 def f16_case(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     path: Path = request.getfixturevalue(request.param)
     hf = load_hf_reference(path)
-    prompts, refs = hf_references(hf, seed=5, **float16_kv(hf))
+    prompts, refs = hf_references(hf, seed=5, options=lambda: float16_kv(hf))
     return path, prompts, refs
 
 
