@@ -16,8 +16,9 @@ def check_block_manager(
     enable_prefix_caching: bool,
 ) -> None:
     """Assert every invariant of a block manager's parts (AssertionError names the broken
-    one). Beyond the pool's and tree's own checks (``BlockPool.check_integrity``,
-    ``RadixTree.check_integrity``, ``TailCache.check_integrity``):
+    one). Beyond the parts' own checks (``BlockPool.check_integrity``,
+    ``RadixTree.check_integrity``, ``PartialBlocks.check_integrity``: the tails and the
+    running requests' offers):
 
     1. the pool flags a block as cached content iff it is a tree node or a tail (so free /
        cached / in use is a partition that agrees with the tree and the tails);
@@ -29,14 +30,12 @@ def check_block_manager(
     5. each request's chain is a parent-linked path from its namespace's top level, every
        chain node is held by the request (its table block at that index, or a pin), pins are
        chain nodes, and the chain is no longer than the table;
-    6. without prefix caching the tree and the tails are empty;
-    7. a running request listed as a copy source (kvcache/live_tails.py) offers its own
-       private block right after its chain, in its namespace.
+    6. without prefix caching the tree and the tails are empty.
     """
-    pool, tree, tails = cache.pool, cache.tree, cache.tails
+    pool, tree, tails = cache.pool, cache.tree, cache.partials
     pool.check_integrity()
     tree.check_integrity()
-    tails.check_integrity(tree)
+    tails.check_integrity(tree, requests)
     for block in range(num_blocks):
         content = tree.node_of(block) is not None or block in tails
         assert pool.is_cached_node(block) == content, f"block {block}: flag differs"
@@ -69,15 +68,6 @@ def check_block_manager(
                 f"{node!r} is held more often than its parent"
             )
     assert enable_prefix_caching or len(tree) == len(tails) == 0, "cache used while disabled"
-    for rid, offer in cache.live.entries().items():
-        assert rid in requests, f"request {rid} is gone but still offers block {offer}"
-        live = requests[rid]
-        full = len(live.chain)
-        assert live.table[full] == offer.block_id, f"request {rid} offers another block"
-        parent = live.chain[-1].block_id if full else None
-        assert offer.key == (live.root, parent), f"request {rid} offers under another block"
-        assert offer.start == full * tree.block_size, f"request {rid}: offer's start"
-        assert tree.node_of(offer.block_id) is None, f"request {rid} offers a tree block"
 
 
 def _check_chain(tree: RadixTree, rid: int, request: RequestBlocks) -> None:

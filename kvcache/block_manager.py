@@ -1,14 +1,15 @@
-"""What the scheduler calls: ask, then commit (``can_allocate`` / ``allocate``, ``can_append`` /
-``append_slots``); commit, free.
+"""What the scheduler calls: ask, then commit (``can_allocate`` / ``allocate``); ``grow``,
+``commit``, ``free``.
 
 A request's life: ``allocate`` matches the longest cached prefix (capped so at least one prompt
-token is computed), locks that path (ref += 1) and takes fresh blocks for the rest;
-``append_slots`` grows the table during decode; ``commit`` inserts every newly computed full
-block into the radix tree; ``free`` drops the request's refs, leaving tree blocks cached, and
-keeps the request's partial last block as a *tail* (kvcache/tail_cache.py): a later prompt that
-goes on past the cached full blocks has its next tokens' K/V copied from a tail, from a full
-block that starts with them, or from a running request's partial block (kvcache/live_tails.py;
-``Allocation.copy``) instead of computing them again.
+token is computed), locks that path (ref += 1) and takes fresh blocks for the rest; ``grow``
+extends the table during decode; ``commit`` inserts every newly computed full block into the
+radix tree; ``free`` drops the request's refs, leaving tree blocks cached, and keeps the
+request's partial last block as a *tail*: a later prompt that goes on past the cached full
+blocks has its next tokens' K/V copied (``Allocation.copy``) from a tail, from a full block
+that starts with them, or from a running request's partial block, instead of computing them
+again (kvcache/partial_blocks.py). The manager keeps each request's blocks; every change to
+the pool, the tree and the partial blocks goes through kvcache/block_cache.py.
 
 Invariants kept here (checked by ``check_integrity``):
 * block tables are append-only while a request lives;
@@ -29,22 +30,12 @@ from typing import NamedTuple
 from kvcache.block_cache import BlockCache, CachedBlock
 from kvcache.block_integrity import check_block_manager
 from kvcache.hashing import pack_tokens
+from kvcache.partial_blocks import SlotCopy
 from kvcache.radix_tree import Node
 from kvcache.request_blocks import RequestBlocks
 from kvcache.stats import CacheStats
-from kvcache.tail_cache import Tail
 
-
-class SlotCopy(NamedTuple):
-    """Copy the K/V of the first ``num_tokens`` slots of ``src_block`` into ``dst_block``.
-
-    Hazard: the caller must copy before any forward pass writes K/V. ``src_block`` is cached
-    with ref 0, so the very allocation that asked for the copy may have evicted it and handed
-    it out again; its K/V stay intact until something writes them."""
-
-    src_block: int
-    dst_block: int
-    num_tokens: int
+__all__ = ["Allocation", "BlockManager", "CachedBlock", "SlotCopy"]
 
 
 class Allocation(NamedTuple):
@@ -65,10 +56,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._cache = BlockCache(num_blocks, block_size)
-        self._pool, self._tree = self._cache.pool, self._cache.tree
         self._requests: dict[int, RequestBlocks] = {}
         self._stats = CacheStats()
-        self._on_commit: Callable[[list[Node]], None] | None = None
 
     def watch(
         self,
@@ -78,20 +67,20 @@ class BlockManager:
         """Be told of the nodes each commit adds to the tree (after the forward that wrote
         their K/V) and of each node about to be evicted (its K/V still intact): how the tiers
         below the pool get their blocks. Mutates only these two callbacks."""
-        self._on_commit = on_commit
+        self._cache.on_commit = on_commit
         self._cache.on_evict = on_evict
 
     # -- read-only questions -------------------------------------------------------------------
     @property
     def stats(self) -> CacheStats:
         """A snapshot: counters so far plus the pool's block states now. Pure."""
-        pool = self._pool
+        pool = self._cache.pool
         return replace(
             self._stats,
             evicted_blocks=self._cache.evicted_blocks,
             blocks_in_use=pool.num_in_use,
             blocks_cached=pool.num_cached,
-            blocks_tails=len(self._cache.tails),
+            blocks_tails=len(self._cache.partials),
             blocks_free=pool.num_free,
         )
 
@@ -129,7 +118,7 @@ class BlockManager:
         request = self._requests[request_id]
         if not self.enable_prefix_caching:
             return []
-        return self._cache.continuation(request.root, request.chain, token_ids, k)
+        return self._cache.continuation(request, token_ids, k)
 
     def blocks_needed(self, token_ids: Sequence[int], root: int) -> int:
         """Fresh blocks ``allocate`` would take now. Pure."""
@@ -139,10 +128,9 @@ class BlockManager:
         """Blocks missing for allocate: fresh blocks needed minus those reclaimable once the
         matched path is locked (locking a ref-0 node takes it out of the reclaimable set).
         Not reusing, nothing is matched or locked: every block is fresh."""
-        pool = self._pool
         if not reuse:
             return self._blocks_for(len(token_ids)) - self.num_available_blocks()
-        locked_now = sum(1 for node in nodes if pool.ref(node.block_id) == 0)
+        locked_now = self._cache.num_unheld(nodes)
         needed = self._blocks_for(len(token_ids)) - len(nodes)
         return needed - (self.num_available_blocks() - locked_now)
 
@@ -150,11 +138,6 @@ class BlockManager:
         """Whether ``allocate`` (with the same ``reuse``) would succeed now. Pure."""
         nodes = self._match(token_ids, root) if reuse else []
         return self._shortfall(token_ids, nodes, reuse) <= 0
-
-    def can_append(self, request_id: int, num_tokens: int) -> bool:
-        """Whether the request's table can grow to hold ``num_tokens`` tokens in total. Pure."""
-        missing = self._blocks_for(num_tokens) - len(self._requests[request_id].table)
-        return missing <= 0 or missing <= self.num_available_blocks()
 
     def block_table(self, request_id: int) -> Sequence[int]:
         """The request's block table itself, read only: it grows in place as slots are
@@ -214,17 +197,17 @@ class BlockManager:
             self._stats.copied_tokens += copy.num_tokens if copy else 0
         return Allocation(list(table), cached, copy)
 
-    def append_slots(self, request_id: int, num_tokens: int) -> Sequence[int]:
-        """Grow the table to ceil(num_tokens / B) blocks (never shrinks); returns it (read
-        only). Mutates the table and the pool (may evict). Raises ValueError when blocks are
-        short (ask ``can_append``); nothing is mutated then."""
+    def grow(self, request_id: int, num_tokens: int) -> bool:
+        """Grow the table to hold ``num_tokens`` tokens in total, ceil(num_tokens / B) blocks
+        (it never shrinks), or return False, changing nothing, when the pool cannot give the
+        blocks missing. Mutates the table and the pool (may evict LRU cached blocks)."""
         table = self._requests[request_id].table
         missing = self._blocks_for(num_tokens) - len(table)
         if missing > self.num_available_blocks():
-            raise ValueError(f"request {request_id}: too few blocks for {num_tokens} tokens")
+            return False
         if missing > 0:
             table.extend(self._cache.take(missing))
-        return table
+        return True
 
     def commit(self, request_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Insert into the tree every full block inside ``num_computed_tokens`` not yet committed.
@@ -243,14 +226,7 @@ class BlockManager:
             raise ValueError(f"request {request_id}: computed tokens beyond its block table")
         self._commit_full_blocks(request, token_ids, num_full)
         if self.enable_prefix_caching and request.publishing:  # offer its partial block
-            self._cache.offer_partial(
-                request_id,
-                request.root,
-                request.chain,
-                request.table,
-                token_ids,
-                num_computed_tokens,
-            )
+            self._cache.offer(request_id, request, token_ids, num_computed_tokens)
 
     def _commit_full_blocks(
         self, request: RequestBlocks, token_ids: Sequence[int], num_full: int
@@ -262,18 +238,11 @@ class BlockManager:
         parent = request.chain[-1] if request.chain else None
         data = pack_tokens(token_ids[start * B : num_full * B])
         blocks = request.table[start:num_full]
-        result = self._tree.insert(request.root, parent, data, blocks, only_new=not request.reuse)
+        result = self._cache.insert(request.root, parent, data, blocks, only_new=not request.reuse)
         if not request.reuse and result.existing:
             request.publishing = False  # the rest is cached already; its copies stay private
             return
-        for node in result.existing:
-            self._cache.hold(node)
-            request.pins.append(node.block_id)
-        for node in result.created:
-            self._pool.mark_cached(node.block_id)
-            node.tick = self._pool.next_tick()
-        if result.created and self._on_commit is not None:
-            self._on_commit(result.created)
+        request.pins.extend(node.block_id for node in result.existing)  # held by the insert
         request.chain.extend(result.existing)
         request.chain.extend(result.created)
         # On a collision the chain stops before the colliding block; the request's own copy
@@ -289,19 +258,9 @@ class BlockManager:
         ``token_ids`` (with ``num_computed_tokens`` of them in the K/V) say what it holds:
         that one stays cached as a tail. The request is forgotten."""
         request = self._requests.pop(request_id)
-        self._cache.live.withdraw(request_id)
-        for node in request.chain:  # root to leaf: a deeper block counts as more recent
-            node.tick = self._pool.next_tick()
-        tail = self._partial(request, token_ids, num_computed_tokens)
-        self._cache.release((*request.table, *request.pins), tail)
-
-    def _partial(
-        self, request: RequestBlocks, token_ids: Sequence[int], computed: int
-    ) -> Tail | None:
-        """The request's partial block as a tail, if it may be copied from. Pure."""
         if not (self.enable_prefix_caching and request.publishing):
-            return None
-        return self._cache.tail_of(request.root, request.chain, request.table, token_ids, computed)
+            token_ids = ()  # its partial block is not kept
+        self._cache.release(request_id, request, token_ids, num_computed_tokens)
 
     # -- checks --------------------------------------------------------------------------------
     def check_integrity(self) -> None:

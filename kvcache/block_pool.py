@@ -3,7 +3,7 @@
 Every block id is in exactly one state at any time:
 
 * free:   ref 0, holds no cached KV; sits on the free list (never-cached or evicted blocks);
-* cached: ref 0, holds the KV of a radix-tree node or of a tail (kvcache/tail_cache.py);
+* cached: ref 0, holds the KV of a radix-tree node or of a tail (kvcache/partial_blocks.py);
   reclaimable by eviction;
 * in use: ref > 0, held by at least one running request (tree node or private block).
 

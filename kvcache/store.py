@@ -81,19 +81,6 @@ class KVStore:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
-    @staticmethod
-    def num_blocks_for_budget(
-        budget_bytes: int,
-        num_layers: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-    ) -> int:
-        """How many whole blocks fit in ``budget_bytes`` (0 when not even one does)."""
-        per_block = KVStore.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
-        return max(0, int(budget_bytes) // per_block)
-
     def __repr__(self) -> str:
         return (
             f"KVStore(layers={self.num_layers}, blocks={self.num_blocks}, "

@@ -5,6 +5,7 @@ share prefixes so the cache hits."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,6 +53,18 @@ def hf_greedy(
         **options,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def hf_references(
+    hf: Any, seed: int, options: Callable[[], dict[str, Any]] = dict
+) -> tuple[list[list[int]], list[list[int]]]:
+    """make_prompts over the model's vocabulary, and transformers' greedy answers of 10 tokens
+    to them (hf_greedy, never stopping early); `options()`: more of generate's arguments,
+    made afresh for each prompt (a cache object must not be shared)."""
+    prompts = make_prompts(hf.config.vocab_size, seed=seed)
+    with torch.inference_mode():
+        refs = [hf_greedy(hf, p, 10, None, **options()) for p in prompts]
+    return prompts, refs
 
 
 def assert_greedy_matches(

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -74,8 +75,8 @@ def paged_attention(
     The model's layers call their engine's backend directly."""
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window} must be at least 1")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"attention soft cap {softcap} must be positive")
+    if softcap is not None and not 0 < softcap < math.inf:  # an infinite cap makes NaN scores
+        raise ValueError(f"attention soft cap {softcap} must be positive and finite")
     return attention_backend(backend).attend(
         q, k, v, k_cache, v_cache, meta, scale, window, softcap
     )

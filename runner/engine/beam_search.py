@@ -4,7 +4,7 @@ Each step asks the engine for one token of every running beam, with the log-prob
 K likeliest next tokens (vLLM's `LLM.beam_search` works the same way). The prefix cache makes
 that cheap: a beam's prompt is its parent's plus one token, so its parent's full blocks are
 found cached and its parent's partial last block, kept as a tail when the parent finished, is
-copied (kvcache/tail_cache.py): a step computes one token a beam. From the K best continuations
+copied (kvcache/partial_blocks.py): a step computes one token a beam. From the K best continuations
 of all beams (K = 2 beams, or more with several EOS ids) the best `beam_width` that do not end
 go on; the ones among the best `beam_width` that end (EOS, or the last allowed token) are scored
 by their log-probability over their length ** length_penalty and kept if among the best

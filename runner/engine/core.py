@@ -1,26 +1,23 @@
 """The engine loop: add and abort requests, step the scheduler, model and sampler, report.
 
+A request's intake (its prompt fitted, its id, its sequences built) is runner/engine/intake.py;
 `LLM` (runner/engine/llm.py) adds the batch calls on top: generate, chat, stream."""
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from typing import Any
 
-import torch
-
-from kvcache import block_hashes, namespace_root
 from runner.engine.config import EngineConfig
+from runner.engine.intake import RequestIntake
 from runner.engine.interrupts import interrupts_held
 from runner.engine.live_requests import LiveRequests
 from runner.engine.lock import locked
 from runner.engine.metrics import MetricsRecorder
 from runner.engine.output_routing import OutputRouter
 from runner.engine.outputs import RequestOutput
-from runner.engine.requests import Prompt, RequestValidator, prompt_token_ids
-from runner.engine.sample_groups import sample_params, sample_request_id
+from runner.engine.requests import Prompt, RequestValidator
 from runner.engine.scheduler import Scheduler, SchedulerOutput
 from runner.engine.sequence import Sequence
 from runner.engine.setup import build_engine_parts
@@ -31,9 +28,7 @@ from runner.engine.step_result import StepResult, sample_step
 from runner.engine.stopping import StopChecker
 from runner.model.cpu_layers import CpuLayers
 from runner.model.loader import generation_eos_ids
-from runner.sampling.logit_rules import bad_word_ids
 from runner.sampling.params import SamplingParams
-from runner.sampling.sampler import request_generator
 from runner.sampling.structured_outputs import GrammarBook
 
 
@@ -78,9 +73,14 @@ class Engine:
         )
         self.recorder = MetricsRecorder(record=self.config.record_metrics)
         self.clock = StepClock(self.model, self.cpu_layers, on_cpu=self.device.type == "cpu")
-        self._seq_ids = itertools.count()
-        self._rng = torch.Generator().manual_seed(seed)  # seeds requests' streams (CPU)
-        self._roots: dict[str | None, int] = {}
+        self.intake = RequestIntake(
+            tokenizer=self.tokenizer,
+            fingerprint=self.fingerprint,
+            block_size=self.config.block_size,
+            validator=self.validator,
+            grammars=self.grammars,
+            seed=seed,
+        )
         self._requests = LiveRequests()  # queued or running requests by id, and sample groups
         self._outputs = OutputRouter()  # finished outputs waiting for the caller they belong to
         self.spec_stats = SpecStats()  # drafted and accepted tokens (runner/engine/speculative.py)
@@ -101,63 +101,27 @@ class Engine:
         """Validate and queue one request; raises ValueError naming the problem. Returns its
         sequence; with params.n > 1 it queues n (request ids "<id>#<j>", see `samples_of`),
         returns sample 0's, and `step` hands back one RequestOutput once all have finished."""
-        params = params if params is not None else SamplingParams()
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        if request_id is not None and self._taken(request_id):
-            raise ValueError(f"request id {request_id!r} is already running")
-        token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
-        token_ids, params = self.validator.fit(token_ids, params)
-        self.grammars.check(params.structured_outputs)  # a bad structure fails here, alone
-        bad_words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
-        text = prompt if isinstance(prompt, str) else None
-        root = self._root(cache_salt)
-        first = block_hashes(token_ids[: self.config.block_size], self.config.block_size, root)
-        prefix_key = f"{first[0]:016x}" if first else ""
-        seq_id = next(self._seq_ids)
-        while request_id is None and self._ids_taken(str(seq_id), params.n):
-            seq_id = next(self._seq_ids)  # a given id took this number: the next one is free
-        rid = request_id if request_id is not None else str(seq_id)
-        if params.n > 1:
-            taken = [i for i in self._ids_taken(rid, params.n) if i != rid]
-            if taken:
-                raise ValueError(
-                    f"request id {taken[0]!r} (a sample of {rid!r}) is already running"
-                )
-        seqs = []
+        seqs, group, prefix_key = self.intake.sequences(
+            prompt,
+            params,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            add_special_tokens=add_special_tokens,
+            taken=self._taken,
+        )
         with interrupts_held():  # the request is queued whole (every sample) or not at all
-            if params.n > 1:
-                self._requests.add_group(rid, params.n)
-            for j in range(params.n):
-                own = sample_params(params, j) if params.n > 1 else params
-                seq = Sequence(
-                    seq_id=seq_id if j == 0 else next(self._seq_ids),
-                    request_id=sample_request_id(rid, j) if params.n > 1 else rid,
-                    prompt_token_ids=token_ids,
-                    params=own,
-                    root=root,
-                    generator=request_generator(own, self._rng),
-                    prompt_text=text,
-                    group=rid if params.n > 1 else None,
-                    sample_index=j,
-                    grammar=self.grammars.state_for(own.structured_outputs),
-                    bad_words=bad_words,
-                )
+            if group is not None:
+                self._requests.add_group(group, len(seqs))
+            for seq in seqs:
                 self.recorder.add_request(seq, prefix_key)
                 self.scheduler.add(seq)
                 self._requests.add(seq)
-                seqs.append(seq)
         return seqs[0]
 
     def _taken(self, request_id: str) -> bool:
         """Whether an id is in use: queued, running, finished with its output not yet handed
         back, or one of a running `generate`'s or stream's."""
         return request_id in self._requests or self._outputs.holds(request_id)
-
-    def _ids_taken(self, request_id: str, n: int) -> list[str]:
-        """The ids in use among a request's and, with n > 1, its samples' ("<id>#<j>")."""
-        ids = [request_id] + [sample_request_id(request_id, j) for j in range(n) if n > 1]
-        return [i for i in ids if self._taken(i)]
 
     @locked
     def samples_of(self, request_id: str) -> list[Sequence]:
@@ -179,9 +143,7 @@ class Engine:
         return result
 
     def _root(self, cache_salt: str | None) -> int:
-        if cache_salt not in self._roots:
-            self._roots[cache_salt] = namespace_root(self.fingerprint, cache_salt)
-        return self._roots[cache_salt]
+        return self.intake.root(cache_salt)
 
     @locked
     def has_unfinished(self) -> bool:

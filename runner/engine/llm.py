@@ -252,7 +252,7 @@ class LLM(Engine):
         blocks below them, with a warning). Raises ValueError for a file saved for another
         model, weight rounding, block size or K/V layout, or one that is not a cache file;
         nothing is loaded then."""
-        identity, request_id = self._cache_identity(), next(self._seq_ids)
+        identity, request_id = self._cache_identity(), next(self.intake.seq_ids)
         bm, spec, key = self.block_manager, self.block_spec, self.cache_mac_key
         vocab = int(self.hf_config.vocab_size)  # its token ids are checked against it
         return load_prefix_cache(

@@ -258,20 +258,18 @@ class Scheduler:
                 continue
             seq = item.seq
             k = min(self.config.speculative_tokens, budget)
-            draft = draft_for(seq, k, self.max_model_len, self.bm)
+            draft = draft_for(seq, k, self.max_model_len, self.bm)  # its blocks taken
             if draft:
-                self.bm.append_slots(seq.seq_id, seq.num_tokens + len(draft))
                 item.draft, item.num_new_tokens = draft, 1 + len(draft)
                 budget -= len(draft)
 
     def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Make room for one more token, preempting the newest other sequences if needed."""
-        while not self.bm.can_append(seq.seq_id, seq.num_tokens):
+        while not self.bm.grow(seq.seq_id, seq.num_tokens):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        self.bm.append_slots(seq.seq_id, seq.num_tokens)
         return True
 
     def _schedule_prefill_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:

@@ -90,7 +90,8 @@ def propose(token_ids: list[int], k: int) -> list[int]:
 def draft_for(seq: Sequence, k: int, max_model_len: int, bm: BlockManager) -> list[int]:
     """A decoding sequence's guessed next tokens: at most `k`, as many as max_tokens and the
     context leave room for, and as the pool can give blocks for without preempting anyone
-    (like any growth it may evict least recently used cached blocks)."""
+    (like any growth it may evict least recently used cached blocks). Mutates: the sequence's
+    block table grows to hold the draft it returns."""
     k = min(k, seq.max_tokens - len(seq.output_token_ids) - 1)
     k = min(k, max_model_len - seq.num_tokens - 1)
     if k < 1 or not draftable(seq.params):
@@ -98,7 +99,7 @@ def draft_for(seq: Sequence, k: int, max_model_len: int, bm: BlockManager) -> li
     # What an earlier request with this very prefix went on with (its blocks are cached),
     # else what followed this text's newest n-gram in itself.
     draft = bm.cached_continuation(seq.seq_id, seq.token_ids, k) or propose(seq.token_ids, k)
-    while draft and not bm.can_append(seq.seq_id, seq.num_tokens + len(draft)):
+    while draft and not bm.grow(seq.seq_id, seq.num_tokens + len(draft)):
         draft.pop()
     return draft
 

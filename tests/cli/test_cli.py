@@ -80,19 +80,18 @@ def test_bad_lines_fail_alone(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert all(e.startswith(f"line {n}:") for n, e in errors.items())
 
 
+def generate_args(src: Path, out: Path, model: Path, max_tokens: int) -> list[str]:
+    """`kvcache generate SRC -o OUT` with a model and an answer length."""
+    return ["generate", str(src), "-o", str(out), "--model", str(model)] + [
+        "--max-tokens",
+        str(max_tokens),
+    ]
+
+
 def test_resume_cuts_torn_line_and_skips_done(tiny_llama_dir: Path, tmp_path: Path) -> None:
     src = write_lines(tmp_path / "in.jsonl", [good(i) for i in range(6)])
     out = tmp_path / "out.jsonl"
-    args = [
-        "generate",
-        str(src),
-        "-o",
-        str(out),
-        "--model",
-        str(tiny_llama_dir),
-        "--max-tokens",
-        "3",
-    ]
+    args = generate_args(src, out, tiny_llama_dir, 3)
     assert CliRunner().invoke(main, args).exit_code == 0
     full = records(out)
     # Keep two whole records and half of a third, as a crash mid-write would.
@@ -110,21 +109,8 @@ def test_sigkill_then_resume_keeps_every_id_once(tiny_llama_dir: Path, tmp_path:
     n = 150
     src = write_lines(tmp_path / "in.jsonl", [good(i, 30) for i in range(n)])
     out = tmp_path / "out.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "cli",
-        "generate",
-        str(src),
-        "-o",
-        str(out),
-        "--model",
-        str(tiny_llama_dir),
-        "--max-tokens",
-        "40",
-        "--max-num-batched-tokens",
-        "64",
-    ]
+    cmd = [sys.executable, "-m", "cli", *generate_args(src, out, tiny_llama_dir, 40)]
+    cmd += ["--max-num-batched-tokens", "64"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120

@@ -18,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
-from runner.engine import core as engine_core
+from runner.engine import intake as engine_intake
 from runner.engine.incremental_text import OutputText
 from runner.engine.sequence import Sequence
 from runner.engine.stopping import StopChecker
@@ -375,8 +375,8 @@ def test_a_ctrl_c_while_prompts_are_queued_leaves_none_behind(
     """Ctrl-C while the third of four prompts is being tokenized: the two already queued are
     taken back, and nothing is left waiting for a step() that nobody calls."""
     llm = LLM(str(tiny_llama_dir))
-    real = engine_core.prompt_token_ids
-    monkeypatch.setattr(engine_core, "prompt_token_ids", on_call(real, 3, raise_interrupt))
+    real = engine_intake.prompt_token_ids
+    monkeypatch.setattr(engine_intake, "prompt_token_ids", on_call(real, 3, raise_interrupt))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompts = [[5, 6], [7, 8], [9, 10], [11, 12]]
     with pytest.raises(KeyboardInterrupt):
@@ -385,7 +385,7 @@ def test_a_ctrl_c_while_prompts_are_queued_leaves_none_behind(
         else:
             list(llm.stream(prompts, params))
     assert not llm.has_unfinished() and llm.block_manager.stats.blocks_in_use == 0
-    monkeypatch.setattr(engine_core, "prompt_token_ids", real)
+    monkeypatch.setattr(engine_intake, "prompt_token_ids", real)
     assert [len(o.token_ids) for o in llm.generate(prompts, params)] == [4] * 4
 
 

@@ -1,4 +1,4 @@
-"""Tails through the engine (kvcache/tail_cache.py keeps them): the next chat turn and a
+"""Tails through the engine (kvcache/partial_blocks.py keeps them): the next chat turn and a
 request's later samples copy a partial last block instead of computing it again, with the same
 greedy output as with the cache off."""
 

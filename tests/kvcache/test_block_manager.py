@@ -95,8 +95,8 @@ def test_block_table_grows_and_is_returned_as_a_copy() -> None:
     assert len(table) == 2
     table.append(99)
     assert bm.block_table(1) == table[:2]
-    assert len(bm.append_slots(1, 33)) == 3
-    assert len(bm.append_slots(1, 30)) == 3  # never shrinks
+    assert bm.grow(1, 33) and len(bm.block_table(1)) == 3
+    assert bm.grow(1, 30) and len(bm.block_table(1)) == 3  # never shrinks
     bm.check_integrity()
 
 
@@ -108,9 +108,10 @@ def test_allocate_fails_cleanly_when_short() -> None:
     with pytest.raises(ValueError):
         bm.allocate(2, seq(100, 40), ROOT)
     assert bm.stats == before and 2 not in bm
-    assert not bm.can_append(1, 5 * B) and bm.can_append(1, 4 * B)
-    with pytest.raises(ValueError):
-        bm.append_slots(1, 5 * B)
+    available = bm.num_available_blocks()
+    assert not bm.grow(1, 5 * B)  # and changes nothing:
+    assert len(bm.block_table(1)) == 3 and bm.num_available_blocks() == available
+    assert bm.grow(1, 4 * B) and len(bm.block_table(1)) == 4
     bm.check_integrity()
 
 
@@ -237,7 +238,7 @@ def test_collided_block_is_inserted_once_the_colliding_node_is_gone(
     bm = BlockManager(3, 4)
     run_once(bm, 1, seq(1, 4))  # cached: one block, hash 7
     prefill(bm, 2, seq(100, 5))  # collides, stays private; takes the 2 free blocks
-    bm.append_slots(2, 9)  # needs a third block: evicts request 1's
+    assert bm.grow(2, 9)  # needs a third block: evicts request 1's
     bm.commit(2, seq(100, 9), 8)
     bm.free(2)
     assert bm.cached_prefix_length(seq(100, 9), ROOT) == 8
@@ -289,7 +290,7 @@ def test_chain_continues_below_a_duplicate_even_if_its_owner_left() -> None:
     bm.commit(2, prompt, 5)  # block 0 duplicates request 1's: stays private, node is pinned
     bm.free(1)
     answer = prompt + seq(50, 4)
-    bm.append_slots(2, len(answer))
+    assert bm.grow(2, len(answer))
     bm.commit(2, answer, 8)  # block 1 inserted below request 1's node
     bm.check_integrity()
     filler = seq(1000, 4 * bm.num_available_blocks())
@@ -308,7 +309,7 @@ def test_multi_turn_reuses_answer_blocks_committed_during_decode() -> None:
     bm.commit(1, tokens, len(tokens))
     for step in range(30):  # decode: the sampled token's KV is written on the next step
         tokens.append(5000 + step)
-        bm.append_slots(1, len(tokens))
+        assert bm.grow(1, len(tokens))
         bm.commit(1, tokens, len(tokens) - 1)
         bm.check_integrity()
     bm.free(1)
@@ -358,7 +359,7 @@ def test_prefix_caching_disabled_never_matches_or_inserts() -> None:
 def test_check_integrity_catches_a_wrong_ref_count() -> None:
     bm = BlockManager(8, B)
     prefill(bm, 1, seq(1, 20))
-    bm._pool._ref[bm.block_table(1)[1]] += 1
+    bm._cache.pool._ref[bm.block_table(1)[1]] += 1
     with pytest.raises(AssertionError, match="holders"):
         bm.check_integrity()
 
@@ -367,8 +368,9 @@ def test_check_integrity_catches_an_evictable_block_that_is_held() -> None:
     bm = BlockManager(8, B)
     prefill(bm, 1, seq(1, 20))
     block = bm.block_table(1)[0]
-    bm._pool._lru.add(999 * bm.num_blocks + block)  # what lru_add would store, minus its checks
-    bm._pool._lru_key[block] = 999 * bm.num_blocks + block
+    pool = bm._cache.pool
+    pool._lru.add(999 * bm.num_blocks + block)  # what lru_add would store, minus its checks
+    pool._lru_key[block] = 999 * bm.num_blocks + block
     with pytest.raises(AssertionError, match="LRU"):
         bm.check_integrity()
 

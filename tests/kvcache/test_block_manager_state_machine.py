@@ -150,15 +150,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         done = sorted(rid for rid, r in self.live.items() if r.computed >= len(r.tokens) - 1)
         rid = data.draw(st.sampled_from(done))
         req = self.live[rid]
-        if not self.bm.can_append(rid, len(req.tokens) + 1):
-            before = list(self.bm.block_table(rid)), self.bm.num_available_blocks()
-            with pytest.raises(ValueError):
-                self.bm.append_slots(rid, len(req.tokens) + 1)
+        before = list(self.bm.block_table(rid)), self.bm.num_available_blocks()
+        if not self.bm.grow(rid, len(req.tokens) + 1):
             # and changes nothing:
             assert (list(self.bm.block_table(rid)), self.bm.num_available_blocks()) == before
             return
         req.tokens.append(new)
-        self.bm.append_slots(rid, len(req.tokens))
         assert len(self.bm.block_table(rid)) == -(-len(req.tokens) // B)
         self._compute(rid, req, len(req.tokens) - 1)
         self._commit(rid, req)

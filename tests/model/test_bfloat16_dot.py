@@ -14,7 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from greedy_reference import ARCH_FIXTURES, assert_greedy_matches, hf_greedy, make_prompts
+from greedy_reference import (
+    ARCH_FIXTURES,
+    assert_greedy_matches,
+    hf_references,
+    make_prompts,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_rounded_weights import rounded_hf
@@ -42,9 +47,7 @@ def dot_hf(path: Path) -> Any:
 def dot_case(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     path: Path = request.getfixturevalue(request.param)
     hf = dot_hf(path)
-    prompts = make_prompts(hf.config.vocab_size, seed=13)
-    with torch.inference_mode():
-        refs = [hf_greedy(hf, p, 10, None) for p in prompts]
+    prompts, refs = hf_references(hf, seed=13)
     return path, prompts, refs
 
 
@@ -175,8 +178,6 @@ def test_with_a_float16_kv_cache_too(tiny_qwen2_dir: Path) -> None:
     """The two roundings together (the fastest setting for long contexts): the reference rounds
     the products' inputs and caches float16 keys and values."""
     hf = dot_hf(tiny_qwen2_dir)
-    prompts = make_prompts(hf.config.vocab_size, seed=17)
-    with torch.inference_mode():
-        refs = [hf_greedy(hf, p, 10, None, **float16_kv(hf)) for p in prompts]
+    prompts, refs = hf_references(hf, seed=17, options=lambda: float16_kv(hf))
     llm = LLM(str(tiny_qwen2_dir), **DOT, kv_cache_dtype="float16")
     assert_greedy_matches(llm, prompts, refs, alone=True)

@@ -14,7 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from greedy_reference import ARCH_FIXTURES, assert_greedy_matches, hf_greedy, make_prompts
+from greedy_reference import (
+    ARCH_FIXTURES,
+    assert_greedy_matches,
+    hf_references,
+    make_prompts,
+)
 from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, SamplingParams
@@ -36,9 +41,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 def f16_case(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     path: Path = request.getfixturevalue(request.param)
     hf = load_hf_reference(path)
-    prompts = make_prompts(hf.config.vocab_size, seed=5)
-    with torch.inference_mode():
-        refs = [hf_greedy(hf, p, 10, None, **float16_kv(hf)) for p in prompts]
+    prompts, refs = hf_references(hf, seed=5, options=lambda: float16_kv(hf))
     return path, prompts, refs
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from greedy_reference import assert_greedy_matches, hf_greedy, make_prompts
+from greedy_reference import assert_greedy_matches, hf_references, make_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -69,9 +69,7 @@ def rounded_case(
     arch, dtype = request.param
     path: Path = request.getfixturevalue(arch)
     hf = rounded_hf(path, dtype)
-    prompts = make_prompts(hf.config.vocab_size, seed=11)
-    with torch.inference_mode():
-        refs = [hf_greedy(hf, p, 10, None) for p in prompts]
+    prompts, refs = hf_references(hf, seed=11)
     return path, dtype, prompts, refs
 
 

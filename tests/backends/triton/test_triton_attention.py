@@ -183,6 +183,15 @@ def test_store_kv_writes_slots_and_skips_negative(
 PREFILL_SEQS = [(0, 19), (5, 3), (37, 1), (21, 40)]
 
 
+def attend(batch: Batch, scale: float, **options: int) -> torch.Tensor:
+    """triton_paged_attention over the batch (its new K/V stored first)."""
+    b = batch
+    out: torch.Tensor = triton_paged_attention(
+        b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, scale, **options
+    )
+    return out
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("group", [1, 2, 4])
@@ -195,9 +204,7 @@ def test_prefill_matches_reference(
     meta = batch.meta
     assert not meta.decode_only
     if tile is None:  # the full entry point, default tiles
-        out = triton_paged_attention(
-            batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, meta, 32**-0.5
-        )
+        out = attend(batch, 32**-0.5)
     else:  # small tiles: many query tiles per sequence and key tiles straddling cache blocks
         store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, meta.slot_mapping)
         out = prefill_attention(
@@ -230,16 +237,7 @@ def test_decode_matches_reference(
     batch = make_batch(DECODE_SEQS, block_size, 2 * group, 2, 32, torch.float32, device)
     before = snapshot(batch)
     assert batch.meta.decode_only
-    out = triton_paged_attention(
-        batch.q,
-        batch.k,
-        batch.v,
-        batch.k_cache,
-        batch.v_cache,
-        batch.meta,
-        32**-0.5,
-        partition_size=partition_size,
-    )
+    out = attend(batch, 32**-0.5, partition_size=partition_size)
     check_attention(batch, out, before)
 
 
@@ -250,16 +248,7 @@ def test_half_precision_caches(device: str, dtype: torch.dtype, decode: bool) ->
     seqs = DECODE_SEQS if decode else PREFILL_SEQS
     batch = make_batch(seqs, 16, 4, 2, 64, dtype, device, seed=3)
     before = snapshot(batch)
-    out = triton_paged_attention(
-        batch.q,
-        batch.k,
-        batch.v,
-        batch.k_cache,
-        batch.v_cache,
-        batch.meta,
-        64**-0.5,
-        partition_size=32,
-    )
+    out = attend(batch, 64**-0.5, partition_size=32)
     check_attention(batch, out, before)
 
 
@@ -270,16 +259,7 @@ def test_head_dims(device: str, head_dim: int, decode: bool) -> None:
     seqs = [(0, 1), (30, 1)] if decode else [(0, 9), (18, 5)]
     batch = make_batch(seqs, 8, 4, 1, head_dim, torch.float32, device, seed=4)
     before = snapshot(batch)
-    out = triton_paged_attention(
-        batch.q,
-        batch.k,
-        batch.v,
-        batch.k_cache,
-        batch.v_cache,
-        batch.meta,
-        head_dim**-0.5,
-        partition_size=16,
-    )
+    out = attend(batch, head_dim**-0.5, partition_size=16)
     check_attention(batch, out, before)
 
 

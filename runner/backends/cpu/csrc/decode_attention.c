@@ -281,7 +281,7 @@ int decode_attention(const float *q, const void *k_cache, const void *v_cache,
 }
 
 /* y[i] = softcap * tanh(x[i] / softcap), i < n: the kernels' own cap (soft_cap_scores), for
- * tests (tests/test_cpu_softcap.py holds its tanh to torch.tanh with softcap 1). */
+ * tests (tests/backends/cpu/test_cpu_features.py holds its tanh to torch.tanh with softcap 1). */
 void soft_cap_rows(const float *x, float *y, long n, float softcap)
 {
     memcpy(y, x, (size_t)n * sizeof(float));

@@ -42,7 +42,7 @@ static inline __m512 exp_any(__m512 x)
 }
 
 /* tanh on 16 floats, within a few ulp of the correctly rounded float over the whole line
- * (relative; tests/test_cpu_softcap.py measures it). For |x| >= TANH_SERIES_END, (1 - e) /
+ * (relative; tests/backends/cpu/test_cpu_features.py measures it). For |x| >= TANH_SERIES_END, (1 - e) /
  * (1 + e) with e = e^-2|x| <= 0.55 (exp_in_range's ~1 ulp): 1 - e >= 0.45 loses nothing to
  * cancellation, and past |x| = 43.5 e is e^-87, which leaves exactly 1. Below it 1 - e would
  * cancel (at |x| = 0.01 it would keep only ~17 of the result's 24 bits), so there the Taylor

@@ -6,9 +6,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcache import BlockManager, namespace_root
-from kvcache.block_manager import SlotCopy
 from kvcache.hashing import pack_tokens
-from kvcache.tail_cache import MAX_TAILS_PER_PARENT, Tail, TailCache, common_tokens
+from kvcache.partial_blocks import (
+    MAX_TAILS_PER_PARENT,
+    PartialBlocks,
+    SlotCopy,
+    Tail,
+    common_tokens,
+)
 
 B = 16
 ROOT = namespace_root("model")
@@ -95,7 +100,7 @@ def test_a_longer_tail_replaces_the_one_it_extends() -> None:
 
 
 def test_tails_under_one_parent_are_capped_newest_kept() -> None:
-    cache = TailCache(B)
+    cache = PartialBlocks(B)
     tails = [Tail(i, pack_tokens([i + 1000]), None, ROOT) for i in range(MAX_TAILS_PER_PARENT + 3)]
     dropped = [block for tail in tails for block in cache.add(tail)]
     assert dropped == [0, 1, 2]

@@ -1,0 +1,123 @@
+"""Request intake: what ``Engine.add_request`` does before anything is queued.
+
+A call becomes its sequences here: the prompt tokenized and fitted (runner/engine/requests.py),
+its structure compiled, its id picked or checked, its namespace root (one per ``cache_salt``)
+and prefix key found, and one ``Sequence`` built a sample. Nothing is queued: the engine queues
+the sequences whole, or none of them (runner/engine/core.py)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from kvcache import block_hashes, namespace_root
+from runner.engine.requests import Prompt, RequestValidator, prompt_token_ids
+from runner.engine.sample_groups import sample_params, sample_request_id
+from runner.engine.sequence import Sequence
+from runner.sampling.logit_rules import bad_word_ids
+from runner.sampling.params import SamplingParams
+from runner.sampling.sampler import request_generator
+from runner.sampling.structured_outputs import GrammarBook
+
+
+class Intake(NamedTuple):
+    """One request's sequences (sample 0 first) and the key its report row groups it by."""
+
+    seqs: list[Sequence]
+    group: str | None  # the request id its samples share when params.n > 1
+    prefix_key: str  # the first full block's hash, hex ("" for a prompt shorter than a block)
+
+
+class RequestIntake:
+    """Builds the sequences of each request; owns the sequence numbers, the engine's seed
+    stream for requests' own streams, and the namespace roots by ``cache_salt``."""
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        fingerprint: str,
+        block_size: int,
+        validator: RequestValidator,
+        grammars: GrammarBook,
+        seed: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.validator = validator
+        self.grammars = grammars
+        self.seq_ids = itertools.count()  # also numbers beam searches (runner/engine/llm.py)
+        self.rng = torch.Generator().manual_seed(seed)  # seeds requests' streams (CPU)
+        self._roots: dict[str | None, int] = {}
+
+    def root(self, cache_salt: str | None) -> int:
+        """The namespace root of a ``cache_salt``'s blocks (computed once a salt). Mutates
+        the cache of roots."""
+        if cache_salt not in self._roots:
+            self._roots[cache_salt] = namespace_root(self.fingerprint, cache_salt)
+        return self._roots[cache_salt]
+
+    def sequences(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        *,
+        request_id: str | None,
+        cache_salt: str | None,
+        add_special_tokens: bool,
+        taken: Callable[[str], bool],
+    ) -> Intake:
+        """A request's sequences, one a sample; ``taken`` says whether an id is in use.
+        Raises ValueError naming the problem, before anything is mutated but the sequence
+        numbers. Mutates: the sequence numbers and the seed stream advance."""
+        params = params if params is not None else SamplingParams()
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if request_id is not None and taken(request_id):
+            raise ValueError(f"request id {request_id!r} is already running")
+        token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
+        token_ids, params = self.validator.fit(token_ids, params)
+        self.grammars.check(params.structured_outputs)  # a bad structure fails here, alone
+        bad_words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
+        root = self.root(cache_salt)
+        first = block_hashes(token_ids[: self.block_size], self.block_size, root)
+        n = params.n
+        seq_id = next(self.seq_ids)
+        while request_id is None and _ids_taken(str(seq_id), n, taken):
+            seq_id = next(self.seq_ids)  # a given id took this number: the next one is free
+        rid = request_id if request_id is not None else str(seq_id)
+        if n > 1:
+            others = [i for i in _ids_taken(rid, n, taken) if i != rid]
+            if others:
+                raise ValueError(
+                    f"request id {others[0]!r} (a sample of {rid!r}) is already running"
+                )
+        seqs = []
+        for j in range(n):
+            own = sample_params(params, j) if n > 1 else params
+            seqs.append(
+                Sequence(
+                    seq_id=seq_id if j == 0 else next(self.seq_ids),
+                    request_id=sample_request_id(rid, j) if n > 1 else rid,
+                    prompt_token_ids=token_ids,
+                    params=own,
+                    root=root,
+                    generator=request_generator(own, self.rng),
+                    prompt_text=prompt if isinstance(prompt, str) else None,
+                    group=rid if n > 1 else None,
+                    sample_index=j,
+                    grammar=self.grammars.state_for(own.structured_outputs),
+                    bad_words=bad_words,
+                )
+            )
+        return Intake(seqs, rid if n > 1 else None, f"{first[0]:016x}" if first else "")
+
+
+def _ids_taken(request_id: str, n: int, taken: Callable[[str], bool]) -> list[str]:
+    """The ids in use among a request's and, with n > 1, its samples' ("<id>#<j>")."""
+    ids = [request_id] + [sample_request_id(request_id, j) for j in range(n) if n > 1]
+    return [i for i in ids if taken(i)]
