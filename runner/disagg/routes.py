@@ -9,13 +9,17 @@
   will not be pulled.
 * decode: POST /kvcache/pull takes those params and pulls the blocks (before the router sends
   the request itself to /v1/...).
-* both roles: GET /kvcache/disagg, what the handovers did.
+* both roles: GET /kvcache/disagg, what the handovers did; GET /kvcache/metrics, the
+  engine's recorded steps and requests (an engine made with record_metrics, as the bench's
+  workers are) with the wall-clock time its step times count from, so two workers' schedules
+  can be drawn on one timeline (`kvcache report`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -157,6 +161,13 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
         except ValueError as err:
             raise CallError(400, str(err), "invalid_request_error") from err
 
+    @app.get("/kvcache/metrics")
+    async def metrics() -> JSONResponse:
+        llm = parts.llm
+        if llm is None or not llm.recorder.record:
+            raise CallError(404, "this worker records no metrics", "invalid_request_error")
+        return JSONResponse(await asyncio.to_thread(worker_metrics, llm))
+
     @app.get("/kvcache/disagg")
     async def disagg() -> dict[str, Any]:
         out: dict[str, Any] = {"role": parts.options.role, "handover": parts.options.handover}
@@ -165,3 +176,10 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
         if puller is not None:
             out["pulled"] = puller.stats()
         return out
+
+
+def worker_metrics(llm: Any) -> dict[str, Any]:
+    """``llm.metrics()`` with ``t0_unix_s``: the wall-clock time its ``t_start_s`` count from."""
+    out: dict[str, Any] = llm.metrics()
+    out["t0_unix_s"] = time.time() - (time.perf_counter() - llm.recorder.t0)
+    return out
