@@ -38,7 +38,11 @@ class CommitTap:
 
     def __init__(self, llm: Any, held: HeldHandovers) -> None:
         self.llm, self.held = llm, held
-        self._open: dict[str, _Open] = {}  # read and changed under the engine lock
+        # Changed under both the engine lock (so an open falls between two commits) and this
+        # one; read under either. finish takes only this one: waiting for the engine lock
+        # would wait out another request's prefill step.
+        self._open: dict[str, _Open] = {}
+        self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[tuple[str, _Open, int, bytes] | None] = queue.SimpleQueue()
         self.encoded_blocks = 0
         bm = llm.block_manager
@@ -57,7 +61,8 @@ class CommitTap:
         entry = _Open(tokens, cache_salt, chain, {h: i for i, h in enumerate(chain.hashes)})
         self.held.open(handover_id)
         with self.llm.lock:
-            self._open[handover_id] = entry
+            with self._lock:
+                self._open[handover_id] = entry
             # The block manager's own lookup (pure), capped as admission is.
             cached = self.llm.block_manager._match(tokens, chain.root)[: len(chain.hashes)]
             self._enqueue(handover_id, entry, cached)
@@ -66,7 +71,7 @@ class CommitTap:
         """The prefill ended: wait until every block it committed is encoded, add what the
         commits missed (read off the pool, as a handover held whole is), and close the
         handover."""
-        with self.llm.lock:
+        with self._lock:
             entry = self._open.pop(handover_id, None)
         if entry is None:
             return
@@ -83,14 +88,16 @@ class CommitTap:
     def cancel(self, handover_id: str) -> None:
         """Stop filling a handover (its request failed or was released); the values it holds
         stay until released."""
-        with self.llm.lock:
+        with self._lock:
             self._open.pop(handover_id, None)
 
     # -- the engine's side (under its lock, inside a step) -------------------------------------
     def _committed(self, nodes: list[Node]) -> None:
         if self._previous is not None:
             self._previous(nodes)
-        for handover_id, entry in list(self._open.items()):
+        with self._lock:
+            open_now = list(self._open.items())
+        for handover_id, entry in open_now:
             wanted = [n for n in nodes if n.key in entry.index]
             if wanted:
                 self._enqueue(handover_id, entry, wanted)

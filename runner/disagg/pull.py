@@ -20,6 +20,8 @@ from runner.disagg.redis_transport import RedisHandover
 from runner.disagg.zmq_transport import HandoverUnreachable, ZmqHandoverClient
 
 DEFAULT_CHUNK_BLOCKS = 16  # blocks per round trip: hundreds of tokens, never one key a layer
+LOAD_BLOCKS = 4  # blocks copied into the pool per hold of the engine lock
+LOAD_YIELD_S = 0.005  # between two holds: the decodes' next step takes the lock first
 
 
 @dataclass
@@ -143,15 +145,25 @@ class Puller:
 
     def _load(self, chain: Any, blocks: int) -> None:
         """Copy the prompt's first ``blocks`` blocks from the host tier into the pool, those it
-        lacks there (one short hold of the lock: the decodes' steps go on between chunks)."""
+        lacks there, LOAD_BLOCKS per short hold of the lock: the decodes' steps go on between
+        them, each waiting one hold at most."""
         llm = self.llm
         if llm.tiers is None or not blocks:
             return
         tokens = _tokens_of(chain, blocks)
+        B = llm.config.block_size
         with llm.lock:
-            # One token past the blocks: the tiers' load, like admission, never takes the block
-            # of a prompt's last token (it is computed); which token it is does not matter.
-            self.counters.loaded_blocks += llm.tiers.load(tokens + [0], chain.root)
+            on_device = len(llm.block_manager._match(tokens, chain.root))
+        for upto in range(min(blocks, on_device + LOAD_BLOCKS), blocks + LOAD_BLOCKS, LOAD_BLOCKS):
+            upto = min(upto, blocks)
+            with llm.lock:
+                # One token past the blocks: the tiers' load, like admission, never takes the
+                # block of a prompt's last token (it is computed); which token does not matter.
+                loaded = llm.tiers.load(tokens[: upto * B] + [0], chain.root)
+            self.counters.loaded_blocks += loaded
+            if upto == blocks:
+                break
+            time.sleep(LOAD_YIELD_S)
 
     def stats(self) -> dict[str, Any]:
         return asdict(self.counters)
