@@ -188,8 +188,9 @@ def run_system(name: str, model: str | None, rows: list[dict[str, Any]]) -> dict
     if stats is not None:
         handover = stats["handover"]
         out |= {"handover_bytes": handover["bytes"], "handover_blocks": handover["blocks"]}
-        # What the handovers added after their prefills ended (the rest overlapped them).
-        out |= {"handover_ms": handover["after_prefill_ms"]}
+        # What the handovers added after their prefills ended (the rest overlapped them): the
+        # prefill worker's last blocks (publish) and the rest of the pull.
+        out |= {"handover_ms": handover["after_prefill_ms"] + handover["publish_ms"]}
         out |= {"pull_ms": handover["pull_ms"], "publish_ms": handover["publish_ms"]}
         out["pd_metrics"] = workers["decode"] | {"prefill_worker": workers["prefill"]}
     return out
