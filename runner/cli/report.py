@@ -31,5 +31,8 @@ def report(metrics_path: str, html_path: str | None) -> None:
     if html_path:
         from runner.report.html import write_html
 
-        write_html(metrics, Path(html_path))
+        try:
+            write_html(metrics, Path(html_path))
+        except ValueError as err:  # a disaggregated run's second worker, malformed
+            raise click.ClickException(str(err)) from err
         click.echo(f"report page written to {html_path}")

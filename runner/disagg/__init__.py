@@ -5,7 +5,8 @@ Owns: the roles and their options (roles.py, serve_role.py: the one hook the ser
 calls), reading a prompt's committed blocks off a prefill worker's pool as block values and
 checking them on arrival (blocks.py: the one format of kvcache/tiers/block_value.py, its
 storage keys and its checks), the handovers a prefill worker holds until pulled, released or
-expired (held.py), publishing them (publish.py), the transports (zmq_transport.py: direct;
+expired (held.py), filling an open handover as the prefill commits its blocks (commit_tap.py),
+publishing them (publish.py), the transports (zmq_transport.py: direct;
 redis_transport.py: the shared Redis tier), the decode side's pull into its host tier
 (pull.py), the workers' extra routes (routes.py), CPU pinning (cpus.py), and the
 pd_interference bench (bench.py, bench_command.py, bench_worker.py).

@@ -8,7 +8,10 @@ at t=0, long prompts arriving while they run). engine and engine-nochunk are one
 prefill worker on the first CPU, a decode worker on the second (ZeroMQ handover) and the
 router. Per system: the decodes' inter-token latency p50 / p99 / max (the gaps between their
 stream chunks), the long prompts' TTFT, total throughput, the KV bytes and milliseconds handed
-over, and whether every output equals the first system's (greedy)."""
+over (the milliseconds a handover adds after its prefill's end: the rest runs beside the
+prefill), whether every output equals the first system's (greedy), each stream's token times
+(for the picture: scripts/pd_streams.py), and for engine-pd both workers' recorded schedules
+(``pd_metrics``, what `kvcache report` draws on one timeline)."""
 
 from __future__ import annotations
 
@@ -84,18 +87,22 @@ def _worker(model: str | None, role: str, cpus: str, options: dict[str, Any]) ->
 
 
 @contextmanager
-def _system(name: str, model: str | None, cpus: list[int]) -> Iterator[tuple[str, bool]]:
-    """(the URL requests go to, whether it is the disaggregated router)."""
+def _system(name: str, model: str | None, cpus: list[int]) -> Iterator[dict[str, str]]:
+    """The URLs: "url" (where requests go), and for engine-pd "prefill" and "decode"."""
     if name != "engine-pd":
         every = ",".join(str(c) for c in cpus)
         with _worker(model, "both", every, SYSTEMS[name]) as url:
-            yield url, False
+            yield {"url": url}
         return
     first, second = str(cpus[0]), str(cpus[1 % len(cpus)])
-    with _worker(model, "prefill", first, {}) as prefill, _worker(model, "decode", second, {}) as d:
+    record = {"record_metrics": True}  # both schedules, for the report's two lanes
+    with (
+        _worker(model, "prefill", first, record) as prefill,
+        _worker(model, "decode", second, record) as d,
+    ):
         router = [sys.executable, "-c", "import cli; cli.main()", "router"]
         with _process([*router, "--prefill", prefill, "--decode", d], "router") as url:
-            yield url, True
+            yield {"url": url, "prefill": prefill, "decode": d}
 
 
 async def _one(
@@ -124,14 +131,14 @@ async def _one(
             "text": "".join(text)}  # fmt: skip
 
 
-async def _drive(url: str, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float]:
+async def _drive(url: str, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float, float]:
     timeout = httpx.Timeout(600.0, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout) as client:
         warm = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
         (await client.post(f"{url}/v1/completions", json=warm)).raise_for_status()
         t0 = time.perf_counter()
         results = await asyncio.gather(*(_one(client, url, row, t0) for row in rows))
-        return list(results), time.perf_counter() - t0
+        return list(results), time.perf_counter() - t0, t0
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -142,9 +149,15 @@ def _pct(values: list[float], q: float) -> float:
 def run_system(name: str, model: str | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One system's figures (ms) and its outputs by request id."""
     cpus = sorted(os.sched_getaffinity(0))
-    with _system(name, model, cpus) as (url, is_pd):
-        results, wall = asyncio.run(_drive(url, rows))
+    with _system(name, model, cpus) as urls:
+        url, is_pd = urls["url"], "prefill" in urls
+        results, wall, t0 = asyncio.run(_drive(url, rows))
         stats = httpx.get(f"{url}/router/stats").json() if is_pd else None
+        workers = {
+            role: httpx.get(f"{urls[role]}/kvcache/metrics", timeout=60).json()
+            for role in ("prefill", "decode")
+            if is_pd
+        }
     gaps = [
         1000 * (b - a)
         for r in results
@@ -162,11 +175,24 @@ def run_system(name: str, model: str | None, rows: list[dict[str, Any]]) -> dict
         "throughput_tok_s": tokens / wall,
         "wall_s": wall,
         "outputs": {r["id"]: r["text"] for r in results},
+        # Seconds from the first request's send: when each stream was sent and its tokens came.
+        "streams": {
+            r["id"]: {
+                "kind": r["kind"],
+                "sent_s": r["sent"] - t0,
+                "token_s": [t - t0 for t in r["times"]],
+            }
+            for r in results
+        },  # fmt: skip
     }
     if stats is not None:
         handover = stats["handover"]
         out |= {"handover_bytes": handover["bytes"], "handover_blocks": handover["blocks"]}
-        out |= {"handover_ms": handover["pull_ms"] + handover["publish_ms"]}
+        # What the handovers added after their prefills ended (the rest overlapped them): the
+        # prefill worker's last blocks (publish) and the rest of the pull.
+        out |= {"handover_ms": handover["after_prefill_ms"] + handover["publish_ms"]}
+        out |= {"pull_ms": handover["pull_ms"], "publish_ms": handover["publish_ms"]}
+        out["pd_metrics"] = workers["decode"] | {"prefill_worker": workers["prefill"]}
     return out
 
 

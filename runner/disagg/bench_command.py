@@ -26,4 +26,11 @@ def pd_bench(
         raise click.ClickException(str(err)) from err
     click.echo(format_table(results))
     if json_path:
+        # engine-pd's two schedules go to their own metrics file, which `kvcache report` reads.
+        for result in results:
+            pd_metrics = result.pop("pd_metrics", None)
+            if pd_metrics is not None:
+                path = Path(json_path).with_suffix(".engine-pd.metrics.json")
+                path.write_text(json.dumps(pd_metrics))
+                click.echo(f"engine-pd's schedules (for kvcache report --html): {path}")
         Path(json_path).write_text(json.dumps(results, indent=2))

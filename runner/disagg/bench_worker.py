@@ -25,7 +25,8 @@ def main() -> None:
     from runner.serve.app import ServeSettings, build_app
     from runner.serve.server import run_server
 
-    options = json.loads(args.options) | {"record_metrics": False}
+    # Metrics off unless the bench asks (engine-pd's workers record their schedules).
+    options = {"record_metrics": False} | json.loads(args.options)
     llm, attach = start_role(
         args.role, args.handover, args.cpus, lambda o: LLM(args.model, **o), options
     )

@@ -1,8 +1,11 @@
 """The handovers a prefill worker holds for the direct transport: each prefilled request's
 block values, by handover id, until the decode worker has pulled them (it releases them then),
 the router releases them (the request failed or was aborted on the decode side), or they
-expire. Bounded in bytes: past the bound the oldest handover goes first (its decode worker then
-finds its blocks missing and recomputes them). Thread safe: the HTTP handlers add, the
+expire. A handover is either held whole (``hold``) or filled block by block while its prefill
+runs (``open``, ``add``, ``finish``: commit_tap.py), so a decode worker can pull the first
+blocks before the last are computed; an open handover never expires (its prefill ends it).
+Bounded in bytes: past the bound the oldest handover goes first (its decode worker then finds
+its blocks missing and recomputes them). Thread safe: the HTTP handlers and the tap add, the
 transport's thread serves and releases."""
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class _Handover:
     values: dict[int, bytes]  # block hash -> encoded block value
     nbytes: int
     expires: float
+    open: bool = False  # still being filled by its prefill: more values may come
 
 
 class HeldHandovers:
@@ -53,13 +57,57 @@ class HeldHandovers:
                 self._held[handover_id] = entry
                 self._bytes += entry.nbytes
 
+    def open(self, handover_id: str) -> None:
+        """Start a handover whose values come one by one (``add``) until ``finish``."""
+        with self._lock:
+            self._drop(handover_id)
+            self._expire_locked()
+            self._held[handover_id] = _Handover({}, 0, float("inf"), open=True)
+
+    def add(self, handover_id: str, block_hash: int, value: bytes) -> bool:
+        """Add one value to an open handover; False when it is no longer held (released,
+        or dropped for room: its decode worker computes what it lacks)."""
+        with self._lock:
+            entry = self._held.get(handover_id)
+            if entry is None or block_hash in entry.values:
+                return entry is not None
+            for other in [i for i in self._held if i != handover_id]:
+                if self._bytes + len(value) <= self.capacity_bytes:
+                    break
+                self._drop(other)
+                self.expired += 1
+            if self._bytes + len(value) > self.capacity_bytes:  # alone past the bound
+                self._drop(handover_id)
+                self.expired += 1
+                return False
+            entry.values[block_hash] = value
+            entry.nbytes += len(value)
+            self._bytes += len(value)
+            return True
+
+    def finish(self, handover_id: str) -> None:
+        """No more values come for the handover; its deadline starts now."""
+        with self._lock:
+            entry = self._held.get(handover_id)
+            if entry is not None:
+                entry.open, entry.expires = False, time.monotonic() + self.ttl_s
+
+    def is_open(self, handover_id: str) -> bool:
+        with self._lock:
+            entry = self._held.get(handover_id)
+            return entry is not None and entry.open
+
     def get(self, handover_id: str, hashes: Sequence[int]) -> list[bytes | None]:
         """The values of ``hashes`` held under the id (None where not held)."""
+        return self.get_open(handover_id, hashes)[0]
+
+    def get_open(self, handover_id: str, hashes: Sequence[int]) -> tuple[list[bytes | None], bool]:
+        """(``get``'s values, whether the handover is still open: a None may be filled yet)."""
         with self._lock:
             self._expire_locked()
             entry = self._held.get(handover_id)
             values = entry.values if entry is not None else {}
-            return [values.get(h) for h in hashes]
+            return [values.get(h) for h in hashes], entry is not None and entry.open
 
     def release(self, handover_id: str) -> bool:
         """Free the handover's values; False when it was not held (already released)."""

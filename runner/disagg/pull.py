@@ -1,8 +1,11 @@
 """The decode worker's side of a handover: before a request is queued, pull the prompt's blocks
-its pool and host tier lack from the prefill worker (directly or through Redis), check each one
-as it arrives (blocks.py), and put the run that passes into the host tier. The engine's
-admission then loads them like any tier hit (runner/engine/kv_tiers.py, which checks them once more
-against the request's own tokens); whatever did not arrive, or arrived bad, is computed."""
+its pool and host tier lack from the prefill worker (directly or through Redis; directly, while
+the prefill still runs), check each one as it arrives (blocks.py), and put the run that passes
+into the host tier, then, a chunk at a time under the engine lock, into the pool (the tiers'
+own load, runner/engine/kv_tiers.py, which checks them once more against the prompt's tokens).
+So the request's admission finds them cached on the device: a step never stops to copy a long
+prompt's blocks in (a stall the running decodes would see). Whatever did not arrive, or
+arrived bad, is computed."""
 
 from __future__ import annotations
 
@@ -10,12 +13,15 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvcache.hashing import unpack_tokens
 from kvcache.tiers import HostTier, TierDown, storage_key
 from runner.disagg.blocks import check_values, prompt_chain
 from runner.disagg.redis_transport import RedisHandover
 from runner.disagg.zmq_transport import HandoverUnreachable, ZmqHandoverClient
 
 DEFAULT_CHUNK_BLOCKS = 16  # blocks per round trip: hundreds of tokens, never one key a layer
+LOAD_BLOCKS = 4  # blocks copied into the pool per hold of the engine lock
+LOAD_YIELD_S = 0.005  # between two holds: the decodes' next step takes the lock first
 
 
 @dataclass
@@ -30,6 +36,7 @@ class PullCounters:
     rejected_blocks: int = 0  # blocks that arrived and failed a check (never served)
     missing_blocks: int = 0  # blocks asked for and not there (computed instead)
     failed_pulls: int = 0  # the other side did not answer
+    loaded_blocks: int = 0  # copied into the pool by the pull (not by a step's admission)
 
 
 def host_tier_of(llm: Any) -> HostTier:
@@ -118,6 +125,7 @@ class Puller:
                     self.host.put(keys[at + i], value)
                     nbytes += len(value)
                 at += checked.passed
+                self._load(chain, at)
                 if checked.reason is not None:
                     reason = checked.reason
                     if "missing" in reason:
@@ -135,5 +143,32 @@ class Puller:
                     client.close()
         return {"blocks": at - start, "bytes": nbytes, "reason": reason}
 
+    def _load(self, chain: Any, blocks: int) -> None:
+        """Copy the prompt's first ``blocks`` blocks from the host tier into the pool, those it
+        lacks there, LOAD_BLOCKS per short hold of the lock: the decodes' steps go on between
+        them, each waiting one hold at most."""
+        llm = self.llm
+        if llm.tiers is None or not blocks:
+            return
+        tokens = _tokens_of(chain, blocks)
+        B = llm.config.block_size
+        with llm.lock:
+            on_device = len(llm.block_manager._match(tokens, chain.root))
+        for upto in range(min(blocks, on_device + LOAD_BLOCKS), blocks + LOAD_BLOCKS, LOAD_BLOCKS):
+            upto = min(upto, blocks)
+            with llm.lock:
+                # One token past the blocks: the tiers' load, like admission, never takes the
+                # block of a prompt's last token (it is computed); which token does not matter.
+                loaded = llm.tiers.load(tokens[: upto * B] + [0], chain.root)
+            self.counters.loaded_blocks += loaded
+            if upto == blocks:
+                break
+            time.sleep(LOAD_YIELD_S)
+
     def stats(self) -> dict[str, Any]:
         return asdict(self.counters)
+
+
+def _tokens_of(chain: Any, blocks: int) -> list[int]:
+    """The token ids of the chain's first ``blocks`` blocks."""
+    return unpack_tokens(b"".join(chain.tokens[:blocks]))

@@ -67,6 +67,7 @@ class RoleParts:
     options: RoleOptions
     publisher: Publisher | None = None
     puller: Puller | None = None
+    llm: Any = None  # the worker's engine
 
     def close(self) -> None:
         if self.publisher is not None:
@@ -81,7 +82,7 @@ def build_role(llm: Any, options: RoleOptions) -> RoleParts:
         if redis is None:
             held = HeldHandovers(options.held_bytes, options.ttl_s)
             server = ZmqHandoverServer(held, *options.zmq_address())
-        return RoleParts(options, publisher=Publisher(llm, server, redis))
+        return RoleParts(options, publisher=Publisher(llm, server, redis), llm=llm)
     if options.role == "decode":
-        return RoleParts(options, puller=Puller(llm, redis, options.chunk_blocks))
-    return RoleParts(options)
+        return RoleParts(options, puller=Puller(llm, redis, options.chunk_blocks), llm=llm)
+    return RoleParts(options, llm=llm)

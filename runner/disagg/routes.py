@@ -2,20 +2,29 @@
 
 * prefill: POST /kvcache/prefill/v1/completions and /kvcache/prefill/v1/chat/completions take
   the client's body, run it with max_tokens 1 (the prompt and its first token) and answer the
-  kv_transfer_params a decode worker pulls with; POST /kvcache/release frees a handover that
+  kv_transfer_params a decode worker pulls with. With ``?early=1`` (the direct transport) the
+  answer is two JSON lines: the params of the open handover as soon as the request is queued
+  (a decode worker may pull while the prefill runs), then the whole answer; a failure after the
+  first line is a last line ``{"error": ...}``. POST /kvcache/release frees a handover that
   will not be pulled.
 * decode: POST /kvcache/pull takes those params and pulls the blocks (before the router sends
   the request itself to /v1/...).
-* both roles: GET /kvcache/disagg, what the handovers did.
+* both roles: GET /kvcache/disagg, what the handovers did; GET /kvcache/metrics, the
+  engine's recorded steps and requests (an engine made with record_metrics, as the bench's
+  workers are) with the wall-clock time its step times count from, so two workers' schedules
+  can be drawn on one timeline (`kvcache report`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from runner.disagg.roles import RoleParts
@@ -73,7 +82,7 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
                 return JSONResponse(body, 401)
         return await call_next(request)
 
-    async def prefill(kind: str, raw: dict[str, Any], request: Request) -> JSONResponse:
+    async def prefill(kind: str, raw: dict[str, Any], request: Request) -> Response:
         if publisher is None:
             raise CallError(404, "this worker is not a prefill worker", "invalid_request_error")
         body = prefill_body(kind, raw)
@@ -90,20 +99,46 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
         call = Call(state.engine, request, [sub], "messages" if kind == "chat" else "prompt")
         sub.request_id = f"{call.id}-0"
         await call.start()
-        (output,) = await call.outputs()
-        tokens = output.prompt_token_ids
-        kv = await asyncio.to_thread(publisher.publish, call.id, tokens, salt)
-        first = output.outputs[0]
-        usage = {"prompt_tokens": len(tokens), "cached_tokens": output.num_cached_tokens}
-        answer = {"id": call.id, "text": first.text, "token_ids": list(first.token_ids)}
-        return JSONResponse({"kv_transfer_params": kv, "prefill": answer | usage})
+        # The queued request's prompt: its handover opens now and fills as blocks commit.
+        # (Off the event loop: both wait for the engine lock, which a step holds.)
+        seqs = await asyncio.to_thread(publisher.llm.samples_of, sub.request_id)
+        early = None
+        if seqs:
+            tokens = seqs[0].prompt_token_ids
+            early = await asyncio.to_thread(publisher.begin, call.id, tokens, salt)
+
+        async def answer() -> dict[str, Any]:
+            try:
+                (output,) = await call.outputs()
+            except BaseException:
+                if early is not None:
+                    publisher.release(call.id)
+                raise
+            tokens = output.prompt_token_ids
+            kv = await asyncio.to_thread(publisher.publish, call.id, tokens, salt)
+            first = output.outputs[0]
+            usage = {"prompt_tokens": len(tokens), "cached_tokens": output.num_cached_tokens}
+            done = {"id": call.id, "text": first.text, "token_ids": list(first.token_ids)}
+            return {"kv_transfer_params": kv, "prefill": done | usage}
+
+        if request.query_params.get("early") != "1" or early is None:
+            return JSONResponse(await answer())
+
+        async def lines() -> AsyncIterator[bytes]:
+            yield (json.dumps({"kv_transfer_params": early}) + "\n").encode()
+            try:
+                yield (json.dumps(await answer()) + "\n").encode()
+            except CallError as err:
+                yield (json.dumps(err.body) + "\n").encode()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @app.post("/kvcache/prefill/v1/completions")
-    async def prefill_completion(raw: dict[str, Any], request: Request) -> JSONResponse:
+    async def prefill_completion(raw: dict[str, Any], request: Request) -> Response:
         return await prefill("completion", raw, request)
 
     @app.post("/kvcache/prefill/v1/chat/completions")
-    async def prefill_chat(raw: dict[str, Any], request: Request) -> JSONResponse:
+    async def prefill_chat(raw: dict[str, Any], request: Request) -> Response:
         return await prefill("chat", raw, request)
 
     @app.post("/kvcache/release")
@@ -126,6 +161,13 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
         except ValueError as err:
             raise CallError(400, str(err), "invalid_request_error") from err
 
+    @app.get("/kvcache/metrics")
+    async def metrics() -> JSONResponse:
+        llm = parts.llm
+        if llm is None or not llm.recorder.record:
+            raise CallError(404, "this worker records no metrics", "invalid_request_error")
+        return JSONResponse(await asyncio.to_thread(worker_metrics, llm))
+
     @app.get("/kvcache/disagg")
     async def disagg() -> dict[str, Any]:
         out: dict[str, Any] = {"role": parts.options.role, "handover": parts.options.handover}
@@ -134,3 +176,10 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
         if puller is not None:
             out["pulled"] = puller.stats()
         return out
+
+
+def worker_metrics(llm: Any) -> dict[str, Any]:
+    """``llm.metrics()`` with ``t0_unix_s``: the wall-clock time its ``t_start_s`` count from."""
+    out: dict[str, Any] = llm.metrics()
+    out["t0_unix_s"] = time.time() - (time.perf_counter() - llm.recorder.t0)
+    return out

@@ -4,14 +4,17 @@ REQ socket, and releases the handover when it has them. No store in between.
 
 Wire: a request is one JSON frame, ``{"op": "get", "id": ID, "hashes": [...]}`` or
 ``{"op": "release", "id": ID}``; the answer is a JSON frame ``{"ok": true}`` followed, for a
-get, by one frame per hash: the block value, or an empty frame where none is held. Every wait
-is bounded (``timeout_s``): a prefill worker that died is a miss for the decode worker, whose
-request then computes its prompt itself."""
+get, by one frame per hash: the block value, or an empty frame where none is held; the head
+says ``"open": true`` while the handover is still being filled by its prefill (an empty frame
+may be filled yet: the client asks again). Every wait is bounded (``timeout_s`` an answer,
+``open_wait_s`` an open handover): a prefill worker that died is a miss for the decode worker,
+whose request then computes its prompt itself."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,6 +24,8 @@ from runner.disagg.held import HeldHandovers
 
 POLL_MS = 200  # how often the serving thread looks at its stop flag
 DEFAULT_TIMEOUT_S = 5.0
+OPEN_POLL_S = 0.05  # how often a pull asks again for blocks its prefill has not committed yet
+DEFAULT_OPEN_WAIT_S = 600.0  # the longest a pull waits on one open handover
 
 
 class ZmqHandoverServer:
@@ -61,11 +66,13 @@ class ZmqHandoverServer:
                 self.held.release(handover_id)
                 return [b'{"ok": true}']
             if op == "get":
-                values = self.held.get(handover_id, [int(h) for h in request["hashes"]])
+                hashes = [int(h) for h in request["hashes"]]
+                values, still_open = self.held.get_open(handover_id, hashes)
                 found = [v for v in values if v is not None]
                 self.served_blocks += len(found)
                 self.served_bytes += sum(len(v) for v in found)
-                return [b'{"ok": true}', *(v if v is not None else b"" for v in values)]
+                head = json.dumps({"ok": True, "open": still_open}).encode()
+                return [head, *(v if v is not None else b"" for v in values)]
             raise ValueError(f"unknown op {op!r}")
         except (ValueError, KeyError, TypeError) as err:  # a bad request is answered, not fatal
             return [json.dumps({"ok": False, "error": str(err)}).encode()]
@@ -93,7 +100,7 @@ class ZmqHandoverClient:
         self._socket.connect(endpoint)
         self.endpoint = endpoint
 
-    def _call(self, request: dict[str, Any]) -> list[bytes]:
+    def _call(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
         try:
             self._socket.send(json.dumps(request).encode())
             head, *frames = self._socket.recv_multipart()
@@ -102,16 +109,32 @@ class ZmqHandoverClient:
         answer = json.loads(head)
         if not answer.get("ok"):
             raise HandoverUnreachable(f"{self.endpoint}: {answer.get('error')}")
-        return list(frames)
+        return answer, list(frames)
 
     def fetch(
-        self, handover_id: str, hashes: Sequence[int], chunk_blocks: int
+        self,
+        handover_id: str,
+        hashes: Sequence[int],
+        chunk_blocks: int,
+        open_wait_s: float = DEFAULT_OPEN_WAIT_S,
     ) -> Iterator[list[bytes | None]]:
-        """The values of ``hashes``, ``chunk_blocks`` at a time (None where not held)."""
+        """The values of ``hashes``, ``chunk_blocks`` at a time (None where not held). While
+        the handover is open, a chunk is asked for again until its values are all there (each
+        comes as its prefill commits it) or the handover closes."""
+        deadline = time.monotonic() + open_wait_s
         for start in range(0, len(hashes), chunk_blocks):
             chunk = [int(h) for h in hashes[start : start + chunk_blocks]]
-            frames = self._call({"op": "get", "id": handover_id, "hashes": chunk})
-            yield [f if f else None for f in frames]
+            values: list[bytes | None] = [None] * len(chunk)
+            while True:
+                missing = [i for i, v in enumerate(values) if v is None]  # asked for once only
+                request = {"op": "get", "id": handover_id, "hashes": [chunk[i] for i in missing]}
+                head, frames = self._call(request)
+                for i, frame in zip(missing, frames, strict=False):
+                    values[i] = frame or None
+                if None not in values or not head.get("open") or time.monotonic() > deadline:
+                    break
+                time.sleep(OPEN_POLL_S)
+            yield values
 
     def release(self, handover_id: str) -> None:
         self._call({"op": "release", "id": handover_id})

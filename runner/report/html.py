@@ -19,6 +19,7 @@ from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from runner.report.pd_timeline import is_pd_run, pd_timeline_figure
 from runner.report.summary import NO_PREFIX, prefix_breakdown, summary_rows
 from runner.report.time_split import (
     TIME_HEADER,
@@ -267,6 +268,8 @@ def render_html(metrics: dict[str, Any]) -> str:
             ("Cache hit rate over time", hit_rate_figure(metrics)),
             ("Tokens per step", tokens_figure(metrics)),
         ]
+        if is_pd_run(metrics):  # both workers' steps on one clock, first: the run's picture
+            figures.insert(0, ("Prefill and decode workers", pd_timeline_figure(metrics)))
         step_parts = step_parts_ms(metrics["steps"])
         if step_parts is not None:
             fig, ax = _figure(3.2)

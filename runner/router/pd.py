@@ -1,19 +1,24 @@
 """The disaggregated router: `kvcache router --prefill URL ... --decode URL ...`. Each request
-goes to a prefill worker (POST /kvcache/prefill/v1/...: the prompt and its first token, as
-vLLM's proxy sends max_tokens 1), whose answer is the handover's kv_transfer_params; then to a
-decode worker, which pulls the blocks (POST /kvcache/pull) and answers the request itself
-(POST /v1/...), streamed back as it comes. Workers are picked by fewest requests in flight.
+goes to a prefill worker (POST /kvcache/prefill/v1/...?early=1: the prompt and its first
+token, as vLLM's proxy sends max_tokens 1), whose answer is the handover's kv_transfer_params;
+then to a decode worker, which pulls the blocks (POST /kvcache/pull) and answers the request
+itself (POST /v1/...), streamed back as it comes. Over the direct transport the prefill worker
+sends the params of the open handover first, as soon as the request is queued: the pull starts
+then and runs beside the prefill, so when the prefill ends only its last blocks are left to
+send. Workers are picked by fewest requests in flight.
 
 Faults: a worker that cannot be reached (or is draining) before it answered is taken out and
 the step retried on another; when no prefill worker is left the request fails with 503, and
 when no decode worker is left the prefill worker is told to release the handover. A decode
-worker that dies mid-answer ends the stream with an error event (a whole answer: 502)."""
+worker that dies mid-answer ends the stream with an error event (a whole answer: 502); a
+prefill worker that dies mid-answer fails the request with 502."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,7 +49,10 @@ class PDRouter:
         self.decode = ReplicaSet(decode, client, settings.health_interval_s)
         self.settings, self.client = settings, client
         self.counts = {"requests": 0, "prefill_failed": 0, "decode_failed": 0, "released": 0}
+        # after_prefill_ms: from the prefill's answer to the end of the pull (what the handover
+        # adds to a request's time; the rest of the pull ran beside its prefill).
         self.handover = {"blocks": 0, "bytes": 0, "pull_ms": 0.0, "publish_ms": 0.0}
+        self.handover |= {"after_prefill_ms": 0.0}
 
     async def check_all(self) -> None:
         await asyncio.gather(self.prefill.check_all(), self.decode.check_all())
@@ -66,17 +74,63 @@ class PDRouter:
             worker.sent += 1
             worker.in_flight += 1
             try:
-                response = await self.client.post(worker.url + path, json=body, headers=headers)
+                upstream = self.client.build_request(
+                    "POST", worker.url + path, json=body, headers=headers
+                )
+                response: httpx.Response | None = await self.client.send(upstream, stream=True)
             except httpx.TransportError:
                 response = None
             finally:
                 worker.in_flight -= 1
             if response is None or response.status_code == 503:
+                if response is not None:
+                    await response.aclose()
                 workers.mark_dead(worker)
                 tried.add(worker.url)
                 continue
             return worker, response
         raise Unavailable
+
+    async def _prefill_answers(
+        self, answer: httpx.Response, headers: dict[str, str]
+    ) -> tuple[dict[str, Any], tuple[Replica, asyncio.Task[httpx.Response]] | None]:
+        """Read a prefill worker's answer lines: (its last line, the pull started on a decode
+        worker when the first line was an open handover's params). Raises httpx.TransportError
+        (or ValueError) when the prefill worker died mid-answer."""
+        lines = answer.aiter_lines()
+        first = json.loads(await anext(lines))
+        params = first.get("kv_transfer_params") or {}
+        if "prefill" in first or not params.get("open"):
+            return first, None
+        pulling = self._start_pull(params, headers)
+        try:
+            return json.loads(await anext(lines)), pulling
+        except BaseException:
+            await self._drop_pull(pulling)
+            raise
+
+    def _start_pull(
+        self, params: dict[str, Any], headers: dict[str, str], tried: set[str] | None = None
+    ) -> tuple[Replica, asyncio.Task[httpx.Response]] | None:
+        """POST the handover's params to the least busy decode worker, in the background."""
+        candidates = self.decode.healthy(exclude=tried or set())
+        if not candidates:
+            return None
+        worker = min(candidates, key=lambda r: r.in_flight)
+        worker.sent += 1
+        worker.in_flight += 1
+        pull = self.client.post(f"{worker.url}/kvcache/pull", json=params, headers=headers)
+        return worker, asyncio.ensure_future(pull)
+
+    async def _drop_pull(
+        self, pulling: tuple[Replica, asyncio.Task[httpx.Response]] | None
+    ) -> None:
+        if pulling is not None:
+            worker, task = pulling
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            worker.in_flight -= 1
 
     async def forward(self, path: str, request: Request) -> Response:
         self.counts["requests"] += 1
@@ -92,18 +146,31 @@ class PDRouter:
         headers.pop("content-length", None)
         try:
             prefill, answer = await self._post(
-                self.prefill, "/kvcache/prefill" + path, body, headers
+                self.prefill, "/kvcache/prefill" + path + "?early=1", body, headers
             )
         except Unavailable:
             self.counts["prefill_failed"] += 1
             message = "no prefill worker could take the request (all are down or draining)"
             return JSONResponse(error_body(message, "service_unavailable"), 503)
-        if answer.status_code != 200:  # the client's 400, a 429, a failed prefill's 500
-            return Response(answer.content, answer.status_code, media_type="application/json")
-        params = answer.json()["kv_transfer_params"]
-        self.handover["publish_ms"] += float(params.get("publish_ms", 0.0))
         try:
-            return await self._decode(path, body, headers, params)
+            if answer.status_code != 200:  # the client's 400, a 429
+                content = await answer.aread()
+                return Response(content, answer.status_code, media_type="application/json")
+            last, pulling = await self._prefill_answers(answer, headers)
+        except (httpx.TransportError, StopAsyncIteration, ValueError):
+            self.counts["prefill_failed"] += 1
+            message = "the prefill worker died before it answered"
+            return JSONResponse(error_body(message, "server_error"), 502)
+        finally:
+            await answer.aclose()
+        if "kv_transfer_params" not in last or "prefill" not in last:  # a failed prefill
+            await self._drop_pull(pulling)
+            return JSONResponse(last, 500)
+        params = last["kv_transfer_params"]
+        self.handover["publish_ms"] += float(params.get("publish_ms", 0.0))
+        ended = time.perf_counter()
+        try:
+            return await self._decode(path, body, headers, params, pulling, ended)
         except Unavailable:
             self.counts["decode_failed"] += 1
             await self._release(prefill, params["handover_id"], headers)
@@ -111,19 +178,25 @@ class PDRouter:
             return JSONResponse(error_body(message, "service_unavailable"), 503)
 
     async def _decode(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], params: dict[str, Any]
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        params: dict[str, Any],
+        pulling: tuple[Replica, asyncio.Task[httpx.Response]] | None,
+        ended: float,
     ) -> Response:
+        """Pull (or finish the pull started beside the prefill), then the request itself."""
         tried: set[str] = set()
         for _ in range(self.settings.max_attempts):
-            candidates = self.decode.healthy(exclude=tried)
-            if not candidates:
-                break
-            worker = min(candidates, key=lambda r: r.in_flight)
-            worker.sent += 1
-            worker.in_flight += 1
+            if pulling is None:
+                pulling = self._start_pull(params, headers, tried)
+                if pulling is None:
+                    break
+            (worker, task), pulling = pulling, None
             try:
-                pull = f"{worker.url}/kvcache/pull"
-                pulled = await self.client.post(pull, json=params, headers=headers)
+                pulled = await task
+                self.handover["after_prefill_ms"] += 1000 * (time.perf_counter() - ended)
                 if pulled.status_code == 200:
                     upstream = self.client.build_request(
                         "POST", worker.url + path, json=body, headers=headers

@@ -1,0 +1,113 @@
+"""A prefill worker's handover filled while its prefill runs: each block the engine commits
+(after the forward that wrote its K/V, chunk by chunk in a chunked prefill) that an open
+handover wants is copied off the pool and encoded as a block value in that step, into the held
+handover (held.py). A decode worker pulling meanwhile gets the first blocks before the last
+are computed, and once the prefill ends only its last chunk's blocks are left to send.
+
+The prompt's blocks the pool holds already when the handover opens (a prefix another request
+computed) are read at the open, under the engine lock, so no commit falls between the two."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvcache.radix_tree import Node
+from kvcache.tiers import encode
+from runner.disagg.blocks import PromptChain, cached_values, prompt_chain
+from runner.disagg.held import HeldHandovers
+from runner.engine.kv_transfer import read_blocks
+
+
+@dataclass
+class _Open:
+    token_ids: list[int]
+    cache_salt: str | None
+    chain: PromptChain
+    index: dict[int, int]  # block hash -> its place in the chain
+
+
+class CommitTap:
+    """Feeds ``held``'s open handovers from ``llm``'s commits."""
+
+    def __init__(self, llm: Any, held: HeldHandovers) -> None:
+        self.llm, self.held = llm, held
+        # Changed under both the engine lock (so an open falls between two commits) and this
+        # one; read under either. finish takes only this one: waiting for the engine lock
+        # would wait out another request's prefill step.
+        self._open: dict[str, _Open] = {}
+        self._lock = threading.Lock()
+        self.encoded_blocks = 0
+        bm = llm.block_manager
+        # The block manager has one commit callback (the tiers' write-through may hold it):
+        # chain to it rather than take its place.
+        self._previous = bm._on_commit
+        bm.watch(self._committed, bm._cache.on_evict)
+
+    def open(self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None) -> None:
+        """Start filling ``handover_id`` with the prompt's blocks as they are committed (and
+        with those the pool holds now)."""
+        tokens = list(token_ids)
+        chain = prompt_chain(self.llm, tokens, cache_salt)
+        entry = _Open(tokens, cache_salt, chain, {h: i for i, h in enumerate(chain.hashes)})
+        self.held.open(handover_id)
+        with self.llm.lock:
+            with self._lock:
+                self._open[handover_id] = entry
+            # The block manager's own lookup (pure), capped as admission is.
+            cached = self.llm.block_manager._match(tokens, chain.root)[: len(chain.hashes)]
+            self._add(handover_id, entry, cached)
+
+    def finish(self, handover_id: str) -> None:
+        """The prefill ended: add what the commits missed (read off the pool, as a handover
+        held whole is), and close the handover."""
+        with self._lock:
+            entry = self._open.pop(handover_id, None)
+        if entry is None:
+            return
+        wanted = entry.chain.hashes
+        have = self.held.get(handover_id, wanted)
+        if any(v is None for v in have):
+            for i, value in enumerate(cached_values(self.llm, entry.token_ids, entry.cache_salt)):
+                if have[i] is None:
+                    self.held.add(handover_id, wanted[i], value)
+        self.held.finish(handover_id)
+
+    def cancel(self, handover_id: str) -> None:
+        """Stop filling a handover (its request failed or was released); the values it holds
+        stay until released."""
+        with self._lock:
+            self._open.pop(handover_id, None)
+
+    # -- the engine's side (under its lock, inside a step) -------------------------------------
+    def _committed(self, nodes: list[Node]) -> None:
+        if self._previous is not None:
+            self._previous(nodes)
+        with self._lock:
+            open_now = list(self._open.items())
+        for handover_id, entry in open_now:
+            wanted = [n for n in nodes if n.key in entry.index]
+            if wanted:
+                self._add(handover_id, entry, wanted)
+
+    def _add(self, handover_id: str, entry: _Open, nodes: list[Node]) -> None:
+        """Encode the nodes' blocks into the handover, here, in the step that committed them.
+        Not on a thread of its own: the forward holds the interpreter for most of a step, so
+        such a thread fell whole chunks behind, and the end of the prefill waited for it. A
+        block takes a copy and a checksum, a small part of a step that computes it."""
+        llm, chain = self.llm, entry.chain
+        payloads = read_blocks(llm.kv, [n.block_id for n in nodes])
+        for node, kv in zip(nodes, payloads, strict=True):
+            at = entry.index[node.key]
+            parent = chain.hashes[at - 1] if at else chain.root
+            value = encode(
+                llm.block_spec, chain.hashes[at], parent, chain.tokens[at], kv,
+                top=at == 0, mac_key=llm.cache_mac_key,
+            )  # fmt: skip
+            self.held.add(handover_id, chain.hashes[at], value)
+            self.encoded_blocks += 1
+
+    def close(self) -> None:
+        """Nothing runs of its own: kept so a publisher closes its parts alike."""

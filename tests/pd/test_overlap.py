@@ -1,0 +1,98 @@
+"""The handover overlaps the prefill: a prefill worker's open handover fills with each block as
+a (chunked) prefill commits it, a decode worker's pull waits on an open handover and gets the
+blocks as they come, and through the router the pulled blocks are in the decode worker's pool
+before its request is admitted (the step never copies them in), with the colocated output."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from kvcache import LLM, SamplingParams
+from runner.disagg.blocks import cached_values, prompt_chain
+from runner.disagg.commit_tap import CommitTap
+from runner.disagg.held import HeldHandovers
+from runner.disagg.zmq_transport import ZmqHandoverClient, ZmqHandoverServer
+from tests.pd.conftest import WorkerFactory
+from tests.pd.test_handover import PROMPT
+from tests.pd.test_router_pd import pd_router
+
+BUDGET = 64  # tokens a step: the prompt's prefill takes several steps (chunks)
+
+
+def test_an_open_handover_fills_as_the_prefill_commits(tiny_llama_tok_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_tok_dir), max_num_batched_tokens=BUDGET, num_kv_blocks=128)
+    held = HeldHandovers(1 << 26)
+    tap = CommitTap(llm, held)
+    try:
+        seq = llm.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0))
+        tokens = list(seq.prompt_token_ids)
+        chain = prompt_chain(llm, tokens, None)
+        assert len(chain.hashes) > 2 * BUDGET // llm.config.block_size  # three chunks or more
+        tap.open("h", tokens, None)
+        llm.step()  # the first chunk: its blocks are held, the handover still open
+        time.sleep(0.2)  # (the tap encodes on its own thread)
+        values, still_open = held.get_open("h", chain.hashes)
+        first_chunk = BUDGET // llm.config.block_size
+        assert still_open and all(v is not None for v in values[:first_chunk])
+        assert all(v is None for v in values[first_chunk:])
+        while llm.has_unfinished():
+            llm.step()
+        tap.finish("h")
+        values, still_open = held.get_open("h", chain.hashes)
+        assert not still_open
+        # Byte for byte the values a handover read off the pool at the end would hold.
+        assert values == cached_values(llm, tokens, None)
+    finally:
+        tap.close()
+
+
+def test_a_pull_waits_on_an_open_handover() -> None:
+    held = HeldHandovers(1 << 20)
+    server = ZmqHandoverServer(held)
+    client = ZmqHandoverClient(server.endpoint, timeout_s=5)
+    try:
+        held.open("h")
+        held.add("h", 1, b"one")
+        got: list[list[bytes | None]] = []
+        pull = threading.Thread(target=lambda: got.extend(client.fetch("h", [1, 2, 3], 2)))
+        pull.start()
+        time.sleep(0.3)
+        assert not got  # block 2 is not there yet and the handover is open: it waits
+        held.add("h", 2, b"two")
+        time.sleep(0.3)
+        assert got == [[b"one", b"two"]]  # the first chunk, as soon as it is whole
+        held.finish("h")  # block 3 never comes: closed, the pull ends with it missing
+        pull.join(5)
+        assert got == [[b"one", b"two"], [None]]
+    finally:
+        client.close()
+        server.close()
+
+
+def test_through_the_router_the_blocks_are_in_the_pool_before_admission(
+    worker: WorkerFactory, reference_llm: LLM
+) -> None:
+    params = SamplingParams(max_tokens=16, temperature=0)
+    (want,) = [o.text for o in reference_llm.generate([PROMPT], params)]
+    chunked = {"max_num_batched_tokens": BUDGET}
+    with worker("prefill", **chunked) as prefill, worker("decode") as decode:
+        with pd_router([prefill.url], [decode.url]) as router:
+            body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+            answer = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == want
+            stats = httpx.get(f"{router.url}/router/stats").json()["handover"]
+            pulled = httpx.get(f"{decode.url}/kvcache/disagg").json()["pulled"]
+        blocks = stats["blocks"]
+        assert blocks > 0 and pulled["loaded_blocks"] == blocks  # loaded by the pull
+        tiers = decode.llm.tiers
+        assert tiers is not None and tiers.stats()["loaded_blocks"] == blocks  # none at admission
+        cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == blocks * decode.llm.config.block_size
+        assert prefill.parts.publisher is not None
+        assert prefill.parts.publisher.stats()["held"] == 0
+        decode.llm.block_manager.check_integrity()
