@@ -70,6 +70,13 @@ class BlockManager:
         self._cache.on_commit = on_commit
         self._cache.on_evict = on_evict
 
+    def watchers(
+        self,
+    ) -> tuple[Callable[[list[Node]], None] | None, Callable[[Node], None] | None]:
+        """The (on_commit, on_evict) pair `watch` set: so a second watcher can chain to the
+        first instead of taking its place. Pure."""
+        return self._cache.on_commit, self._cache.on_evict
+
     # -- read-only questions -------------------------------------------------------------------
     @property
     def stats(self) -> CacheStats:

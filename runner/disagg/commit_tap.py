@@ -43,8 +43,8 @@ class CommitTap:
         bm = llm.block_manager
         # The block manager has one commit callback (the tiers' write-through may hold it):
         # chain to it rather than take its place.
-        self._previous = bm._on_commit
-        bm.watch(self._committed, bm._cache.on_evict)
+        self._previous, on_evict = bm.watchers()
+        bm.watch(self._committed, on_evict)
 
     def open(self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None) -> None:
         """Start filling ``handover_id`` with the prompt's blocks as they are committed (and
