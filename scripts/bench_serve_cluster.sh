@@ -13,7 +13,7 @@ cores=$(nproc)
 pids=()
 cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
-wait_up() { for _ in $(seq 300); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.2; done; echo "$1 did not come up" >&2; return 1; }
+wait_up() { for _ in $(seq 900); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.2; done; echo "$1 did not come up" >&2; return 1; }
 replicas=()
 for i in $(seq 0 $((n - 1))); do
   port=$((base + 1 + i))

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from runner.router.policy import make_policy
 from runner.router.prompt_hashes import PromptHasher
 from runner.router.replicas import Replica, ReplicaSet
+from runner.serve.auth import require_api_key
 from runner.serve.responses import error_body
 
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
@@ -37,6 +38,8 @@ class RouterSettings:
     tokenizer: str | None = None  # default: the first replica's model folder
     max_attempts: int = 3
     request_timeout_s: float = 600.0
+    api_key: str | None = None  # what the router's own clients must send
+    replica_api_key: str | None = None  # what the router sends the replicas, instead of theirs
 
 
 class RouterMetrics:
@@ -93,7 +96,7 @@ class Router:
         if self.hasher is not None and isinstance(body, dict):
             token_ids = self.hasher.token_ids(path, body)
         salt = body.get("cache_salt") if isinstance(body, dict) else None
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        headers = forwarded_headers(request, self.settings)
         hashes: dict[str, list[int]] = {}  # per replica: replicas may name blocks otherwise
 
         def hashes_of(replica: Replica) -> list[int]:
@@ -190,11 +193,25 @@ class Forwarder(Protocol):
     async def forward(self, path: str, request: Request) -> Response: ...
 
 
+def forwarded_headers(request: Request, settings: RouterSettings) -> dict[str, str]:
+    """The client's headers a replica gets. The client's Authorization goes along only when
+    the router has no key of its own for the replicas: then one key (the router's, if it has
+    one) serves both hops, as a single --api-key does in SGLang's router."""
+    names: tuple[str, ...] = FORWARDED_HEADERS
+    if settings.replica_api_key is not None:
+        names = tuple(name for name in names if name != "authorization")
+    return {k: v for k, v in request.headers.items() if k.lower() in names}
+
+
 def upstream_client(settings: RouterSettings) -> httpx.AsyncClient:
-    """The one client a router's upstream calls share."""
+    """The one client a router's upstream calls share; with a replica key, every call it
+    makes carries it (requests, health checks, /kvcache/info, /v1/models)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(settings.request_timeout_s, connect=5.0)
-    return httpx.AsyncClient(limits=limits, timeout=timeout)
+    headers = {}
+    if settings.replica_api_key is not None:
+        headers["authorization"] = f"Bearer {settings.replica_api_key}"
+    return httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers)
 
 
 def proxy_app(
@@ -203,9 +220,11 @@ def proxy_app(
     client: httpx.AsyncClient,
     start: Callable[[], Awaitable[None]],
     health_loop: Callable[[], Coroutine[Any, Any, None]],
+    api_key: str | None = None,
 ) -> FastAPI:
     """An app whose OpenAI routes go through `router`: `start` runs at startup, the health
-    loop from then to shutdown, and the client closes last."""
+    loop from then to shutdown, and the client closes last. With `api_key`, its /v1/* routes
+    answer 401 to a client without it, as `kvcache serve --api-key` does."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -219,6 +238,7 @@ def proxy_app(
 
     app = FastAPI(title=title, lifespan=lifespan)
     app.state.router = router
+    require_api_key(app, api_key)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -240,12 +260,14 @@ def build_router_app(urls: list[str], settings: RouterSettings) -> FastAPI:
         await router.replicas.check_all()
         await router.load_tokenizer()
 
-    app = proxy_app("kvcache router", router, client, start, router.replicas.run_health_checks)
+    health_loop = router.replicas.run_health_checks
+    app = proxy_app("kvcache router", router, client, start, health_loop, settings.api_key)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         for replica in router.replicas.healthy():
-            headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+            headers = forwarded_headers(request, settings)
+            headers.pop("content-type", None)
             try:
                 resp = await client.get(f"{replica.url}/v1/models", headers=headers)
             except httpx.TransportError:

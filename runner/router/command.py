@@ -49,6 +49,19 @@ from runner.router.policy import POLICIES
 @click.option(
     "--tokenizer", default=None, help="cache_aware: tokenizer folder [default: the replicas']."
 )
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="KVCACHE_API_KEY",
+    help="Clients must send 'Authorization: Bearer KEY' to /v1/* (or $KVCACHE_API_KEY).",
+)
+@click.option(
+    "--replica-api-key",
+    default=None,
+    envvar="KVCACHE_REPLICA_API_KEY",
+    help="The key sent to the replicas in place of the client's (or $KVCACHE_REPLICA_API_KEY) "
+    "[default: the client's own Authorization is passed on].",
+)
 def router(
     replicas: tuple[str, ...],
     prefill: tuple[str, ...],
@@ -61,6 +74,8 @@ def router(
     balance_rel: float,
     health_interval: float,
     tokenizer: str | None,
+    api_key: str | None,
+    replica_api_key: str | None,
 ) -> None:
     """One OpenAI endpoint in front of several `kvcache serve` replicas."""
     import uvicorn
@@ -68,7 +83,14 @@ def router(
     from runner.router.app import RouterSettings, build_router_app
 
     settings = RouterSettings(
-        policy, cache_threshold, balance_abs, balance_rel, health_interval, tokenizer
+        policy,
+        cache_threshold,
+        balance_abs,
+        balance_rel,
+        health_interval,
+        tokenizer,
+        api_key=api_key,
+        replica_api_key=replica_api_key,
     )
     from runner.router.pd import build_pd_router_app
 

@@ -26,7 +26,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from runner.router.app import FORWARDED_HEADERS, RouterSettings, proxy_app, upstream_client
+from runner.router.app import RouterSettings, forwarded_headers, proxy_app, upstream_client
 from runner.router.replicas import Replica, ReplicaSet
 from runner.serve.responses import error_body, sse
 
@@ -142,8 +142,7 @@ class PDRouter:
             return JSONResponse(
                 error_body("the body must be a JSON object", "invalid_request_error"), 400
             )
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-        headers.pop("content-length", None)
+        headers = forwarded_headers(request, self.settings)
         try:
             prefill, answer = await self._post(
                 self.prefill, "/kvcache/prefill" + path + "?early=1", body, headers
@@ -277,7 +276,8 @@ def build_pd_router_app(prefill: list[str], decode: list[str], settings: RouterS
     client = upstream_client(settings)
     router = PDRouter(prefill, decode, settings, client)
     title = "kvcache router (prefill/decode)"
-    app = proxy_app(title, router, client, router.check_all, router.run_health_checks)
+    health_loop = router.run_health_checks
+    app = proxy_app(title, router, client, router.check_all, health_loop, settings.api_key)
 
     @app.get("/health")
     async def health() -> Response:

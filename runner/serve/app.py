@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from runner.serve.auth import require_api_key
 from runner.serve.calls import Call, CallError
 from runner.serve.engine_loop import EngineLoop
 from runner.serve.events import Delta, Submission
@@ -211,15 +212,7 @@ async def _start(state: ServerState, request: Request, subs: list[Submission], p
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     settings = state.settings
 
-    @app.middleware("http")
-    async def api_key(request: Request, call_next: Any) -> Response:
-        if settings.api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {settings.api_key}":
-                body = error_body(
-                    "invalid or missing API key", "invalid_request_error", None, "invalid_api_key"
-                )
-                return JSONResponse(body, 401)
-        return await call_next(request)
+    require_api_key(app, settings.api_key)
 
     @app.exception_handler(CallError)
     async def call_error(request: Request, err: CallError) -> Response:

@@ -1,7 +1,8 @@
 """The benchmark's client: sessions started at a Poisson rate (or all at once), at most
 `max_concurrency` of them running, each turn a streaming chat completion timed on arrival of
 its chunks: TTFT at the first chunk with text, each later one an inter-token gap, end to end at
-[DONE]; usage (with cached_tokens) from the final chunk (stream_options.include_usage)."""
+[DONE]; usage (with cached_tokens) from the final chunk (stream_options.include_usage), or
+llama-server's `timings.cache_n` where its usage has no cached_tokens."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ async def run_turn(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], result: RequestResult
 ) -> RequestResult:
     last = result.start
+    reused: int | None = 0  # None once usage gave cached_tokens itself
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
@@ -56,7 +58,13 @@ async def run_turn(
                     result.prompt_tokens = int(usage["prompt_tokens"])
                     result.completion_tokens = int(usage["completion_tokens"])
                     details = usage.get("prompt_tokens_details") or {}
-                    result.cached_tokens = int(details.get("cached_tokens") or 0)
+                    if "cached_tokens" in details:
+                        result.cached_tokens = int(details["cached_tokens"] or 0)
+                        reused = None
+                if reused is not None and isinstance(chunk.get("timings"), dict):
+                    # llama-server: the prompt tokens its slot reused, where usage says none
+                    reused = int(chunk["timings"].get("cache_n") or 0)
+                    result.cached_tokens = reused
                 for choice in chunk.get("choices", []):
                     content = choice.get("delta", {}).get("content")
                     if content:

