@@ -5,7 +5,8 @@
 default the project's own docs), and prints the perplexity of transformers' float32 model on it
 with its weight matrices as they are, rounded to bfloat16, quantized to int8 as
 runner/backends/cpu/quant.py rounds them, and rounded to bfloat16 with every product's input
-rounded too (`round_product_inputs`), then with float32 weights and a cache that rounds each key
+rounded too (`round_product_inputs`), quantized to int8 with every product's input quantized too
+(`quantize_product_inputs`), then with float32 weights and a cache that rounds each key
 and value to float16 (`Float16KV`): the very models the CPU engine runs with those options (its
 greedy output equals transformers' on them; tests/model/test_rounded_weights.py,
 tests/model/test_bfloat16_dot.py, tests/model/test_kv_cache_dtype.py).
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from runner.backends.cpu.quant import round_matrices
+from runner.backends.cpu.quant import quantize_rows, round_matrices
 from runner.engine.config import CPU_WEIGHT_DTYPES
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -67,6 +68,19 @@ def round_product_inputs(model: nn.Module) -> None:
             module.register_forward_pre_hook(rounded)
 
 
+def quantize_product_inputs(model: nn.Module) -> None:
+    """Make every nn.Linear of `model` quantize its input rows to int8 (one scale a row, kept as
+    float32) before its product: with the weights quantized per column too, what
+    `cpu_weight_dtype="int8-dot"` computes (its int32 sums are exact)."""
+
+    def quantized(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (quantize_rows(args[0]), *args[1:])
+
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_pre_hook(quantized)
+
+
 def perplexity(model_dir: Path, ids: torch.Tensor, dtype: str, kv16: bool = False) -> float:
     """exp(mean next-token loss) over ids [T], in windows of WINDOW tokens; with `kv16`, each
     window's keys and values rounded to float16 as they are cached."""
@@ -74,6 +88,8 @@ def perplexity(model_dir: Path, ids: torch.Tensor, dtype: str, kv16: bool = Fals
     round_matrices(model, dtype)
     if dtype == "bfloat16-dot":
         round_product_inputs(model)
+    if dtype == "int8-dot":
+        quantize_product_inputs(model)
     total, count = 0.0, 0
     with torch.inference_mode():
         for start in range(0, len(ids) - 1, WINDOW):

@@ -42,17 +42,19 @@ def test_old_cycles_wait_new_cycles_are_collected() -> None:
 
 
 def test_nested_and_callers_freezes_are_left_alone() -> None:
+    # Frozen objects that die leave the permanent generation, so the count may fall a little
+    # while other threads run; only a freeze raises it, and an unfreeze empties it.
     with frozen_heap():
         frozen = gc.get_freeze_count()
         with frozen_heap():
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen, "the inner call must not unfreeze the outer's"
+            assert 0 < gc.get_freeze_count() <= frozen, "the inner call must not freeze again"
+        assert 0 < gc.get_freeze_count() <= frozen, "the inner call must not unfreeze the outer's"
     gc.freeze()  # the caller's own
     try:
         frozen = gc.get_freeze_count()
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() == frozen
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 
