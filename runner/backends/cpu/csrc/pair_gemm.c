@@ -120,6 +120,19 @@ static const unsigned *pair_groups(const float *x, long ldx, long M, long K, lon
     return out;
 }
 
+struct pair_args {
+    const unsigned *xg;
+    const void *packed;
+    float *y;
+    long pairs, panels;
+};
+
+static void pair_task(const void *args, long p, long row0, int rows, int wide)
+{
+    const struct pair_args *a = args;
+    pair_block(a->xg, a->packed, a->y, a->pairs, a->panels, p, row0, rows, wide);
+}
+
 void pair_gemm(const float *x, long ldx, const void *packed, float *y, long M, long K,
                long panels)
 {
@@ -131,31 +144,8 @@ void pair_gemm(const float *x, long ldx, const void *packed, float *y, long M, l
             y[i] = NAN;
         return;
     }
-    const long full = M / MAX_ROWS * MAX_ROWS;
-    long chunk = CHUNK_BYTES / (pairs * 4) / MAX_ROWS * MAX_ROWS;
-    chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk;
-    for (long first = 0; first < full; first += chunk) {
-        const long last = full - first < chunk ? full : first + chunk;
-#pragma omp parallel for schedule(static)
-        for (long p = 0; p < panels; p++)
-            for (long row0 = first; row0 < last; row0 += MAX_ROWS)
-                pair_block(xg, packed, y, pairs, panels, p, row0, MAX_ROWS, 0);
-    }
-    const int rest = (int)(M - full);
-    if (rest == 0)
-        return;
-    const long wide_tasks = panels / WIDE;
-    if (rest <= FEW_ROWS && wide_tasks >= omp_get_max_threads()) {
-#pragma omp parallel for schedule(static)
-        for (long t = 0; t < wide_tasks; t++)
-            pair_block(xg, packed, y, pairs, panels, t * WIDE, full, rest, 1);
-        for (long p = wide_tasks * WIDE; p < panels; p++)
-            pair_block(xg, packed, y, pairs, panels, p, full, rest, 0);
-    } else {
-#pragma omp parallel for schedule(static)
-        for (long p = 0; p < panels; p++)
-            pair_block(xg, packed, y, pairs, panels, p, full, rest, 0);
-    }
+    const struct pair_args args = {xg, packed, y, pairs, panels};
+    walk_tiles(M, panels, pairs * 4, pair_task, &args);
 }
 #else
 long panel_gemm_has_pairs(void) { return 0; }

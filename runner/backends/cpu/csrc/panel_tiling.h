@@ -1,7 +1,9 @@
-/* What panel_gemm.c and pair_gemm.c share: the panel width, the tile's rows, the weight types
+/* What panel_gemm.c, pair_gemm.c and quad_gemm.c share: the panel width, the tile's rows, the weight types
  * and the tuning of how panels are walked. */
 #ifndef KVCACHE_PANEL_TILING_H
 #define KVCACHE_PANEL_TILING_H
+
+#include <omp.h>
 
 enum { LANES = 16, MAX_ROWS = 16 };
 /* What a panel holds (runner/backends/cpu/panels.py WEIGHT_TYPES); int8 scales cover INT8_GROUP k. */
@@ -19,6 +21,43 @@ enum { PREFETCH_AHEAD = 4096, PREFETCH_LOCALITY = 1 };
 /* Rows per pass over the weights, at most: a pass's rows of x (about 512 KB) stay within a
  * core's L2 however long the batch (no cost measured where they fit anyway). */
 enum { CHUNK_BYTES = 1 << 19 };
+
+/* A product's tile kernel: rows row0 .. row0 + rows - 1 (rows <= 16, row0 a multiple of 16)
+ * against panel p, or against WIDE panels from p when `wide` (rows <= FEW_ROWS). */
+typedef void (*tile_fn)(const void *args, long p, long row0, int rows, int wide);
+
+/* How pair_gemm and quad_gemm walk y [M, panels * 16]: the whole 16-row tiles in passes of at
+ * most CHUNK_BYTES of x's rows (row_bytes each), the panels shared between threads; then the
+ * last M % 16 rows, WIDE panels a task where they are few rows and there are wide tasks enough
+ * for every thread. */
+static inline void walk_tiles(long M, long panels, long row_bytes, tile_fn tile, const void *args)
+{
+    const long full = M / MAX_ROWS * MAX_ROWS;
+    long chunk = CHUNK_BYTES / row_bytes / MAX_ROWS * MAX_ROWS;
+    chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk;
+    for (long first = 0; first < full; first += chunk) {
+        const long last = full - first < chunk ? full : first + chunk;
+#pragma omp parallel for schedule(static)
+        for (long p = 0; p < panels; p++)
+            for (long row0 = first; row0 < last; row0 += MAX_ROWS)
+                tile(args, p, row0, MAX_ROWS, 0);
+    }
+    const int rest = (int)(M - full);
+    if (rest == 0)
+        return;
+    const long wide_tasks = panels / WIDE;
+    if (rest <= FEW_ROWS && wide_tasks >= omp_get_max_threads()) {
+#pragma omp parallel for schedule(static)
+        for (long t = 0; t < wide_tasks; t++)
+            tile(args, t * WIDE, full, rest, 1);
+        for (long p = wide_tasks * WIDE; p < panels; p++)
+            tile(args, p, full, rest, 0);
+    } else {
+#pragma omp parallel for schedule(static)
+        for (long p = 0; p < panels; p++)
+            tile(args, p, full, rest, 0);
+    }
+}
 
 /* pair_gemm.c: y [M, panels * 16] = x [M, K] @ bfloat16 pair panels (WEIGHTS_BF16_PAIRS), x
  * rounded to bfloat16 first; NaN where there is no memory to round x, nothing where the build

@@ -151,6 +151,20 @@ static const unsigned *quad_groups(const float *x, long ldx, long M, long K, lon
     return out;
 }
 
+struct quad_args {
+    const unsigned *xq;
+    const float *xs;
+    const void *packed;
+    float *y;
+    long quads, panels;
+};
+
+static void quad_task(const void *args, long p, long row0, int rows, int wide)
+{
+    const struct quad_args *a = args;
+    quad_block(a->xq, a->xs, a->packed, a->y, a->quads, a->panels, p, row0, rows, wide);
+}
+
 void quad_gemm(const float *x, long ldx, const void *packed, float *y, long M, long K,
                long panels)
 {
@@ -163,31 +177,8 @@ void quad_gemm(const float *x, long ldx, const void *packed, float *y, long M, l
             y[i] = NAN;
         return;
     }
-    const long full = M / MAX_ROWS * MAX_ROWS;
-    long chunk = CHUNK_BYTES / (quads * 4) / MAX_ROWS * MAX_ROWS;
-    chunk = chunk < MAX_ROWS ? MAX_ROWS : chunk;
-    for (long first = 0; first < full; first += chunk) {
-        const long last = full - first < chunk ? full : first + chunk;
-#pragma omp parallel for schedule(static)
-        for (long p = 0; p < panels; p++)
-            for (long row0 = first; row0 < last; row0 += MAX_ROWS)
-                quad_block(xq, xs, packed, y, quads, panels, p, row0, MAX_ROWS, 0);
-    }
-    const int rest = (int)(M - full);
-    if (rest == 0)
-        return;
-    const long wide_tasks = panels / WIDE;
-    if (rest <= FEW_ROWS && wide_tasks >= omp_get_max_threads()) {
-#pragma omp parallel for schedule(static)
-        for (long t = 0; t < wide_tasks; t++)
-            quad_block(xq, xs, packed, y, quads, panels, t * WIDE, full, rest, 1);
-        for (long p = wide_tasks * WIDE; p < panels; p++)
-            quad_block(xq, xs, packed, y, quads, panels, p, full, rest, 0);
-    } else {
-#pragma omp parallel for schedule(static)
-        for (long p = 0; p < panels; p++)
-            quad_block(xq, xs, packed, y, quads, panels, p, full, rest, 0);
-    }
+    const struct quad_args args = {xq, xs, packed, y, quads, panels};
+    walk_tiles(M, panels, quads * 4, quad_task, &args);
 }
 #else
 long panel_gemm_has_quads(void) { return 0; }
