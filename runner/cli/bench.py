@@ -179,29 +179,20 @@ def bench(
 
         pd_bench(workload, systems, model, limit, json_path)
         return
-    from runner.bench.beams import NO_BEAMS
-    from runner.bench.external import EXTERNAL_SYSTEMS, PeerPaths
-    from runner.bench.harness import ENGINE_SYSTEMS, PEER_SYSTEMS, run_bench
+    from runner.bench.external import PeerPaths
+    from runner.bench.harness import run_bench
     from runner.bench.peers import Sampling
+    from runner.bench.systems import check_systems
     from runner.bench.workloads import workload_path
 
     system_list = [s.strip() for s in systems.split(",") if s.strip()]
-    unknown = [s for s in system_list if s not in (*ENGINE_SYSTEMS, *PEER_SYSTEMS)]
-    if unknown:
-        raise click.UsageError(
-            f"unknown system(s) {', '.join(unknown)}; known: "
-            + ", ".join([*ENGINE_SYSTEMS, *PEER_SYSTEMS])
-        )
     try:
+        check_systems(system_list, temperature is not None, beam_width)
         workload_path(workload)
     except ValueError as err:
         raise click.UsageError(str(err)) from err
     if samples > 1 and temperature is None:
         raise click.UsageError("--n above 1 needs --temperature: greedy samples are all alike")
-    if beam_width and (temperature is not None or set(NO_BEAMS) & set(system_list)):
-        raise click.UsageError(f"--beam-width is greedy, and {', '.join(NO_BEAMS)} search no beams")
-    if (temperature is not None or beam_width) and set(EXTERNAL_SYSTEMS) & set(system_list):
-        raise click.UsageError(f"{', '.join(EXTERNAL_SYSTEMS)} run greedy only in the bench")
     if block_size is not None and block_size & (block_size - 1):
         raise click.UsageError(f"--block-size must be a power of two, got {block_size}")
 

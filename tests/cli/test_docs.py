@@ -98,7 +98,7 @@ def check_example(line: str) -> None:
 
 
 def check_systems(line: str, systems: object) -> None:
-    from runner.bench.harness import ENGINE_SYSTEMS, PEER_SYSTEMS
+    from runner.bench.systems import ENGINE_SYSTEMS, PEER_SYSTEMS
     from runner.disagg.bench_command import DEFAULT_SYSTEMS as SERVED_SYSTEMS
 
     named = systems.split(",") if isinstance(systems, str) else []
