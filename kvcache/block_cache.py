@@ -45,10 +45,11 @@ class BlockCache:
         self.partials = PartialBlocks(block_size)  # tails and running requests' offers
         self.evicted_blocks = 0  # cached blocks reclaimed by eviction so far
         # Told of the nodes each insert adds (after the forward that wrote their K/V), and of
-        # each tree node about to be evicted, while its block still holds its K/V (the tiers
-        # below the pool keep a copy: runner/engine/kv_tiers.py).
+        # the tree nodes one ``take`` evicts, together, while their blocks still hold their K/V
+        # (the tiers below the pool keep a copy: runner/engine/kv_tiers.py; one batched copy
+        # off the pool costs about what a copy of one block does).
         self.on_commit: Callable[[list[Node]], None] | None = None
-        self.on_evict: Callable[[Node], None] | None = None
+        self.on_evict: Callable[[list[Node]], None] | None = None
 
     # -- questions (pure) ----------------------------------------------------------------------
     @property
@@ -134,9 +135,16 @@ class BlockCache:
 
     def take(self, n: int) -> list[int]:
         """``n`` fresh blocks with ref 1, evicting LRU leaves and tails while the free list is
-        short. The caller has checked availability."""
+        short; the evicted tree nodes go to ``on_evict`` in one call before the blocks are
+        handed out (their K/V is intact until a forward writes the new owners' K/V). The caller
+        has checked availability."""
+        evicted: list[Node] = []
         while self.pool.num_free < n:
-            self._evict_one()
+            node = self._evict_one()
+            if node is not None:
+                evicted.append(node)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return self.pool.take(n)
 
     def insert(
@@ -195,13 +203,15 @@ class BlockCache:
         if tail.block_id in self.partials:
             pool.lru_add(tail.block_id, pool.next_tick())
 
-    def _evict_one(self) -> None:
+    def _evict_one(self) -> Node | None:
         """Evict the least recently used ref-0 leaf or tail: a parent left childless (and
         unheld) becomes an evictable leaf itself, so it may go next, never before. A node's
-        tails go with it (nothing can reach them without it)."""
+        tails go with it (nothing can reach them without it). Returns the tree node evicted
+        (None for a tail); its block is free, its K/V not yet overwritten."""
         pool, tree, partials = self.pool, self.tree, self.partials
         block = pool.lru_pop()
         evicted = [block]
+        node: Node | None = None
         if block in partials:
             partials.remove(block)
         else:
@@ -211,8 +221,6 @@ class BlockCache:
                 partials.remove(tail.block_id)
                 pool.lru_discard(tail.block_id)
                 evicted.append(tail.block_id)
-            if self.on_evict is not None:
-                self.on_evict(node)
             tree.remove_leaf(node)
             parent = node.parent
             if parent is not None and not parent.children and pool.ref(parent.block_id) == 0:
@@ -220,3 +228,4 @@ class BlockCache:
         for gone in evicted:
             pool.evict(gone)
         self.evicted_blocks += len(evicted)
+        return node

@@ -62,17 +62,18 @@ class BlockManager:
     def watch(
         self,
         on_commit: Callable[[list[Node]], None] | None,
-        on_evict: Callable[[Node], None] | None,
+        on_evict: Callable[[list[Node]], None] | None,
     ) -> None:
         """Be told of the nodes each commit adds to the tree (after the forward that wrote
-        their K/V) and of each node about to be evicted (its K/V still intact): how the tiers
-        below the pool get their blocks. Mutates only these two callbacks."""
+        their K/V) and of the nodes each allocation evicts, together (their K/V still
+        intact): how the tiers below the pool get their blocks. Mutates only these two
+        callbacks."""
         self._cache.on_commit = on_commit
         self._cache.on_evict = on_evict
 
     def watchers(
         self,
-    ) -> tuple[Callable[[list[Node]], None] | None, Callable[[Node], None] | None]:
+    ) -> tuple[Callable[[list[Node]], None] | None, Callable[[list[Node]], None] | None]:
         """The (on_commit, on_evict) pair `watch` set: so a second watcher can chain to the
         first instead of taking its place. Pure."""
         return self._cache.on_commit, self._cache.on_evict

@@ -246,6 +246,10 @@ class TieredStore:
         is worth it)."""
         return self._queued_blocks + num_blocks <= self._capacity
 
+    def space(self) -> int:
+        """How many blocks the write queue has room for now. Pure."""
+        return max(0, self._capacity - self._queued_blocks)
+
     def _write_loop(self) -> None:
         """Take a job, and whatever else is queued up to _BATCH, and write them: one pipeline
         per tier for a batch."""

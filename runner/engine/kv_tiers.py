@@ -65,6 +65,7 @@ class TierLoader:
         if config.remote_cache_url:
             tiers.append(RemoteTier(config.remote_cache_url))
         self.store = TieredStore(spec, tiers, mac_key=cache_mac_key(config))
+        self.host = host
         # A waiting request's blocks are read up from disk or Redis into the host tier.
         self.prefetcher = (
             Prefetcher(self.store, host) if host is not None and len(tiers) > 1 else None
@@ -121,12 +122,19 @@ class TierLoader:
         out.extend([node] for node in nodes[tail_from:])
         return out
 
-    def _evicting(self, node: Node) -> None:
-        if not self.store.room():
-            self.store.dropped_writes += 1
+    def _evicting(self, nodes: list[Node]) -> None:
+        """Write back the blocks one allocation evicts, in one copy off the pool. A block the
+        host tier holds already (loaded from it, or prefetched into it) is not copied again."""
+        assert self.host is not None  # watched only with a host tier
+        host, store = self.host, self.store
+        fresh = [n for n in nodes if store.key_of(n.key) not in host]
+        room = min(len(fresh), store.space())
+        store.dropped_writes += len(fresh) - room
+        if not room:
             return
-        (payload,) = read_blocks(self.kv, [node.block_id])
-        self.store.write(("host",), [self._pending(node, payload)])
+        fresh = fresh[:room]
+        payloads = read_blocks(self.kv, [n.block_id for n in fresh])
+        store.write(("host",), [self._pending(n, p) for n, p in zip(fresh, payloads, strict=True)])
 
     # -- up ------------------------------------------------------------------------------------
     def _chain_past_device(self, token_ids: Sequence[int], root: int) -> tuple[int, list[int]]:

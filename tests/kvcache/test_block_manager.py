@@ -523,3 +523,23 @@ def test_cached_continuation_scans_a_bounded_number_of_children() -> None:
         prefill(bm, count, shared + [10_000])  # one block committed, a token of the next
         guess = bm.cached_continuation(count, shared + [10_000], 3)
         assert (guess == [10_001, 10_002, 10_003]) is expected
+
+
+def test_one_allocation_reports_its_evicted_nodes_together() -> None:
+    """The tiers copy evicted blocks off the pool in one batch: one call per allocation, with
+    every tree node it evicted (leaf before the parent it left childless), before the blocks
+    are handed out."""
+    bm = BlockManager(6, 4)
+    calls: list[list[tuple[int, list[int]]]] = []
+    bm.watch(None, lambda nodes: calls.append([(n.block_id, n.token_ids) for n in nodes]))
+    a, b = seq(1, 8), seq(100, 8)
+    run_once(bm, 1, a)
+    run_once(bm, 2, b)
+    assert calls == []  # two blocks still free
+    alloc = bm.allocate(3, seq(1000, 20), ROOT)  # 5 blocks: 2 free, then 3 evictions
+    assert len(calls) == 1
+    evicted = calls[0]
+    assert [tokens for _, tokens in evicted] == [a[4:], a[:4], b[4:]]
+    assert {block for block, _ in evicted} <= set(alloc.block_table)
+    assert bm.cached_prefix_length(b + [0], ROOT) == 4
+    bm.check_integrity()
