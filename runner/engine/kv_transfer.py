@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvcache.store import KVStore
@@ -49,6 +50,11 @@ def to_device(blocks: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def read_blocks(kv: KVStore, block_ids: Sequence[int]) -> list[bytes]:
     """Each block's K/V as bytes (copied off the pool, so the block may be reused at once)."""
+    if kv.device.type == "cpu":
+        # One strided copy a block, single-threaded: torch's gather and transpose of a few
+        # blocks over the intra-op pool cost ~10x that (and wait on the cores the step uses).
+        pool = _host_bytes(kv)
+        return [pool[:, :, block].tobytes() for block in block_ids]
     out: list[bytes] = []
     for start in range(0, len(block_ids), _BLOCKS_PER_COPY):
         ids = torch.tensor(block_ids[start : start + _BLOCKS_PER_COPY], device=kv.device)
@@ -63,10 +69,22 @@ def write_blocks(
     kv: KVStore, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
 ) -> None:
     """Put each payload (one block's bytes, as ``read_blocks`` gives them) into its block."""
+    if kv.device.type == "cpu":
+        pool = _host_bytes(kv)
+        shape = pool.shape[:2] + pool.shape[3:]
+        for block, payload in zip(block_ids, payloads, strict=True):
+            pool[:, :, block] = np.frombuffer(payload, dtype=np.uint8).reshape(shape)
+        return
     shape = (kv.num_layers, 2, kv.block_size, kv.num_kv_heads, kv.head_dim)
     for start in range(0, len(block_ids), _BLOCKS_PER_COPY):
         chunk = payloads[start : start + _BLOCKS_PER_COPY]
-        raw = bytearray(b"".join(chunk))  # writable: torch.frombuffer warns on read-only
+        raw = bytearray().join(chunk)  # writable: torch.frombuffer warns on read-only
         blocks = torch.frombuffer(raw, dtype=torch.uint8).view(kv.dtype).view(len(chunk), *shape)
         ids = torch.tensor(block_ids[start : start + len(chunk)], device=kv.device)
         kv.tensor.index_copy_(2, ids, to_device(blocks, kv.device).movedim(0, 2))
+
+
+def _host_bytes(kv: KVStore) -> np.ndarray:
+    """The CPU pool's memory as bytes, [layers, 2, blocks, B, H, D * itemsize] (a view: no
+    copy; numpy has no bfloat16, bytes have every dtype)."""
+    return kv.tensor.view(torch.uint8).numpy()
