@@ -142,13 +142,16 @@ class TieredStore:
             for i, value in zip(want, values or [], strict=False):
                 if value is not None:
                     found[i] = (tier, value)
+        # Where each value starts (read from its header once, not at every block).
+        starts = {k: k - value_blocks(data) + 1 for k, (_, data) in found.items()}
         hits: list[Hit] = []
         while len(hits) < n:
             pos = len(hits)
-            covering = [k for k in found if k >= pos and k - value_blocks(found[k][1]) < pos]
+            covering = [k for k, first in starts.items() if k >= pos and first <= pos]
             if not covering:
                 break
             last = max(covering)
+            del starts[last]
             tier, data = found.pop(last)
             blocks = self._check(tier, keys[last], data, (hashes, tokens, parent), pos, last)
             if blocks is None:
