@@ -96,11 +96,13 @@ class DiskTier:
         """Each key's file contents (None where absent or unreadable); a hit is touched, so
         it counts as recent here and after a restart."""
         out: list[bytes | None] = []
+        root = os.fspath(self.root)  # plain strings: a lookup asks for every block's key
         for key in keys:
             name = self.file_name(key)
-            path = self.root / name
+            path = os.path.join(root, name)
             try:
-                data = path.read_bytes()
+                with open(path, "rb", buffering=0) as file:
+                    data = file.readall()
                 os.utime(path)
             except OSError:
                 with self._lock:
