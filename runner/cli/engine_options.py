@@ -119,6 +119,14 @@ _OPTIONS = [
         help="Share cached blocks with every engine pointed at this Redis: redis://host:port/db.",
     ),
     click.option(
+        "--cache-chunk-tokens",
+        type=int,
+        default=256,
+        show_default=True,
+        help="Tokens of consecutive blocks the disk and remote caches store as one value (a "
+        "multiple of --block-size; engines sharing a cache should agree on it).",
+    ),
+    click.option(
         "--cache-key",
         default=None,
         help="Sign every stored block with this key, and serve none that another key (or none) "

@@ -1,6 +1,7 @@
 """`kvcache generate` with the tier options: a second run on the same --disk-cache directory
-finds the first run's prefixes, with the same answers; sizes read as 2GiB / 512MB; a bad
-size or URL is a usage error before the model loads."""
+finds the first run's prefixes, with the same answers; --cache-chunk-tokens sets how many
+blocks a stored value holds; sizes read as 2GiB / 512MB; a bad size, URL or chunk is a usage
+error before the model loads."""
 
 from __future__ import annotations
 
@@ -42,12 +43,28 @@ def test_a_second_run_gets_the_first_runs_prefixes(tiny_llama_dir: Path, tmp_pat
     }
 
 
+@pytest.mark.parametrize(("chunk", "files"), [("48", 1), ("16", 3)])
+def test_cache_chunk_tokens_sets_the_values_blocks(
+    tiny_llama_dir: Path, tmp_path: Path, chunk: str, files: int
+) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt_token_ids": [3 + (i * 7) % 300 for i in range(49)]}))
+    disk = tmp_path / "disk"
+    args = ["generate", str(src), "-o", str(tmp_path / "o.jsonl"), "--model", str(tiny_llama_dir)]
+    tiers = ["--disk-cache", str(disk), "--cache-chunk-tokens", chunk]
+    result = CliRunner().invoke(main, [*args, "--max-tokens", "4", *tiers])
+    assert result.exit_code == 0, result.output
+    # Three full blocks of 16: one value of three blocks, or three of one.
+    assert len(list(disk.glob("*.kvb"))) == files
+
+
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
         (["--host-cache-bytes", "lots"], "--host-cache-bytes"),
         (["--disk-cache-bytes", "0"], "--disk-cache-bytes"),
         (["--remote-cache", "http://x"], "--remote-cache"),
+        (["--cache-chunk-tokens", "20"], "--cache-chunk-tokens"),
     ],
 )
 def test_bad_tier_options_fail_before_the_model_loads(
