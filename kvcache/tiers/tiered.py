@@ -38,7 +38,7 @@ from kvcache.tiers.block_value import (
 log = logging.getLogger(__name__)
 # Miss reasons that mean the stored bytes themselves are bad: those values are deleted.
 DAMAGED = ("truncated header", "truncated or oversized value", "not a block value", "checksum")
-_BATCH = 64  # writes the writer thread takes from the queue at a time (one pipeline)
+_BATCH = 64  # values the writer thread takes from the queue at a time (one pipeline)
 
 
 class TierDown(ConnectionError):
@@ -108,7 +108,7 @@ class TieredStore:
         self._warn = warn
         self._warned: set[str] = set()
         # Bounded in blocks (a chunk counts each of its blocks), not in values.
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._queue: queue.Queue[list[_Job] | None] = queue.Queue()
         self._capacity = queue_blocks
         self._queued_blocks = 0
         self._lock = threading.Lock()
@@ -231,16 +231,19 @@ class TieredStore:
         its last block, for the tiers named ``targets``; returns how many blocks were dropped
         because the queue (bounded in blocks) was full. Never blocks."""
         names = tuple(t for t in targets if t in self.counters)
+        if not names:
+            return 0
+        accepted: list[_Job] = []
         dropped = 0
-        for chunk in chunks if names else []:
-            with self._lock:
-                fits = self._queued_blocks + len(chunk) <= self._capacity
-                if fits:
+        with self._lock:  # one lock and one queue item a call: the writer wakes once
+            for chunk in chunks:
+                if self._queued_blocks + len(chunk) <= self._capacity:
                     self._queued_blocks += len(chunk)
-            if fits:
-                self._queue.put_nowait(_Job(names, tuple(chunk)))
-            else:
-                dropped += len(chunk)
+                    accepted.append(_Job(names, tuple(chunk)))
+                else:
+                    dropped += len(chunk)
+        if accepted:
+            self._queue.put_nowait(accepted)
         self.dropped_writes += dropped
         return dropped
 
@@ -254,23 +257,25 @@ class TieredStore:
         return max(0, self._capacity - self._queued_blocks)
 
     def _write_loop(self) -> None:
-        """Take a job, and whatever else is queued up to _BATCH, and write them: one pipeline
-        per tier for a batch."""
+        """Take the queued jobs (each queue item is one call's), up to about _BATCH, and write
+        them: one pipeline per tier for a batch."""
         while True:
-            jobs = [self._queue.get()]
-            while len(jobs) < _BATCH and jobs[-1] is not None:
+            items = [self._queue.get()]
+            jobs = list(items[0] or [])
+            while len(jobs) < _BATCH and items[-1] is not None:
                 try:
-                    jobs.append(self._queue.get_nowait())
+                    items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+                jobs.extend(items[-1] or [])
             try:
-                self._write_jobs([job for job in jobs if job is not None])
+                self._write_jobs(jobs)
             finally:
                 with self._lock:
-                    self._queued_blocks -= sum(len(job.blocks) for job in jobs if job)
-                for _ in jobs:
+                    self._queued_blocks -= sum(len(job.blocks) for job in jobs)
+                for _ in items:
                     self._queue.task_done()
-            if jobs[-1] is None:
+            if items[-1] is None:
                 return
 
     def _write_jobs(self, jobs: list[_Job]) -> None:
