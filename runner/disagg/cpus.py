@@ -1,9 +1,13 @@
 """Pinning a worker to its own cores (`kvcache serve --cpus 0` or `--cpus 2-3,6`), with torch's
-threads set to match, so on one machine a prefill worker cannot take a decode worker's time."""
+threads set to match, so on one machine a prefill worker cannot take a decode worker's time;
+and one thread of it to other cores (a decode worker's pulls, `--pull-cpus`: the handover's
+receive, checks and copies then take none of the decode steps' core)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -21,17 +25,42 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
+def allowed_cpus(text: str, option: str = "--cpus") -> set[int]:
+    """The CPUs ``text`` names, all of which this process may use now. Raises ValueError
+    naming the option and the problem."""
+    try:
+        cpus = parse_cpus(text)
+    except ValueError as err:
+        raise ValueError(str(err).replace("--cpus", option)) from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        missing = ", ".join(str(c) for c in sorted(cpus - allowed))
+        raise ValueError(f"{option}: CPU {missing} is not available (allowed: {sorted(allowed)})")
+    return cpus
+
+
+@contextmanager
+def thread_on_cpus(cpus: set[int] | None) -> Iterator[None]:
+    """Run the calling thread alone on ``cpus`` for the body (Linux's affinity is a thread's
+    own), then where it ran before; None: where it is."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def pin_to_cpus(text: str) -> set[int]:
     """Run this process (every thread it starts from now on) on those CPUs only, with as many
     torch threads; returns the CPUs. Raises ValueError for CPUs this machine does not let it
     use."""
     import torch
 
-    cpus = parse_cpus(text)
-    allowed = os.sched_getaffinity(0)
-    if not cpus <= allowed:
-        missing = ", ".join(str(c) for c in sorted(cpus - allowed))
-        raise ValueError(f"--cpus: CPU {missing} is not available (allowed: {sorted(allowed)})")
+    cpus = allowed_cpus(text)
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
     return cpus

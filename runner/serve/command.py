@@ -54,6 +54,11 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
     help="How prefill hands KV to decode: zmq, zmq://HOST:PORT (direct) or redis://HOST:PORT/DB.",
 )
 @click.option("--cpus", default=None, help="Pin this worker to these CPUs (0 or 0-3,6).")
+@click.option(
+    "--pull-cpus",
+    default=None,
+    help="decode: run the handover pulls on these CPUs, off the decode steps' (--cpus) ones.",
+)
 @engine_options
 def serve(
     model: str | None,
@@ -66,12 +71,14 @@ def serve(
     role: str,
     handover: str,
     cpus: str | None,
+    pull_cpus: str | None,
     engine_options: dict[str, Any],
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with /health
     and Prometheus /metrics, over one engine that batches every request continuously."""
     from runner.cli.startup import start_up_without_gc
     from runner.disagg.serve_role import start_role
+    from runner.engine.frozen_heap import freeze_server_heap
     from runner.engine.llm import LLM
     from runner.serve.app import ServeSettings, build_app
     from runner.serve.server import run_server
@@ -81,9 +88,10 @@ def serve(
     with start_up_without_gc():
         try:
             make = lambda options: LLM(model, **options)  # noqa: E731
-            llm, attach = start_role(role, handover, cpus, make, engine_options)
+            llm, attach = start_role(role, handover, cpus, make, engine_options, pull_cpus)
         except ValueError as err:
             raise click.ClickException(str(err)) from err
+    freeze_server_heap()
     settings = ServeSettings(name, api_key=api_key, max_queued_requests=max_queued_requests)
     click.echo(f"kvcache serve ({role}): {name} on http://{host}:{port}/v1", err=True)
     run_server(attach(build_app(llm, settings)), host, port, drain_timeout)
