@@ -6,9 +6,10 @@ requests sent at their workload arrival times (data/pd_interference.jsonl: a few
 t=0, long prompts arriving while they run). engine and engine-nochunk are one colocated `kvcache
 serve` on every CPU this process may use (chunked prefill on / off); engine-pd is a prefill
 worker on the first CPU, a decode worker on the second (ZeroMQ handover) and the router. The
-decode worker's CPU runs its decode steps alone: the router, this client and the decode worker's
-pulls run on the prefill worker's CPU (every streamed chunk passes through the router and the
-client; on the decode core they would take the steps' time). Per system: the decodes'
+router and this client run on the prefill worker's CPU: every streamed chunk passes through them,
+and on the decode worker's CPU they would take its steps' time. (Its pulls stay there: a pull's
+thread on the busy prefill CPU, preempted while it held the interpreter's lock, made the decode
+steps 3x slower.) Per system: the decodes'
 inter-token latency p50 / p99 / max (the gaps between their stream chunks once every decode has
 its first token: before that the decodes' own prompts join the batch, a start-up the long
 prompts have no part in), the long prompts' TTFT, total throughput, the KV bytes and
@@ -85,12 +86,9 @@ def _process(args: list[str], what: str) -> Iterator[str]:
             process.kill()
 
 
-def _worker(
-    model: str | None, role: str, cpus: str, options: dict[str, Any], pull_cpus: str | None = None
-) -> Any:
+def _worker(model: str | None, role: str, cpus: str, options: dict[str, Any]) -> Any:
     args = [sys.executable, "-m", "runner.disagg.bench_worker", "--role", role, "--cpus", cpus]
     args += ["--options", json.dumps(options), *(["--model", model] if model else [])]
-    args += ["--pull-cpus", pull_cpus] if pull_cpus is not None else []
     return _process(args, f"{role} worker")
 
 
@@ -106,7 +104,7 @@ def _system(name: str, model: str | None, cpus: list[int]) -> Iterator[dict[str,
     record = {"record_metrics": True}  # both schedules, for the report's two lanes
     with (
         _worker(model, "prefill", first, record) as prefill,
-        _worker(model, "decode", second, record, pull_cpus=first) as d,
+        _worker(model, "decode", second, record) as d,
     ):
         # The router on the prefill worker's CPU (as `taskset -c 0 kvcache router ...`).
         code = f"import os, cli; os.sched_setaffinity(0, {{{first}}}); cli.main()"

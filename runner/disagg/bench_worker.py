@@ -17,7 +17,6 @@ def main() -> None:
     parser.add_argument("--role", default="both")
     parser.add_argument("--handover", default="zmq")
     parser.add_argument("--cpus", default=None)
-    parser.add_argument("--pull-cpus", default=None)
     parser.add_argument("--model", default=None)
     parser.add_argument("--options", default="{}")
     args = parser.parse_args()
@@ -30,7 +29,7 @@ def main() -> None:
     # Metrics off unless the bench asks (engine-pd's workers record their schedules).
     options = {"record_metrics": False} | json.loads(args.options)
     make = lambda o: LLM(args.model, **o)  # noqa: E731
-    llm, attach = start_role(args.role, args.handover, args.cpus, make, options, args.pull_cpus)
+    llm, attach = start_role(args.role, args.handover, args.cpus, make, options)
     freeze_server_heap()
     app = attach(build_app(llm, ServeSettings("bench", max_queued_requests=4096)))
     run_server(app, "127.0.0.1", args.port, 5.0)

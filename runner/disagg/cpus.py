@@ -1,7 +1,6 @@
 """Pinning a worker to its own cores (`kvcache serve --cpus 0` or `--cpus 2-3,6`), with torch's
 threads set to match, so on one machine a prefill worker cannot take a decode worker's time;
-and one thread of it to other cores (a decode worker's pulls, `--pull-cpus`: the handover's
-receive, checks and copies then take none of the decode steps' core)."""
+and one thread for a while (the disaggregation bench's client, beside the prefill worker)."""
 
 from __future__ import annotations
 
@@ -25,17 +24,19 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
-def allowed_cpus(text: str, option: str = "--cpus") -> set[int]:
-    """The CPUs ``text`` names, all of which this process may use now. Raises ValueError
-    naming the option and the problem."""
-    try:
-        cpus = parse_cpus(text)
-    except ValueError as err:
-        raise ValueError(str(err).replace("--cpus", option)) from None
+def pin_to_cpus(text: str) -> set[int]:
+    """Run this process (every thread it starts from now on) on those CPUs only, with as many
+    torch threads; returns the CPUs. Raises ValueError for CPUs this machine does not let it
+    use."""
+    import torch
+
+    cpus = parse_cpus(text)
     allowed = os.sched_getaffinity(0)
     if not cpus <= allowed:
         missing = ", ".join(str(c) for c in sorted(cpus - allowed))
-        raise ValueError(f"{option}: CPU {missing} is not available (allowed: {sorted(allowed)})")
+        raise ValueError(f"--cpus: CPU {missing} is not available (allowed: {sorted(allowed)})")
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
     return cpus
 
 
@@ -52,15 +53,3 @@ def thread_on_cpus(cpus: set[int] | None) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)
-
-
-def pin_to_cpus(text: str) -> set[int]:
-    """Run this process (every thread it starts from now on) on those CPUs only, with as many
-    torch threads; returns the CPUs. Raises ValueError for CPUs this machine does not let it
-    use."""
-    import torch
-
-    cpus = allowed_cpus(text)
-    os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(len(cpus))
-    return cpus

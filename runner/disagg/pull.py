@@ -1,17 +1,14 @@
-"""The decode worker's side of a handover: before a request is queued, pull the prompt's blocks its
-pool and host tier lack from the prefill worker (directly or through Redis; directly, while the
-prefill still runs), check each one as it arrives (blocks.py), and put the run that passes into
-the host tier, then, a chunk at a time under the engine lock, into the pool (the tiers' own
-load, runner/engine/kv_tiers.py, which checks them once more against the prompt's tokens). With
-``cpus`` (`--pull-cpus`) a pull's thread runs on those CPUs, not on the decode steps': its
-receive, checks and copies then take none of their core (they still share the interpreter, and
-the engine lock while a chunk is copied into the pool). So the request's admission finds them
-cached on the device: a step never stops to copy a long prompt's blocks in (a stall the running
-decodes would see). Whatever did not arrive, or arrived bad, is computed."""
+"""The decode worker's side of a handover: before a request is queued, pull the prompt's blocks
+its pool and host tier lack from the prefill worker (directly or through Redis; directly, while
+the prefill still runs), check each one as it arrives (blocks.py), and put the run that passes
+into the host tier, then, a chunk at a time under the engine lock, into the pool (the tiers'
+own load, runner/engine/kv_tiers.py, which checks them once more against the prompt's tokens).
+So the request's admission finds them cached on the device: a step never stops to copy a long
+prompt's blocks in (a stall the running decodes would see). Whatever did not arrive, or
+arrived bad, is computed."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -19,7 +16,6 @@ from typing import Any
 from kvcache.hashing import unpack_tokens
 from kvcache.tiers import HostTier, TierDown, storage_key
 from runner.disagg.blocks import check_values, prompt_chain
-from runner.disagg.cpus import thread_on_cpus
 from runner.disagg.redis_transport import RedisHandover
 from runner.disagg.zmq_transport import HandoverUnreachable, ZmqHandoverClient
 
@@ -61,9 +57,8 @@ class Puller:
         redis: RedisHandover | None = None,
         chunk_blocks: int = DEFAULT_CHUNK_BLOCKS,
         timeout_s: float = 5.0,
-        cpus: set[int] | None = None,
     ) -> None:
-        self.llm, self.redis, self.cpus = llm, redis, cpus
+        self.llm, self.redis = llm, redis
         self.host = host_tier_of(llm)
         self.chunk_blocks, self.timeout_s = chunk_blocks, timeout_s
         self.counters = PullCounters()
@@ -82,14 +77,7 @@ class Puller:
             raise ValueError(f"kv_transfer_params: {err!r}") from err
         if transport not in ("zmq", "redis"):
             raise ValueError(f"kv_transfer_params.transport: unknown transport {transport!r}")
-        with thread_on_cpus(self.cpus):
-            return self._pull(tokens, transport, handover_id, endpoint, salt)
-
-    def _pull(
-        self, tokens: list[int], transport: str, handover_id: str, endpoint: str, salt: Any
-    ) -> dict[str, Any]:
         started = time.perf_counter()
-        ran_on = sorted(os.sched_getaffinity(0))  # this thread's CPUs: --pull-cpus when set
         llm, chain = self.llm, prompt_chain(self.llm, tokens, salt)
         keys = [storage_key(llm.block_spec, h) for h in chain.hashes]
         with llm.lock:  # pure lookup: how much of the chain the pool holds already
@@ -99,7 +87,7 @@ class Puller:
                 break
             start += 1  # held in the host tier already (checked again at admission)
         out: dict[str, Any] = {"wanted": len(keys), "skipped": start, "blocks": 0, "bytes": 0}
-        out["reason"], out["cpus"] = None, ran_on
+        out["reason"] = None
         try:
             out |= self._fetch(transport, endpoint, handover_id, chain, start, keys)
         except (HandoverUnreachable, TierDown, OSError) as err:

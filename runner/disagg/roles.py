@@ -27,7 +27,6 @@ class RoleOptions:
     chunk_blocks: int = DEFAULT_CHUNK_BLOCKS
     held_bytes: int = DEFAULT_HELD_BYTES
     ttl_s: float = DEFAULT_TTL_S
-    pull_cpus: frozenset[int] | None = None  # decode: where its pulls run (--pull-cpus)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -35,8 +34,6 @@ class RoleOptions:
         if not self.handover.startswith(("zmq", "redis://", "rediss://")):
             message = f"handover must be zmq, zmq://HOST:PORT or redis://..., got {self.handover!r}"
             raise ValueError(message)
-        if self.pull_cpus is not None and self.role != "decode":
-            raise ValueError("--pull-cpus is a decode worker's option (--role decode)")
         if self.chunk_blocks < 1:
             raise ValueError(f"handover chunk must be >= 1 block, got {self.chunk_blocks}")
 
@@ -87,7 +84,5 @@ def build_role(llm: Any, options: RoleOptions) -> RoleParts:
             server = ZmqHandoverServer(held, *options.zmq_address())
         return RoleParts(options, publisher=Publisher(llm, server, redis), llm=llm)
     if options.role == "decode":
-        cpus = set(options.pull_cpus) if options.pull_cpus else None
-        puller = Puller(llm, redis, options.chunk_blocks, cpus=cpus)
-        return RoleParts(options, puller=puller, llm=llm)
+        return RoleParts(options, puller=Puller(llm, redis, options.chunk_blocks), llm=llm)
     return RoleParts(options, llm=llm)

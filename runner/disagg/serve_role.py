@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from runner.disagg.cpus import allowed_cpus, pin_to_cpus
+from runner.disagg.cpus import pin_to_cpus
 from runner.disagg.roles import RoleOptions, build_role, engine_options_for
 from runner.disagg.routes import attach_role
 
@@ -21,13 +21,10 @@ def start_role(
     cpus: str | None,
     make_llm: Callable[[dict[str, Any]], Any],
     engine_options: dict[str, Any],
-    pull_cpus: str | None = None,
 ) -> tuple[Any, Callable[[FastAPI], FastAPI]]:
     """(the engine, app -> app with the role's routes). Raises ValueError naming a bad
     option."""
-    # Checked before --cpus narrows this process: the pulls' CPUs are usually not its own.
-    pulls = frozenset(allowed_cpus(pull_cpus, "--pull-cpus")) if pull_cpus is not None else None
-    options = RoleOptions(role=role, handover=handover, pull_cpus=pulls)
+    options = RoleOptions(role=role, handover=handover)
     if cpus is not None:
         pin_to_cpus(cpus)  # before the engine starts its threads
     llm = make_llm(engine_options_for(options, engine_options))

@@ -54,11 +54,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
     help="How prefill hands KV to decode: zmq, zmq://HOST:PORT (direct) or redis://HOST:PORT/DB.",
 )
 @click.option("--cpus", default=None, help="Pin this worker to these CPUs (0 or 0-3,6).")
-@click.option(
-    "--pull-cpus",
-    default=None,
-    help="decode: run the handover pulls on these CPUs, off the decode steps' (--cpus) ones.",
-)
 @engine_options
 def serve(
     model: str | None,
@@ -71,7 +66,6 @@ def serve(
     role: str,
     handover: str,
     cpus: str | None,
-    pull_cpus: str | None,
     engine_options: dict[str, Any],
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with /health
@@ -88,7 +82,7 @@ def serve(
     with start_up_without_gc():
         try:
             make = lambda options: LLM(model, **options)  # noqa: E731
-            llm, attach = start_role(role, handover, cpus, make, engine_options, pull_cpus)
+            llm, attach = start_role(role, handover, cpus, make, engine_options)
         except ValueError as err:
             raise click.ClickException(str(err)) from err
     freeze_server_heap()

@@ -30,14 +30,9 @@ class Worker(NamedTuple):
 
 
 def start_worker(
-    model_dir: Path,
-    role: str,
-    handover: str = "zmq",
-    api_key: str | None = None,
-    pull_cpus: frozenset[int] | None = None,
-    **engine: Any,
+    model_dir: Path, role: str, handover: str = "zmq", api_key: str | None = None, **engine: Any
 ) -> Worker:
-    options = RoleOptions(role=role, handover=handover, pull_cpus=pull_cpus)
+    options = RoleOptions(role=role, handover=handover)
     engine = {"num_kv_blocks": 256, "max_num_seqs": 16} | engine
     llm = LLM(str(model_dir), **engine_options_for(options, engine))
     parts = build_role(llm, options)
@@ -57,18 +52,14 @@ WorkerFactory = Callable[..., AbstractContextManager[Worker]]
 
 @pytest.fixture
 def worker(tiny_llama_tok_dir: Path) -> WorkerFactory:
-    """worker(role, handover="zmq", api_key=None, pull_cpus=None, **engine options) -> context
-    manager of a Worker."""
+    """worker(role, handover="zmq", api_key=None, **engine options) -> context manager of a
+    Worker."""
 
     @contextmanager
     def start(
-        role: str,
-        handover: str = "zmq",
-        api_key: str | None = None,
-        pull_cpus: frozenset[int] | None = None,
-        **engine: Any,
+        role: str, handover: str = "zmq", api_key: str | None = None, **engine: Any
     ) -> Iterator[Worker]:
-        live = start_worker(tiny_llama_tok_dir, role, handover, api_key, pull_cpus, **engine)
+        live = start_worker(tiny_llama_tok_dir, role, handover, api_key, **engine)
         try:
             yield live
         finally:
