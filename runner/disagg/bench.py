@@ -132,9 +132,11 @@ async def _one(
             if "error" in chunk:
                 raise RuntimeError(f"{row['id']}: {chunk['error']}")
             for choice in chunk.get("choices", []):
-                if choice.get("text"):
-                    times.append(time.perf_counter())
-                    text.append(choice["text"])
+                # One chunk a step's token, its text empty while the detokenizer holds it back
+                # (a character not whole yet): still a token that came, so a time; skipping it
+                # made the next gap two steps long.
+                times.append(time.perf_counter())
+                text.append(choice.get("text") or "")
     return {"id": row["id"], "kind": row.get("kind", "decode"), "sent": sent, "times": times,
             "text": "".join(text)}  # fmt: skip
 
