@@ -1,17 +1,22 @@
-"""`kvcache bench --workload pd_interference --systems engine,engine-nochunk,engine-pd`: the
-stall a long prompt's prefill puts on running decodes, with and without disaggregation.
+"""`kvcache bench --workload pd_interference --systems engine,engine-nochunk,engine-pd`: the stall
+a long prompt's prefill puts on running decodes, with and without disaggregation.
 
 Every system is served (real processes on loopback) and driven the same way, by streamed
-requests sent at their workload arrival times (data/pd_interference.jsonl: a few long decodes
-at t=0, long prompts arriving while they run). engine and engine-nochunk are one colocated
-`kvcache serve` on every CPU this process may use (chunked prefill on / off); engine-pd is a
-prefill worker on the first CPU, a decode worker on the second (ZeroMQ handover) and the
-router. Per system: the decodes' inter-token latency p50 / p99 / max (the gaps between their
-stream chunks), the long prompts' TTFT, total throughput, the KV bytes and milliseconds handed
-over (the milliseconds a handover adds after its prefill's end: the rest runs beside the
-prefill), whether every output equals the first system's (greedy), each stream's token times
-(for the picture: scripts/pd_streams.py), and for engine-pd both workers' recorded schedules
-(``pd_metrics``, what `kvcache report` draws on one timeline)."""
+requests sent at their workload arrival times (data/pd_interference.jsonl: a few long decodes at
+t=0, long prompts arriving while they run). engine and engine-nochunk are one colocated `kvcache
+serve` on every CPU this process may use (chunked prefill on / off); engine-pd is a prefill
+worker on the first CPU, a decode worker on the second (ZeroMQ handover) and the router. The
+router and this client run on the prefill worker's CPU: every streamed chunk passes through them,
+and on the decode worker's CPU they would take its steps' time. (Its pulls stay there: a pull's
+thread on the busy prefill CPU, preempted while it held the interpreter's lock, made the decode
+steps 3x slower.) Per system: the decodes'
+inter-token latency p50 / p99 / max (the gaps between their stream chunks once every decode has
+its first token: before that the decodes' own prompts join the batch, a start-up the long
+prompts have no part in), the long prompts' TTFT, total throughput, the KV bytes and
+milliseconds handed over (the milliseconds a handover adds after its prefill's end: the rest
+runs beside the prefill), whether every output equals the first system's (greedy), each stream's
+token times (for the picture: scripts/pd_streams.py), and for engine-pd both workers' recorded
+schedules (``pd_metrics``, what `kvcache report` draws on one timeline)."""
 
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from typing import Any
 import httpx
 
 from runner.bench.workloads import workload_path
+from runner.disagg.cpus import thread_on_cpus
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS: dict[str, dict[str, Any]] = {
@@ -100,7 +106,9 @@ def _system(name: str, model: str | None, cpus: list[int]) -> Iterator[dict[str,
         _worker(model, "prefill", first, record) as prefill,
         _worker(model, "decode", second, record) as d,
     ):
-        router = [sys.executable, "-c", "import cli; cli.main()", "router"]
+        # The router on the prefill worker's CPU (as `taskset -c 0 kvcache router ...`).
+        code = f"import os, cli; os.sched_setaffinity(0, {{{first}}}); cli.main()"
+        router = [sys.executable, "-c", code, "router"]
         with _process([*router, "--prefill", prefill, "--decode", d], "router") as url:
             yield {"url": url, "prefill": prefill, "decode": d}
 
@@ -124,9 +132,11 @@ async def _one(
             if "error" in chunk:
                 raise RuntimeError(f"{row['id']}: {chunk['error']}")
             for choice in chunk.get("choices", []):
-                if choice.get("text"):
-                    times.append(time.perf_counter())
-                    text.append(choice["text"])
+                # One chunk a step's token, its text empty while the detokenizer holds it back
+                # (a character not whole yet): still a token that came, so a time; skipping it
+                # made the next gap two steps long.
+                times.append(time.perf_counter())
+                text.append(choice.get("text") or "")
     return {"id": row["id"], "kind": row.get("kind", "decode"), "sent": sent, "times": times,
             "text": "".join(text)}  # fmt: skip
 
@@ -141,6 +151,20 @@ async def _drive(url: str, rows: list[dict[str, Any]]) -> tuple[list[dict[str, A
         return list(results), time.perf_counter() - t0, t0
 
 
+def decode_gaps_ms(results: list[dict[str, Any]]) -> list[float]:
+    """The decodes' inter-token gaps (ms) from the time every decode has its first token: the
+    gaps before are the decodes' own start (one joins the batch as another's prompt is
+    computed), not what a long prompt does to running streams. Pure."""
+    decodes = [r["times"] for r in results if r["kind"] == "decode" and r["times"]]
+    steady = max((times[0] for times in decodes), default=0.0)
+    return [
+        1000 * (b - a)
+        for times in decodes
+        for a, b in zip(times, times[1:], strict=False)
+        if a >= steady
+    ]
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
@@ -151,19 +175,16 @@ def run_system(name: str, model: str | None, rows: list[dict[str, Any]]) -> dict
     cpus = sorted(os.sched_getaffinity(0))
     with _system(name, model, cpus) as urls:
         url, is_pd = urls["url"], "prefill" in urls
-        results, wall, t0 = asyncio.run(_drive(url, rows))
+        # engine-pd's client on the prefill worker's CPU too; the others' on every CPU.
+        with thread_on_cpus({cpus[0]} if is_pd else None):
+            results, wall, t0 = asyncio.run(_drive(url, rows))
         stats = httpx.get(f"{url}/router/stats").json() if is_pd else None
         workers = {
             role: httpx.get(f"{urls[role]}/kvcache/metrics", timeout=60).json()
             for role in ("prefill", "decode")
             if is_pd
         }
-    gaps = [
-        1000 * (b - a)
-        for r in results
-        if r["kind"] == "decode"
-        for a, b in zip(r["times"], r["times"][1:], strict=False)
-    ]
+    gaps = decode_gaps_ms(results)
     ttft = [1000 * (r["times"][0] - r["sent"]) for r in results if r["kind"] == "long"]
     tokens = sum(len(r["times"]) for r in results)
     out: dict[str, Any] = {

@@ -21,15 +21,16 @@ def main() -> None:
     parser.add_argument("--options", default="{}")
     args = parser.parse_args()
 
+    from runner.engine.frozen_heap import freeze_server_heap
     from runner.engine.llm import LLM
     from runner.serve.app import ServeSettings, build_app
     from runner.serve.server import run_server
 
     # Metrics off unless the bench asks (engine-pd's workers record their schedules).
     options = {"record_metrics": False} | json.loads(args.options)
-    llm, attach = start_role(
-        args.role, args.handover, args.cpus, lambda o: LLM(args.model, **o), options
-    )
+    make = lambda o: LLM(args.model, **o)  # noqa: E731
+    llm, attach = start_role(args.role, args.handover, args.cpus, make, options)
+    freeze_server_heap()
     app = attach(build_app(llm, ServeSettings("bench", max_queued_requests=4096)))
     run_server(app, "127.0.0.1", args.port, 5.0)
 

@@ -1,9 +1,12 @@
 """Pinning a worker to its own cores (`kvcache serve --cpus 0` or `--cpus 2-3,6`), with torch's
-threads set to match, so on one machine a prefill worker cannot take a decode worker's time."""
+threads set to match, so on one machine a prefill worker cannot take a decode worker's time;
+and one thread for a while (the disaggregation bench's client, beside the prefill worker)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -35,3 +38,18 @@ def pin_to_cpus(text: str) -> set[int]:
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
     return cpus
+
+
+@contextmanager
+def thread_on_cpus(cpus: set[int] | None) -> Iterator[None]:
+    """Run the calling thread alone on ``cpus`` for the body (Linux's affinity is a thread's
+    own), then where it ran before; None: where it is."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

@@ -72,6 +72,7 @@ def serve(
     and Prometheus /metrics, over one engine that batches every request continuously."""
     from runner.cli.startup import start_up_without_gc
     from runner.disagg.serve_role import start_role
+    from runner.engine.frozen_heap import freeze_server_heap
     from runner.engine.llm import LLM
     from runner.serve.app import ServeSettings, build_app
     from runner.serve.server import run_server
@@ -84,6 +85,7 @@ def serve(
             llm, attach = start_role(role, handover, cpus, make, engine_options)
         except ValueError as err:
             raise click.ClickException(str(err)) from err
+    freeze_server_heap()
     settings = ServeSettings(name, api_key=api_key, max_queued_requests=max_queued_requests)
     click.echo(f"kvcache serve ({role}): {name} on http://{host}:{port}/v1", err=True)
     run_server(attach(build_app(llm, settings)), host, port, drain_timeout)

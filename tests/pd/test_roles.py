@@ -1,16 +1,18 @@
 """The pieces of a role on their own: a prefill worker's held handovers (bounded, released,
-expired), the --cpus parser and pinning, and the serve command's checks of --role options."""
+expired), the --cpus parser and pinning (a process, and one thread for a while), and the serve
+command's checks of --role options."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
 from click.testing import CliRunner
 
 from cli import main
-from runner.disagg.cpus import parse_cpus, pin_to_cpus
+from runner.disagg.cpus import parse_cpus, pin_to_cpus, thread_on_cpus
 from runner.disagg.held import HeldHandovers
 from runner.disagg.roles import RoleOptions
 
@@ -42,6 +44,26 @@ def test_cpus_are_parsed_and_pinned() -> None:
         assert os.sched_getaffinity(0) == {min(before)}
     finally:
         os.sched_setaffinity(0, before)
+
+
+def test_a_thread_runs_on_its_cpus_and_goes_back() -> None:
+    before = os.sched_getaffinity(0)
+    one = {min(before)}
+    seen: dict[str, set[int]] = {}
+
+    def other_thread() -> None:
+        with thread_on_cpus(one):
+            seen["inside"] = os.sched_getaffinity(0)
+            seen["main"] = os.sched_getaffinity(threading.main_thread().native_id or 0)
+        seen["after"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    # Linux's affinity is a thread's own: the main thread kept every CPU meanwhile.
+    assert seen == {"inside": one, "main": before, "after": before}
+    with thread_on_cpus(None):
+        assert os.sched_getaffinity(0) == before
 
 
 def test_role_options_are_checked() -> None:

@@ -34,3 +34,19 @@ def test_cuda_copies_go_through_pinned_memory() -> None:
     assert host.is_pinned() and torch.equal(host, on_device.cpu())
     assert torch.equal(to_device(host, torch.device("cuda")), on_device)
     round_trip("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_writes_fill_their_blocks_only(dtype: torch.dtype) -> None:
+    """Each payload (bytes, or a memoryview of them) is copied straight into its block: the
+    other blocks keep what they held."""
+    kv = KVStore(2, 8, 4, 2, 8, dtype, "cpu")
+    kv.tensor.copy_(torch.randn(kv.tensor.shape).to(dtype))
+    payloads = read_blocks(kv, [1, 5])
+    other = KVStore(2, 8, 4, 2, 8, dtype, "cpu")
+    other.tensor.fill_(7)
+    write_blocks(other, [6, 2], [payloads[0], memoryview(payloads[1])])
+    assert torch.equal(other.tensor[:, :, 6], kv.tensor[:, :, 1])
+    assert torch.equal(other.tensor[:, :, 2], kv.tensor[:, :, 5])
+    untouched = [b for b in range(8) if b not in (6, 2)]
+    assert bool((other.tensor[:, :, untouched] == 7).all())
