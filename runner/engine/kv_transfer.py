@@ -70,21 +70,15 @@ def write_blocks(
 ) -> None:
     """Put each payload (one block's bytes, as ``read_blocks`` gives them) into its block."""
     if kv.device.type == "cpu":
+        # One copy a block, from the payload's bytes straight into the pool (numpy reads a
+        # read-only buffer without a copy): joining the payloads into one fresh buffer first
+        # cost ten times as much under the engine lock, the fresh memory's page faults.
         pool = _host_bytes(kv)
         shape = pool.shape[:2] + pool.shape[3:]
         for block, payload in zip(block_ids, payloads, strict=True):
             pool[:, :, block] = np.frombuffer(payload, dtype=np.uint8).reshape(shape)
         return
     shape = (kv.num_layers, 2, kv.block_size, kv.num_kv_heads, kv.head_dim)
-    if kv.tensor.device.type == "cpu":
-        # One copy, from the payload's bytes straight into the block (numpy reads a read-only
-        # buffer without a copy or a warning). Joining the payloads into one fresh buffer
-        # first cost ten times as much, under the engine lock: 6.5 ms for 4 blocks of the
-        # default model against 0.6 ms, the fresh memory's page faults.
-        for block_id, payload in zip(block_ids, payloads, strict=True):
-            block = kv.tensor[:, :, block_id].view(torch.uint8).numpy()
-            block[...] = np.frombuffer(payload, dtype=np.uint8).reshape(block.shape)
-        return
     for start in range(0, len(block_ids), _BLOCKS_PER_COPY):
         chunk = payloads[start : start + _BLOCKS_PER_COPY]
         raw = bytearray().join(chunk)  # writable: torch.frombuffer warns on read-only
