@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+from runner.router.load import FirstToken, Work, answer_blocks
 from runner.router.policy import make_policy
 from runner.router.prompt_hashes import PromptHasher
 from runner.router.replicas import Replica, ReplicaSet
@@ -31,7 +32,7 @@ PASSED_BACK_HEADERS = ("retry-after",)
 @dataclass
 class RouterSettings:
     policy: str = "cache_aware"
-    threshold: float = 0.3
+    threshold: float = 0.0
     balance_abs: int = 64
     balance_rel: float = 1.5
     health_interval_s: float = 1.0
@@ -40,6 +41,7 @@ class RouterSettings:
     request_timeout_s: float = 600.0
     api_key: str | None = None  # what the router's own clients must send
     replica_api_key: str | None = None  # what the router sends the replicas, instead of theirs
+    load_weight: float = 1.0  # cache_aware: a block of work in flight against a block matched
 
 
 class RouterMetrics:
@@ -62,7 +64,11 @@ class Router:
     def __init__(self, urls: list[str], settings: RouterSettings, client: httpx.AsyncClient):
         self.settings = settings
         self.policy = make_policy(
-            settings.policy, settings.threshold, settings.balance_abs, settings.balance_rel
+            settings.policy,
+            settings.threshold,
+            settings.balance_abs,
+            settings.balance_rel,
+            settings.load_weight,
         )
         self.replicas = ReplicaSet(urls, client, settings.health_interval_s)
         self.client = client
@@ -115,41 +121,42 @@ class Router:
             replica = route.replica
             if self.policy.uses_prefixes:
                 replica.index.insert(hashes_of(replica))
-            response = await self._send(replica, path, raw, headers)
+            work = Work(replica, route.prefill_blocks, answer_blocks(body, replica))
+            response = await self._send(work, path, raw, headers)
             if response is None:
                 tried.add(replica.url)
                 self.metrics.retries.inc()
                 continue
             self.metrics.routed.labels(replica=replica.url, reason=route.reason).inc()
             self.reasons[route.reason] = self.reasons.get(route.reason, 0) + 1
-            return await self._relay(replica, response)
+            return await self._relay(work, response)
         message = "no replica could take the request (all are down or draining)"
         return JSONResponse(error_body(message, "service_unavailable"), 503)
 
     async def _send(
-        self, replica: Replica, path: str, raw: bytes, headers: dict[str, str]
+        self, work: Work, path: str, raw: bytes, headers: dict[str, str]
     ) -> httpx.Response | None:
         """The replica's response, its body not read yet; None when it must be retried
         elsewhere: unreachable (taken out until its health check passes) or draining."""
-        replica.in_flight += 1
-        replica.sent += 1
+        replica = work.replica
+        work.start()
         upstream = self.client.build_request(
             "POST", replica.url + path, content=raw, headers=headers
         )
         try:
             response = await self.client.send(upstream, stream=True)
         except httpx.TransportError:
-            replica.in_flight -= 1
+            work.finish()
             self.replicas.mark_dead(replica)
             return None
         if response.status_code == 503:
             await response.aclose()
-            replica.in_flight -= 1
+            work.finish()
             self.replicas.mark_dead(replica)  # draining: back once its /health says ok
             return None
         return response
 
-    async def _relay(self, replica: Replica, response: httpx.Response) -> Response:
+    async def _relay(self, work: Work, response: httpx.Response) -> Response:
         headers = {k: v for k, v in response.headers.items() if k.lower() in PASSED_BACK_HEADERS}
         media_type = response.headers.get("content-type")
         if not (media_type or "").startswith("text/event-stream"):
@@ -157,18 +164,21 @@ class Router:
                 content = await response.aread()
             finally:
                 await response.aclose()
-                replica.in_flight -= 1
+                work.finish()
             return Response(content, response.status_code, headers, media_type)
 
         async def chunks() -> AsyncIterator[bytes]:
+            first = FirstToken()
             try:
                 async for chunk in response.aiter_raw():
+                    if not first.seen and first.feed(chunk):
+                        work.prefilled()
                     yield chunk
             except httpx.TransportError:  # the replica died mid-stream: the stream just ends
                 pass
             finally:  # the client left, or the stream ended: the replica's request ends too
                 await response.aclose()
-                replica.in_flight -= 1
+                work.finish()
 
         return StreamingResponse(chunks(), response.status_code, headers, media_type)
 
@@ -182,6 +192,7 @@ class Router:
                     "healthy": r.healthy,
                     "in_flight": r.in_flight,
                     "sent": r.sent,
+                    "load_blocks": r.load_blocks,
                     "indexed_blocks": len(r.index),
                 }
                 for r in self.replicas.replicas

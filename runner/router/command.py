@@ -27,9 +27,9 @@ from runner.router.policy import POLICIES
 @click.option(
     "--cache-threshold",
     type=click.FloatRange(0, 1),
-    default=0.3,
+    default=0.0,
     show_default=True,
-    help="cache_aware: the share of the prompt's blocks a replica must hold to get it.",
+    help="cache_aware: a match shorter than this share of the prompt's blocks counts as none.",
 )
 @click.option(
     "--balance-abs",
@@ -44,6 +44,14 @@ from runner.router.policy import POLICIES
     default=1.5,
     show_default=True,
     help="cache_aware: ... and past this ratio; then the least loaded replica gets the request.",
+)
+@click.option(
+    "--load-weight",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="cache_aware: what a block of work in flight on a replica costs against a block of "
+    "the prompt it holds (0: prefixes alone).",
 )
 @click.option("--health-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True)
 @click.option(
@@ -72,6 +80,7 @@ def router(
     cache_threshold: float,
     balance_abs: int,
     balance_rel: float,
+    load_weight: float,
     health_interval: float,
     tokenizer: str | None,
     api_key: str | None,
@@ -91,6 +100,7 @@ def router(
         tokenizer,
         api_key=api_key,
         replica_api_key=replica_api_key,
+        load_weight=load_weight,
     )
     from runner.router.pd import build_pd_router_app
 

@@ -2,12 +2,37 @@
 
 - round_robin: each in turn.
 - least_loaded: the fewest requests in flight from this router (ties: the fewest sent so far).
-- cache_aware (SGLang's rule): when the replicas' loads are unbalanced (the busiest has more
-  than `balance_abs` requests over the idlest and more than `balance_rel` times as many) the
-  least loaded; otherwise the replica whose prefix index matches the most leading blocks of the
-  prompt, if that covers at least `threshold` of the prompt's blocks, else the least loaded.
-  Affinity alone would pile every conversation onto the replica that served its first turn;
-  new prefixes going to the least loaded replica and the imbalance rule keep the spread.
+- cache_aware: the replica where the request is estimated to cost least, in KV blocks of
+  prompt to compute:
+
+      cost(r) = sum over the prompt's blocks r lacks of 1 / k_i  +  load_weight * load(r)
+
+  k_i is how many conversations share block i (runner/router/shared_prefix.py: 1 for a
+  conversation's own history, k for a system prompt k conversations opened with); load(r) is
+  the work r has in flight from this router (runner/router/load.py): the uncached prompt
+  blocks of its requests that have not produced a token yet, and the answer blocks of those
+  still running. Ties go to the longer match, then the fewer requests in flight. SGLang's
+  imbalance rule stays as a guard: when the busiest replica has more than `balance_abs`
+  requests in flight over the idlest and more than `balance_rel` times as many, the least
+  loaded gets the request whatever the prefixes say. A match shorter than `threshold` of the
+  prompt's blocks counts as none (SGLang's cache threshold; 0 by default).
+
+Why a cost and not SGLang's rule (the longest match once it covers `threshold` of the prompt,
+else the least loaded, unless loads are unbalanced): a system prompt every conversation opens
+with passes any threshold on the replica that served the first conversation, so with the
+imbalance rule at its defaults (64 requests) every new conversation followed the first onto
+one replica (the multi-turn bench: all 32 requests on one of 2 replicas). Counting both sides
+in blocks of work tells a replica that holds this conversation (it saves the whole history, on
+every turn) from one that holds a prefix every replica will soon hold: NVIDIA Dynamo's KV
+router weighs prefill blocks against blocks active on a worker the same way. Two choices are
+ours. A shared block costs a replica without it 1 / k: computing it there is paid once and
+serves every later conversation that opens with it, so a system prompt seen by k
+conversations weighs 1 / k of its size against load, and new conversations spread, while a
+long document shared by two questions still weighs half its size and stays where it is
+unless that replica is that much busier. And the load is the work not yet done (prompt
+blocks until the first token, answer blocks until the end), not the blocks held: a replica
+that has only finished prefills in flight costs a newcomer little, so a conversation's next
+turn stays on its replica unless a backlog of more blocks than its history waits there.
 """
 
 from __future__ import annotations
@@ -17,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runner.router.replicas import Replica
+from runner.router.shared_prefix import SharedPrefixes
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
 HashesOf = Callable[[Replica], list[int]]
@@ -25,8 +51,9 @@ HashesOf = Callable[[Replica], list[int]]
 @dataclass(frozen=True)
 class Route:
     replica: Replica
-    reason: str  # round_robin | least_loaded | prefix_match | balance
+    reason: str  # round_robin | least_loaded | prefix_match | load | balance
     matched_blocks: int = 0
+    prefill_blocks: int = 0  # the prompt's full blocks the replica is expected to compute
 
 
 def least_loaded(candidates: list[Replica]) -> Replica:
@@ -54,43 +81,63 @@ class CacheAware:
     uses_prefixes = True
 
     def __init__(
-        self, threshold: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5
+        self,
+        threshold: float = 0.0,
+        balance_abs: int = 64,
+        balance_rel: float = 1.5,
+        load_weight: float = 1.0,
     ) -> None:
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        if load_weight < 0:
+            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
         self.threshold, self.balance_abs, self.balance_rel = threshold, balance_abs, balance_rel
+        self.load_weight = load_weight
+        self.shared = SharedPrefixes()
 
     def choose(self, candidates: list[Replica], hashes_of: HashesOf) -> Route:
-        loads = [r.in_flight for r in candidates]
-        busiest, idlest = max(loads), min(loads)
+        matches = [self._matched(r, hashes_of(r)) for r in candidates]
+        blocks = [len(hashes_of(r)) for r in candidates]
+        # Block i's cost to a replica without it: 1 / (conversations sharing it).
+        costs = [1.0 / k for k in self.shared.observe(hashes_of(candidates[0]))]
+        missing = [
+            sum(costs[m:]) if len(costs) == n else n - m
+            for m, n in zip(matches, blocks, strict=True)
+        ]
+        busiest, idlest = max(r.in_flight for r in candidates), min(r.in_flight for r in candidates)
         if busiest - idlest > self.balance_abs and busiest > idlest * self.balance_rel:
-            return Route(least_loaded(candidates), "balance")
-        best: Replica | None = None
-        best_match, best_share = 0, 0.0
-        for replica in candidates:
-            hashes = hashes_of(replica)
-            matched = replica.index.match(hashes)
-            share = matched / len(hashes) if hashes else 0.0
-            better = share > best_share or (
-                best is not None
-                and share == best_share
-                and matched > 0
-                and (replica.in_flight, replica.sent) < (best.in_flight, best.sent)
-            )
-            if better:
-                best, best_match, best_share = replica, matched, share
-        if best is not None and best_share >= self.threshold and best_match > 0:
-            return Route(best, "prefix_match", best_match)
-        return Route(least_loaded(candidates), "least_loaded")
+            i = candidates.index(least_loaded(candidates))
+            return Route(candidates[i], "balance", matches[i], blocks[i] - matches[i])
+
+        def cost(i: int) -> tuple[float, int, int, int]:
+            r = candidates[i]
+            work = missing[i] + self.load_weight * r.load_blocks
+            return (work, -matches[i], r.in_flight, r.sent)
+
+        i = min(range(len(candidates)), key=cost)
+        if matches[i] == 0:
+            reason = "least_loaded" if max(matches) == 0 else "load"
+        else:
+            reason = "prefix_match" if matches[i] == max(matches) else "load"
+        return Route(candidates[i], reason, matches[i], blocks[i] - matches[i])
+
+    def _matched(self, replica: Replica, hashes: list[int]) -> int:
+        """The prompt's leading blocks `replica` was sent, or 0 below the threshold's share."""
+        matched = replica.index.match(hashes)
+        return matched if hashes and matched >= self.threshold * len(hashes) else 0
 
 
 def make_policy(
-    name: str, threshold: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5
+    name: str,
+    threshold: float = 0.0,
+    balance_abs: int = 64,
+    balance_rel: float = 1.5,
+    load_weight: float = 1.0,
 ) -> RoundRobin | LeastLoaded | CacheAware:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
     if name == "cache_aware":
-        return CacheAware(threshold, balance_abs, balance_rel)
+        return CacheAware(threshold, balance_abs, balance_rel, load_weight)
     raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {name!r}")

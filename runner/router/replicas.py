@@ -1,6 +1,6 @@
 """The replicas behind a router: each one's URL, whether it answers its health check, how
-many requests it has in flight from this router, and how it names its cache blocks (its
-model fingerprint and block size, read from its /kvcache/info)."""
+many requests (and blocks of work) it has in flight from this router, and how it names its
+cache blocks (its model fingerprint and block size, read from its /kvcache/info)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ class Replica:
     healthy: bool = False
     in_flight: int = 0
     sent: int = 0  # requests routed here, retries included
+    load_blocks: int = 0  # KV blocks of work in flight from this router (runner/router/load.py)
     info: dict[str, Any] | None = None  # its /kvcache/info, once read
     index: PrefixIndex = field(default_factory=PrefixIndex)
 

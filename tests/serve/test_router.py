@@ -5,10 +5,12 @@ to the idler replica, and a replica that dies is taken out with its requests ret
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -16,6 +18,7 @@ import pytest
 
 from kvcache import LLM, SamplingParams, namespace_root
 from runner.router.app import RouterSettings, build_router_app
+from runner.router.load import FirstToken
 from runner.serve.app import ServeSettings, build_app
 from tests.serve.conftest import LiveServer
 
@@ -146,3 +149,36 @@ def test_a_client_leaving_a_routed_stream_frees_the_replicas_blocks(
         assert server.state.llm.stats()["blocks_in_use"] == 0
         server.state.llm.block_manager.check_integrity()
         assert httpx.get(f"{router.url}/router/stats").json()["replicas"][0]["in_flight"] == 0
+
+
+def test_cache_aware_load_follows_a_streams_first_token_and_end(replica_llms: list[LLM]) -> None:
+    """The router takes a request's prompt off its replica's load at the stream's first token
+    (not at the role chunk a chat stream opens with) and the rest at its end."""
+    chat: dict[str, Any] = {"model": "tiny", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    chat["messages"] = [{"role": "user", "content": "a long answer"}]
+    with cluster(replica_llms, "cache_aware") as (router, _):
+        url = f"{router.url}/v1/chat/completions"
+        with httpx.stream("POST", url, json=chat, timeout=30) as resp:
+            raw = b"".join(resp.iter_raw())
+        events = [e for e in raw.split(b"\n\n") if e]
+        first_text = next(
+            i
+            for i, e in enumerate(events)
+            if e.startswith(b"data: {") and json.loads(e[6:])["choices"][0]["delta"].get("content")
+        )
+        watch = FirstToken()
+        assert [watch.feed(e + b"\n\n") for e in events[: first_text + 1]] == [
+            False
+        ] * first_text + [True]
+        # Every request's work is taken back when it ends, streamed or not.
+        client = api(router)
+        list(client.completions.create(model="tiny", prompt=PREFIX_A, max_tokens=8, stream=True))
+        client.completions.create(model="tiny", prompt=PREFIX_B, max_tokens=8)
+        deadline = time.monotonic() + 10
+        while any(
+            r["in_flight"] for r in httpx.get(f"{router.url}/router/stats").json()["replicas"]
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        stats = httpx.get(f"{router.url}/router/stats").json()["replicas"]
+        assert [r["load_blocks"] for r in stats] == [0, 0]
