@@ -42,6 +42,7 @@ class RouterSettings:
     api_key: str | None = None  # what the router's own clients must send
     replica_api_key: str | None = None  # what the router sends the replicas, instead of theirs
     load_weight: float = 1.0  # cache_aware: a block of work in flight against a block matched
+    recent_half_life_s: float = 30.0  # cache_aware: how fast the work sent lately is forgotten
 
 
 class RouterMetrics:
@@ -69,6 +70,7 @@ class Router:
             settings.balance_abs,
             settings.balance_rel,
             settings.load_weight,
+            settings.recent_half_life_s,
         )
         self.replicas = ReplicaSet(urls, client, settings.health_interval_s)
         self.client = client

@@ -53,6 +53,14 @@ from runner.router.policy import POLICIES
     help="cache_aware: what a block of work in flight on a replica costs against a block of "
     "the prompt it holds (0: prefixes alone).",
 )
+@click.option(
+    "--recent-half-life",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="cache_aware: seconds over which a request sent to a replica lately weighs "
+    "half as much as load (0: only the work in flight counts).",
+)
 @click.option("--health-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True)
 @click.option(
     "--tokenizer", default=None, help="cache_aware: tokenizer folder [default: the replicas']."
@@ -81,6 +89,7 @@ def router(
     balance_abs: int,
     balance_rel: float,
     load_weight: float,
+    recent_half_life: float,
     health_interval: float,
     tokenizer: str | None,
     api_key: str | None,
@@ -101,6 +110,7 @@ def router(
         api_key=api_key,
         replica_api_key=replica_api_key,
         load_weight=load_weight,
+        recent_half_life_s=recent_half_life,
     )
     from runner.router.pd import build_pd_router_app
 

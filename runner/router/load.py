@@ -68,6 +68,26 @@ class Work:
             self._held = False
 
 
+@dataclass
+class RecentWork:
+    """Requests routed to one replica lately, each weighing half as much every `half_life_s`
+    seconds (0: nothing is remembered). An exponential decay needs only the sum and the time
+    it was taken, so one replica's history is two numbers."""
+
+    half_life_s: float
+    _sum: float = 0.0
+    _at: float = 0.0
+
+    def value(self, now: float) -> float:
+        if self.half_life_s <= 0 or self._sum == 0:
+            return 0.0
+        return self._sum * 0.5 ** (max(0.0, now - self._at) / self.half_life_s)
+
+    def add(self, count: float, now: float) -> None:
+        self._sum = self.value(now) + count
+        self._at = now
+
+
 class FirstToken:
     """Watches an OpenAI server-sent event stream, as raw bytes in whatever pieces they
     arrive, for the first event that carries generated output (a completion's text, a chat

@@ -5,16 +5,19 @@
 - cache_aware: the replica where the request is estimated to cost least, in KV blocks of
   prompt to compute:
 
-      cost(r) = sum over the prompt's blocks r lacks of 1 / k_i  +  load_weight * load(r)
+      cost(r) = sum over the prompt's blocks r lacks of 1 / k_i
+                + load_weight * (load(r) + recent(r))
 
   k_i is how many conversations share block i (runner/router/shared_prefix.py: 1 for a
   conversation's own history, k for a system prompt k conversations opened with); load(r) is
   the work r has in flight from this router (runner/router/load.py): the uncached prompt
   blocks of its requests that have not produced a token yet, and the answer blocks of those
-  still running. Ties go to the longer match, then the fewer requests in flight. SGLang's
-  imbalance rule stays as a guard: when the busiest replica has more than `balance_abs`
-  requests in flight over the idlest and more than `balance_rel` times as many, the least
-  loaded gets the request whatever the prefixes say. A match shorter than `threshold` of the
+  still running; recent(r) is the requests routed to r lately, each counting RECENT_BLOCKS
+  and half as much every `recent_half_life_s` (runner/router/load.py RecentWork). Ties go
+  to the longer match, then the fewer requests in flight. SGLang's imbalance rule stays as a
+  guard: when the busiest replica has more than `balance_abs` requests in flight over the
+  idlest and more than `balance_rel` times as many, the least loaded gets the request
+  whatever the prefixes say. A match shorter than `threshold` of the
   prompt's blocks counts as none (SGLang's cache threshold; 0 by default).
 
 Why a cost and not SGLang's rule (the longest match once it covers `threshold` of the prompt,
@@ -33,18 +36,30 @@ unless that replica is that much busier. And the load is the work not yet done (
 blocks until the first token, answer blocks until the end), not the blocks held: a replica
 that has only finished prefills in flight costs a newcomer little, so a conversation's next
 turn stays on its replica unless a backlog of more blocks than its history waits there.
+The recent term is for an idle cluster: with nothing in flight anywhere, the replica that
+served the last conversations is always the cheapest for the next one (it holds the system
+prompt), so conversations arriving slowly all gathered there (27 of 36 requests on one of 4
+replicas in the bench at a rate), and each of them brings its later turns with it. A request
+sent lately stands for a turn of its conversation still to come (a short follow-up and its
+answer: RECENT_BLOCKS), whatever its own prompt cost: a replica that just computed a long
+document is not made to look busy by it, so the next question on that document stays there,
+while new conversations spread at idle. It fades, and a conversation's own history (its
+whole length) still outweighs a difference of a request or two.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from runner.router.load import RecentWork
 from runner.router.replicas import Replica
 from runner.router.shared_prefix import SharedPrefixes
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
+RECENT_BLOCKS = 8  # what a request sent lately weighs: a follow-up turn of ~100 tokens + answer
 HashesOf = Callable[[Replica], list[int]]
 
 
@@ -86,14 +101,20 @@ class CacheAware:
         balance_abs: int = 64,
         balance_rel: float = 1.5,
         load_weight: float = 1.0,
+        recent_half_life_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
         if load_weight < 0:
             raise ValueError(f"load_weight must be >= 0, got {load_weight}")
         self.threshold, self.balance_abs, self.balance_rel = threshold, balance_abs, balance_rel
+        if recent_half_life_s < 0:
+            raise ValueError(f"recent_half_life_s must be >= 0, got {recent_half_life_s}")
         self.load_weight = load_weight
         self.shared = SharedPrefixes()
+        self.recent_half_life_s, self.clock = recent_half_life_s, clock
+        self.recent: dict[str, RecentWork] = {}
 
     def choose(self, candidates: list[Replica], hashes_of: HashesOf) -> Route:
         matches = [self._matched(r, hashes_of(r)) for r in candidates]
@@ -109,17 +130,24 @@ class CacheAware:
             i = candidates.index(least_loaded(candidates))
             return Route(candidates[i], "balance", matches[i], blocks[i] - matches[i])
 
+        now = self.clock()
+        recent = [RECENT_BLOCKS * self._recent(r).value(now) for r in candidates]
+
         def cost(i: int) -> tuple[float, int, int, int]:
             r = candidates[i]
-            work = missing[i] + self.load_weight * r.load_blocks
+            work = missing[i] + self.load_weight * (r.load_blocks + recent[i])
             return (work, -matches[i], r.in_flight, r.sent)
 
         i = min(range(len(candidates)), key=cost)
+        self._recent(candidates[i]).add(1.0, now)
         if matches[i] == 0:
             reason = "least_loaded" if max(matches) == 0 else "load"
         else:
             reason = "prefix_match" if matches[i] == max(matches) else "load"
         return Route(candidates[i], reason, matches[i], blocks[i] - matches[i])
+
+    def _recent(self, replica: Replica) -> RecentWork:
+        return self.recent.setdefault(replica.url, RecentWork(self.recent_half_life_s))
 
     def _matched(self, replica: Replica, hashes: list[int]) -> int:
         """The prompt's leading blocks `replica` was sent, or 0 below the threshold's share."""
@@ -133,11 +161,12 @@ def make_policy(
     balance_abs: int = 64,
     balance_rel: float = 1.5,
     load_weight: float = 1.0,
+    recent_half_life_s: float = 30.0,
 ) -> RoundRobin | LeastLoaded | CacheAware:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
     if name == "cache_aware":
-        return CacheAware(threshold, balance_abs, balance_rel, load_weight)
+        return CacheAware(threshold, balance_abs, balance_rel, load_weight, recent_half_life_s)
     raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {name!r}")

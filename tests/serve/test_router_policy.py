@@ -49,16 +49,58 @@ def test_a_shared_system_prompt_spreads_new_conversations() -> None:
     assert [r.sent for r in reps] == [2, 2, 2, 2]
 
 
-def test_conversations_arriving_one_by_one_spread_as_the_prompt_proves_shared() -> None:
-    # Each has prefilled and is decoding when the next arrives: the warm replica takes the
-    # first few (the shared prompt still weighs a good part of its blocks), then the prompt,
-    # known to be shared by more and more conversations, weighs less than the load.
-    for n, most in ((2, 8), (4, 5)):
+def test_conversations_arriving_one_by_one_spread_evenly() -> None:
+    # Each has prefilled and is decoding when the next arrives: the requests sent lately and
+    # the work in flight outweigh the shared prompt, known to be shared by more and more
+    # conversations.
+    for n in (2, 4):
         reps, policy = replicas(n), CacheAware()
         for c in range(16):
             _, work = route(policy, reps, SYSTEM + own(c, 19))
             work.prefilled()
-        assert max(r.sent for r in reps) == most and min(r.sent for r in reps) >= 3, n
+        assert [r.sent for r in reps] == [16 // n] * n, n
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("half_life", [30.0, 0.0])
+def test_conversations_on_an_idle_cluster_spread_by_what_was_sent_lately(
+    half_life: float,
+) -> None:
+    # One every 10 s, each done before the next: nothing is ever in flight, so only the
+    # requests sent lately keep the warm replica (it holds the system prompt, the cheapest
+    # for every newcomer) from taking them all; without that memory it takes them all.
+    clock = Clock()
+    reps = replicas(4)
+    policy = CacheAware(recent_half_life_s=half_life, clock=clock)
+    for c in range(12):
+        _, work = route(policy, reps, SYSTEM + own(c, 19))
+        work.finish()
+        clock.now += 10.0
+    sent = sorted(r.sent for r in reps)
+    if half_life:
+        assert sent[0] >= 2 and sent[-1] <= 4, sent  # the first few go where the prompt is
+    else:
+        assert sent == [0, 0, 0, 12]
+
+
+def test_what_was_sent_lately_fades() -> None:
+    clock = Clock()
+    reps = replicas(2)
+    policy = CacheAware(recent_half_life_s=30.0, clock=clock)
+    first, work = route(policy, reps, SYSTEM + own(0, 19))
+    work.finish()
+    clock.now += 30.0 * 20  # twenty half-lives: the first request is forgotten
+    chosen, _ = route(policy, reps, SYSTEM + own(1, 19))
+    assert chosen.replica is first.replica  # the system prompt is there
+    with pytest.raises(ValueError, match="recent_half_life_s"):
+        CacheAware(recent_half_life_s=-1)
 
 
 def test_a_conversations_next_turn_stays_on_its_replica() -> None:
