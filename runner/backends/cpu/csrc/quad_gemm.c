@@ -34,6 +34,17 @@ enum { PARALLEL_QUANTIZING = 1 << 15 }; /* elements of x: below, one thread quan
 
 long panel_gemm_has_quads(void) { return 1; }
 
+/* acc + u . w by vpdpbusd, written as one asm statement: GCC 12 keeps the intrinsic's
+ * accumulators in the wrong registers, copying all 16 twice a k quad and spilling two to the
+ * stack (a store and reload on the critical path), which cost a quarter to a third of the
+ * products' speed. The asm ties acc to its register, so the loop is loads and vpdpbusd only;
+ * the sums are the same integers. */
+static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i u, __m512i w)
+{
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(w));
+    return acc;
+}
+
 /* rows x panels of y from group row0 / 16 of xq (x's quads, as above), as pair_tile. */
 static inline __attribute__((always_inline)) void quad_tile(
     const unsigned *restrict xq, const float *restrict xs, const void *restrict panel,
@@ -55,7 +66,7 @@ static inline __attribute__((always_inline)) void quad_tile(
         for (int r = 0; r < rows; r++) {
             const __m512i s = _mm512_set1_epi32((int)xk[r]);
             for (int j = 0; j < panels; j++)
-                acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], s, w[j]);
+                acc[r][j] = dpbusd(acc[r][j], s, w[j]);
         }
     }
     for (int j = 0; j < panels; j++) {
