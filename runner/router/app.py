@@ -42,7 +42,7 @@ class RouterSettings:
     api_key: str | None = None  # what the router's own clients must send
     replica_api_key: str | None = None  # what the router sends the replicas, instead of theirs
     load_weight: float = 1.0  # cache_aware: a block of work in flight against a block matched
-    recent_half_life_s: float = 30.0  # cache_aware: how fast the work sent lately is forgotten
+    recent_half_life_s: float = 120.0  # cache_aware: how fast conversations started are forgotten
 
 
 class RouterMetrics:

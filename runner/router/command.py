@@ -56,10 +56,10 @@ from runner.router.policy import POLICIES
 @click.option(
     "--recent-half-life",
     type=click.FloatRange(min=0),
-    default=30.0,
+    default=120.0,
     show_default=True,
-    help="cache_aware: seconds over which a request sent to a replica lately weighs "
-    "half as much as load (0: only the work in flight counts).",
+    help="cache_aware: seconds over which a conversation started on a replica comes to weigh "
+    "half as much against its prefixes (0: only the work in flight counts).",
 )
 @click.option("--health-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True)
 @click.option(

@@ -70,7 +70,7 @@ class Work:
 
 @dataclass
 class RecentWork:
-    """Requests routed to one replica lately, each weighing half as much every `half_life_s`
+    """Conversations started on one replica lately, each weighing half as much every `half_life_s`
     seconds (0: nothing is remembered). An exponential decay needs only the sum and the time
     it was taken, so one replica's history is two numbers."""
 

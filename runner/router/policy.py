@@ -12,7 +12,8 @@
   conversation's own history, k for a system prompt k conversations opened with); load(r) is
   the work r has in flight from this router (runner/router/load.py): the uncached prompt
   blocks of its requests that have not produced a token yet, and the answer blocks of those
-  still running; recent(r) is the requests routed to r lately, each counting RECENT_BLOCKS
+  still running; recent(r) is the conversations started on r lately (requests whose prompt
+  continues no earlier prompt but for shared prefixes), each counting RECENT_BLOCKS
   and half as much every `recent_half_life_s` (runner/router/load.py RecentWork). Ties go
   to the longer match, then the fewer requests in flight. SGLang's imbalance rule stays as a
   guard: when the busiest replica has more than `balance_abs` requests in flight over the
@@ -39,8 +40,8 @@ turn stays on its replica unless a backlog of more blocks than its history waits
 The recent term is for an idle cluster: with nothing in flight anywhere, the replica that
 served the last conversations is always the cheapest for the next one (it holds the system
 prompt), so conversations arriving slowly all gathered there (27 of 36 requests on one of 4
-replicas in the bench at a rate), and each of them brings its later turns with it. A request
-sent lately stands for a turn of its conversation still to come (a short follow-up and its
+replicas in the bench at a rate), and each of them brings its later turns with it. A
+conversation started lately stands for a turn of it still to come (a short follow-up and its
 answer: RECENT_BLOCKS), whatever its own prompt cost: a replica that just computed a long
 document is not made to look busy by it, so the next question on that document stays there,
 while new conversations spread at idle. It fades, and a conversation's own history (its
@@ -101,7 +102,7 @@ class CacheAware:
         balance_abs: int = 64,
         balance_rel: float = 1.5,
         load_weight: float = 1.0,
-        recent_half_life_s: float = 30.0,
+        recent_half_life_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0.0 <= threshold <= 1.0:
@@ -139,7 +140,12 @@ class CacheAware:
             return (work, -matches[i], r.in_flight, r.sent)
 
         i = min(range(len(candidates)), key=cost)
-        self._recent(candidates[i]).add(1.0, now)
+        # Only a new conversation adds: a conversation's next turn is the work its first turn
+        # stood for (counting it too, a replica whose conversations ran quicker would look
+        # busy and push their later turns away from their history).
+        continues = any(c == 1.0 for c in costs[: max(matches)])
+        if not continues:
+            self._recent(candidates[i]).add(1.0, now)
         if matches[i] == 0:
             reason = "least_loaded" if max(matches) == 0 else "load"
         else:
@@ -161,7 +167,7 @@ def make_policy(
     balance_abs: int = 64,
     balance_rel: float = 1.5,
     load_weight: float = 1.0,
-    recent_half_life_s: float = 30.0,
+    recent_half_life_s: float = 120.0,
 ) -> RoundRobin | LeastLoaded | CacheAware:
     if name == "round_robin":
         return RoundRobin()

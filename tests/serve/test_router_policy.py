@@ -69,7 +69,7 @@ class Clock:
         return self.now
 
 
-@pytest.mark.parametrize("half_life", [30.0, 0.0])
+@pytest.mark.parametrize("half_life", [120.0, 30.0, 0.0])
 def test_conversations_on_an_idle_cluster_spread_by_what_was_sent_lately(
     half_life: float,
 ) -> None:
@@ -84,8 +84,10 @@ def test_conversations_on_an_idle_cluster_spread_by_what_was_sent_lately(
         work.finish()
         clock.now += 10.0
     sent = sorted(r.sent for r in reps)
-    if half_life:
-        assert sent[0] >= 2 and sent[-1] <= 4, sent  # the first few go where the prompt is
+    if half_life >= 120:  # the default: conversations started within minutes count
+        assert sent == [3, 3, 3, 3]
+    elif half_life:  # forgotten sooner, the first few go where the prompt is
+        assert sent[0] >= 2 and sent[-1] <= 4, sent
     else:
         assert sent == [0, 0, 0, 12]
 
@@ -99,6 +101,10 @@ def test_what_was_sent_lately_fades() -> None:
     clock.now += 30.0 * 20  # twenty half-lives: the first request is forgotten
     chosen, _ = route(policy, reps, SYSTEM + own(1, 19))
     assert chosen.replica is first.replica  # the system prompt is there
+    # Its next turn continues it: the work its start stood for, not a new conversation.
+    before = policy.recent[chosen.replica.url].value(clock.now)
+    route(policy, reps, SYSTEM + own(1, 19) + own(2, 5))
+    assert policy.recent[chosen.replica.url].value(clock.now) == before
     with pytest.raises(ValueError, match="recent_half_life_s"):
         CacheAware(recent_half_life_s=-1)
 
