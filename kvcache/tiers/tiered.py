@@ -247,13 +247,9 @@ class TieredStore:
         self.dropped_writes += dropped
         return dropped
 
-    def room(self, num_blocks: int = 1) -> bool:
-        """Whether the write queue has room for ``num_blocks`` now (so copying K/V off the pool
-        is worth it)."""
-        return self._queued_blocks + num_blocks <= self._capacity
-
     def space(self) -> int:
-        """How many blocks the write queue has room for now. Pure."""
+        """How many blocks the write queue has room for now (copying more K/V off the pool
+        would be wasted: they would be dropped). Pure."""
         return max(0, self._capacity - self._queued_blocks)
 
     def _write_loop(self) -> None:

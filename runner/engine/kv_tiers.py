@@ -91,7 +91,7 @@ class TierLoader:
             return
         chunks = self._chunks(nodes)
         count = sum(len(chunk) for chunk in chunks)
-        if not self.store.room(count):  # dropped: copying them off the pool would be wasted
+        if self.store.space() < count:  # dropped: copying them off the pool would be wasted
             self.store.dropped_writes += count
             return
         payloads = iter(read_blocks(self.kv, [n.block_id for chunk in chunks for n in chunk]))

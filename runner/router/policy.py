@@ -118,10 +118,11 @@ class CacheAware:
         self.recent: dict[str, RecentWork] = {}
 
     def choose(self, candidates: list[Replica], hashes_of: HashesOf) -> Route:
-        matches = [self._matched(r, hashes_of(r)) for r in candidates]
-        blocks = [len(hashes_of(r)) for r in candidates]
+        prompts = [hashes_of(r) for r in candidates]
+        matches = [self._matched(r, h) for r, h in zip(candidates, prompts, strict=True)]
+        blocks = [len(h) for h in prompts]
         # Block i's cost to a replica without it: 1 / (conversations sharing it).
-        costs = [1.0 / k for k in self.shared.observe(hashes_of(candidates[0]))]
+        costs = [1.0 / k for k in self.shared.observe(prompts[0])]
         missing = [
             sum(costs[m:]) if len(costs) == n else n - m
             for m, n in zip(matches, blocks, strict=True)

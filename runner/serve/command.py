@@ -85,7 +85,7 @@ def serve(
             llm, attach = start_role(role, handover, cpus, make, engine_options)
         except ValueError as err:
             raise click.ClickException(str(err)) from err
-    freeze_server_heap()
+        freeze_server_heap()  # inside: its collection is the start-up's one, not a second
     settings = ServeSettings(name, api_key=api_key, max_queued_requests=max_queued_requests)
     click.echo(f"kvcache serve ({role}): {name} on http://{host}:{port}/v1", err=True)
     run_server(attach(build_app(llm, settings)), host, port, drain_timeout)
