@@ -9,8 +9,8 @@ Torch path strategy (no per-token Python loops; the plan is built once per step 
 shared by all layers):
 - long queries (prefill chunks) run one SDPA per sequence; with no cached prefix they
   use k/v directly with is_causal, else they gather their blocks and use a causal mask
-  shifted by the prefix length (on the CPU, a cached prefix of consecutive blocks is read in
-  place instead, through the same split as the cascade below);
+  shifted by the prefix length (on the CPU, the cached context is read in parts instead: its
+  long runs of consecutive blocks in place, runner/attention/context_parts.py);
 - short queries (decodes, short suffixes) run as one padded batch: their blocks are
   gathered with one index_select and masked by context length;
 - when every sequence of that batch starts with the same blocks, the shared prefix is read
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from runner.attention.capped import capped_attention
 from runner.attention.cascade import cascade_attention
+from runner.attention.context_parts import context_parts_attention
 from runner.attention.metadata import AttentionMetadata
 from runner.attention.plan import build_plan
 
@@ -100,9 +101,9 @@ def torch_paged_attention(
     out = q.new_empty((num_tokens, hq, d))
     for item in plan.singles:
         qs = q[item.start : item.end].transpose(0, 1)[None]  # [1, Hq, L, D]
-        if item.cached is not None:
+        if item.parts is not None:
             rows = q[item.start : item.end]  # [L, Hq, D]
-            res = cascade_attention(rows, rows[None], None, k_cache, v_cache, item.cached, scale)
+            res = context_parts_attention(rows, k_cache, v_cache, item.parts, scale)
             res = res.transpose(0, 1)[None]  # [1, Hq, L, D] view, like SDPA's result
         elif item.blocks is None:
             ks = k[item.start : item.end].transpose(0, 1)[None]  # [1, Hkv, L, D]

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from runner.attention.cascade import (
-    MIN_SHARED_TOKENS,
     SharedPrefix,
     cascade_supported,
     count_shared_blocks,
     shared_prefix,
 )
+from runner.attention.context_parts import ContextParts, plan_context_parts
 
 if TYPE_CHECKING:
     from runner.attention.metadata import AttentionMetadata
@@ -43,9 +43,9 @@ class Single:
     blocks: torch.Tensor | None  # [nb] int64 block ids; None: no cached prefix, use k/v
     context_len: int
     mask: torch.Tensor | None  # [L, C] additive, in the query dtype: 0 = attend, -inf = not
-    # Set when the cached context starts with a run of consecutive blocks (a prompt's blocks,
-    # allocated together): that run is read in place, only the later blocks are gathered.
-    cached: SharedPrefix | None = None
+    # Set on the CPU for a cached context: read in parts, its long runs of consecutive blocks
+    # in place and the rest in one gather (runner/attention/context_parts.py).
+    parts: ContextParts | None = None
 
 
 @dataclass
@@ -99,6 +99,8 @@ def build_plan(
     # Keys each member pads to: its whole context, or in a cascade what follows the prefix.
     keys = [ctx - shared * block_size for ctx in meta.context_lens_host]
     grouped = _without_outlying_contexts(grouped, keys)
+    if split and len(grouped) == 1:
+        grouped = []  # alone, it pads to nothing: it reads its context in parts, as a single
     group = (
         _build_group(meta, grouped, starts, block_size, device, dtype, shared, window)
         if grouped
@@ -128,15 +130,6 @@ def _without_outlying_contexts(members: list[int], keys: list[int]) -> list[int]
     return sorted(kept)
 
 
-def consecutive_run(blocks: torch.Tensor, limit: int) -> int:
-    """How many of the first `limit` ids in `blocks` [nb] count up one by one from the first."""
-    head = blocks[: max(0, limit)].cpu()
-    if head.numel() == 0:
-        return 0
-    steps = head == head[0] + torch.arange(head.numel())
-    return int(steps.to(torch.int64).cumprod(0).sum())
-
-
 def _shared_blocks(meta: AttentionMetadata, members: list[int], block_size: int) -> int:
     """Leading blocks all `members` share before their first queries (0 if too few)."""
     if len(members) < 2:
@@ -159,8 +152,8 @@ def _single_plan(
     window: int | None,
 ) -> Single:
     """Sequence s runs alone: plain causal SDPA on its new k/v, or over its gathered blocks
-    with the causal mask shifted by its cached prefix, or split into a prefix read in place and
-    its later blocks (see Single.cached)."""
+    with the causal mask shifted by its cached prefix, or on the CPU in parts (see
+    Single.parts)."""
     q_len, ctx = meta.query_lens[s], meta.context_lens_host[s]
     pos_q = torch.arange(ctx - q_len, ctx, device=device)  # [L] query positions
     if ctx == q_len:  # no cached prefix: the new k/v, causal (and windowed: a mask)
@@ -168,12 +161,9 @@ def _single_plan(
         return Single(start, start + q_len, None, ctx, mask)
     nb = -(-ctx // block_size)
     blocks = meta.block_tables[s, :nb].to(torch.int64)
-    in_place = consecutive_run(blocks, (ctx - q_len) // block_size) if split else 0
-    if in_place * block_size >= MIN_SHARED_TOKENS:
-        keys = torch.arange(nb * block_size, device=device)[None, None, None, :]
-        visible_all = keys <= pos_q[None, None, :, None]  # [1, 1, L, nb * B]
-        cached = shared_prefix(blocks[None], in_place, visible_all, block_size, dtype)
-        return Single(start, start + q_len, None, ctx, None, cached)
+    if split:
+        parts = plan_context_parts(blocks, ctx, q_len, block_size, dtype, device)
+        return Single(start, start + q_len, None, ctx, None, parts)
     mask = _additive(visible_keys(ctx, pos_q, window), dtype)  # [L, C]
     return Single(start, start + q_len, blocks, ctx, mask)
 

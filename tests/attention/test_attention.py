@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runner.attention.cascade import MIN_SHARED_TOKENS
+from runner.attention.context_parts import MIN_RUN_TOKENS
 from runner.attention.metadata import AttentionMetadata
 from runner.attention.plan import CASCADE_MAX_QUERY_LEN, GROUP_MAX_QUERY_LEN
 from runner.backends.cpu.loader import load_cpu_kernels
@@ -259,9 +260,9 @@ def test_shared_prefix_bfloat16_runs_close_to_reference() -> None:
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_long_query_after_a_cached_prompt_matches_naive(block_size: int, consecutive: bool) -> None:
     """A chunk too long for the group reads its cached prompt in place when that prompt's
-    blocks are consecutive (split into prefix and later keys), else gathers them all; both
-    stay exact, with a partly filled block between the prefix and the chunk."""
-    shared = -(-MIN_SHARED_TOKENS // block_size) + 2
+    blocks are consecutive, else gathers them with its own blocks; both stay exact, with a
+    partly filled block between the prefix and the chunk."""
+    shared = -(-MIN_RUN_TOKENS // block_size) + 2
     p = shared * block_size
     longest = CASCADE_MAX_QUERY_LEN + 9
     seqs = [(longest, p + 3 + longest)]
@@ -270,10 +271,75 @@ def test_long_query_after_a_cached_prompt_matches_naive(block_size: int, consecu
         seqs, 6, 2, block_size, shared_blocks=shared, consecutive_prefix=consecutive, plans=plans
     )
     (single,) = plans[0].singles
-    assert (single.cached is not None) == consecutive
-    if consecutive:
-        assert single.cached.block_range == slice(2, 2 + shared)
+    assert single.parts is not None and single.parts.mask is not None
+    assert single.parts.runs == ([slice(2, 2 + shared)] if consecutive else [])
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def fragmented_table(runs: list[int], seed: int) -> list[int]:
+    """A block table made of runs of consecutive pool ids of the given lengths, the runs in a
+    random order of the pool with gaps between them (block 0 left unused)."""
+    rng = random.Random(seed)
+    ranges, at = [], 1
+    for length in runs:
+        at += rng.randint(1, 3)  # a gap: the runs are not one range
+        ranges.append(range(at, at + length))
+        at += length
+    rng.shuffle(ranges)
+    return [block for run in ranges for block in run]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    runs=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    query_len=st.sampled_from([1, 1, 2, 5, 20]),
+    partial=st.integers(0, 6),
+    group=st.sampled_from([1, 3]),
+    seed=st.integers(0, 1000),
+)
+def test_a_fragmented_context_read_in_parts_matches_naive(
+    runs: list[int], query_len: int, partial: int, group: int, seed: int
+) -> None:
+    """A sequence running alone whose blocks lie in runs of the pool (short and long, in any
+    order): the long runs before its first query are read in place, the rest is gathered once,
+    and the merged result equals attention over the whole context token by token. A decode's
+    plan needs no mask."""
+    block_size, hkv = 8, 2
+    table = fragmented_table(runs, seed)
+    ctx = (len(table) - 1) * block_size + partial + 2  # the last block partly filled
+    query_len = min(query_len, ctx - 1)
+    torch.manual_seed(seed)
+    num_blocks = max(table) + 1
+    k_cache = torch.randn(num_blocks, block_size, hkv, 16)
+    v_cache = torch.randn(num_blocks, block_size, hkv, 16)
+    q = torch.randn(query_len, hkv * group, 16)
+    k, v = torch.randn(query_len, hkv, 16), torch.randn(query_len, hkv, 16)
+    meta = AttentionMetadata.build([query_len], [ctx], [table], block_size)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, "torch")
+    ref = naive_attention(q, k_cache, v_cache, [query_len], [ctx], [table], 0.25)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    (single,) = meta._torch_plan.singles  # alone, even a decode runs as a single
+    parts = single.parts
+    assert parts is not None and (parts.mask is None) == (query_len == 1)
+    read_in_place = sum(run.stop - run.start for run in parts.runs)
+    assert read_in_place * block_size + parts.gathered_keys == ctx
+    assert all((run.stop - run.start) * block_size >= MIN_RUN_TOKENS for run in parts.runs)
+
+
+def test_a_float16_cache_read_in_parts_stays_close() -> None:
+    """Runs read in place from a float16 cache are widened like the gathered rest."""
+    block_size = 16
+    table = fragmented_table([20, 3, 17, 2], seed=3)
+    ctx = len(table) * block_size - 5
+    torch.manual_seed(3)
+    k_cache = torch.randn(max(table) + 1, block_size, 3, 64).half()
+    v_cache = torch.randn(max(table) + 1, block_size, 3, 64).half()
+    q, k, v = torch.randn(1, 9, 64), torch.randn(1, 3, 64), torch.randn(1, 3, 64)
+    meta = AttentionMetadata.build([1], [ctx], [table], block_size)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.125, "torch")
+    assert len(meta._torch_plan.singles[0].parts.runs) == 2
+    ref = naive_attention(q, k_cache, v_cache, [1], [ctx], [table], 0.125)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_a_long_context_among_short_decodes_runs_alone() -> None:
@@ -306,7 +372,7 @@ def test_without_the_flash_kernel_shared_prefixes_are_gathered(
     out, ref = run_case(seqs, 6, 2, 8, shared_blocks=shared, consecutive_prefix=True, plans=plans)
     (plan,) = plans
     assert plan.group is not None and plan.group.shared is None
-    assert [s.cached for s in plan.singles] == [None]
+    assert [s.parts for s in plan.singles] == [None]
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -321,7 +387,7 @@ def test_a_long_suffix_after_a_shared_prefix_runs_alone() -> None:
     out, ref = run_case(seqs, 6, 2, 8, shared_blocks=shared, consecutive_prefix=True, plans=plans)
     (plan,) = plans
     assert [(s.start, s.end) for s in plan.singles] == [(0, 1)]
-    assert plan.singles[0].cached is not None
+    assert plan.singles[0].parts is not None
     assert plan.group is not None and plan.group.shared is not None
     assert plan.group.num_seqs == 7
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
