@@ -9,9 +9,9 @@ So the context is split:
 
 * each run of at least MIN_RUN_TOKENS keys in consecutive pool blocks, wholly before the first
   query, is read in place (a view: nothing copied);
-* every other block (short runs, and the blocks holding the queries) is gathered in one call;
-  only the keys at or after the first query need a mask, and a decode's one query sees all of
-  its context, so a decode needs none;
+* every other block (short runs, and the blocks holding the queries) is gathered: a decode's
+  one query sees all of its context, so it needs one gather and no mask; several queries need
+  a causal mask over their own blocks only, gathered apart from the rest;
 * the parts' results are merged exactly through their log-sum-exps (attention over a set of
   keys does not depend on their order).
 """
@@ -28,12 +28,19 @@ MIN_RUN_TOKENS = 256
 MAX_RUNS = 8
 
 
+class Gather(NamedTuple):
+    """Blocks read in one gather: their first `keys` keys (the last block may be partly
+    filled), with an additive `mask` [1, 1, L, keys] (0 = attend, -inf = not) or None when
+    every query sees every one of them."""
+
+    blocks: torch.Tensor  # [n] int64 pool ids
+    keys: int
+    mask: torch.Tensor | None
+
+
 class ContextParts(NamedTuple):
     runs: list[slice]  # ranges of the pool read in place, every key of them visible
-    gathered: torch.Tensor  # [n] int64 block ids read in one gather: the rest of the context
-    gathered_keys: int  # the gathered keys in use (its last block may be partly filled)
-    # [1, 1, L, gathered_keys] additive (0 = attend, -inf = not); None: all are visible.
-    mask: torch.Tensor | None
+    gathers: list[Gather]  # the rest of the context
 
 
 def plan_context_parts(
@@ -51,26 +58,28 @@ def plan_context_parts(
     edges = [0, *(torch.nonzero(ids[1:] - ids[:-1] != 1).flatten() + 1).tolist(), before]
     min_run = -(-MIN_RUN_TOKENS // block_size)
     runs: list[slice] = []
-    rest: list[torch.Tensor] = []
+    pieces: list[torch.Tensor] = []
     for lo, hi in zip(edges, edges[1:], strict=False):
         if hi - lo >= min_run and len(runs) < MAX_RUNS:
             first = int(ids[lo])
             runs.append(slice(first, first + hi - lo))
         elif hi > lo:
-            rest.append(ids[lo:hi])
+            pieces.append(ids[lo:hi])
+    rest = torch.cat(pieces) if pieces else ids[:0]
     tail = blocks[before : -(-context_len // block_size)].cpu()  # the queries' own blocks
-    gathered = torch.cat([*rest, tail])
-    rest_keys = (gathered.numel() - tail.numel()) * block_size
-    gathered_keys = rest_keys + context_len - before * block_size
-    mask = None
-    if query_len > 1:  # causal among the tail's keys; the rest is before every query
-        pos_q = torch.arange(context_len - query_len, context_len, device=device)[:, None]
-        index = torch.arange(gathered_keys, device=device)
-        pos_k = index - rest_keys + before * block_size  # a tail key's position in the context
-        visible = (pos_k[None, :] <= pos_q) | (index < rest_keys)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-        mask = mask.masked_fill_(~visible, float("-inf"))[None, None]
-    return ContextParts(runs, gathered.to(device), gathered_keys, mask)
+    tail_keys = context_len - before * block_size
+    if query_len == 1:  # a decode sees its whole context: the rest and its block in one gather
+        whole = torch.cat([rest, tail]).to(device)
+        return ContextParts(runs, [Gather(whole, rest.numel() * block_size + tail_keys, None)])
+    # Several queries: causal among the tail's keys, while the rest comes before all of them
+    # (a mask over it would slow the flash kernel for nothing).
+    gathers = [Gather(rest.to(device), rest.numel() * block_size, None)] if rest.numel() else []
+    pos_q = torch.arange(context_len - query_len, context_len, device=device)[:, None]
+    pos_k = torch.arange(before * block_size, context_len, device=device)[None, :]
+    mask = torch.zeros(pos_k.shape[1:], dtype=dtype, device=device).expand(query_len, -1).clone()
+    mask.masked_fill_(pos_k > pos_q, float("-inf"))
+    gathers.append(Gather(tail.to(device), tail_keys, mask[None, None]))
+    return ContextParts(runs, gathers)
 
 
 def context_parts_attention(
@@ -90,31 +99,27 @@ def context_parts_attention(
         rows = q.view(1, hkv, hq // hkv, d)
     else:
         rows = q.transpose(0, 1)[None]  # [1, Hq, L, D]
-    outs: list[torch.Tensor] = []
-    lses: list[torch.Tensor] = []
+    results = []
     for run in parts.runs:
         k, v = (
             cache[run].reshape(-1, hkv, d).transpose(0, 1)[None].to(q.dtype)
             for cache in (k_cache, v_cache)
         )
-        out, lse = flash(rows, k, v, scale=scale)
-        outs.append(out)
-        lses.append(lse)
-    if parts.gathered_keys:
+        results.append(flash(rows, k, v, scale=scale))
+    for gather in parts.gathers:
         k, v = (
-            cache.index_select(0, parts.gathered).view(-1, hkv, d)[: parts.gathered_keys]
+            cache.index_select(0, gather.blocks).view(-1, hkv, d)[: gather.keys]
+            .transpose(0, 1)[None].to(q.dtype)  # widened where the cache is float16
             for cache in (k_cache, v_cache)
-        )
-        k, v = (part.transpose(0, 1)[None].to(q.dtype) for part in (k, v))  # widened if float16
-        out, lse = flash(rows, k, v, attn_mask=parts.mask, scale=scale)
-        outs.append(out)
-        lses.append(lse)
-    if len(outs) == 1:
-        merged = outs[0]
+        )  # fmt: skip
+        results.append(flash(rows, k, v, attn_mask=gather.mask, scale=scale))
+    if len(results) == 1:
+        merged = results[0][0]
     else:
         # Each part's share of a row's softmax mass: e^lse_i / sum_j e^lse_j.
-        weights = torch.softmax(torch.stack(lses).float(), dim=0)[..., None]
-        merged = (torch.stack(outs).float() * weights).sum(0).to(q.dtype)
+        weights = torch.softmax(torch.stack([lse for _, lse in results]).float(), dim=0)
+        outs = torch.stack([out for out, _ in results]).float()
+        merged = (outs * weights[..., None]).sum(0).to(q.dtype)
     if num_q == 1:
         return merged.reshape(1, hq, d)
     return merged[0].transpose(0, 1)  # [L, Hq, D]

@@ -271,7 +271,8 @@ def test_long_query_after_a_cached_prompt_matches_naive(block_size: int, consecu
         seqs, 6, 2, block_size, shared_blocks=shared, consecutive_prefix=consecutive, plans=plans
     )
     (single,) = plans[0].singles
-    assert single.parts is not None and single.parts.mask is not None
+    assert single.parts is not None and single.parts.gathers[-1].mask is not None
+    assert all(gather.mask is None for gather in single.parts.gathers[:-1])
     assert single.parts.runs == ([slice(2, 2 + shared)] if consecutive else [])
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -320,9 +321,10 @@ def test_a_fragmented_context_read_in_parts_matches_naive(
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     (single,) = meta._torch_plan.singles  # alone, even a decode runs as a single
     parts = single.parts
-    assert parts is not None and (parts.mask is None) == (query_len == 1)
+    assert parts is not None and (parts.gathers[-1].mask is None) == (query_len == 1)
+    assert len(parts.gathers) == 1 or query_len > 1
     read_in_place = sum(run.stop - run.start for run in parts.runs)
-    assert read_in_place * block_size + parts.gathered_keys == ctx
+    assert read_in_place * block_size + sum(gather.keys for gather in parts.gathers) == ctx
     assert all((run.stop - run.start) * block_size >= MIN_RUN_TOKENS for run in parts.runs)
 
 
