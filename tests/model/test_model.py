@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from kvcache import LLM
 from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
+from runner.backends.cpu.loader import load_cpu_kernels
 from runner.model.decoder import CausalLM
 from runner.model.loader import load_model
 
@@ -237,7 +238,10 @@ def test_architecture_particulars_reach_the_c_layers(make_tiny_model: Callable[.
     assert [layer.self_attn.use_rope for layer in smollm3.layers] == [True, False]
     olmo2 = of_engine(LLM(str(make_tiny_model("olmo2"))))
     assert olmo2.model.architecture == "Olmo2ForCausalLM"
-    assert olmo2.stack is not None and olmo2.stack.post_norm
+    if load_cpu_kernels() is not None:  # the C layers build (AVX-512)
+        assert olmo2.stack is not None and olmo2.stack.post_norm
+    else:
+        assert olmo2.stack is None
 
 
 def test_olmo2_norms_round_as_transformers_does_in_bfloat16(
