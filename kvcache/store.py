@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import mmap
 
+import numpy as np
 import torch
 
 
@@ -27,6 +28,7 @@ class KVStore:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        prefault: bool = False,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -48,7 +50,7 @@ class KVStore:
         # [layers, 2, blocks, block_size, kv_heads, head_dim]. Zeros, not empty: attention
         # reads whole blocks (padding slots and block 0 of padded tables) and masks them; NaN
         # garbage would survive a mask (0 * NaN = NaN).
-        self.tensor = _zeros(shape + (self.head_dim,), dtype, self.device)
+        self.tensor = _zeros(shape + (self.head_dim,), dtype, self.device, prefault)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of layer i, each [blocks, block_size, kv_heads, head_dim] (views)."""
@@ -90,10 +92,15 @@ class KVStore:
         )
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool
+) -> torch.Tensor:
     """A zero tensor. On the CPU it lives in an anonymous mapping, which the kernel zeroes
     page by page on first touch: start-up does not write the whole pool (a second for a few
-    GiB), and only the blocks ever used take memory."""
+    GiB), and only the blocks ever used take memory. With ``prefault`` every page is written
+    now instead (a server's choice: a fault inside a step or a pull's copy costs 13x the copy
+    itself, 0.52 ms against 0.04 ms a block of the default model, on the running decodes'
+    core; 0.45 s a GiB at start-up, one sequential write being the fastest way in)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -101,4 +108,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     # would write the other's KV) and put it in shmem, which faults in slower. The tensor
     # keeps the mapping alive.
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if prefault:
+        np.frombuffer(buffer, dtype=np.uint8)[:] = 0
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)

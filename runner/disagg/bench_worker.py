@@ -27,7 +27,7 @@ def main() -> None:
     from runner.serve.server import run_server
 
     # Metrics off unless the bench asks (engine-pd's workers record their schedules).
-    options = {"record_metrics": False} | json.loads(args.options)
+    options = {"record_metrics": False, "prefault_kv_cache": True} | json.loads(args.options)
     make = lambda o: LLM(args.model, **o)  # noqa: E731
     llm, attach = start_role(args.role, args.handover, args.cpus, make, options)
     freeze_server_heap()

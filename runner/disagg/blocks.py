@@ -62,23 +62,26 @@ class Checked(NamedTuple):
 
     passed: int
     reason: str | None  # None: every value passed
+    kvs: list[memoryview]  # the K/V bytes of each value that passed (views into it)
 
 
 def check_values(
-    llm: Any, chain: PromptChain, start: int, values: Sequence[bytes | None]
+    llm: Any, chain: PromptChain, start: int, values: Sequence[bytes | memoryview | None]
 ) -> Checked:
     """Check ``values`` as blocks ``start``, ``start + 1``, ... of ``chain``: each must decode
     (format, model identity, dtype, shape, checksum, MAC) and be exactly that block (its hash,
     its parent, its tokens). Stops at the first that is missing or fails. Pure."""
+    kvs: list[memoryview] = []
     for i, data in enumerate(values):
         at = start + i
         if data is None:
-            return Checked(i, f"block {at} missing")
+            return Checked(i, f"block {at} missing", kvs)
         parent = chain.hashes[at - 1] if at else chain.root
         result = decode(
             data, llm.block_spec, mac_key=llm.cache_mac_key, key=chain.hashes[at], parent=parent,
             tokens=chain.tokens[at],
         )  # fmt: skip
         if isinstance(result, Miss):
-            return Checked(i, f"block {at}: {result.reason}")
-    return Checked(len(values), None)
+            return Checked(i, f"block {at}: {result.reason}", kvs)
+        kvs.append(result.kv)
+    return Checked(len(values), None, kvs)

@@ -1,15 +1,17 @@
 """The decode worker's side of a handover: before a request is queued, pull the prompt's blocks
 its pool and host tier lack from the prefill worker (directly or through Redis; directly, while
-the prefill still runs), check each one as it arrives (blocks.py), and put the run that passes
-into the host tier, then, a chunk at a time under the engine lock, into the pool (the tiers'
-own load, runner/engine/kv_tiers.py, which checks them once more against the prompt's tokens).
-So the request's admission finds them cached on the device: a step never stops to copy a long
-prompt's blocks in (a stall the running decodes would see). Whatever did not arrive, or
-arrived bad, is computed."""
+the prefill still runs), check each one as it arrives (blocks.py), and copy the run that
+passes straight from the transport's buffers into the pool, a few blocks per short hold of the
+engine lock (runner/engine/kv_tiers.py, TierLoader.install); what the pool cannot take now
+waits in the host tier. So the request's admission finds them cached on the device: a step
+never stops to copy a long prompt's blocks in (a stall the running decodes would see), and the
+pull's CPU on the decode worker's core is one copy a block. Whatever did not arrive, or arrived
+bad, is computed."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -111,6 +113,7 @@ class Puller:
         if transport == "redis":
             if self.redis is None:  # misconfigured: computed here, and the reason says why
                 raise HandoverUnreachable("this decode worker has no --handover redis://")
+            chunks: Iterator[Sequence[bytes | memoryview | None]]
             chunks = self.redis.fetch(hashes, self.chunk_blocks)
         else:
             client = ZmqHandoverClient(endpoint, self.timeout_s)
@@ -119,13 +122,11 @@ class Puller:
         try:
             for values in chunks if hashes else []:
                 checked = check_values(self.llm, chain, at, values)
-                for i in range(checked.passed):
-                    value = values[i]
-                    assert value is not None  # passed its checks
-                    self.host.put(keys[at + i], value)
-                    nbytes += len(value)
+                passed = [value for value in values[: checked.passed] if value is not None]
+                nbytes += sum(len(value) for value in passed)
+                self._install(chain, keys, at, checked.kvs, passed)
                 at += checked.passed
-                self._load(chain, at)
+                del values, passed  # the transport's buffers: free for the next chunk's frames
                 if checked.reason is not None:
                     reason = checked.reason
                     if "missing" in reason:
@@ -143,27 +144,38 @@ class Puller:
                     client.close()
         return {"blocks": at - start, "bytes": nbytes, "reason": reason}
 
-    def _load(self, chain: Any, blocks: int) -> None:
-        """Copy the prompt's first ``blocks`` blocks from the host tier into the pool, those it
-        lacks there, LOAD_BLOCKS per short hold of the lock: the decodes' steps go on between
-        them, each waiting one hold at most."""
+    def _install(
+        self,
+        chain: Any,
+        keys: list[str],
+        first: int,
+        kvs: Sequence[memoryview],
+        values: Sequence[bytes | memoryview],
+    ) -> None:
+        """Put checked blocks ``first``, ``first + 1``, ... of the prompt (``kvs``, the K/V of
+        ``values``) straight into the pool, LOAD_BLOCKS per short hold of the lock, so the
+        decodes' steps go on between them, each waiting one hold at most. Those the pool cannot
+        take now (no room, or an earlier block evicted meanwhile) are copied into the host tier,
+        where admission finds them."""
         llm = self.llm
-        if llm.tiers is None or not blocks:
-            return
-        tokens = _tokens_of(chain, blocks)
         B = llm.config.block_size
-        with llm.lock:
-            on_device = len(llm.block_manager._match(tokens, chain.root))
-        for upto in range(min(blocks, on_device + LOAD_BLOCKS), blocks + LOAD_BLOCKS, LOAD_BLOCKS):
-            upto = min(upto, blocks)
+        tokens = _tokens_of(chain, first + len(kvs)) + [0]  # one past: never the last block
+        done = 0
+        while done < len(kvs):
+            if done:
+                time.sleep(LOAD_YIELD_S)  # the decodes' next step takes the lock first
+            upto = min(done + LOAD_BLOCKS, len(kvs))
             with llm.lock:
-                # One token past the blocks: the tiers' load, like admission, never takes the
-                # block of a prompt's last token (it is computed); which token does not matter.
-                loaded = llm.tiers.load(tokens[: upto * B] + [0], chain.root)
-            self.counters.loaded_blocks += loaded
-            if upto == blocks:
-                break
-            time.sleep(LOAD_YIELD_S)
+                before = llm.tiers.loaded_blocks
+                held = llm.tiers.install(
+                    tokens[: (first + upto) * B + 1], chain.root, first + done, kvs[done:upto]
+                )
+                self.counters.loaded_blocks += llm.tiers.loaded_blocks - before
+            if held < upto - done:  # the pool is short: the rest waits in the host tier
+                for i in range(done + held, len(kvs)):
+                    self.host.put(keys[first + i], bytes(values[i]))
+                return
+            done = upto
 
     def stats(self) -> dict[str, Any]:
         return asdict(self.counters)

@@ -156,19 +156,51 @@ class TierLoader:
         """Load the tiers' blocks that continue the device tree's longest match of this prompt
         into the pool (as cached blocks); returns how many. Loads fewer when the pool cannot
         spare the blocks (nothing held is ever evicted for it)."""
-        B, bm = self.block_size, self.bm
         started = time.perf_counter()  # lookup and copy are timed; allocation (evictions) not
         on_device, hashes = self._chain_past_device(token_ids, root)
         if not hashes:
             return 0
+        B = self.block_size
         max_blocks = len(hashes)
         packed = pack_tokens(token_ids[: max_blocks * B])
         width = len(packed) // max_blocks
         blocks = [packed[i * width : (i + 1) * width] for i in range(on_device, max_blocks)]
         parent = hashes[on_device - 1] if on_device else root
         hits = self.store.lookup(hashes[on_device:], parent, blocks)
-        elapsed = time.perf_counter() - started
-        n = len(hits)
+        lookup_s = time.perf_counter() - started
+        return self._install(token_ids, root, on_device, [hit.value.kv for hit in hits], lookup_s)
+
+    def install(
+        self, token_ids: Sequence[int], root: int, first: int, kvs: Sequence[bytes | memoryview]
+    ) -> int:
+        """Put checked K/V (``kvs``: blocks ``first``, ``first + 1``, ... of this prompt's
+        chain, from a handover) into the pool as cached blocks, those the device tree lacks;
+        returns how many blocks of ``kvs`` the tree holds afterwards. The tree must hold the
+        blocks before ``first`` (else none is put: 0). ``token_ids``: at least the blocks'
+        tokens and one more (as at admission, the block of a prompt's last token is never
+        taken)."""
+        end = min(first + len(kvs), (len(token_ids) - 1) // self.block_size)
+        on_device = -(-len(token_ids) // self.block_size) - self.bm.blocks_needed(token_ids, root)
+        if on_device < first:
+            return 0
+        if on_device >= end:
+            return end - first
+        probe = token_ids[: end * self.block_size + 1]
+        fresh = kvs[on_device - first : end - first]
+        return on_device - first + self._install(probe, root, on_device, fresh, 0.0)
+
+    def _install(
+        self,
+        token_ids: Sequence[int],
+        root: int,
+        on_device: int,
+        kvs: Sequence[bytes | memoryview],
+        elapsed: float,
+    ) -> int:
+        """Copy ``kvs`` (blocks ``on_device``, ... of the chain, the device tree holding those
+        before) into fresh blocks and commit them, as many as the pool can spare; how many."""
+        B, bm = self.block_size, self.bm
+        n = len(kvs)
         while n and not bm.can_allocate(self._probe(token_ids, on_device + n), root):
             n -= 1  # the pool cannot spare that many now
         if n:
@@ -177,7 +209,7 @@ class TierLoader:
             try:
                 fresh = alloc.block_table[on_device : on_device + n]
                 copy_started = time.perf_counter()
-                write_blocks(self.kv, fresh, [hit.value.kv for hit in hits[:n]])
+                write_blocks(self.kv, fresh, kvs[:n])
                 elapsed += time.perf_counter() - copy_started
                 self._loading = True
                 bm.commit(_LOADING_ID, probe, (on_device + n) * B)

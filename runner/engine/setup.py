@@ -110,6 +110,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         head_dim_of(hf),
         kv_dtype,
         device,
+        prefault=config.prefault_kv_cache,
     )
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     graphs = None

@@ -79,6 +79,7 @@ def serve(
 
     name = served_model_name or (Path(model).stem if model else DEFAULT_MODEL_NAME)
     engine_options["record_metrics"] = False  # a server's memory must not grow per token
+    engine_options["prefault_kv_cache"] = True  # its pool's page faults at start, not in steps
     with start_up_without_gc():
         try:
             make = lambda options: LLM(model, **options)  # noqa: E731
