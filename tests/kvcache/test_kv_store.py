@@ -44,3 +44,25 @@ def test_copy_slots_copies_leading_slots_of_every_layer() -> None:
     assert torch.equal(kv.tensor[:, :, 3, 3:], before[:, :, 3, 3:])
     others = [b for b in range(5) if b != 3]
     assert torch.equal(kv.tensor[:, :, others], before[:, :, others])
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (VmRSS)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_prefaulted_pool_is_mapped_in_at_once_and_a_lazy_one_is_not() -> None:
+    shape = (4, 256, 16, 4, 64)  # 32 MiB of float32
+    before = _resident_bytes()
+    lazy = KVStore(*shape, dtype=torch.float32, device="cpu")
+    after_lazy = _resident_bytes()
+    eager = KVStore(*shape, dtype=torch.float32, device="cpu", prefault=True)
+    after_eager = _resident_bytes()
+    assert after_lazy - before < lazy.nbytes // 8
+    assert after_eager - after_lazy >= eager.nbytes * 9 // 10
+    assert not eager.tensor.any()  # zeros, as the lazy pool reads
