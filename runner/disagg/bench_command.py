@@ -30,7 +30,8 @@ def pd_bench(
         for result in results:
             pd_metrics = result.pop("pd_metrics", None)
             if pd_metrics is not None:
-                path = Path(json_path).with_suffix(".engine-pd.metrics.json")
+                system = result["system"]
+                path = Path(json_path).with_suffix(f".{system}.metrics.json")
                 path.write_text(json.dumps(pd_metrics))
-                click.echo(f"engine-pd's schedules (for kvcache report --html): {path}")
+                click.echo(f"{system}'s schedules (for kvcache report --html): {path}")
         Path(json_path).write_text(json.dumps(results, indent=2))

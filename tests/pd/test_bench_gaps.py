@@ -1,12 +1,12 @@
 """The disaggregation bench's inter-token gaps: counted from the time every decode has its first
 token (the decodes' own start is not what a long prompt does to running streams), over every
-decode stream, never the long prompts'."""
+decode stream, never the long prompts'; outputs compared on the requests two systems both ran."""
 
 from __future__ import annotations
 
 import pytest
 
-from runner.disagg.bench import decode_gaps_ms
+from runner.disagg.bench import decode_gaps_ms, same_outputs
 
 
 def test_gaps_start_once_every_decode_streams() -> None:
@@ -22,3 +22,11 @@ def test_gaps_start_once_every_decode_streams() -> None:
 def test_no_decode_no_gap() -> None:
     assert decode_gaps_ms([{"kind": "long", "times": [1.0, 2.0]}]) == []
     assert decode_gaps_ms([{"kind": "decode", "times": []}]) == []
+
+
+def test_outputs_are_compared_on_the_requests_both_ran() -> None:
+    reference = {"decode-0": "a", "decode-1": "b", "long-0": "c"}
+    assert same_outputs(reference, reference)
+    assert same_outputs({"decode-0": "a", "decode-1": "b"}, reference)  # the decodes alone
+    assert not same_outputs({"decode-0": "a", "decode-1": "x"}, reference)
+    assert not same_outputs({"other": "a"}, reference)  # nothing in common: not "same"
