@@ -5,7 +5,8 @@ Every system is served (real processes on loopback) and driven the same way, by 
 requests sent at their workload arrival times (data/pd_interference.jsonl: a few long decodes at
 t=0, long prompts arriving while they run). engine and engine-nochunk are one colocated `kvcache
 serve` on every CPU this process may use (chunked prefill on / off); engine-pd is a prefill
-worker on the first CPU, a decode worker on the second (ZeroMQ handover) and the router. The
+worker on the first CPU, a decode worker on the second (ZeroMQ handover) and the router;
+engine-pd-alone, the same given the decodes only (the ITL floor, in the same run). The
 router and this client run on the prefill worker's CPU: every streamed chunk passes through them,
 and on the decode worker's CPU they would take its steps' time. (Its pulls stay there: a pull's
 thread on the busy prefill CPU, preempted while it held the interpreter's lock, made the decode
