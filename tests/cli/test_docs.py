@@ -99,10 +99,10 @@ def check_example(line: str) -> None:
 
 def check_systems(line: str, systems: object) -> None:
     from runner.bench.systems import ENGINE_SYSTEMS, PEER_SYSTEMS
-    from runner.disagg.bench_command import DEFAULT_SYSTEMS as SERVED_SYSTEMS
+    from runner.disagg.bench import SYSTEMS as SERVED_SYSTEMS
 
     named = systems.split(",") if isinstance(systems, str) else []
-    known = (*ENGINE_SYSTEMS, *PEER_SYSTEMS, *SERVED_SYSTEMS.split(","))
+    known = (*ENGINE_SYSTEMS, *PEER_SYSTEMS, *SERVED_SYSTEMS)
     unknown = [s for s in named if s not in known]
     assert not unknown, f"{line!r}: no system {unknown}"
 
