@@ -11,8 +11,9 @@ router and this client run on the prefill worker's CPU: every streamed chunk pas
 and on the decode worker's CPU they would take its steps' time. (Its pulls stay there: a pull's
 thread on the busy prefill CPU, preempted while it held the interpreter's lock, made the decode
 steps 3x slower.) Per system: the decodes'
-inter-token latency p50 / p99 / max (the gaps between their stream chunks once every decode has
-its first token: before that the decodes' own prompts join the batch, a start-up the long
+inter-token latency p50 / p99 / max while the long prompts arrive and run (the gaps between
+their stream chunks from the first long prompt's arrival on: before it the decodes' own start
+runs, their prompts joining the batch and their handovers' bookkeeping, a start-up the long
 prompts have no part in), the long prompts' TTFT, total throughput, the KV bytes and
 milliseconds handed over (the milliseconds a handover adds after its prefill's end: the rest
 runs beside the prefill), whether every output equals the first system's (greedy), each stream's
@@ -148,25 +149,39 @@ async def _one(
 async def _drive(url: str, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float, float]:
     timeout = httpx.Timeout(600.0, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout) as client:
+        # Warm-up as the run streams: a few answers at once, so the first steps of the run
+        # are not the servers' first streamed chunks (their code paths' first calls, on the
+        # decode worker's core), which left the slowest gaps of a run in its first second.
         warm = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
         (await client.post(f"{url}/v1/completions", json=warm)).raise_for_status()
+        streamed = [{"id": f"warm-{i}", "prompt": f"Hello {i}", "max_tokens": 16} for i in range(3)]
+        await asyncio.gather(*(_one(client, url, row, time.perf_counter()) for row in streamed))
         t0 = time.perf_counter()
         results = await asyncio.gather(*(_one(client, url, row, t0) for row in rows))
         return list(results), time.perf_counter() - t0, t0
 
 
-def decode_gaps_ms(results: list[dict[str, Any]]) -> list[float]:
-    """The decodes' inter-token gaps (ms) from the time every decode has its first token: the
-    gaps before are the decodes' own start (one joins the batch as another's prompt is
-    computed), not what a long prompt does to running streams. Pure."""
+def decode_gaps_ms(results: list[dict[str, Any]], since: float = 0.0) -> list[float]:
+    """The decodes' inter-token gaps (ms) that start once every decode has its first token and
+    at or after ``since`` (the first long prompt's arrival: the ITL while the long prompts
+    arrive and run). The gaps before are the decodes' own start (one joins the batch as
+    another's prompt is computed, its handover's bookkeeping runs), not what a long prompt
+    does to running streams. Pure."""
     decodes = [r["times"] for r in results if r["kind"] == "decode" and r["times"]]
-    steady = max((times[0] for times in decodes), default=0.0)
+    start = max([since, *(times[0] for times in decodes)])
     return [
         1000 * (b - a)
         for times in decodes
         for a, b in zip(times, times[1:], strict=False)
-        if a >= steady
+        if a >= start
     ]
+
+
+def first_long_arrival_s(rows: list[dict[str, Any]]) -> float:
+    """When the workload's first long prompt arrives (s from its start; 0 with none). Pure."""
+    return min(
+        (float(r.get("arrival_s", 0.0)) for r in rows if r.get("kind") == "long"), default=0.0
+    )
 
 
 def same_outputs(outputs: dict[str, str], reference: dict[str, str]) -> bool:
@@ -184,6 +199,7 @@ def _pct(values: list[float], q: float) -> float:
 def run_system(name: str, model: str | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One system's figures (ms) and its outputs by request id."""
     cpus = sorted(os.sched_getaffinity(0))
+    since = first_long_arrival_s(rows)  # engine-pd-alone: the same window, with none arriving
     if name == "engine-pd-alone":
         rows = [row for row in rows if row.get("kind", "decode") == "decode"]
     with _system(name, model, cpus) as urls:
@@ -197,7 +213,7 @@ def run_system(name: str, model: str | None, rows: list[dict[str, Any]]) -> dict
             for role in ("prefill", "decode")
             if is_pd
         }
-    gaps = decode_gaps_ms(results)
+    gaps = decode_gaps_ms(results, t0 + since)
     ttft = [1000 * (r["times"][0] - r["sent"]) for r in results if r["kind"] == "long"]
     tokens = sum(len(r["times"]) for r in results)
     out: dict[str, Any] = {

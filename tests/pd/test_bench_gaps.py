@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.disagg.bench import decode_gaps_ms, same_outputs
+from runner.disagg.bench import decode_gaps_ms, first_long_arrival_s, same_outputs
 
 
 def test_gaps_start_once_every_decode_streams() -> None:
@@ -30,3 +30,20 @@ def test_outputs_are_compared_on_the_requests_both_ran() -> None:
     assert same_outputs({"decode-0": "a", "decode-1": "b"}, reference)  # the decodes alone
     assert not same_outputs({"decode-0": "a", "decode-1": "x"}, reference)
     assert not same_outputs({"other": "a"}, reference)  # nothing in common: not "same"
+
+
+def test_gaps_are_counted_from_the_first_long_prompts_arrival() -> None:
+    results = [
+        {"kind": "decode", "times": [0.0, 0.1, 0.3, 0.4, 0.6]},
+        {"kind": "decode", "times": [0.0, 0.2, 0.5]},
+        {"kind": "long", "times": [0.5, 5.0]},
+    ]
+    # From 0.3 on: the first decode's 0.3-0.4 and 0.4-0.6, the second's gaps all start before.
+    assert decode_gaps_ms(results, since=0.3) == pytest.approx([100.0, 200.0])
+    rows = [
+        {"kind": "decode"},
+        {"kind": "long", "arrival_s": 4.0},
+        {"kind": "long", "arrival_s": 1.5},
+    ]
+    assert first_long_arrival_s(rows) == 1.5
+    assert first_long_arrival_s([{"kind": "decode"}]) == 0.0
