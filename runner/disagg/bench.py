@@ -149,9 +149,8 @@ async def _one(
 async def _drive(url: str, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float, float]:
     timeout = httpx.Timeout(600.0, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout) as client:
-        # Warm-up as the run streams: a few answers at once, so the first steps of the run
-        # are not the servers' first streamed chunks (their code paths' first calls, on the
-        # decode worker's core), which left the slowest gaps of a run in its first second.
+        # Warm-up as the run goes: one whole answer, then three streamed at once, so the run
+        # is never the servers' first streamed chunks or first batch of three.
         warm = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
         (await client.post(f"{url}/v1/completions", json=warm)).raise_for_status()
         streamed = [{"id": f"warm-{i}", "prompt": f"Hello {i}", "max_tokens": 16} for i in range(3)]
