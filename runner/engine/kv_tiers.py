@@ -137,11 +137,15 @@ class TierLoader:
         store.write(("host",), [self._pending(n, p) for n, p in zip(fresh, payloads, strict=True)])
 
     # -- up ------------------------------------------------------------------------------------
+    def _on_device(self, token_ids: Sequence[int], root: int) -> int:
+        """How many of the prompt's blocks the device tree matches. Pure."""
+        return -(-len(token_ids) // self.block_size) - self.bm.blocks_needed(token_ids, root)
+
     def _chain_past_device(self, token_ids: Sequence[int], root: int) -> tuple[int, list[int]]:
         """(blocks the device tree matches, every loadable block's hash). Pure."""
         B = self.block_size
         max_blocks = (len(token_ids) - 1) // B  # as BlockCache.match: one token is computed
-        on_device = -(-len(token_ids) // B) - self.bm.blocks_needed(token_ids, root)
+        on_device = self._on_device(token_ids, root)
         if on_device >= max_blocks:
             return on_device, []
         return on_device, block_hashes(token_ids[: max_blocks * B], B, root)
@@ -180,7 +184,7 @@ class TierLoader:
         tokens and one more (as at admission, the block of a prompt's last token is never
         taken)."""
         end = min(first + len(kvs), (len(token_ids) - 1) // self.block_size)
-        on_device = -(-len(token_ids) // self.block_size) - self.bm.blocks_needed(token_ids, root)
+        on_device = self._on_device(token_ids, root)
         if on_device < first:
             return 0
         if on_device >= end:
