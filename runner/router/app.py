@@ -6,12 +6,9 @@ replica; /health; /router/stats (JSON) and Prometheus /metrics."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -21,28 +18,11 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from runner.router.load import FirstToken, Work, answer_blocks
 from runner.router.policy import make_policy
 from runner.router.prompt_hashes import PromptHasher
+from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
 from runner.router.replicas import Replica, ReplicaSet
-from runner.serve.auth import require_api_key
 from runner.serve.responses import error_body
 
-FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 PASSED_BACK_HEADERS = ("retry-after",)
-
-
-@dataclass
-class RouterSettings:
-    policy: str = "cache_aware"
-    threshold: float = 0.0
-    balance_abs: int = 64
-    balance_rel: float = 1.5
-    health_interval_s: float = 1.0
-    tokenizer: str | None = None  # default: the first replica's model folder
-    max_attempts: int = 3
-    request_timeout_s: float = 600.0
-    api_key: str | None = None  # what the router's own clients must send
-    replica_api_key: str | None = None  # what the router sends the replicas, instead of theirs
-    load_weight: float = 1.0  # cache_aware: a block of work in flight against a block matched
-    recent_half_life_s: float = 120.0  # cache_aware: how fast conversations started are forgotten
 
 
 class RouterMetrics:
@@ -200,68 +180,6 @@ class Router:
                 for r in self.replicas.replicas
             ],
         }
-
-
-class Forwarder(Protocol):
-    async def forward(self, path: str, request: Request) -> Response: ...
-
-
-def forwarded_headers(request: Request, settings: RouterSettings) -> dict[str, str]:
-    """The client's headers a replica gets. The client's Authorization goes along only when
-    the router has no key of its own for the replicas: then one key (the router's, if it has
-    one) serves both hops, as a single --api-key does in SGLang's router."""
-    names: tuple[str, ...] = FORWARDED_HEADERS
-    if settings.replica_api_key is not None:
-        names = tuple(name for name in names if name != "authorization")
-    return {k: v for k, v in request.headers.items() if k.lower() in names}
-
-
-def upstream_client(settings: RouterSettings) -> httpx.AsyncClient:
-    """The one client a router's upstream calls share; with a replica key, every call it
-    makes carries it (requests, health checks, /kvcache/info, /v1/models)."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    timeout = httpx.Timeout(settings.request_timeout_s, connect=5.0)
-    headers = {}
-    if settings.replica_api_key is not None:
-        headers["authorization"] = f"Bearer {settings.replica_api_key}"
-    return httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers)
-
-
-def proxy_app(
-    title: str,
-    router: Forwarder,
-    client: httpx.AsyncClient,
-    start: Callable[[], Awaitable[None]],
-    health_loop: Callable[[], Coroutine[Any, Any, None]],
-    api_key: str | None = None,
-) -> FastAPI:
-    """An app whose OpenAI routes go through `router`: `start` runs at startup, the health
-    loop from then to shutdown, and the client closes last. With `api_key`, its /v1/* routes
-    answer 401 to a client without it, as `kvcache serve --api-key` does."""
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await start()
-        health = asyncio.create_task(health_loop())
-        yield
-        health.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await health
-        await client.aclose()
-
-    app = FastAPI(title=title, lifespan=lifespan)
-    app.state.router = router
-    require_api_key(app, api_key)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.forward("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await router.forward("/v1/chat/completions", request)
-
-    return app
 
 
 def build_router_app(urls: list[str], settings: RouterSettings) -> FastAPI:

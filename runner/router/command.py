@@ -98,7 +98,8 @@ def router(
     """One OpenAI endpoint in front of several `kvcache serve` replicas."""
     import uvicorn
 
-    from runner.router.app import RouterSettings, build_router_app
+    from runner.router.app import build_router_app
+    from runner.router.proxy import RouterSettings
 
     settings = RouterSettings(
         policy,

@@ -26,7 +26,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from runner.router.app import RouterSettings, forwarded_headers, proxy_app, upstream_client
+from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
 from runner.router.replicas import Replica, ReplicaSet
 from runner.serve.responses import error_body, sse
 

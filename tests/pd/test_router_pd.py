@@ -21,8 +21,8 @@ import httpx
 import openai
 
 from kvcache import LLM, SamplingParams
-from runner.router.app import RouterSettings
 from runner.router.pd import build_pd_router_app
+from runner.router.proxy import RouterSettings
 from tests.pd.conftest import Worker, WorkerFactory
 from tests.pd.test_handover import PROMPT
 from tests.redis_server import free_port

@@ -17,8 +17,9 @@ import openai
 import pytest
 
 from kvcache import LLM, SamplingParams, namespace_root
-from runner.router.app import RouterSettings, build_router_app
+from runner.router.app import build_router_app
 from runner.router.load import FirstToken
+from runner.router.proxy import RouterSettings
 from runner.serve.app import ServeSettings, build_app
 from tests.serve.conftest import LiveServer
 
