@@ -3,9 +3,9 @@
 What it owns: the one format of KV stored outside the pool (``block_value``: a block or a
 chunk of blocks, header, tokens, raw K/V, checksum, optional keyed MAC), the tiers that
 hold such values (``host``: a bounded LRU in RAM; ``disk``: a directory that survives
-restarts; ``remote``: a Redis server shared by every engine), and ``tiered``: lookup of a
-chain across them and the bounded background writer. It imports neither torch nor
-``runner``: the engine copies K/V in and out of the pool (runner/engine/kv_transfer.py)
+restarts; ``remote``: a Redis server shared by every engine), ``tiered``: lookup of a
+chain across them, and ``tier_writer``: the bounded background writer. It imports neither
+torch nor ``runner``: the engine copies K/V in and out of the pool (runner/engine/kv_transfer.py)
 and hands this package bytes.
 
 May import: the rest of kvcache (its hashing), redis and xxhash; never torch nor runner.

@@ -7,21 +7,17 @@ longest run of consecutive blocks the values found cover, each block verified
 (``block_value.decode_chunk``, then its expected hash, parent and tokens), is the hit. A
 tier that fails is a miss, warned once per tier and counted; it never fails the request.
 
-Writes: committed blocks are written through to disk and remote (in chunks of consecutive
-blocks, one value each), blocks evicted from the device pool back to the host tier, all on
-one daemon thread fed by a queue bounded in blocks: when it is full the write is dropped and
-counted, never waited for.
+Writes: committed blocks through to disk and remote, evicted ones back to the host tier, on
+the bounded background writer (tier_writer.py), which drops a write rather than wait for it.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from kvcache.tiers.block_value import (
     BlockSpec,
@@ -34,24 +30,13 @@ from kvcache.tiers.block_value import (
     storage_key,
     value_blocks,
 )
+from kvcache.tiers.tier_writer import Pending, Tier, TierDown, TierWriter
+
+__all__ = ["Hit", "Pending", "Tier", "TierCounters", "TierDown", "TieredStore"]
 
 log = logging.getLogger(__name__)
 # Miss reasons that mean the stored bytes themselves are bad: those values are deleted.
 DAMAGED = ("truncated header", "truncated or oversized value", "not a block value", "checksum")
-_BATCH = 64  # values the writer thread takes from the queue at a time (one pipeline)
-
-
-class TierDown(ConnectionError):
-    """A tier that cannot be reached now (a miss for the caller, never a failed request)."""
-
-
-class Tier(Protocol):
-    name: str
-
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]: ...
-    def put(self, key: str, value: bytes) -> bool: ...
-    def discard(self, key: str) -> None: ...
-    def close(self) -> None: ...
 
 
 @dataclass
@@ -68,24 +53,9 @@ class TierCounters:
     skipped: int = 0  # calls not made while the tier was backing off
 
 
-class Pending(NamedTuple):
-    """A block to write: its place in the chain and its K/V bytes (copied off the pool)."""
-
-    key: int
-    parent: int
-    tokens: bytes
-    top: bool
-    kv: bytes
-
-
 class Hit(NamedTuple):
     tier: str
     value: BlockValue
-
-
-class _Job(NamedTuple):
-    targets: tuple[str, ...]
-    blocks: tuple[Pending, ...]  # one value: consecutive blocks of a chain, keyed by the last
 
 
 class TieredStore:
@@ -104,16 +74,10 @@ class TieredStore:
         self.tiers = list(tiers)
         self.mac_key = mac_key
         self.counters = {t.name: TierCounters() for t in self.tiers}
-        self.dropped_writes = 0  # blocks not written because the queue was full
         self._warn = warn
         self._warned: set[str] = set()
-        # Bounded in blocks (a chunk counts each of its blocks), not in values.
-        self._queue: queue.Queue[list[_Job] | None] = queue.Queue()
-        self._capacity = queue_blocks
-        self._queued_blocks = 0
-        self._lock = threading.Lock()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-tiers", daemon=True)
-        self._writer.start()
+        self.writer = TierWriter(self.tiers, self._encode, self.guarded, self._count_written,
+                                 queue_blocks)  # fmt: skip
 
     def has(self, name: str) -> bool:
         return name in self.counters
@@ -227,86 +191,42 @@ class TieredStore:
         return self.write_chunks(targets, [[block] for block in blocks])
 
     def write_chunks(self, targets: Sequence[str], chunks: Sequence[Sequence[Pending]]) -> int:
-        """Queue each chunk (consecutive blocks of one chain, in order) as one value, keyed by
-        its last block, for the tiers named ``targets``; returns how many blocks were dropped
-        because the queue (bounded in blocks) was full. Never blocks."""
-        names = tuple(t for t in targets if t in self.counters)
-        if not names:
-            return 0
-        accepted: list[_Job] = []
-        dropped = 0
-        with self._lock:  # one lock and one queue item a call: the writer wakes once
-            for chunk in chunks:
-                if self._queued_blocks + len(chunk) <= self._capacity:
-                    self._queued_blocks += len(chunk)
-                    accepted.append(_Job(names, tuple(chunk)))
-                else:
-                    dropped += len(chunk)
-        if accepted:
-            self._queue.put_nowait(accepted)
-        self.dropped_writes += dropped
-        return dropped
+        """Queue each chunk (consecutive blocks of one chain, in order) as one value for the
+        tiers named ``targets``; how many blocks were dropped (TierWriter.write_chunks)."""
+        return self.writer.write_chunks(targets, chunks)
 
     def space(self) -> int:
         """How many blocks the write queue has room for now (copying more K/V off the pool
         would be wasted: they would be dropped). Pure."""
-        return max(0, self._capacity - self._queued_blocks)
+        return self.writer.space()
 
-    def _write_loop(self) -> None:
-        """Take the queued jobs (each queue item is one call's), up to about _BATCH, and write
-        them: one pipeline per tier for a batch."""
-        while True:
-            items = [self._queue.get()]
-            jobs = list(items[0] or [])
-            while len(jobs) < _BATCH and items[-1] is not None:
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-                jobs.extend(items[-1] or [])
-            try:
-                self._write_jobs(jobs)
-            finally:
-                with self._lock:
-                    self._queued_blocks -= sum(len(job.blocks) for job in jobs)
-                for _ in items:
-                    self._queue.task_done()
-            if items[-1] is None:
-                return
+    def count_dropped(self, blocks: int) -> None:
+        """Blocks a caller did not queue because there was no room (counted as dropped)."""
+        self.writer.dropped += blocks
 
-    def _write_jobs(self, jobs: list[_Job]) -> None:
-        values = [(self.key_of(job.blocks[-1].key), self._encode(job.blocks)) for job in jobs]
-        for tier in self.tiers:
-            batch = [v for v, job in zip(values, jobs, strict=True) if tier.name in job.targets]
-            if batch:
-                self._put_batch(tier, batch)
+    @property
+    def dropped_writes(self) -> int:
+        return self.writer.dropped
 
-    def _encode(self, blocks: tuple[Pending, ...]) -> bytes:
+    def _encode(self, blocks: tuple[Pending, ...]) -> tuple[str, bytes]:
         links = [Link(b.key, b.parent, b.tokens) for b in blocks]
         kv = blocks[0].kv if len(blocks) == 1 else b"".join(b.kv for b in blocks)
-        return encode_chunk(self.spec, links, kv, top=blocks[0].top, mac_key=self.mac_key)
+        value = encode_chunk(self.spec, links, kv, top=blocks[0].top, mac_key=self.mac_key)
+        return self.key_of(blocks[-1].key), value
 
-    def _put_batch(self, tier: Tier, batch: list[tuple[str, bytes]]) -> None:
-        """Write values to one tier (one pipeline where the tier has ``put_many``)."""
-        put_many = getattr(tier, "put_many", None)
-        if put_many is not None:
-            done = self.guarded(tier, lambda: put_many(batch) or True)
-            written = batch if done else []
-        else:
-            written = [kv for kv in batch if self.guarded(tier, partial(tier.put, *kv))]
-        counters = self.counters[tier.name]
-        counters.written_values += len(written)
-        counters.written_blocks += sum(value_blocks(value) for _, value in written)
-        counters.written_bytes += sum(len(value) for _, value in written)
+    def _count_written(self, tier: str, values: int, blocks: int, nbytes: int) -> None:
+        counters = self.counters[tier]
+        counters.written_values += values
+        counters.written_blocks += blocks
+        counters.written_bytes += nbytes
 
     def flush(self) -> None:
         """Wait until every queued write is done (tests, shutdown)."""
-        self._queue.join()
+        self.writer.flush()
 
     def close(self) -> None:
         """Finish the queued writes, stop the writer, close the tiers."""
-        self._queue.put(None)
-        self._writer.join()
+        self.writer.stop()
         for tier in self.tiers:
             tier.close()
 

@@ -92,7 +92,7 @@ class TierLoader:
         chunks = self._chunks(nodes)
         count = sum(len(chunk) for chunk in chunks)
         if self.store.space() < count:  # dropped: copying them off the pool would be wasted
-            self.store.dropped_writes += count
+            self.store.count_dropped(count)
             return
         payloads = iter(read_blocks(self.kv, [n.block_id for chunk in chunks for n in chunk]))
         self.store.write_chunks(
@@ -129,7 +129,7 @@ class TierLoader:
         host, store = self.host, self.store
         fresh = [n for n in nodes if store.key_of(n.key) not in host]
         room = min(len(fresh), store.space())
-        store.dropped_writes += len(fresh) - room
+        store.count_dropped(len(fresh) - room)
         if not room:
             return
         fresh = fresh[:room]
