@@ -54,7 +54,9 @@ class ZmqHandoverServer:
             if not poller.poll(POLL_MS):
                 continue
             ident, _, raw = self._socket.recv_multipart()
-            self._socket.send_multipart([ident, b"", *self._answer(raw)])
+            # Not copied (the values are immutable bytes their frames keep alive): a one-block
+            # pull 90 ms against 111-141 ms copied (scripts/handover_transports.py).
+            self._socket.send_multipart([ident, b"", *self._answer(raw)], copy=False)
         self._socket.close()
         self._context.term()
 
