@@ -63,13 +63,15 @@ class RemoteTier:
         self._backoff = 0.0
         return [v if isinstance(v, bytes) else None for v in values]
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Store values in one pipelined round trip. Raises TierDown."""
+    def put_many(self, items: Sequence[tuple[str, bytes]], expire_s: float | None = None) -> None:
+        """Store values in one pipelined round trip, each expiring after ``expire_s`` when
+        given (else kept until Redis evicts it). Raises TierDown."""
         self._check()
+        expire_ms = None if expire_s is None else max(1, int(1000 * expire_s))
         try:
             pipe = self._client.pipeline(transaction=False)
             for key, value in items:
-                pipe.set(key, value)
+                pipe.set(key, value, px=expire_ms)
             pipe.execute()
         except (redis.RedisError, OSError) as err:
             raise self._call_failed(err) from err

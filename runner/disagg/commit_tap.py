@@ -10,7 +10,7 @@ computed) are read at the open, under the engine lock, so no commit falls betwee
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +32,14 @@ class _Open:
 class CommitTap:
     """Feeds ``held``'s open handovers from ``llm``'s commits."""
 
-    def __init__(self, llm: Any, held: HeldHandovers) -> None:
-        self.llm, self.held = llm, held
+    def __init__(
+        self,
+        llm: Any,
+        held: HeldHandovers,
+        on_held: Callable[[str, int, bytes], None] | None = None,
+    ) -> None:
+        # ``on_held``: told of each value held (the Redis transport writes it on: redis_stream.py)
+        self.llm, self.held, self.on_held = llm, held, on_held
         # Changed under both the engine lock (so an open falls between two commits) and this
         # one; read under either. finish takes only this one: waiting for the engine lock
         # would wait out another request's prefill step.
@@ -72,7 +78,7 @@ class CommitTap:
         if any(v is None for v in have):
             for i, value in enumerate(cached_values(self.llm, entry.token_ids, entry.cache_salt)):
                 if have[i] is None:
-                    self.held.add(handover_id, wanted[i], value)
+                    self._hold(handover_id, wanted[i], value)
         self.held.finish(handover_id)
 
     def cancel(self, handover_id: str) -> None:
@@ -106,8 +112,12 @@ class CommitTap:
                 llm.block_spec, chain.hashes[at], parent, chain.tokens[at], kv,
                 top=at == 0, mac_key=llm.cache_mac_key,
             )  # fmt: skip
-            self.held.add(handover_id, chain.hashes[at], value)
+            self._hold(handover_id, chain.hashes[at], value)
             self.encoded_blocks += 1
+
+    def _hold(self, handover_id: str, block_hash: int, value: bytes) -> None:
+        if self.held.add(handover_id, block_hash, value) and self.on_held is not None:
+            self.on_held(handover_id, block_hash, value)
 
     def close(self) -> None:
         """Nothing runs of its own: kept so a publisher closes its parts alike."""

@@ -2,10 +2,12 @@
 held for the direct transport's pull (held.py, zmq_transport.py) or written to the shared
 Redis; the answer is the kv_transfer_params a decode worker pulls with.
 
-Direct: the handover opens when the request is queued (``begin``) and fills as its blocks are
-committed (commit_tap.py), so the decode worker may pull while the prefill runs; ``publish``
-then only waits for the last blocks. Redis: the blocks are read off the pool and written when
-the prefill has finished."""
+Over either transport the handover opens when the request is queued (``begin``) and fills as
+its blocks are committed (commit_tap.py), so the decode worker may pull while the prefill runs;
+``publish`` then only waits for the last blocks. Direct: the values are held here until
+pulled. Redis: each is also written on as it comes (redis_stream.py), and the copy held here
+only lasts until the prefill's end. A handover not begun (a prefill answered in one line) is
+read off the pool when the prefill ends."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from kvcache.tiers import TierDown
 from runner.disagg.blocks import cached_values, prompt_chain
 from runner.disagg.commit_tap import CommitTap
 from runner.disagg.held import HeldHandovers
+from runner.disagg.redis_stream import RedisStream
 from runner.disagg.redis_transport import RedisHandover
 from runner.disagg.zmq_transport import ZmqHandoverServer
 
@@ -36,26 +39,31 @@ class Publisher:
     ``redis``."""
 
     def __init__(
-        self, llm: Any, server: ZmqHandoverServer | None, redis: RedisHandover | None
+        self,
+        llm: Any,
+        held: HeldHandovers,
+        server: ZmqHandoverServer | None = None,
+        redis: RedisHandover | None = None,
     ) -> None:
         if (server is None) == (redis is None):
             raise ValueError("a prefill worker hands over through one transport")
-        self.llm, self.server, self.redis = llm, server, redis
-        self.tap = CommitTap(llm, server.held) if server is not None else None
+        self.llm, self.held, self.server, self.redis = llm, held, server, redis
+        self.stream = RedisStream(redis) if redis is not None else None
+        self.tap = CommitTap(llm, held, self.stream.add if self.stream is not None else None)
         self.counters = PublishCounters()
-
-    @property
-    def held(self) -> HeldHandovers | None:
-        return self.server.held if self.server is not None else None
 
     def begin(
         self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None
     ) -> dict[str, Any] | None:
-        """Open the handover of a queued request's prompt (direct transport only): its blocks
-        are held as they are committed. Returns the params a decode worker may pull with
-        meanwhile (``open``: the values may still come), or None (Redis: after the prefill)."""
-        if self.tap is None or self.server is None:
-            return None
+        """Open the handover of a queued request's prompt: its blocks are held (and written to
+        Redis) as they are committed. Returns the params a decode worker may pull with
+        meanwhile (``open``: the values may still come), or None when Redis cannot be reached
+        now (the handover is then written when the prefill ends, or computed)."""
+        if self.stream is not None:
+            try:
+                self.stream.open(handover_id)
+            except TierDown:
+                return None
         self.tap.open(handover_id, token_ids, cache_salt)
         params = self._params(handover_id, token_ids, cache_salt, 0, 0, 0.0)
         return params | {"open": True}
@@ -68,17 +76,19 @@ class Publisher:
         them, the params name no block (the decode worker then computes the prompt)."""
         started = time.perf_counter()
         hashes = prompt_chain(self.llm, token_ids, cache_salt).hashes
-        if self.server is not None:
-            held = self.server.held
-            assert self.tap is not None
-            if held.is_open(handover_id):
-                self.tap.finish(handover_id)
-            else:
-                values = cached_values(self.llm, token_ids, cache_salt)
-                held.hold(handover_id, hashes[: len(values)], values)
+        held = self.held
+        if held.is_open(handover_id):
+            self.tap.finish(handover_id)
+            values = _leading_run(held.get(handover_id, hashes))
+            if self.stream is not None:  # what Redis took; the copy held here is done with
+                written = self.stream.finish(handover_id)
+                values = values[: _run_in(hashes[: len(values)], written)]
+                held.release(handover_id)
+        elif self.redis is None:
+            values = cached_values(self.llm, token_ids, cache_salt)
+            held.hold(handover_id, hashes[: len(values)], values)
             values = _leading_run(held.get(handover_id, hashes))
         else:
-            assert self.redis is not None
             values = cached_values(self.llm, token_ids, cache_salt)
             try:
                 self.redis.publish(hashes[: len(values)], values)
@@ -114,25 +124,33 @@ class Publisher:
 
     def release(self, handover_id: str) -> bool:
         """Free a handover not pulled (its request failed or was aborted elsewhere)."""
-        if self.tap is not None:
-            self.tap.cancel(handover_id)  # an open one stops filling
-        return self.held.release(handover_id) if self.held is not None else False
+        self.tap.cancel(handover_id)  # an open one stops filling
+        if self.stream is not None:
+            self.stream.cancel(handover_id)
+        return self.held.release(handover_id)
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = asdict(self.counters)
+        out: dict[str, Any] = asdict(self.counters) | self.held.stats()
         if self.server is not None:
-            out |= self.server.held.stats()
             out |= {"served_blocks": self.server.served_blocks}
             out |= {"served_bytes": self.server.served_bytes}
+        if self.stream is not None:
+            out |= {"failed_writes": self.stream.failed_writes}
         return out
 
     def close(self) -> None:
-        if self.tap is not None:
-            self.tap.close()
+        self.tap.close()
         if self.server is not None:
             self.server.close()
+        if self.stream is not None:
+            self.stream.close()
         if self.redis is not None:
             self.redis.close()
+
+
+def _run_in(hashes: Sequence[int], written: set[int]) -> int:
+    """How many of ``hashes``, from the first, are in ``written`` (a pull stops at a gap)."""
+    return next((i for i, h in enumerate(hashes) if h not in written), len(hashes))
 
 
 def _leading_run(values: list[bytes | None]) -> list[bytes]:

@@ -118,7 +118,7 @@ class Puller:
             if self.redis is None:  # misconfigured: computed here, and the reason says why
                 raise HandoverUnreachable("this decode worker has no --handover redis://")
             chunks: Iterator[Sequence[bytes | memoryview | None]]
-            chunks = self.redis.fetch(hashes, self.chunk_blocks)
+            chunks = self.redis.fetch(hashes, self.chunk_blocks, handover_id)
         else:
             client = ZmqHandoverClient(endpoint, self.timeout_s)
             chunks = client.fetch(handover_id, hashes, self.chunk_blocks)

@@ -78,11 +78,9 @@ def build_role(llm: Any, options: RoleOptions) -> RoleParts:
     """The role's parts over ``llm``; nothing for "both"."""
     redis = RedisHandover(options.redis_url, llm.block_spec) if options.redis_url else None
     if options.role == "prefill":
-        server = None
-        if redis is None:
-            held = HeldHandovers(options.held_bytes, options.ttl_s)
-            server = ZmqHandoverServer(held, *options.zmq_address())
-        return RoleParts(options, publisher=Publisher(llm, server, redis), llm=llm)
+        held = HeldHandovers(options.held_bytes, options.ttl_s)
+        server = ZmqHandoverServer(held, *options.zmq_address()) if redis is None else None
+        return RoleParts(options, publisher=Publisher(llm, held, server, redis), llm=llm)
     if options.role == "decode":
         return RoleParts(options, puller=Puller(llm, redis, options.chunk_blocks), llm=llm)
     return RoleParts(options, llm=llm)

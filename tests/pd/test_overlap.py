@@ -1,7 +1,8 @@
-"""The handover overlaps the prefill: a prefill worker's open handover fills with each block as
-a (chunked) prefill commits it, a decode worker's pull waits on an open handover and gets the
-blocks as they come, and through the router the pulled blocks are in the decode worker's pool
-before its request is admitted (the step never copies them in), with the colocated output."""
+"""The handover overlaps the prefill, over both transports: a prefill worker's open handover
+fills with each block as a (chunked) prefill commits it (and, over Redis, is written on as it
+fills), a decode worker's pull waits on an open handover and gets the blocks as they come, and
+through the router the pulled blocks are in the decode worker's pool before its request is
+admitted (the step never copies them in), with the colocated output."""
 
 from __future__ import annotations
 
@@ -10,15 +11,21 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+import redis
 
 from kvcache import LLM, SamplingParams
+from kvcache.tiers import storage_key
 from runner.disagg.blocks import cached_values, prompt_chain
 from runner.disagg.commit_tap import CommitTap
 from runner.disagg.held import HeldHandovers
+from runner.disagg.redis_stream import RedisStream
+from runner.disagg.redis_transport import RedisHandover
 from runner.disagg.zmq_transport import ZmqHandoverClient, ZmqHandoverServer
 from tests.pd.conftest import WorkerFactory
 from tests.pd.test_handover import PROMPT
 from tests.pd.test_router_pd import pd_router
+from tests.redis_server import RedisServer
 
 BUDGET = 64  # tokens a step: the prompt's prefill takes several steps (chunks)
 
@@ -73,13 +80,74 @@ def test_a_pull_waits_on_an_open_handover() -> None:
         server.close()
 
 
+def test_an_open_redis_handover_is_written_as_the_prefill_commits(
+    tiny_llama_tok_dir: Path, redis_server: RedisServer
+) -> None:
+    llm = LLM(str(tiny_llama_tok_dir), max_num_batched_tokens=BUDGET, num_kv_blocks=128)
+    handover = RedisHandover(redis_server.url, llm.block_spec)
+    stream = RedisStream(handover)
+    tap = CommitTap(llm, HeldHandovers(1 << 26), stream.add)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        seq = llm.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0))
+        tokens = list(seq.prompt_token_ids)
+        chain = prompt_chain(llm, tokens, None)
+        keys = [storage_key(llm.block_spec, h) for h in chain.hashes]
+        stream.open("h")
+        tap.open("h", tokens, None)
+        llm.step()  # the first chunk: written to Redis while the prefill goes on
+        first_chunk = BUDGET // llm.config.block_size
+        deadline = time.monotonic() + 5
+        while client.exists(*keys[:first_chunk]) < first_chunk and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert client.exists(*keys[:first_chunk]) == first_chunk
+        assert client.exists(*keys[first_chunk:]) == 0
+        assert client.exists("kvcache:handover:h") == 1  # open: a pull waits for the rest
+        while llm.has_unfinished():
+            llm.step()
+        tap.finish("h")
+        assert stream.finish("h") == set(chain.hashes)
+        assert client.exists("kvcache:handover:h") == 0  # closed
+        assert client.mget(keys) == cached_values(llm, tokens, None)
+    finally:
+        tap.close()
+        stream.close()
+        handover.close()
+
+
+def test_a_redis_pull_waits_on_an_open_handover(
+    reference_llm: LLM, redis_server: RedisServer
+) -> None:
+    handover = RedisHandover(redis_server.url, reference_llm.block_spec)
+    stream = RedisStream(handover)
+    try:
+        stream.open("h")
+        stream.add("h", 1, b"one")
+        got: list[list[bytes | None]] = []
+        pull = threading.Thread(target=lambda: got.extend(handover.fetch([1, 2, 3], 2, "h")))
+        pull.start()
+        time.sleep(0.3)
+        assert not got  # block 2 is not there yet and the handover is open: it waits
+        stream.add("h", 2, b"two")
+        time.sleep(0.3)
+        assert got == [[b"one", b"two"]]  # the first chunk, as soon as it is whole
+        assert stream.finish("h") == {1, 2}  # block 3 never comes: the pull ends without it
+        pull.join(5)
+        assert got == [[b"one", b"two"], [None]]
+    finally:
+        stream.close()
+        handover.close()
+
+
+@pytest.mark.parametrize("transport", ["zmq", "redis"])
 def test_through_the_router_the_blocks_are_in_the_pool_before_admission(
-    worker: WorkerFactory, reference_llm: LLM
+    transport: str, worker: WorkerFactory, reference_llm: LLM, redis_server: RedisServer
 ) -> None:
     params = SamplingParams(max_tokens=16, temperature=0)
     (want,) = [o.text for o in reference_llm.generate([PROMPT], params)]
     chunked = {"max_num_batched_tokens": BUDGET}
-    with worker("prefill", **chunked) as prefill, worker("decode") as decode:
+    handover = "zmq" if transport == "zmq" else redis_server.url
+    with worker("prefill", handover, **chunked) as prefill, worker("decode", handover) as decode:
         with pd_router([prefill.url], [decode.url]) as router:
             body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0}
             answer = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
