@@ -6,7 +6,8 @@ requests sent at their workload arrival times (data/pd_interference.jsonl: a few
 t=0, long prompts arriving while they run). engine and engine-nochunk are one colocated `kvcache
 serve` on every CPU this process may use (chunked prefill on / off); engine-pd is a prefill
 worker on the first CPU, a decode worker on the second (ZeroMQ handover) and the router;
-engine-pd-alone, the same given the decodes only (the ITL floor, in the same run). The
+engine-pd-alone, the same given the decodes only (the ITL floor, in the same run);
+engine-pd-redis, engine-pd handing over through a redis-server of its own. The
 router and this client run on the prefill worker's CPU: every streamed chunk passes through them,
 and on the decode worker's CPU they would take its steps' time. (Its pulls stay there: a pull's
 thread on the busy prefill CPU, preempted while it held the interpreter's lock, made the decode
@@ -29,12 +30,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from runner.bench.local_redis import AUTO
+from runner.bench.local_redis import redis_url as local_redis
 from runner.bench.workloads import workload_path
 from runner.disagg.cpus import thread_on_cpus
 
@@ -46,6 +49,8 @@ SYSTEMS: dict[str, dict[str, Any]] = {
     # engine-pd given the decodes alone, no long prompt: what its ITL p99 / p50 is with nothing
     # to disturb it, on this machine, in this run (the floor engine-pd's ratio is held to).
     "engine-pd-alone": {},
+    # engine-pd handing over through a Redis server of its own (redis-server on the PATH).
+    "engine-pd-redis": {},
 }
 START_TIMEOUT_S = 300.0
 
@@ -91,9 +96,12 @@ def _process(args: list[str], what: str) -> Iterator[str]:
             process.kill()
 
 
-def _worker(model: str | None, role: str, cpus: str, options: dict[str, Any]) -> Any:
+def _worker(
+    model: str | None, role: str, cpus: str, options: dict[str, Any], handover: str = "zmq"
+) -> Any:
     args = [sys.executable, "-m", "runner.disagg.bench_worker", "--role", role, "--cpus", cpus]
-    args += ["--options", json.dumps(options), *(["--model", model] if model else [])]
+    args += ["--options", json.dumps(options), "--handover", handover]
+    args += ["--model", model] if model else []
     return _process(args, f"{role} worker")
 
 
@@ -106,10 +114,19 @@ def _system(name: str, model: str | None, cpus: list[int]) -> Iterator[dict[str,
             yield {"url": url}
         return
     first, second = str(cpus[0]), str(cpus[1 % len(cpus)])
+    with ExitStack() as stack:
+        with thread_on_cpus({cpus[0]}):  # Redis on the prefill worker's CPU, as the router
+            redis = stack.enter_context(local_redis(AUTO if name == "engine-pd-redis" else None))
+        yield stack.enter_context(_pd_pair(model, first, second, redis or "zmq"))
+
+
+@contextmanager
+def _pd_pair(model: str | None, first: str, second: str, handover: str) -> Iterator[dict[str, str]]:
+    """A prefill worker on CPU ``first``, a decode worker on ``second``, and the router."""
     record = {"record_metrics": True}  # both schedules, for the report's two lanes
     with (
-        _worker(model, "prefill", first, record) as prefill,
-        _worker(model, "decode", second, record) as d,
+        _worker(model, "prefill", first, record, handover) as prefill,
+        _worker(model, "decode", second, record, handover) as d,
     ):
         # The router on the prefill worker's CPU (as `taskset -c 0 kvcache router ...`).
         code = f"import os, cli; os.sched_setaffinity(0, {{{first}}}); cli.main()"
