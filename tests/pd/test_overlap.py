@@ -139,6 +139,26 @@ def test_a_redis_pull_waits_on_an_open_handover(
         handover.close()
 
 
+def test_a_redis_pull_stops_waiting_when_the_writer_is_gone(
+    reference_llm: LLM, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill worker that died leaves its marker unrefreshed: once it expires, the pull ends
+    with what it has (the rest is computed), long before its own bound on waiting."""
+    import runner.disagg.redis_transport as transport
+
+    monkeypatch.setattr(transport, "MARKER_TTL_S", 0.5)
+    handover = RedisHandover(redis_server.url, reference_llm.block_spec)
+    try:
+        handover.mark_open(["h"])
+        handover.publish([1], [b"one"])  # then nothing more: no write refreshes the marker
+        started = time.monotonic()
+        got = list(handover.fetch([1, 2], 1, "h", open_wait_s=60))
+        assert got == [[b"one"], [None]]
+        assert time.monotonic() - started < 5
+    finally:
+        handover.close()
+
+
 @pytest.mark.parametrize("transport", ["zmq", "redis"])
 def test_through_the_router_the_blocks_are_in_the_pool_before_admission(
     transport: str, worker: WorkerFactory, reference_llm: LLM, redis_server: RedisServer
