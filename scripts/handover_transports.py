@@ -1,6 +1,7 @@
 """The direct handover's transport, measured: ZeroMQ (what runner/disagg/zmq_transport.py uses)
 against torch.distributed's gloo, each moving one long prompt's block values from a "prefill"
-process on CPU 0 to a "decode" process on CPU 1 over loopback.
+process on CPU 0 to a "decode" process on CPU 1 over loopback; and, for scale, the same blocks
+read back from a redis-server on CPU 0 (the Redis handover's pull), where one is installed.
 
     python scripts/handover_transports.py [--blocks 129] [--value-bytes 737555] [--repeats 5]
 
@@ -61,6 +62,54 @@ def _zmq_decode(endpoint: str, blocks: int, value_bytes: int, chunk: int) -> tup
     client.close()
     assert at == blocks
     return wall, cpu
+
+
+def _redis_decode(url: str, blocks: int, value_bytes: int, chunk: int) -> tuple[float, float]:
+    from kvcache.tiers import BlockSpec
+    from runner.disagg.redis_transport import RedisHandover
+
+    spec = BlockSpec("transport-bench", "float32", 4, 1, 16, 1, 16)
+    handover = RedisHandover(url, spec)
+    pool = np.empty((blocks, value_bytes), dtype=np.uint8)
+    wall, cpu = time.perf_counter(), time.process_time()
+    at = 0
+    for values in handover.fetch(list(range(1, blocks + 1)), chunk):
+        for value in values:
+            assert value is not None
+            pool[at] = np.frombuffer(value, dtype=np.uint8)
+            at += 1
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    handover.close()
+    assert at == blocks
+    return wall, cpu
+
+
+def _redis_rows(blocks: int, size: int, chunks: tuple[int, ...], repeats: int) -> dict[
+    tuple[str, int], list[tuple[float, float]]
+]:  # fmt: skip
+    import shutil
+
+    from kvcache.tiers import BlockSpec
+    from runner.bench.local_redis import AUTO
+    from runner.bench.local_redis import redis_url as local_redis
+    from runner.disagg.cpus import thread_on_cpus
+    from runner.disagg.redis_transport import RedisHandover
+
+    if shutil.which("redis-server") is None:
+        return {}
+    rows = {}
+    with thread_on_cpus({0}), local_redis(AUTO) as url:
+        assert url is not None
+        spec = BlockSpec("transport-bench", "float32", 4, 1, 16, 1, 16)
+        writer = RedisHandover(url, spec)
+        writer.publish(list(range(1, blocks + 1)), _values(blocks, size))
+        writer.close()
+        with thread_on_cpus({1}):
+            for chunk in chunks:
+                _redis_decode(url, blocks, size, chunk)  # warm-up
+                rows[("redis", chunk)] = [_redis_decode(url, blocks, size, chunk)
+                                          for _ in range(repeats)]  # fmt: skip
+    return rows
 
 
 def _gloo_worker(rank: int, port: int, blocks: int, value_bytes: int, plan: list[int],
@@ -150,6 +199,7 @@ def main() -> None:
         runs = [(wall, cpu) for c, wall, cpu in results if c == chunk][1:]
         rows[("gloo", chunk)] = runs
 
+    rows |= _redis_rows(blocks, size, chunks, args.repeats)
     mib = blocks * size / 2**20
     print(f"{blocks} blocks of {size:,} bytes ({mib:.1f} MiB), median of {args.repeats} pulls")
     print("transport  blocks/trip  pull ms  MiB/s   ms a block  decode CPU ms a block")

@@ -10,8 +10,10 @@ bad, is computed."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,6 +30,10 @@ from runner.disagg.zmq_transport import HandoverUnreachable, ZmqHandoverClient
 DEFAULT_CHUNK_BLOCKS = 1
 LOAD_BLOCKS = 4  # blocks copied into the pool per hold of the engine lock
 LOAD_YIELD_S = 0.005  # between two holds: the decodes' next step takes the lock first
+# Pulls running at once, each on a thread of the puller's own (it waits on its prefill while the
+# handover is open, a long prompt's whole prefill): on the event loop's default executor (six
+# threads on two cores) a seventh long prefill's pull waited for one of the six to end.
+MAX_PULLS = 64
 
 
 @dataclass
@@ -68,6 +74,9 @@ class Puller:
         self.host = host_tier_of(llm)
         self.chunk_blocks, self.timeout_s = chunk_blocks, timeout_s
         self.counters = PullCounters()
+        self.active = 0  # pulls running now (each waits on its prefill while it is open)
+        self._active_lock = threading.Lock()
+        self.executor = ThreadPoolExecutor(MAX_PULLS, thread_name_prefix="kv-pull")
 
     def pull(self, params: dict[str, Any]) -> dict[str, Any]:
         """Pull the handover ``params`` describe (a prefill worker's kv_transfer_params);
@@ -83,6 +92,17 @@ class Puller:
             raise ValueError(f"kv_transfer_params: {err!r}") from err
         if transport not in ("zmq", "redis"):
             raise ValueError(f"kv_transfer_params.transport: unknown transport {transport!r}")
+        with self._active_lock:
+            self.active += 1
+        try:
+            return self._pull(tokens, transport, handover_id, endpoint, salt)
+        finally:
+            with self._active_lock:
+                self.active -= 1
+
+    def _pull(
+        self, tokens: list[int], transport: str, handover_id: str, endpoint: str, salt: Any
+    ) -> dict[str, Any]:
         started = time.perf_counter()
         llm, chain = self.llm, prompt_chain(self.llm, tokens, salt)
         keys = [storage_key(llm.block_spec, h) for h in chain.hashes]
@@ -191,7 +211,11 @@ class Puller:
             done = upto
 
     def stats(self) -> dict[str, Any]:
-        return asdict(self.counters)
+        return asdict(self.counters) | {"active": self.active}
+
+    def close(self) -> None:
+        """Take no more pulls (the running ones end on their own: each is bounded)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _tokens_of(chain: Any, blocks: int) -> list[int]:

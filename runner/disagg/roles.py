@@ -72,6 +72,8 @@ class RoleParts:
     def close(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
+        if self.puller is not None:
+            self.puller.close()
 
 
 def build_role(llm: Any, options: RoleOptions) -> RoleParts:

@@ -157,7 +157,8 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
         if state.draining:
             raise CallError(503, "the server is shutting down", "service_unavailable")
         try:
-            return JSONResponse(await asyncio.to_thread(puller.pull, raw))
+            loop = asyncio.get_running_loop()  # the puller's own threads: a pull waits long
+            return JSONResponse(await loop.run_in_executor(puller.executor, puller.pull, raw))
         except ValueError as err:
             raise CallError(400, str(err), "invalid_request_error") from err
 
