@@ -5,7 +5,8 @@ then to a decode worker, which pulls the blocks (POST /kvcache/pull) and answers
 itself (POST /v1/...), streamed back as it comes. Over the direct transport the prefill worker
 sends the params of the open handover first, as soon as the request is queued: the pull starts
 then and runs beside the prefill, so when the prefill ends only its last blocks are left to
-send. Workers are picked by fewest requests in flight.
+send. A prefill worker is picked by fewest requests in flight, a decode worker by what it has
+cached of the prompt and its load (decode_choice.py).
 
 Faults: a worker that cannot be reached (or is draining) before it answered is taken out and
 the step retried on another; when no prefill worker is left the request fails with 503, and
@@ -26,6 +27,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from runner.router.decode_choice import DecodeChooser
 from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
 from runner.router.replicas import Replica, ReplicaSet
 from runner.serve.responses import error_body, sse
@@ -48,6 +50,7 @@ class PDRouter:
         self.prefill = ReplicaSet(prefill, client, settings.health_interval_s)
         self.decode = ReplicaSet(decode, client, settings.health_interval_s)
         self.settings, self.client = settings, client
+        self.decode_chooser = DecodeChooser(settings)
         self.counts = {"requests": 0, "prefill_failed": 0, "decode_failed": 0, "released": 0}
         # after_prefill_ms: from the prefill's answer to the end of the pull (what the handover
         # adds to a request's time; the rest of the pull ran beside its prefill).
@@ -112,11 +115,12 @@ class PDRouter:
     def _start_pull(
         self, params: dict[str, Any], headers: dict[str, str], tried: set[str] | None = None
     ) -> tuple[Replica, asyncio.Task[httpx.Response]] | None:
-        """POST the handover's params to the least busy decode worker, in the background."""
+        """POST the handover's params to a decode worker (decode_choice.py), in the
+        background."""
         candidates = self.decode.healthy(exclude=tried or set())
         if not candidates:
             return None
-        worker = min(candidates, key=lambda r: r.in_flight)
+        worker = self.decode_chooser.choose(candidates, params)
         worker.sent += 1
         worker.in_flight += 1
         pull = self.client.post(f"{worker.url}/kvcache/pull", json=params, headers=headers)
@@ -268,6 +272,7 @@ class PDRouter:
             "handover": dict(self.handover),
             "prefill": workers(self.prefill),
             "decode": workers(self.decode),
+            "decode_routes": dict(self.decode_chooser.reasons),
         }
 
 
