@@ -88,7 +88,9 @@ class Publisher:
             values = cached_values(self.llm, token_ids, cache_salt)
             held.hold(handover_id, hashes[: len(values)], values)
             values = _leading_run(held.get(handover_id, hashes))
-        else:
+        else:  # over Redis, not begun (or its copy here dropped for room): written whole
+            assert self.stream is not None
+            self.stream.cancel(handover_id)
             values = cached_values(self.llm, token_ids, cache_salt)
             try:
                 self.redis.publish(hashes[: len(values)], values)

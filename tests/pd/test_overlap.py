@@ -115,6 +115,35 @@ def test_an_open_redis_handover_is_written_as_the_prefill_commits(
         handover.close()
 
 
+def test_a_redis_handover_too_big_to_hold_is_written_whole_at_the_end(
+    tiny_llama_tok_dir: Path, redis_server: RedisServer
+) -> None:
+    """Past the prefill worker's held bytes the open copy is dropped (so nothing more streams):
+    at the prefill's end the blocks are read off the pool and written whole, and the open
+    handover leaves nothing behind."""
+    from runner.disagg.publish import Publisher
+
+    llm = LLM(str(tiny_llama_tok_dir), max_num_batched_tokens=BUDGET, num_kv_blocks=128)
+    handover = RedisHandover(redis_server.url, llm.block_spec)
+    publisher = Publisher(llm, HeldHandovers(4096), redis=handover)  # under one block's value
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        seq = llm.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0))
+        tokens = list(seq.prompt_token_ids)
+        assert publisher.begin("h", tokens, None) is not None  # open
+        while llm.has_unfinished():
+            llm.step()
+        params = publisher.publish("h", tokens, None)
+        chain = prompt_chain(llm, tokens, None)
+        keys = [storage_key(llm.block_spec, h) for h in chain.hashes]
+        assert params["num_blocks"] == len(keys)
+        assert client.mget(keys) == cached_values(llm, tokens, None)
+        assert client.exists("kvcache:handover:h") == 0
+        assert publisher.stream is not None and not publisher.stream._streams
+    finally:
+        publisher.close()
+
+
 def test_a_redis_pull_waits_on_an_open_handover(
     reference_llm: LLM, redis_server: RedisServer
 ) -> None:
