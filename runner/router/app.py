@@ -5,7 +5,6 @@ replica; /health; /router/stats (JSON) and Prometheus /metrics."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from runner.router.load import FirstToken, Work, answer_blocks
 from runner.router.policy import make_policy
-from runner.router.prompt_hashes import PromptHasher
+from runner.router.prompt_hashes import PromptHasher, load_prompt_hasher
 from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
 from runner.router.replicas import Replica, ReplicaSet
 from runner.serve.responses import error_body
@@ -63,15 +62,8 @@ class Router:
         replica that answers reports for its model (same machine)."""
         if not self.policy.uses_prefixes or self.hasher is not None:
             return
-        path = self.settings.tokenizer
-        if path is None:
-            path = next((r.info["model_path"] for r in self.replicas.replicas if r.info), None)
-        if path is None:
-            return  # no replica is up yet: tried again on the next request
-        from transformers import AutoTokenizer
-
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
-        self.hasher = PromptHasher(tokenizer)
+        self.hasher = await load_prompt_hasher(self.settings.tokenizer, self.replicas.replicas)
+        # None: no replica is up yet, tried again on the next request
 
     async def forward(self, path: str, request: Request) -> Response:
         raw = await request.body()

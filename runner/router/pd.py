@@ -5,8 +5,8 @@ then to a decode worker, which pulls the blocks (POST /kvcache/pull) and answers
 itself (POST /v1/...), streamed back as it comes. Over the direct transport the prefill worker
 sends the params of the open handover first, as soon as the request is queued: the pull starts
 then and runs beside the prefill, so when the prefill ends only its last blocks are left to
-send. A prefill worker is picked by fewest requests in flight, a decode worker by what it has
-cached of the prompt and its load (decode_choice.py).
+send. Each worker is picked by what it has cached of the prompt and its load
+(worker_choice.py).
 
 Faults: a worker that cannot be reached (or is draining) before it answered is taken out and
 the step retried on another; when no prefill worker is left the request fails with 503, and
@@ -27,9 +27,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from runner.router.decode_choice import DecodeChooser
+from runner.router.prompt_hashes import PromptHasher, load_prompt_hasher
 from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
 from runner.router.replicas import Replica, ReplicaSet
+from runner.router.worker_choice import WorkerChoice
 from runner.serve.responses import error_body, sse
 
 
@@ -50,7 +51,8 @@ class PDRouter:
         self.prefill = ReplicaSet(prefill, client, settings.health_interval_s)
         self.decode = ReplicaSet(decode, client, settings.health_interval_s)
         self.settings, self.client = settings, client
-        self.decode_chooser = DecodeChooser(settings)
+        self.prefill_choice, self.decode_choice = WorkerChoice(settings), WorkerChoice(settings)
+        self.hasher: PromptHasher | None = None  # the prompts' tokenizer, for prefill_choice
         self.counts = {"requests": 0, "prefill_failed": 0, "decode_failed": 0, "released": 0}
         # after_prefill_ms: from the prefill's answer to the end of the pull (what the handover
         # adds to a request's time; the rest of the pull ran beside its prefill).
@@ -63,23 +65,28 @@ class PDRouter:
     async def run_health_checks(self) -> None:
         await asyncio.gather(self.prefill.run_health_checks(), self.decode.run_health_checks())
 
-    async def _post(
-        self, workers: ReplicaSet, path: str, body: Any, headers: dict[str, str]
+    async def _post_prefill(
+        self, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> tuple[Replica, httpx.Response]:
-        """POST to the least busy healthy worker, retried on another when one cannot be
+        """POST to a prefill worker (worker_choice.py), retried on another when one cannot be
         reached or is draining. Raises Unavailable."""
+        workers = self.prefill
+        if self.prefill_choice.policy.uses_prefixes and self.hasher is None:
+            self.hasher = await load_prompt_hasher(self.settings.tokenizer, workers.replicas)
+        tokens = None
+        if self.hasher is not None:
+            tokens = self.hasher.token_ids(path, body)
         tried: set[str] = set()
         for _ in range(self.settings.max_attempts):
             candidates = workers.healthy(exclude=tried)
             if not candidates:
                 break
-            worker = min(candidates, key=lambda r: r.in_flight)
+            worker = self.prefill_choice.choose(candidates, tokens, body.get("cache_salt"))
             worker.sent += 1
             worker.in_flight += 1
             try:
-                upstream = self.client.build_request(
-                    "POST", worker.url + path, json=body, headers=headers
-                )
+                url = f"{worker.url}/kvcache/prefill{path}?early=1"
+                upstream = self.client.build_request("POST", url, json=body, headers=headers)
                 response: httpx.Response | None = await self.client.send(upstream, stream=True)
             except httpx.TransportError:
                 response = None
@@ -115,12 +122,13 @@ class PDRouter:
     def _start_pull(
         self, params: dict[str, Any], headers: dict[str, str], tried: set[str] | None = None
     ) -> tuple[Replica, asyncio.Task[httpx.Response]] | None:
-        """POST the handover's params to a decode worker (decode_choice.py), in the
+        """POST the handover's params to a decode worker (worker_choice.py), in the
         background."""
         candidates = self.decode.healthy(exclude=tried or set())
         if not candidates:
             return None
-        worker = self.decode_chooser.choose(candidates, params)
+        tokens, salt = params.get("prompt_token_ids"), params.get("cache_salt")
+        worker = self.decode_choice.choose(candidates, tokens, salt)
         worker.sent += 1
         worker.in_flight += 1
         pull = self.client.post(f"{worker.url}/kvcache/pull", json=params, headers=headers)
@@ -148,9 +156,7 @@ class PDRouter:
             )
         headers = forwarded_headers(request, self.settings)
         try:
-            prefill, answer = await self._post(
-                self.prefill, "/kvcache/prefill" + path + "?early=1", body, headers
-            )
+            prefill, answer = await self._post_prefill(path, body, headers)
         except Unavailable:
             self.counts["prefill_failed"] += 1
             message = "no prefill worker could take the request (all are down or draining)"
@@ -272,7 +278,8 @@ class PDRouter:
             "handover": dict(self.handover),
             "prefill": workers(self.prefill),
             "decode": workers(self.decode),
-            "decode_routes": dict(self.decode_chooser.reasons),
+            "prefill_routes": dict(self.prefill_choice.reasons),
+            "decode_routes": dict(self.decode_choice.reasons),
         }
 
 

@@ -5,10 +5,13 @@ the request's cache_salt)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from kvcache import block_hashes, namespace_root
 from runner.engine.requests import render_chat
+from runner.router.replicas import Replica
 from runner.serve.protocol import ChatMessage
 
 
@@ -47,3 +50,16 @@ class PromptHasher:
         if key not in self._roots:
             self._roots[key] = namespace_root(key[0], salt)
         return block_hashes(token_ids, int(info["block_size"]), self._roots[key])
+
+
+async def load_prompt_hasher(path: str | None, replicas: Sequence[Replica]) -> PromptHasher | None:
+    """A hasher with the prompts' tokenizer: ``path`` (--tokenizer), else the folder the first
+    replica that answered reports for its model (same machine); None while none has."""
+    if path is None:
+        path = next((r.info["model_path"] for r in replicas if r.info), None)
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+    return PromptHasher(tokenizer)
