@@ -2,11 +2,10 @@
 goes to a prefill worker (POST /kvcache/prefill/v1/...?early=1: the prompt and its first
 token, as vLLM's proxy sends max_tokens 1), whose answer is the handover's kv_transfer_params;
 then to a decode worker, which pulls the blocks (POST /kvcache/pull) and answers the request
-itself (POST /v1/...), streamed back as it comes. Over the direct transport the prefill worker
-sends the params of the open handover first, as soon as the request is queued: the pull starts
-then and runs beside the prefill, so when the prefill ends only its last blocks are left to
-send. Each worker is picked by what it has cached of the prompt and its load
-(worker_choice.py).
+itself (POST /v1/...), streamed back as it comes. The prefill worker sends the open handover's
+params first, as soon as the request is queued: the pull runs beside the prefill, and when it
+ends only its last blocks are left to send. Each worker is picked by what it has cached of the
+prompt and its load (worker_choice.py).
 
 Faults: a worker that cannot be reached (or is draining) before it answered is taken out and
 the step retried on another; when no prefill worker is left the request fails with 503, and
