@@ -16,9 +16,10 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from runner.router.load import FirstToken, Work, answer_blocks
 from runner.router.policy import make_policy
-from runner.router.prompt_hashes import PromptHasher, load_prompt_hasher
+from runner.router.prompt_hashes import PromptHasher
 from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
 from runner.router.replicas import Replica, ReplicaSet
+from runner.router.worker_choice import PromptTokens
 from runner.serve.responses import error_body
 
 PASSED_BACK_HEADERS = ("retry-after",)
@@ -54,6 +55,7 @@ class Router:
         self.replicas = ReplicaSet(urls, client, settings.health_interval_s)
         self.client = client
         self.hasher: PromptHasher | None = None
+        self.prompt_tokens = PromptTokens(settings.tokenizer)
         self.metrics = RouterMetrics()
         self.reasons: dict[str, int] = {}
 
@@ -62,8 +64,9 @@ class Router:
         replica that answers reports for its model (same machine)."""
         if not self.policy.uses_prefixes or self.hasher is not None:
             return
-        self.hasher = await load_prompt_hasher(self.settings.tokenizer, self.replicas.replicas)
-        # None: no replica is up yet, tried again on the next request
+        # None: no replica is up yet (tried again on the next request), or it cannot be loaded
+        # (warned once: the requests then go to the least loaded replica)
+        self.hasher = await self.prompt_tokens.load(self.replicas.replicas)
 
     async def forward(self, path: str, request: Request) -> Response:
         raw = await request.body()

@@ -26,10 +26,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from runner.router.prompt_hashes import PromptHasher, load_prompt_hasher
 from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
 from runner.router.replicas import Replica, ReplicaSet
-from runner.router.worker_choice import WorkerChoice
+from runner.router.worker_choice import PromptTokens, WorkerChoice
 from runner.serve.responses import error_body, sse
 
 
@@ -51,7 +50,7 @@ class PDRouter:
         self.decode = ReplicaSet(decode, client, settings.health_interval_s)
         self.settings, self.client = settings, client
         self.prefill_choice, self.decode_choice = WorkerChoice(settings), WorkerChoice(settings)
-        self.hasher: PromptHasher | None = None  # the prompts' tokenizer, for prefill_choice
+        self.prompt_tokens = PromptTokens(settings.tokenizer)  # for prefill_choice
         self.counts = {"requests": 0, "prefill_failed": 0, "decode_failed": 0, "released": 0}
         # after_prefill_ms: from the prefill's answer to the end of the pull (what the handover
         # adds to a request's time; the rest of the pull ran beside its prefill).
@@ -69,12 +68,9 @@ class PDRouter:
     ) -> tuple[Replica, httpx.Response]:
         """POST to a prefill worker (worker_choice.py), retried on another when one cannot be
         reached or is draining. Raises Unavailable."""
-        workers = self.prefill
-        if self.prefill_choice.policy.uses_prefixes and self.hasher is None:
-            self.hasher = await load_prompt_hasher(self.settings.tokenizer, workers.replicas)
-        tokens = None
-        if self.hasher is not None:
-            tokens = self.hasher.token_ids(path, body)
+        workers, tokens = self.prefill, None
+        if self.prefill_choice.policy.uses_prefixes:
+            tokens = await self.prompt_tokens.of(path, body, workers.replicas)
         tried: set[str] = set()
         for _ in range(self.settings.max_attempts):
             candidates = workers.healthy(exclude=tried)

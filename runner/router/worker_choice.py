@@ -9,12 +9,45 @@ the handover's params. Without token ids, or with another policy, the least busy
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 from runner.router.policy import make_policy
-from runner.router.prompt_hashes import PromptHasher
+from runner.router.prompt_hashes import PromptHasher, load_prompt_hasher
 from runner.router.proxy import RouterSettings
 from runner.router.replicas import Replica
+
+log = logging.getLogger(__name__)
+
+
+class PromptTokens:
+    """The token ids of request bodies for a cache-aware choice, through the model's
+    tokenizer (``path``: --tokenizer, else the folder a worker's /kvcache/info names), loaded on
+    first use. A tokenizer that cannot be loaded is warned once and not tried again: the
+    requests then go to the least busy worker, never fail for it."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.hasher: PromptHasher | None = None
+        self.failed = False
+
+    async def load(self, workers: Sequence[Replica]) -> PromptHasher | None:
+        """The hasher, loaded now if it is not yet (None: no worker has answered yet, or the
+        tokenizer cannot be loaded)."""
+        if self.hasher is None and not self.failed:
+            try:
+                self.hasher = await load_prompt_hasher(self.path, workers)
+            except (OSError, ValueError, KeyError) as err:  # no tokenizer files, bad --tokenizer
+                self.failed = True
+                log.warning("no tokenizer for the cache-aware choice (least busy instead): %s", err)
+        return self.hasher
+
+    async def of(
+        self, path: str, body: dict[str, Any], workers: Sequence[Replica]
+    ) -> list[int] | None:
+        hasher = await self.load(workers)
+        return hasher.token_ids(path, body) if hasher is not None else None
 
 
 class WorkerChoice:

@@ -6,14 +6,18 @@ prompt goes to the other, idler workers. Answers stay the colocated engine's."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from kvcache import LLM, SamplingParams
+from runner.router.pd import build_pd_router_app
+from runner.router.proxy import RouterSettings
 from tests.pd.conftest import Worker, WorkerFactory
 from tests.pd.test_handover import PROMPT
 from tests.pd.test_router_pd import pd_router
+from tests.serve.conftest import LiveServer
 
 FIRST_TURN = PROMPT
 NEXT_TURN = PROMPT + "The decoder then answers the next turn of the same conversation."
@@ -61,3 +65,23 @@ def test_a_conversation_goes_back_to_the_workers_that_hold_it(
     assert holder_pulls["skipped_blocks"] == prompt_tokens[0] // block
     assert routes["prefill_routes"].get("prefix_match") == 1
     assert routes["decode_routes"].get("prefix_match") == 1
+
+
+def test_a_tokenizer_that_cannot_load_means_the_least_busy_prefill_worker(
+    worker: WorkerFactory, reference_llm: LLM, tmp_path: Path
+) -> None:
+    settings = RouterSettings(health_interval_s=0.1, tokenizer=str(tmp_path / "no-such-model"))
+    params = SamplingParams(max_tokens=8, temperature=0)
+    (want,) = reference_llm.generate([PROMPT], params)
+    with worker("prefill") as prefill, worker("decode") as decode:
+        router = LiveServer(build_pd_router_app([prefill.url], [decode.url], settings)).start()
+        try:
+            for _ in range(2):  # the second does not try the tokenizer again
+                body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+                answer = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["choices"][0]["text"] == want.text
+            pd = router.app.state.router
+            assert pd.prompt_tokens.failed and pd.prompt_tokens.hasher is None
+        finally:
+            router.stop()

@@ -183,3 +183,23 @@ def test_cache_aware_load_follows_a_streams_first_token_and_end(replica_llms: li
             time.sleep(0.02)
         stats = httpx.get(f"{router.url}/router/stats").json()["replicas"]
         assert [r["load_blocks"] for r in stats] == [0, 0]
+
+
+def test_a_tokenizer_that_cannot_load_means_the_least_loaded_replica(
+    replica_llms: list[LLM], tmp_path: Path
+) -> None:
+    replicas = [LiveServer(build_app(llm, ServeSettings("tiny"))).start() for llm in replica_llms]
+    settings = RouterSettings(health_interval_s=0.1, tokenizer=str(tmp_path / "no-such-model"))
+    router = LiveServer(build_router_app([r.url for r in replicas], settings)).start()
+    try:
+        for _ in range(2):  # the second does not try the tokenizer again
+            body = {"prompt": PREFIX_A, "max_tokens": 4, "temperature": 0}
+            answer = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+        state = router.app.state.router
+        assert state.prompt_tokens.failed and state.hasher is None
+        assert sorted(sent(router)) == [1, 1]  # least loaded: one each
+    finally:
+        router.stop()
+        for replica in replicas:
+            replica.stop()
