@@ -97,10 +97,13 @@ class RedisStream:
             still_open = [i for i in {item[0] for item in batch} if i in self._streams]
         try:
             self.redis.publish([h for _, h, _ in batch], [v for _, _, v in batch])
-            self.redis.mark_open(still_open)  # the writer is alive: their markers live on
         except TierDown:
             self.failed_writes += len(batch)
             return False
+        try:
+            self.redis.mark_open(still_open)  # the writer is alive: their markers live on
+        except TierDown:
+            pass  # the values are written; an expired marker only ends a pull's wait early
         return True
 
     def close(self) -> None:
