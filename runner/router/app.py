@@ -15,10 +15,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from runner.router.load import FirstToken, Work, answer_blocks
-from runner.router.policy import make_policy
-from runner.router.prompt_hashes import PromptHasher
+from runner.router.policy import policy_for
+from runner.router.prompt_hashes import PromptHasher, replica_hashes
 from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
-from runner.router.replicas import Replica, ReplicaSet
+from runner.router.replicas import ReplicaSet
 from runner.router.worker_choice import PromptTokens
 from runner.serve.responses import error_body
 
@@ -44,17 +44,9 @@ class Router:
 
     def __init__(self, urls: list[str], settings: RouterSettings, client: httpx.AsyncClient):
         self.settings = settings
-        self.policy = make_policy(
-            settings.policy,
-            settings.threshold,
-            settings.balance_abs,
-            settings.balance_rel,
-            settings.load_weight,
-            settings.recent_half_life_s,
-        )
+        self.policy = policy_for(settings)
         self.replicas = ReplicaSet(urls, client, settings.health_interval_s)
         self.client = client
-        self.hasher: PromptHasher | None = None
         self.prompt_tokens = PromptTokens(settings.tokenizer)
         self.metrics = RouterMetrics()
         self.reasons: dict[str, int] = {}
@@ -62,11 +54,14 @@ class Router:
     async def load_tokenizer(self) -> None:
         """The prompts' tokenizer (cache_aware only): --tokenizer, else the folder the first
         replica that answers reports for its model (same machine)."""
-        if not self.policy.uses_prefixes or self.hasher is not None:
-            return
-        # None: no replica is up yet (tried again on the next request), or it cannot be loaded
-        # (warned once: the requests then go to the least loaded replica)
-        self.hasher = await self.prompt_tokens.load(self.replicas.replicas)
+        if self.policy.uses_prefixes:
+            # None: no replica is up yet (tried again on the next request), or it cannot be
+            # loaded (warned once: the requests then go to the least loaded replica)
+            await self.prompt_tokens.load(self.replicas.replicas)
+
+    @property
+    def hasher(self) -> PromptHasher | None:
+        return self.prompt_tokens.hasher
 
     async def forward(self, path: str, request: Request) -> Response:
         raw = await request.body()
@@ -80,14 +75,7 @@ class Router:
             token_ids = self.hasher.token_ids(path, body)
         salt = body.get("cache_salt") if isinstance(body, dict) else None
         headers = forwarded_headers(request, self.settings)
-        hashes: dict[str, list[int]] = {}  # per replica: replicas may name blocks otherwise
-
-        def hashes_of(replica: Replica) -> list[int]:
-            if token_ids is None or self.hasher is None or replica.info is None:
-                return []
-            if replica.url not in hashes:
-                hashes[replica.url] = self.hasher.hashes(token_ids, replica.info, salt)
-            return hashes[replica.url]
+        hashes_of = replica_hashes(self.hasher, token_ids, salt)
 
         tried: set[str] = set()
         for _ in range(self.settings.max_attempts):

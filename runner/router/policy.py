@@ -56,6 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runner.router.load import RecentWork
+from runner.router.proxy import RouterSettings
 from runner.router.replicas import Replica
 from runner.router.shared_prefix import SharedPrefixes
 
@@ -177,3 +178,15 @@ def make_policy(
     if name == "cache_aware":
         return CacheAware(threshold, balance_abs, balance_rel, load_weight, recent_half_life_s)
     raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {name!r}")
+
+
+def policy_for(settings: RouterSettings) -> RoundRobin | LeastLoaded | CacheAware:
+    """The policy a router's settings name, with their parameters."""
+    return make_policy(
+        settings.policy,
+        settings.threshold,
+        settings.balance_abs,
+        settings.balance_rel,
+        settings.load_weight,
+        settings.recent_half_life_s,
+    )

@@ -6,7 +6,7 @@ the request's cache_salt)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcache import block_hashes, namespace_root
@@ -50,6 +50,24 @@ class PromptHasher:
         if key not in self._roots:
             self._roots[key] = namespace_root(key[0], salt)
         return block_hashes(token_ids, int(info["block_size"]), self._roots[key])
+
+
+def replica_hashes(
+    hasher: PromptHasher | None, token_ids: list[int] | None, cache_salt: Any
+) -> Callable[[Replica], list[int]]:
+    """A replica -> the prompt's block hashes as it names them (computed once per replica:
+    replicas may name blocks otherwise); [] where the prompt or the replica's naming is not
+    known."""
+    hashes: dict[str, list[int]] = {}
+
+    def hashes_of(replica: Replica) -> list[int]:
+        if token_ids is None or hasher is None or replica.info is None:
+            return []
+        if replica.url not in hashes:
+            hashes[replica.url] = hasher.hashes(token_ids, replica.info, cache_salt)
+        return hashes[replica.url]
+
+    return hashes_of
 
 
 async def load_prompt_hasher(path: str | None, replicas: Sequence[Replica]) -> PromptHasher | None:

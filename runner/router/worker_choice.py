@@ -13,8 +13,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from runner.router.policy import make_policy
-from runner.router.prompt_hashes import PromptHasher, load_prompt_hasher
+from runner.router.policy import policy_for
+from runner.router.prompt_hashes import PromptHasher, load_prompt_hasher, replica_hashes
 from runner.router.proxy import RouterSettings
 from runner.router.replicas import Replica
 
@@ -54,14 +54,7 @@ class WorkerChoice:
     """Chooses among one kind of worker (its own record of what each was sent)."""
 
     def __init__(self, settings: RouterSettings) -> None:
-        self.policy = make_policy(
-            settings.policy,
-            settings.threshold,
-            settings.balance_abs,
-            settings.balance_rel,
-            settings.load_weight,
-            settings.recent_half_life_s,
-        )
+        self.policy = policy_for(settings)
         self.hasher = PromptHasher(tokenizer=None)  # hashes only: token ids come given
         self.reasons: dict[str, int] = {}
 
@@ -70,14 +63,7 @@ class WorkerChoice:
         (token ids, or None where unknown); what it was sent is indexed as its cache's."""
         if not self.policy.uses_prefixes or not isinstance(tokens, list):
             return min(candidates, key=lambda r: (r.in_flight, r.sent))
-        hashes: dict[str, list[int]] = {}  # per worker: each names blocks by its own model
-
-        def hashes_of(replica: Replica) -> list[int]:
-            if replica.info is None:
-                return []
-            if replica.url not in hashes:
-                hashes[replica.url] = self.hasher.hashes(tokens, replica.info, cache_salt)
-            return hashes[replica.url]
+        hashes_of = replica_hashes(self.hasher, tokens, cache_salt)
 
         route = self.policy.choose(candidates, hashes_of)
         route.replica.index.insert(hashes_of(route.replica))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import httpx
@@ -57,24 +58,38 @@ def test_an_open_handover_fills_as_the_prefill_commits(tiny_llama_tok_dir: Path)
         tap.close()
 
 
+def _pull_waits(
+    add: Callable[[int, bytes], object],
+    finish: Callable[[], object],
+    fetch: Callable[[], Iterable[list[bytes | None]]],
+) -> None:
+    """Blocks 1, 2, 3 asked for 2 a chunk of an open handover holding block 1: the pull waits
+    for block 2, takes the first chunk as soon as it is whole, and once the handover closes
+    without block 3 it ends with it missing."""
+    add(1, b"one")
+    got: list[list[bytes | None]] = []
+    pull = threading.Thread(target=lambda: got.extend(fetch()))
+    pull.start()
+    time.sleep(0.3)
+    assert not got  # block 2 is not there yet and the handover is open: it waits
+    add(2, b"two")
+    time.sleep(0.3)
+    assert got == [[b"one", b"two"]]  # the first chunk, as soon as it is whole
+    finish()  # block 3 never comes: closed, the pull ends with it missing
+    pull.join(5)
+    assert got == [[b"one", b"two"], [None]]
+
+
 def test_a_pull_waits_on_an_open_handover() -> None:
     held = HeldHandovers(1 << 20)
     server = ZmqHandoverServer(held)
     client = ZmqHandoverClient(server.endpoint, timeout_s=5)
     try:
         held.open("h")
-        held.add("h", 1, b"one")
-        got: list[list[bytes | None]] = []
-        pull = threading.Thread(target=lambda: got.extend(client.fetch("h", [1, 2, 3], 2)))
-        pull.start()
-        time.sleep(0.3)
-        assert not got  # block 2 is not there yet and the handover is open: it waits
-        held.add("h", 2, b"two")
-        time.sleep(0.3)
-        assert got == [[b"one", b"two"]]  # the first chunk, as soon as it is whole
-        held.finish("h")  # block 3 never comes: closed, the pull ends with it missing
-        pull.join(5)
-        assert got == [[b"one", b"two"], [None]]
+        _pull_waits(
+            lambda h, v: held.add("h", h, v), lambda: held.finish("h"),
+            lambda: client.fetch("h", [1, 2, 3], 2),
+        )  # fmt: skip
     finally:
         client.close()
         server.close()
@@ -151,18 +166,12 @@ def test_a_redis_pull_waits_on_an_open_handover(
     stream = RedisStream(handover)
     try:
         stream.open("h")
-        stream.add("h", 1, b"one")
-        got: list[list[bytes | None]] = []
-        pull = threading.Thread(target=lambda: got.extend(handover.fetch([1, 2, 3], 2, "h")))
-        pull.start()
-        time.sleep(0.3)
-        assert not got  # block 2 is not there yet and the handover is open: it waits
-        stream.add("h", 2, b"two")
-        time.sleep(0.3)
-        assert got == [[b"one", b"two"]]  # the first chunk, as soon as it is whole
-        assert stream.finish("h") == {1, 2}  # block 3 never comes: the pull ends without it
-        pull.join(5)
-        assert got == [[b"one", b"two"], [None]]
+        finished: list[set[int]] = []
+        _pull_waits(
+            lambda h, v: stream.add("h", h, v), lambda: finished.append(stream.finish("h")),
+            lambda: handover.fetch([1, 2, 3], 2, "h"),
+        )  # fmt: skip
+        assert finished == [{1, 2}]  # what Redis took
     finally:
         stream.close()
         handover.close()
