@@ -20,6 +20,8 @@ shared by all layers):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,14 @@ from runner.attention.cascade import cascade_attention
 from runner.attention.context_parts import context_parts_attention
 from runner.attention.metadata import AttentionMetadata
 from runner.attention.plan import build_plan
+
+# A kernel for the step's decodes, reading their blocks in place (runner/backends/cpu/
+# portable.py): (q [S, Hq, D], k_cache, v_cache, block tables [S, max_blocks] int32, context
+# lengths [S] int32, scale, window) -> [S, Hq, D].
+DecodeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int | None],
+    torch.Tensor,
+]
 
 
 def write_kv(
@@ -64,9 +74,11 @@ def torch_paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    decode_kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
     """Reference implementation of paged_attention's contract with torch SDPA (scores with a
-    soft cap, which SDPA cannot apply: runner/attention/capped.py)."""
+    soft cap, which SDPA cannot apply: runner/attention/capped.py). With a `decode_kernel`, the
+    step's decodes go to it instead (not with a soft cap)."""
     num_tokens, hq, d = q.shape
     hkv = k.shape[1]
     block_size = k_cache.shape[1]
@@ -87,18 +99,31 @@ def torch_paged_attention(
             softcap,
             window,
         )
+    apart = decode_kernel is not None
     if window is not None and window < meta.max_context_len:
         plan = meta._window_plans.get(window)
-        if plan is None or plan.block_size != block_size:
+        if plan is None or plan.block_size != block_size or plan.decodes_apart != apart:
             plan = meta._window_plans[window] = build_plan(
-                meta, block_size, q.device, q.dtype, window
+                meta, block_size, q.device, q.dtype, window, apart
             )
     else:  # a window no context reaches past cuts nothing
+        window = None
         plan = meta._torch_plan
-        if plan is None or plan.block_size != block_size:
-            plan = meta._torch_plan = build_plan(meta, block_size, q.device, q.dtype)
+        if plan is None or plan.block_size != block_size or plan.decodes_apart != apart:
+            plan = meta._torch_plan = build_plan(meta, block_size, q.device, q.dtype, None, apart)
 
     out = q.new_empty((num_tokens, hq, d))
+    if plan.decodes is not None:
+        assert decode_kernel is not None
+        dec = plan.decodes
+        res = decode_kernel(q[dec.rows], k_cache, v_cache, dec.tables, dec.contexts, scale, window)
+        if not plan.singles and plan.group is None:
+            if isinstance(dec.rows, slice) and dec.rows == slice(0, num_tokens):
+                return res  # decodes only
+        if isinstance(dec.rows, slice):
+            out[dec.rows] = res
+        else:
+            out.index_copy_(0, dec.rows, res)
     for item in plan.singles:
         qs = q[item.start : item.end].transpose(0, 1)[None]  # [1, Hq, L, D]
         if item.parts is not None:

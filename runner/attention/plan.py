@@ -64,10 +64,22 @@ class Group:
 
 
 @dataclass
+class Decodes:
+    """The step's decodes (one query each), for a decode kernel that reads their blocks in
+    place: their rows of q, block tables [S, max_blocks] int32 and context lengths [S] int32."""
+
+    rows: torch.Tensor | slice
+    tables: torch.Tensor
+    contexts: torch.Tensor
+
+
+@dataclass
 class Plan:
     block_size: int
     singles: list[Single]
     group: Group | None
+    decodes: Decodes | None = None
+    decodes_apart: bool = False  # built for a decode kernel: every decode is in `decodes`
 
 
 def as_index(rows: list[int], device: torch.device) -> torch.Tensor | slice:
@@ -83,16 +95,20 @@ def build_plan(
     device: torch.device,
     dtype: torch.dtype,
     window: int | None = None,
+    decodes_apart: bool = False,
 ) -> Plan:
     """The step's plan; with a sliding `window`, every mask also hides the keys at or before
     p - window from the query at p, and nothing is read in place (a shared prefix is scored
-    whole, which a window may cut)."""
+    whole, which a window may cut). With `decodes_apart`, the decodes are left to a decode
+    kernel (Plan.decodes) and the rest planned as without them."""
     starts: list[int] = []
     start = 0
     for q_len in meta.query_lens:
         starts.append(start)
         start += q_len
-    short = [s for s, q_len in enumerate(meta.query_lens) if 0 < q_len <= CASCADE_MAX_QUERY_LEN]
+    apart = [s for s, q_len in enumerate(meta.query_lens) if q_len == 1] if decodes_apart else []
+    lens = [0 if decodes_apart and q_len == 1 else q_len for q_len in meta.query_lens]
+    short = [s for s, q_len in enumerate(lens) if 0 < q_len <= CASCADE_MAX_QUERY_LEN]
     split = cascade_supported(device) and window is None
     shared = _shared_blocks(meta, short, block_size) if split else 0
     grouped = short if shared else [s for s in short if meta.query_lens[s] <= GROUP_MAX_QUERY_LEN]
@@ -109,10 +125,22 @@ def build_plan(
     in_group = set(grouped)
     singles = [
         _single_plan(meta, s, starts[s], block_size, device, dtype, split, window)
-        for s, q_len in enumerate(meta.query_lens)
+        for s, q_len in enumerate(lens)
         if q_len and s not in in_group
     ]
-    return Plan(block_size, singles, group)
+    decodes = _decodes(meta, apart, starts, device) if apart else None
+    return Plan(block_size, singles, group, decodes, decodes_apart)
+
+
+def _decodes(
+    meta: AttentionMetadata, members: list[int], starts: list[int], device: torch.device
+) -> Decodes:
+    idx = torch.tensor(members, dtype=torch.int64, device=meta.block_tables.device)
+    return Decodes(
+        as_index([starts[s] for s in members], device),
+        meta.block_tables.index_select(0, idx).to(torch.int32).contiguous(),
+        meta.context_lens.index_select(0, idx).to(torch.int32).contiguous(),
+    )
 
 
 def _without_outlying_contexts(members: list[int], keys: list[int]) -> list[int]:

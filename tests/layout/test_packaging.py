@@ -28,10 +28,12 @@ def test_the_wheel_holds_every_module_and_the_c_headers(tmp_path: Path) -> None:
     )
     (wheel,) = tmp_path.glob("kvcache-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = sorted((ROOT / "runner/backends/cpu/csrc").iterdir())
+    csrc = ROOT / "runner/backends/cpu/csrc"
+    sources = sorted(p for p in csrc.rglob("*") if p.is_file())
     assert {p.suffix for p in sources} == {".c", ".h"}
+    assert csrc / "portable" / "decode_attention_vec.c" in sources
     for path in sources:
-        assert f"runner/backends/cpu/csrc/{path.name}" in names
+        assert path.relative_to(ROOT).as_posix() in names
     for path in project_modules().values():
         assert path.relative_to(ROOT).as_posix() in names
     assert "cli.py" in names

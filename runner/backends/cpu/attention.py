@@ -8,6 +8,7 @@ import torch
 from runner.attention.metadata import AttentionMetadata
 from runner.attention.paged import torch_paged_attention, write_kv
 from runner.backends.cpu.loader import load_cpu_kernels
+from runner.backends.cpu.portable import load_portable_decode
 from runner.backends.cpu.split import CpuSplit
 
 
@@ -26,10 +27,17 @@ def cpu_paged_attention(
     prefill_attention.c, both reading every sequence's blocks in place with no gather, padding
     or split to plan; with a sliding `window`, each query only its last `window` keys (the
     others are not read); with a `softcap` c, each score s as c * tanh(s / c). The torch path
-    where the kernels cannot run (no build, a head size they do not take)."""
+    where the kernels cannot run (no AVX-512, no build, a head size they do not take), with its
+    decodes in the portable kernel where that one can (runner/backends/cpu/portable.py)."""
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.prefill_supported(q, k_cache):
-        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        portable = load_portable_decode()
+        decode = None
+        if portable is not None and portable.supported(q, k_cache):
+            decode = portable.decode_attention
+        return torch_paged_attention(
+            q, k, v, k_cache, v_cache, meta, scale, window, softcap, decode
+        )
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     group = q.shape[1] // k_cache.shape[2]
     decode_kernel = kernels.decode_supported(q, k_cache)

@@ -7,7 +7,9 @@ and the CPU's feature flags (a cache shared between machines never hands one CPU
 instructions). The library is loaded with ctypes after torch, so its OpenMP threads are torch's.
 
 Where there is no compiler, no AVX-512 or the build fails, `load_cpu_kernels()` returns None
-and callers keep torch's own paths (oneDNN products, SDPA attention); nothing else changes.
+and callers keep torch's own paths (oneDNN products, SDPA attention); nothing else changes,
+but for decode attention, which has a kernel of its own for any CPU (runner/backends/cpu/
+portable.py, built here too).
 """
 
 from __future__ import annotations
@@ -65,16 +67,35 @@ def _cpu_fingerprint() -> str:
         return torch.backends.cpu.get_cpu_capability()
 
 
-def library_path(cpu: str) -> Path:
-    """Where the build for a CPU with fingerprint `cpu` is cached: one file per source, flags
-    and CPU."""
-    # Every file of csrc/, headers included: a changed header must rebuild the library.
-    sources = b"".join(path.read_bytes() for path in sorted(SOURCES[0].parent.iterdir()))
+def library_path(cpu: str, name: str = "cpu_kernels") -> Path:
+    """Where the build of library `name` for a CPU with fingerprint `cpu` is cached: one file
+    per source, flags and CPU."""
+    # Every file under csrc/, headers included: a changed header must rebuild the library.
+    files = sorted(path for path in SOURCES[0].parent.rglob("*") if path.is_file())
+    sources = b"".join(path.read_bytes() for path in files)
     digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + cpu.encode())
-    return cache_root() / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+    return cache_root() / "kernels" / f"{name}-{digest.hexdigest()[:16]}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+def build_library(name: str, sources: tuple[Path, ...]) -> ctypes.CDLL | None:
+    """Library `name` of `sources`, built on first use (and cached by library_path) and
+    loaded; None where there is no compiler or the build fails (the reason logged)."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("CPU kernels skipped: no C compiler (set CC); using torch's own paths")
+        return None
+    target = library_path(_cpu_fingerprint(), name)
+    try:
+        if not target.exists():
+            _build(compiler, target, sources)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", "") or err
+        log.warning("CPU kernels %s unavailable (%s); using torch's own paths", name, detail)
+        return None
+
+
+def _build(compiler: str, target: Path, sources: tuple[Path, ...] = SOURCES) -> None:
     """Compile into a temporary file beside `target`, then rename: a process that loads the
     library never sees half of it, whoever builds concurrently."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -82,7 +103,7 @@ def _build(compiler: str, target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+            [compiler, *FLAGS, *map(str, sources), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -100,20 +121,10 @@ def load_cpu_kernels() -> CpuKernels | None:
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         log.info("CPU kernels skipped: the CPU has no AVX-512")
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.warning("CPU kernels skipped: no C compiler (set CC); using torch's own paths")
-        return None
-    target = library_path(_cpu_fingerprint())
-    try:
-        if not target.exists():
-            _build(compiler, target)
-        library = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", "") or err
-        log.warning("CPU kernels unavailable (%s); using torch's own paths", detail)
+    library = build_library("cpu_kernels", SOURCES)
+    if library is None:
         return None
     if library.panel_gemm_lanes() != LANES:
-        log.warning("CPU kernels at %s pack differently; using torch's own paths", target)
+        log.warning("CPU kernels at %s pack differently; using torch's own paths", library._name)
         return None
     return CpuKernels(library)

@@ -1,0 +1,99 @@
+"""Decode attention for any CPU (runner/backends/cpu/csrc/portable/decode_attention_vec.c), as a
+Python call: where the AVX-512 library cannot run, the torch path (runner/attention/paged.py)
+hands it the step's decodes.
+
+Why a kernel of its own: on such a machine a decode reads its context through torch's CPU flash
+kernel, whose strided walk over each KV head's rows made a 2,000-token context cost 20 ms a step
+in the default model's 30 layers; this reads each block once for all the heads of a sequence.
+It is built with the other kernels' flags (-march=native) by runner/backends/cpu/loader.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from runner.backends.cpu.loader import SOURCES, build_library
+
+PORTABLE_SOURCES = (SOURCES[0].parent / "portable" / "decode_attention_vec.c",)
+# The kernel's limits (decode_attention_vec.c): vector width, head size, query heads per KV
+# head, block size.
+WIDTH, MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 8, 256, 8, 256
+
+_ptr, _long, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+
+
+class PortableDecode:
+    """The loaded library's decode attention."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._decode = library.decode_attention_vec
+        # q, caches, tables, context lengths, out; S, Hq, Hkv, D, block size, max blocks,
+        # window (0: none); scale
+        self._decode.argtypes = [_ptr] * 6 + [_long] * 7 + [_float]
+        self._decode.restype = ctypes.c_int
+
+    @staticmethod
+    def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether these shapes are the kernel's: CPU float32 queries and caches (contiguous),
+        head size a multiple of 8 up to 256, at most 8 query heads per KV head, blocks of at
+        most 256 tokens."""
+        d, hq, hkv, block_size = q.shape[-1], q.shape[1], k_cache.shape[2], k_cache.shape[1]
+        return (
+            q.dtype == k_cache.dtype == torch.float32
+            and q.device.type == k_cache.device.type == "cpu"
+            and k_cache.is_contiguous()
+            and d % WIDTH == 0
+            and d <= MAX_HEAD_DIM
+            and hq % hkv == 0
+            and hq // hkv <= MAX_GROUP
+            and block_size <= MAX_BLOCK
+        )
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """One query token per sequence: q [S, Hq, D]; caches [blocks, B, Hkv, D]; block_tables
+        [S, max_blocks]; context_lens [S]. Returns [S, Hq, D], sequence s attending to its first
+        context_lens[s] keys through its table, or to the last `window` of them. Check
+        supported first."""
+        num_seqs, hq, d = q.shape
+        _, block_size, hkv, _ = k_cache.shape
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("decode_attention reads the caches in place: they must be contiguous")
+        if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+            raise ValueError("the key and value caches must have one shape and dtype")
+        q = q.contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        if tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
+            raise ValueError(f"{num_seqs} queries, but tables {tuple(tables.shape)} and "
+                             f"context lengths {tuple(lens.shape)}")  # fmt: skip
+        out = torch.empty_like(q)
+        status = self._decode(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            lens.data_ptr(), out.data_ptr(), num_seqs, hq, hkv, d, block_size, tables.shape[1],
+            0 if window is None else window, scale,
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(
+                f"decode_attention cannot take q {tuple(q.shape)}, cache block "
+                f"{tuple(k_cache.shape[1:])}"
+            )
+        return out
+
+
+@functools.cache
+def load_portable_decode() -> PortableDecode | None:
+    """The kernel, built on first use; None where there is no compiler or the build fails."""
+    library = build_library("portable_decode", PORTABLE_SOURCES)
+    return PortableDecode(library) if library is not None else None
