@@ -69,10 +69,9 @@ class Router:
             body = json.loads(raw)
         except ValueError:
             body = None  # forwarded as it is: the replica answers its 400
-        await self.load_tokenizer()
         token_ids = None
-        if self.hasher is not None and isinstance(body, dict):
-            token_ids = self.hasher.token_ids(path, body)
+        if self.policy.uses_prefixes and isinstance(body, dict):
+            token_ids = await self.prompt_tokens.of(path, body, self.replicas.replicas)
         salt = body.get("cache_salt") if isinstance(body, dict) else None
         headers = forwarded_headers(request, self.settings)
         hashes_of = replica_hashes(self.hasher, token_ids, salt)

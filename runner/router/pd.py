@@ -69,7 +69,8 @@ class PDRouter:
         """POST to a prefill worker (worker_choice.py), retried on another when one cannot be
         reached or is draining. Raises Unavailable."""
         workers, tokens = self.prefill, None
-        if self.prefill_choice.policy.uses_prefixes:
+        # With one prefill worker there is no choice to make: its prompt is not tokenized.
+        if self.prefill_choice.policy.uses_prefixes and len(workers.healthy()) > 1:
             tokens = await self.prompt_tokens.of(path, body, workers.replicas)
         tried: set[str] = set()
         for _ in range(self.settings.max_attempts):

@@ -73,8 +73,10 @@ def test_a_tokenizer_that_cannot_load_means_the_least_busy_prefill_worker(
     settings = RouterSettings(health_interval_s=0.1, tokenizer=str(tmp_path / "no-such-model"))
     params = SamplingParams(max_tokens=8, temperature=0)
     (want,) = reference_llm.generate([PROMPT], params)
-    with worker("prefill") as prefill, worker("decode") as decode:
-        router = LiveServer(build_pd_router_app([prefill.url], [decode.url], settings)).start()
+    # Two prefill workers: with one there is no choice, and no prompt is tokenized.
+    with worker("prefill") as prefill, worker("prefill") as other, worker("decode") as decode:
+        prefills = [prefill.url, other.url]
+        router = LiveServer(build_pd_router_app(prefills, [decode.url], settings)).start()
         try:
             for _ in range(2):  # the second does not try the tokenizer again
                 body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
@@ -85,3 +87,23 @@ def test_a_tokenizer_that_cannot_load_means_the_least_busy_prefill_worker(
             assert pd.prompt_tokens.failed and pd.prompt_tokens.hasher is None
         finally:
             router.stop()
+
+
+def test_with_one_prefill_worker_no_prompt_is_tokenized(
+    worker: WorkerFactory, reference_llm: LLM
+) -> None:
+    """No choice to make: the router relays the request without tokenizing its prompt (which
+    would hold up the streams it relays), and the answer is the colocated engine's."""
+    params = SamplingParams(max_tokens=8, temperature=0)
+    (want,) = reference_llm.generate([PROMPT], params)
+    with (
+        worker("prefill") as prefill,
+        worker("decode") as decode,
+        pd_router([prefill.url], [decode.url]) as router,
+    ):
+        body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        answer = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == want.text
+        tokens = router.app.state.router.prompt_tokens
+        assert tokens.hasher is None and not tokens.failed
