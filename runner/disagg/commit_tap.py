@@ -71,7 +71,10 @@ class CommitTap:
         held whole is), and close the handover."""
         with self._lock:
             entry = self._open.pop(handover_id, None)
-        if entry is None:
+        if entry is None or not self.held.holds(handover_id):
+            # Not held: its decode worker pulled every block as the last step committed it
+            # and released it (or it was dropped): nothing to add, and no reason to wait for
+            # the engine lock, which the next prompt's step may hold a second.
             return
         wanted = entry.chain.hashes
         have = self.held.get(handover_id, wanted)

@@ -92,6 +92,11 @@ class HeldHandovers:
             if entry is not None:
                 entry.open, entry.expires = False, time.monotonic() + self.ttl_s
 
+    def holds(self, handover_id: str) -> bool:
+        """Whether the handover is held (not released, expired or dropped for room)."""
+        with self._lock:
+            return handover_id in self._held
+
     def is_open(self, handover_id: str) -> bool:
         with self._lock:
             entry = self._held.get(handover_id)

@@ -11,6 +11,7 @@ read off the pool when the prefill ends."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -51,6 +52,8 @@ class Publisher:
         self.stream = RedisStream(redis) if redis is not None else None
         self.tap = CommitTap(llm, held, self.stream.add if self.stream is not None else None)
         self.counters = PublishCounters()
+        self._begun: set[str] = set()  # handovers opened at their request's queueing
+        self._begun_lock = threading.Lock()
 
     def begin(
         self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None
@@ -65,6 +68,8 @@ class Publisher:
             except TierDown:
                 return None
         self.tap.open(handover_id, token_ids, cache_salt)
+        with self._begun_lock:
+            self._begun.add(handover_id)
         params = self._params(handover_id, token_ids, cache_salt, 0, 0, 0.0)
         return params | {"open": True}
 
@@ -77,7 +82,14 @@ class Publisher:
         started = time.perf_counter()
         hashes = prompt_chain(self.llm, token_ids, cache_salt).hashes
         held = self.held
-        if held.is_open(handover_id):
+        with self._begun_lock:
+            begun = handover_id in self._begun
+            self._begun.discard(handover_id)
+        # Begun, direct: filled as it committed, and it may be held no more (the pull, started
+        # beside the prefill, can take the last blocks and release it before this runs; read
+        # off the pool again, it waited for the engine lock, which the next prompt's step may
+        # hold a second). Over Redis the copy here lasts until now, unless dropped for room.
+        if held.is_open(handover_id) or (begun and self.redis is None):
             self.tap.finish(handover_id)
             values = _leading_run(held.get(handover_id, hashes))
             if self.stream is not None:  # what Redis took; the copy held here is done with
@@ -127,6 +139,8 @@ class Publisher:
     def release(self, handover_id: str) -> bool:
         """Free a handover not pulled (its request failed or was aborted elsewhere)."""
         self.tap.cancel(handover_id)  # an open one stops filling
+        with self._begun_lock:
+            self._begun.discard(handover_id)
         if self.stream is not None:
             self.stream.cancel(handover_id)
         return self.held.release(handover_id)

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from runner.disagg.roles import RoleParts
+from runner.engine.sequence import Sequence
 from runner.serve.app import _admit  # the server's own checks: draining, model, 400, 429
 from runner.serve.calls import Call, CallError
 from runner.serve.engine_loop import Submission
@@ -88,24 +89,27 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
         body = prefill_body(kind, raw)
         params = _admit(state, body, 1)
         salt = body.cache_salt
+        opened: list[dict[str, Any] | None] = []
+
+        def open_handover(seqs: list[Sequence]) -> None:
+            """The queued prompt's handover opens before its first step, and fills as its
+            blocks commit (on the engine's thread: Submission.on_queued)."""
+            opened.append(publisher.begin(call.id, seqs[0].prompt_token_ids, salt))
+
         if isinstance(body, ChatCompletionRequest):
             sub = Submission(
                 "", 0, params, messages=body.template_messages(),
                 template_kwargs=body.chat_template_kwargs, cache_salt=salt,
+                on_queued=open_handover,
             )  # fmt: skip
         else:
             assert isinstance(body, CompletionRequest)
-            sub = Submission("", 0, params, prompt=body.prompts()[0], cache_salt=salt)
+            prompt = body.prompts()[0]
+            sub = Submission("", 0, params, prompt=prompt, cache_salt=salt, on_queued=open_handover)
         call = Call(state.engine, request, [sub], "messages" if kind == "chat" else "prompt")
         sub.request_id = f"{call.id}-0"
-        await call.start()
-        # The queued request's prompt: its handover opens now and fills as blocks commit.
-        # (Off the event loop: both wait for the engine lock, which a step holds.)
-        seqs = await asyncio.to_thread(publisher.llm.samples_of, sub.request_id)
-        early = None
-        if seqs:
-            tokens = seqs[0].prompt_token_ids
-            early = await asyncio.to_thread(publisher.begin, call.id, tokens, salt)
+        await call.start()  # Accepted comes after the hook ran
+        early = opened[0] if opened else None
 
         async def answer() -> dict[str, Any]:
             try:

@@ -14,6 +14,7 @@ token starved it (chunks then left in bursts, and first tokens late).
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -26,6 +27,7 @@ from runner.engine.streaming import TextStream
 from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Sink, Submission
 from runner.serve.metrics import ServeMetrics
 
+log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # how long an idle loop sleeps before it looks at its stop flag again
 
 
@@ -166,6 +168,11 @@ class EngineLoop:
             self._deliver(sink, Rejected(sub.index, str(err)))
             return
         seqs = llm.samples_of(sub.request_id) or [seq]
+        if sub.on_queued is not None:
+            try:
+                sub.on_queued(seqs)
+            except Exception:  # noqa: BLE001 - the hook's failure is not the request's
+                log.exception("request %s: its on_queued hook failed", sub.request_id)
         tracked = _Tracked(sub.index, sink, seqs, arrival=time.perf_counter())
         for s in seqs:
             tracked.texts[s.seq_id] = TextStream(llm.stopper, s.params.skip_special_tokens)

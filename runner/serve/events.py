@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runner.engine.outputs import RequestOutput
+from runner.engine.sequence import Sequence
 from runner.sampling.logprobs import TokenLogprobs
 from runner.sampling.params import SamplingParams
 
@@ -62,3 +63,8 @@ class Submission:
     messages: list[dict[str, str]] | None = None
     template_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
+    # Called on the engine's thread with the request's sequences once it is queued, before a
+    # step computes any of it (a prefill worker opens its handover there: from a handler it
+    # waited for the engine lock, which the first step of this very prompt could hold to the
+    # prefill's end). What it raises is logged, and the request runs on.
+    on_queued: Callable[[list[Sequence]], None] | None = None

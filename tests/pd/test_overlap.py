@@ -6,10 +6,12 @@ admitted (the step never copies them in), with the colocated output."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -222,3 +224,67 @@ def test_through_the_router_the_blocks_are_in_the_pool_before_admission(
         assert prefill.parts.publisher is not None
         assert prefill.parts.publisher.stats()["held"] == 0
         decode.llm.block_manager.check_integrity()
+
+
+def test_the_handover_opens_before_the_prompts_first_step(
+    worker: WorkerFactory, reference_llm: LLM
+) -> None:
+    """A prefill worker opens a queued prompt's handover on the engine's thread, before any
+    step computes the prompt, so every block is caught as it commits and the answer's first
+    line is the open handover's params. (Opened from the handler, it waited for the engine
+    lock, which the prompt's own steps held, at times to the prefill's end: the handover then
+    opened too late or not at all, and the whole pull came after the prefill.)"""
+    with worker("prefill", max_num_batched_tokens=BUDGET) as prefill:
+        publisher, llm = prefill.parts.publisher, prefill.llm
+        assert publisher is not None
+        computed_at_open: list[int] = []
+        begin = publisher.begin
+
+        def recording_begin(*args: Any) -> dict[str, Any] | None:
+            live = [*llm.scheduler.waiting, *llm.scheduler.running]
+            computed_at_open.append(sum(s.num_computed_tokens for s in live))
+            return begin(*args)
+
+        publisher.begin = recording_begin  # type: ignore[method-assign]
+        block = llm.config.block_size
+        for i in range(3):
+            prompt = f"Variant {i}. {PROMPT}"  # none of its blocks cached: several chunks
+            body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+            url = f"{prefill.url}/kvcache/prefill/v1/completions?early=1"
+            lines = httpx.post(url, json=body, timeout=60).text.splitlines()
+            first, last = (json.loads(line) for line in lines)
+            assert first["kv_transfer_params"]["open"]
+            assert last["kv_transfer_params"]["num_blocks"] > 2 * BUDGET // block
+            (want,) = reference_llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+            assert last["prefill"]["text"] == want.text
+    assert computed_at_open == [0, 0, 0]
+
+
+def test_a_handover_pulled_before_its_publish_does_not_wait_for_the_engine(
+    tiny_llama_tok_dir: Path,
+) -> None:
+    """A pull started beside the prefill can take the last blocks and release the handover
+    before the prefill's answer publishes it: the publish then neither reads the blocks off
+    the pool again nor waits for the engine lock (the next prompt's step, a second at times)."""
+    from runner.disagg.publish import Publisher
+
+    llm = LLM(str(tiny_llama_tok_dir), max_num_batched_tokens=BUDGET, num_kv_blocks=128)
+    held = HeldHandovers(1 << 26)
+    publisher = Publisher(llm, held, server=ZmqHandoverServer(held))
+    try:
+        seq = llm.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0))
+        tokens = list(seq.prompt_token_ids)
+        assert publisher.begin("h", tokens, None) is not None
+        while llm.has_unfinished():
+            llm.step()
+        chain = prompt_chain(llm, tokens, None)
+        assert all(v is not None for v in held.get("h", chain.hashes))  # every block came
+        held.release("h")  # as the decode worker does once it has them all
+        with llm.lock:  # a step of another prompt runs
+            worker = threading.Thread(target=publisher.publish, args=("h", tokens, None))
+            worker.start()
+            worker.join(5)
+            assert not worker.is_alive(), "the publish waited for the engine lock"
+        assert not held.holds("h")  # not held again: nothing will pull it
+    finally:
+        publisher.close()
