@@ -58,18 +58,37 @@ class Publisher:
     def begin(
         self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None
     ) -> dict[str, Any] | None:
-        """Open the handover of a queued request's prompt: its blocks are held (and written to
-        Redis) as they are committed. Returns the params a decode worker may pull with
-        meanwhile (``open``: the values may still come), or None when Redis cannot be reached
-        now (the handover is then written when the prefill ends, or computed)."""
+        """``open`` and ``announce`` at once."""
+        self.open(handover_id, token_ids, cache_salt)
+        return self.announce(handover_id, token_ids, cache_salt)
+
+    def open(self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None) -> None:
+        """Open the handover of a queued request's prompt: its blocks are held (and queued for
+        Redis) as they are committed. On the engine's thread, before the prompt's first step
+        (Submission.on_queued): no network call here, the engine would wait on it."""
         if self.stream is not None:
-            try:
-                self.stream.open(handover_id)
-            except TierDown:
-                return None
+            self.stream.track(handover_id)
         self.tap.open(handover_id, token_ids, cache_salt)
         with self._begun_lock:
             self._begun.add(handover_id)
+
+    def announce(
+        self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None
+    ) -> dict[str, Any] | None:
+        """The params a decode worker may pull an opened handover with meanwhile (``open``:
+        the values may still come), once (over Redis) its marker says open; None when Redis
+        cannot be reached now (the handover is then written whole when the prefill ends, or
+        computed)."""
+        if self.stream is not None:
+            try:
+                self.stream.redis.mark_open([handover_id])
+            except TierDown:
+                self.tap.cancel(handover_id)
+                self.stream.cancel(handover_id)
+                self.held.release(handover_id)
+                with self._begun_lock:
+                    self._begun.discard(handover_id)
+                return None
         params = self._params(handover_id, token_ids, cache_salt, 0, 0, 0.0)
         return params | {"open": True}
 

@@ -89,12 +89,14 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
         body = prefill_body(kind, raw)
         params = _admit(state, body, 1)
         salt = body.cache_salt
-        opened: list[dict[str, Any] | None] = []
+        opened: list[list[int]] = []  # the prompt's token ids, once its handover is open
 
         def open_handover(seqs: list[Sequence]) -> None:
             """The queued prompt's handover opens before its first step, and fills as its
             blocks commit (on the engine's thread: Submission.on_queued)."""
-            opened.append(publisher.begin(call.id, seqs[0].prompt_token_ids, salt))
+            tokens = list(seqs[0].prompt_token_ids)
+            publisher.open(call.id, tokens, salt)
+            opened.append(tokens)
 
         if isinstance(body, ChatCompletionRequest):
             sub = Submission(
@@ -109,7 +111,9 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
         call = Call(state.engine, request, [sub], "messages" if kind == "chat" else "prompt")
         sub.request_id = f"{call.id}-0"
         await call.start()  # Accepted comes after the hook ran
-        early = opened[0] if opened else None
+        early = None
+        if opened:  # (off the event loop: over Redis, the marker's round trip)
+            early = await asyncio.to_thread(publisher.announce, call.id, opened[0], salt)
 
         async def answer() -> dict[str, Any]:
             try:

@@ -238,14 +238,14 @@ def test_the_handover_opens_before_the_prompts_first_step(
         publisher, llm = prefill.parts.publisher, prefill.llm
         assert publisher is not None
         computed_at_open: list[int] = []
-        begin = publisher.begin
+        open_handover = publisher.open
 
-        def recording_begin(*args: Any) -> dict[str, Any] | None:
+        def recording_open(*args: Any) -> None:
             live = [*llm.scheduler.waiting, *llm.scheduler.running]
             computed_at_open.append(sum(s.num_computed_tokens for s in live))
-            return begin(*args)
+            open_handover(*args)
 
-        publisher.begin = recording_begin  # type: ignore[method-assign]
+        publisher.open = recording_open  # type: ignore[method-assign]
         block = llm.config.block_size
         for i in range(3):
             prompt = f"Variant {i}. {PROMPT}"  # none of its blocks cached: several chunks

@@ -91,6 +91,9 @@ def test_redis_down_is_computed_not_failed(
         redis_server.stop()
         params = prefill_only(prefill, body)
         assert params["num_blocks"] == 0  # Redis did not take them: nothing to pull
+        publisher = prefill.parts.publisher  # and the handover it opened left nothing behind
+        assert publisher is not None and publisher.stream is not None
+        assert not publisher.stream._streams and publisher.held.stats()["held"] == 0
         pulled = httpx.post(f"{decode.url}/kvcache/pull", json=params, timeout=60).json()
         assert pulled["blocks"] == 0 and pulled["reason"] is not None  # Redis down here too
         answer = complete(decode, body)
