@@ -74,7 +74,9 @@ class CommitTap:
         if entry is None or not self.held.holds(handover_id):
             # Not held: its decode worker pulled every block as the last step committed it
             # and released it (or it was dropped): nothing to add, and no reason to wait for
-            # the engine lock, which the next prompt's step may hold a second.
+            # the engine lock, which the next prompt's step may hold a second. (Held, with no
+            # entry here: its open failed half-way; closed, so that its deadline runs.)
+            self.held.finish(handover_id)
             return
         wanted = entry.chain.hashes
         have = self.held.get(handover_id, wanted)

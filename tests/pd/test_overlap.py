@@ -288,3 +288,18 @@ def test_a_handover_pulled_before_its_publish_does_not_wait_for_the_engine(
         assert not held.holds("h")  # not held again: nothing will pull it
     finally:
         publisher.close()
+
+
+def test_a_handover_whose_open_failed_half_way_is_closed_at_the_end(
+    tiny_llama_tok_dir: Path,
+) -> None:
+    """Held open but unknown to the tap (its open raised after the held copy opened): the
+    prefill's end closes it, so its deadline runs and it cannot be held forever."""
+    llm = LLM(str(tiny_llama_tok_dir), num_kv_blocks=64)
+    held = HeldHandovers(1 << 20, ttl_s=0.2)
+    tap = CommitTap(llm, held)
+    held.open("h")
+    tap.finish("h")
+    assert held.holds("h") and not held.is_open("h")
+    time.sleep(0.3)
+    assert not held.holds("h") and held.stats()["expired"] == 1
