@@ -95,6 +95,7 @@ class HeldHandovers:
     def holds(self, handover_id: str) -> bool:
         """Whether the handover is held (not released, expired or dropped for room)."""
         with self._lock:
+            self._expire_locked()
             return handover_id in self._held
 
     def is_open(self, handover_id: str) -> bool:
