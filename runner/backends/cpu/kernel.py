@@ -15,6 +15,12 @@ from collections.abc import Callable
 import torch
 
 from runner.backends.cpu.abi import declare
+from runner.backends.cpu.kernel_args import (
+    check_decode_status,
+    decode_operands,
+    softcap_arg,
+    window_arg,
+)
 from runner.backends.cpu.panels import (
     BF16_PAIRS,
     INT8_QUADS,
@@ -127,12 +133,7 @@ class CpuKernels:
         Check decode_supported first."""
         num_seqs, hq, d = q.shape
         _, block_size, hkv, _ = k_cache.shape
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("decode_attention reads the caches in place: they must be contiguous")
-        q = q.contiguous()
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = context_lens.to(torch.int32).contiguous()
-        out = torch.empty_like(q)
+        q, tables, lens, out = decode_operands(q, k_cache, v_cache, block_tables, context_lens)
         status = self._decode(
             q.data_ptr(),
             k_cache.data_ptr(),
@@ -147,16 +148,12 @@ class CpuKernels:
             block_size,
             tables.shape[1],
             shared_blocks,
-            _window_arg(window),
+            window_arg(window),
             scale,
-            _softcap_arg(softcap),
+            softcap_arg(softcap),
             k_cache.dtype == torch.float16,
         )
-        if status != 0:
-            raise ValueError(
-                f"decode_attention cannot take q {tuple(q.shape)}, cache block "
-                f"{tuple(k_cache.shape[1:])}"
-            )
+        check_decode_status(status, q, k_cache)
         return out
 
     @staticmethod
@@ -217,9 +214,9 @@ class CpuKernels:
             d,
             block_size,
             ints[0].shape[1],
-            _window_arg(window),
+            window_arg(window),
             scale,
-            _softcap_arg(softcap),
+            softcap_arg(softcap),
             k_cache.dtype == torch.float16,
         )
         if status != 0:
@@ -260,7 +257,7 @@ class CpuKernels:
             raise TypeError(f"soft_cap takes CPU float32, got {x.dtype} on {x.device}")
         flat = x.contiguous().view(-1)
         out = torch.empty_like(flat)
-        self._soft_cap(flat.data_ptr(), out.data_ptr(), flat.numel(), _softcap_arg(softcap))
+        self._soft_cap(flat.data_ptr(), out.data_ptr(), flat.numel(), softcap_arg(softcap))
         return out.view(x.shape)
 
 
@@ -271,22 +268,3 @@ def _gated(kernel: Callable[..., None], gate_up: torch.Tensor) -> torch.Tensor:
     out = rows.new_empty((rows.shape[0], width))
     kernel(rows.data_ptr(), out.data_ptr(), rows.shape[0], width)
     return out.view(*gate_up.shape[:-1], width)
-
-
-def _window_arg(window: int | None) -> int:
-    """The kernels' window: keys a query sees, itself included; 0 for the whole context."""
-    if window is None:
-        return 0
-    if window < 1:
-        raise ValueError(f"sliding window {window} must be at least 1")
-    return window
-
-
-def _softcap_arg(softcap: float | None) -> float:
-    """The kernels' soft cap c (each score s becomes c * tanh(s / c)); 0.0 for none."""
-    if softcap is None:
-        return 0.0
-    # As the kernels read it, a float: a cap under float32's range would pass as 0 (no cap).
-    if not 0.0 < ctypes.c_float(softcap).value < math.inf:
-        raise ValueError(f"attention soft cap {softcap} must be a positive finite float32")
-    return softcap

@@ -15,6 +15,7 @@ import functools
 
 import torch
 
+from runner.backends.cpu.kernel_args import check_decode_status, decode_operands, window_arg
 from runner.backends.cpu.loader import SOURCES, build_library
 
 PORTABLE_SOURCES = (SOURCES[0].parent / "portable" / "decode_attention_vec.c",)
@@ -68,27 +69,18 @@ class PortableDecode:
         supported first."""
         num_seqs, hq, d = q.shape
         _, block_size, hkv, _ = k_cache.shape
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("decode_attention reads the caches in place: they must be contiguous")
+        q, tables, lens, out = decode_operands(q, k_cache, v_cache, block_tables, context_lens)
         if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
             raise ValueError("the key and value caches must have one shape and dtype")
-        q = q.contiguous()
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = context_lens.to(torch.int32).contiguous()
         if tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
             raise ValueError(f"{num_seqs} queries, but tables {tuple(tables.shape)} and "
                              f"context lengths {tuple(lens.shape)}")  # fmt: skip
-        out = torch.empty_like(q)
         status = self._decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), out.data_ptr(), num_seqs, hq, hkv, d, block_size, tables.shape[1],
-            0 if window is None else window, scale,
+            window_arg(window), scale,
         )  # fmt: skip
-        if status != 0:
-            raise ValueError(
-                f"decode_attention cannot take q {tuple(q.shape)}, cache block "
-                f"{tuple(k_cache.shape[1:])}"
-            )
+        check_decode_status(status, q, k_cache)
         return out
 
 
