@@ -66,6 +66,11 @@ class CommitTap:
             cached = self.llm.block_manager._match(tokens, chain.root)[: len(chain.hashes)]
             self._add(handover_id, entry, cached)
 
+    def is_filling(self, handover_id: str) -> bool:
+        """Whether the handover was opened here and is not finished or cancelled yet."""
+        with self._lock:
+            return handover_id in self._open
+
     def finish(self, handover_id: str) -> None:
         """The prefill ended: add what the commits missed (read off the pool, as a handover
         held whole is), and close the handover."""

@@ -11,7 +11,6 @@ read off the pool when the prefill ends."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -52,8 +51,6 @@ class Publisher:
         self.stream = RedisStream(redis) if redis is not None else None
         self.tap = CommitTap(llm, held, self.stream.add if self.stream is not None else None)
         self.counters = PublishCounters()
-        self._begun: set[str] = set()  # handovers opened at their request's queueing
-        self._begun_lock = threading.Lock()
 
     def begin(
         self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None
@@ -69,8 +66,6 @@ class Publisher:
         if self.stream is not None:
             self.stream.track(handover_id)
         self.tap.open(handover_id, token_ids, cache_salt)
-        with self._begun_lock:
-            self._begun.add(handover_id)
 
     def announce(
         self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None
@@ -86,8 +81,6 @@ class Publisher:
                 self.tap.cancel(handover_id)
                 self.stream.cancel(handover_id)
                 self.held.release(handover_id)
-                with self._begun_lock:
-                    self._begun.discard(handover_id)
                 return None
         params = self._params(handover_id, token_ids, cache_salt, 0, 0, 0.0)
         return params | {"open": True}
@@ -101,9 +94,7 @@ class Publisher:
         started = time.perf_counter()
         hashes = prompt_chain(self.llm, token_ids, cache_salt).hashes
         held = self.held
-        with self._begun_lock:
-            begun = handover_id in self._begun
-            self._begun.discard(handover_id)
+        begun = self.tap.is_filling(handover_id)
         # Begun, direct: filled as it committed, and it may be held no more (the pull, started
         # beside the prefill, can take the last blocks and release it before this runs; read
         # off the pool again, it waited for the engine lock, which the next prompt's step may
@@ -158,8 +149,6 @@ class Publisher:
     def release(self, handover_id: str) -> bool:
         """Free a handover not pulled (its request failed or was aborted elsewhere)."""
         self.tap.cancel(handover_id)  # an open one stops filling
-        with self._begun_lock:
-            self._begun.discard(handover_id)
         if self.stream is not None:
             self.stream.cancel(handover_id)
         return self.held.release(handover_id)

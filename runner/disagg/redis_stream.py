@@ -38,12 +38,8 @@ class RedisStream:
     def open(self, handover_id: str) -> None:
         """Start a handover (its marker says open). Raises TierDown: the caller hands it over
         when the prefill ends instead."""
+        self.redis.mark_open([handover_id])
         self.track(handover_id)
-        try:
-            self.redis.mark_open([handover_id])
-        except TierDown:
-            self.cancel(handover_id)
-            raise
 
     def track(self, handover_id: str) -> None:
         """Start taking a handover's values, its marker not written yet (no network call: the
