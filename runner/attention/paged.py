@@ -117,9 +117,9 @@ def torch_paged_attention(
         assert decode_kernel is not None
         dec = plan.decodes
         res = decode_kernel(q[dec.rows], k_cache, v_cache, dec.tables, dec.contexts, scale, window)
-        if not plan.singles and plan.group is None:
-            if isinstance(dec.rows, slice) and dec.rows == slice(0, num_tokens):
-                return res  # decodes only
+        only_decodes = not plan.singles and plan.group is None
+        if only_decodes and isinstance(dec.rows, slice) and dec.rows == slice(0, num_tokens):
+            return res
         if isinstance(dec.rows, slice):
             out[dec.rows] = res
         else:
