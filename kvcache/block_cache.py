@@ -16,7 +16,7 @@ takes the least recently used entry.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from kvcache.block_pool import BlockPool
 from kvcache.hashing import pack_tokens, unpack_tokens
@@ -35,6 +35,19 @@ class CachedBlock(NamedTuple):
     block_id: int
 
 
+class BlockListener(Protocol):
+    """Told of every change to the tree's content, in the order it happens (the KV events a
+    router or control plane rebuilds the cache from: runner/kv_events). Called on the thread
+    that changes the cache, with the manager's state already updated; must not call back into
+    the manager, and should return quickly (hand the work to another thread)."""
+
+    def blocks_stored(self, nodes: list[Node]) -> None:
+        """``nodes`` entered the tree, parents before children (their K/V is written)."""
+
+    def blocks_removed(self, nodes: list[Node]) -> None:
+        """``nodes`` left the tree (evicted: leaves first, so a child before its parent)."""
+
+
 class BlockCache:
     """The pool, the tree of full blocks and the partial blocks of one block manager."""
 
@@ -50,6 +63,8 @@ class BlockCache:
         # off the pool costs about what a copy of one block does).
         self.on_commit: Callable[[list[Node]], None] | None = None
         self.on_evict: Callable[[list[Node]], None] | None = None
+        # Every listener hears of every node stored and removed (runner/kv_events).
+        self.listeners: list[BlockListener] = []
 
     # -- questions (pure) ----------------------------------------------------------------------
     @property
@@ -143,8 +158,11 @@ class BlockCache:
             node = self._evict_one()
             if node is not None:
                 evicted.append(node)
-        if evicted and self.on_evict is not None:
-            self.on_evict(evicted)
+        if evicted:
+            if self.on_evict is not None:
+                self.on_evict(evicted)
+            for listener in self.listeners:
+                listener.blocks_removed(evicted)
         return self.pool.take(n)
 
     def insert(
@@ -162,8 +180,11 @@ class BlockCache:
         for node in result.created:
             self.pool.mark_cached(node.block_id)
             self._stamp(node)
-        if result.created and self.on_commit is not None:
-            self.on_commit(result.created)
+        if result.created:
+            if self.on_commit is not None:
+                self.on_commit(result.created)
+            for listener in self.listeners:
+                listener.blocks_stored(result.created)
         return result
 
     def offer(

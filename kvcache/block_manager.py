@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
-from kvcache.block_cache import BlockCache, CachedBlock
+from kvcache.block_cache import BlockCache, BlockListener, CachedBlock
 from kvcache.block_integrity import check_block_manager
 from kvcache.hashing import pack_tokens
 from kvcache.partial_blocks import SlotCopy
@@ -35,7 +35,7 @@ from kvcache.radix_tree import Node
 from kvcache.request_blocks import RequestBlocks
 from kvcache.stats import CacheStats
 
-__all__ = ["Allocation", "BlockManager", "CachedBlock", "SlotCopy"]
+__all__ = ["Allocation", "BlockListener", "BlockManager", "CachedBlock", "SlotCopy"]
 
 
 class Allocation(NamedTuple):
@@ -77,6 +77,15 @@ class BlockManager:
         """The (on_commit, on_evict) pair `watch` set: so a second watcher can chain to the
         first instead of taking its place. Pure."""
         return self._cache.on_commit, self._cache.on_evict
+
+    def add_listener(self, listener: BlockListener) -> None:
+        """Tell ``listener`` of every block stored in and removed from the tree from now on,
+        beside any other listener (KV events, taps). Mutates only the listener list."""
+        self._cache.listeners.append(listener)
+
+    def remove_listener(self, listener: BlockListener) -> None:
+        """Stop telling ``listener``; ValueError if it was not added. Mutates only the list."""
+        self._cache.listeners.remove(listener)
 
     # -- read-only questions -------------------------------------------------------------------
     @property

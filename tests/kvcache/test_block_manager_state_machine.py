@@ -12,7 +12,10 @@ every step ``check_integrity()`` runs and:
   longest committed prefix, capped so one token is computed;
 * block tables hold ceil(tokens / B) blocks; a block in two live tables is a tree block at the
   same index of both, and both requests agree on every token up to the end of that block;
-* the pool's three states always add up to ``num_blocks``.
+* the pool's three states always add up to ``num_blocks``;
+* a listener that applies every stored and removed event to a mirror holds exactly the tree's
+  blocks (what KV events let a router rebuild), each stored after its parent, removed after
+  its children.
 Small pools, two namespaces and a tiny alphabet with shared stems make hits, duplicates,
 evictions and refusals common. A second machine forces every hash to collide; a third runs with
 prefix caching off.
@@ -30,11 +33,31 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import kvcache.hashing
 from kvcache import BlockManager, namespace_root
+from kvcache.radix_tree import Node
 
 B = 4
 ROOTS = [namespace_root("m"), namespace_root("m", "salt")]
 STEMS = [[], [1, 2, 3, 1], [1, 2, 3, 1, 2, 2, 0, 1], [1, 2, 3, 1, 0, 0, 0, 0, 2]]
 token = st.integers(0, 3)
+
+
+class Mirror:
+    """What a KV-event subscriber would know: block -> (parent block, tokens)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+
+    def blocks_stored(self, nodes: list[Node]) -> None:
+        for node in nodes:
+            parent = None if node.parent is None else node.parent.block_id
+            assert parent is None or parent in self.blocks, "stored before its parent"
+            assert node.block_id not in self.blocks, "stored twice"
+            self.blocks[node.block_id] = (parent, tuple(node.token_ids))
+
+    def blocks_removed(self, nodes: list[Node]) -> None:
+        for node in nodes:
+            assert all(p != node.block_id for p, _ in self.blocks.values()), "removed a parent"
+            del self.blocks[node.block_id]
 
 
 @dataclass
@@ -52,6 +75,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.bm = BlockManager(num_blocks=10, block_size=B, enable_prefix_caching=self.caching)
+        self.mirror = Mirror()
+        self.bm.add_listener(self.mirror)
         self.live: dict[int, Live] = {}
         self.committed: set[tuple[int, tuple[int, ...]]] = set()
         self.next_id = 0
@@ -202,6 +227,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert stats.blocks_in_use + stats.blocks_cached + stats.blocks_free == bm.num_blocks
         assert stats.query_tokens == self.first_admissions
         assert stats.hit_tokens <= stats.query_tokens
+        tree = {
+            c.block_id: (c.parent, tuple(c.token_ids))
+            for c in bm.cached_blocks()
+            if len(c.token_ids) == B
+        }
+        assert self.mirror.blocks == tree, "the listener's view differs from the tree"
         owner: dict[int, tuple[int, int]] = {}  # block -> (request, index)
         for rid, req in self.live.items():
             table = bm.block_table(rid)
