@@ -4,5 +4,5 @@ streaming, outputs, speculative decoding, beam search, metrics, and building an 
 (setup.py) with its model runner (model_runner.py) and KV pool sizing (memory.py).
 
 May import: kvcache (the block manager) and kvcache.store, attention, backends (the registry
-and the CPU kernels), model, sampling.
+and the CPU kernels), model, sampling, kv_events (the publisher a config turns on).
 """

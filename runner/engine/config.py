@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from runner.backends.cpu.quant import CPU_WEIGHT_DTYPES
+from runner.kv_events.config import KVEventsConfig
 
 Batching = Literal["continuous", "static"]
 # Default tokens per step. On the CPU a step's time grows with its tokens, and prefill runs as
@@ -100,6 +101,9 @@ class EngineConfig:
     # trusted input, like the model's files. require_cache_mac refuses to run without a key.
     cache_key: str | None = field(default=None, repr=False)
     require_cache_mac: bool = False
+    # vLLM's KV events (runner/kv_events): every block stored in and evicted from the pool,
+    # published on ZeroMQ for a router to follow; a dict or vLLM's JSON text is accepted too.
+    kv_events_config: KVEventsConfig | None = None
 
     @property
     def token_budget(self) -> int:
@@ -116,6 +120,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not DEVICE_PATTERN.fullmatch(str(self.device)):  # a torch.device passes as its name
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.kv_events_config is not None:
+            parsed = KVEventsConfig.parse(self.kv_events_config)
+            object.__setattr__(self, "kv_events_config", parsed)
         if self.dtype == "auto":  # vLLM's name for the default
             object.__setattr__(self, "dtype", None)
         if self.dtype is not None and self.dtype not in MODEL_DTYPES:

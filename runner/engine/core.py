@@ -26,6 +26,7 @@ from runner.engine.step_clock import StepClock
 from runner.engine.step_isolation import run_each_alone
 from runner.engine.step_result import StepResult, sample_step
 from runner.engine.stopping import StopChecker
+from runner.kv_events.publisher import KVEventPublisher
 from runner.model.cpu_layers import CpuLayers
 from runner.model.loader import generation_eos_ids
 from runner.sampling.params import SamplingParams
@@ -47,6 +48,12 @@ class Engine:
         self.kv, self.block_manager, self.runner = parts.kv, parts.block_manager, parts.runner
         self.block_spec, self.tiers = parts.block_spec, parts.tiers
         self.cache_mac_key = parts.cache_mac_key
+        # vLLM's KV events: a listener on the pool's tree, its own thread publishing.
+        self.kv_events: KVEventPublisher | None = None
+        events = self.config.kv_events_config
+        if events is not None and events.publishes:
+            self.kv_events = KVEventPublisher(events, self.config.block_size)
+            self.block_manager.add_listener(self.kv_events)
         self.attention = parts.attention  # the backend every forward pass runs
         layers = parts.attention.layers
         # Whole steps in C (runner/model/cpu_layers.py), where the CPU backend has them.

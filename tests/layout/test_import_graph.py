@@ -16,8 +16,10 @@ ALLOWED: dict[str, set[str]] = {
     "runner.backends": {"runner.attention", "runner.backends.cpu", "runner.backends.triton"},
     "runner.model": {"kvcache.store", "runner.attention", "runner.backends"},
     "runner.sampling": set(),
+    "runner.kv_events": {"kvcache"},
     "runner.engine": {
         "kvcache",
+        "runner.kv_events",
         "kvcache.store",
         "runner.attention",
         "runner.backends",

@@ -1,0 +1,213 @@
+"""The KV-event publisher: a block-manager listener whose own thread sends the events.
+
+The engine's thread only appends events to a bounded queue (``blocks_stored`` and
+``blocks_removed`` are called inside a step, under the engine's lock); the publisher's thread
+takes whatever has queued, every ``FLUSH_S`` or sooner, as one ``EventBatch``, numbers it, sends
+it on the PUB socket and keeps it in a ring of the last ``buffer_steps`` batches. A subscriber
+that sees a gap in the numbers asks the replay socket (ROUTER) for the batches from a number
+on: it answers each as ``[seq, payload]`` and ends with ``[-1, b""]``, as vLLM's does. A queue
+past ``max_queue_size`` drops its oldest events and the next batch's number skips one, so the
+subscriber learns of the loss instead of holding a wrong view without knowing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import zmq
+
+from kvcache.radix_tree import Node
+from runner.kv_events.config import KVEventsConfig
+from runner.kv_events.schema import (
+    MEDIUM_POOL,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    encode_batch,
+)
+
+log = logging.getLogger(__name__)
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+FLUSH_S = 0.005  # the longest an event waits in the queue while the thread is idle
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last frame's number
+
+
+def stored_events(nodes: list[Node], block_size: int, medium: str) -> list[BlockStored]:
+    """``nodes`` (as one tree insert reports them, parents first) as BlockStored events, one per
+    run of nodes that chain each to the one before it. Pure."""
+    events: list[BlockStored] = []
+    run: list[Node] = []
+    for node in nodes:
+        if run and node.parent is not run[-1]:
+            events.append(_stored(run, block_size, medium))
+            run = []
+        run.append(node)
+    if run:
+        events.append(_stored(run, block_size, medium))
+    return events
+
+
+def _stored(run: list[Node], block_size: int, medium: str) -> BlockStored:
+    parent = run[0].parent
+    return BlockStored(
+        block_hashes=[node.key for node in run],
+        parent_block_hash=None if parent is None else parent.key,
+        token_ids=[token for node in run for token in node.token_ids],
+        block_size=block_size,
+        lora_id=None,
+        medium=medium,
+    )
+
+
+class EventQueue:
+    """The events waiting for the publisher's thread, at most ``limit``: past it the oldest
+    go, and the next ``take`` says so. Thread-safe."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.dropped = 0  # events let go so far
+        self._events: deque[Event] = deque()
+        self._lost = False  # events were let go since the last take
+        self._lock = threading.Lock()
+
+    def put(self, events: list[Event]) -> None:
+        """Queue ``events`` after the others. Mutates the queue (may drop its oldest)."""
+        with self._lock:
+            self._events.extend(events)
+            over = len(self._events) - self.limit
+            if over > 0:
+                for _ in range(over):
+                    self._events.popleft()
+                self.dropped += over
+                self._lost = True
+
+    def take(self) -> tuple[list[Event], bool]:
+        """Every queued event, oldest first, and whether some were let go before them.
+        Mutates: the queue is left empty."""
+        with self._lock:
+            events, lost = list(self._events), self._lost
+            self._events.clear()
+            self._lost = False
+        return events, lost
+
+
+class KVEventPublisher:
+    """Publishes one block manager's events (add it with ``BlockManager.add_listener``)."""
+
+    def __init__(
+        self, config: KVEventsConfig, block_size: int, *, medium: str = MEDIUM_POOL
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.medium = medium
+        self.next_seq = 0  # the number the next batch is sent under
+        self._queue = EventQueue(config.max_queue_size)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ring: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._context = zmq.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+        self.endpoint = _bind(self._pub, config.endpoint)
+        self._replay: zmq.Socket[bytes] | None = None
+        self.replay_endpoint: str | None = None
+        if config.replay_endpoint:
+            self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self.replay_endpoint = _bind(self._replay, config.replay_endpoint)
+        # A fresh engine holds nothing: a subscriber that knew an earlier process on this
+        # endpoint (a restarted replica) forgets what that one held.
+        self._enqueue([AllBlocksCleared()])
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    # -- the listener (engine thread) ---------------------------------------------------------
+    def blocks_stored(self, nodes: list[Node]) -> None:
+        self._enqueue(list(stored_events(nodes, self.block_size, self.medium)))
+
+    def blocks_removed(self, nodes: list[Node]) -> None:
+        self._enqueue([BlockRemoved(block_hashes=[node.key for node in nodes], medium=self.medium)])
+
+    def all_cleared(self) -> None:
+        """Everything cached was dropped (a prefix-cache reset)."""
+        self._enqueue([AllBlocksCleared()])
+
+    @property
+    def dropped_events(self) -> int:
+        """Events the full queue let go (each loss leaves a gap in the numbers)."""
+        return self._queue.dropped
+
+    def _enqueue(self, events: list[Event]) -> None:
+        self._queue.put(events)
+        self._wake.set()
+
+    # -- the publisher's thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if self._replay is not None:
+                    if poller.poll(int(FLUSH_S * 1000)):
+                        self._answer_replay()
+                else:
+                    self._wake.wait(FLUSH_S)
+                self._wake.clear()
+                self._flush()
+            self._flush()
+        except Exception:  # a broken socket must not take the engine down; events stop
+            log.exception("KV events: the publisher's thread stopped")
+        finally:
+            self._pub.close()
+            if self._replay is not None:
+                self._replay.close()
+            self._context.term()
+
+    def _flush(self) -> None:
+        events, lost = self._queue.take()
+        if lost:
+            self.next_seq += 1  # the lost events' number, never sent: the subscriber sees a gap
+        if not events:
+            return
+        seq = self.next_seq
+        self.next_seq += 1
+        payload = encode_batch(EventBatch(ts=time.time(), events=events))
+        seq_bytes = seq.to_bytes(8, "big")
+        self._ring.append((seq, payload))
+        self._pub.send_multipart([self.config.topic.encode(), seq_bytes, payload])
+
+    def _answer_replay(self) -> None:
+        """One replay request: ``[identity, b"", start]`` from a REQ socket or
+        ``[identity, start]`` from a DEALER; any other shape gets the end marker alone."""
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        head = frames[:2] if len(frames) == 3 and frames[1] == b"" else frames[:1]
+        start_bytes = frames[-1] if len(frames) in (2, 3) else b""
+        start = int.from_bytes(start_bytes, "big") if len(start_bytes) == 8 else None
+        if start is not None:
+            for seq, payload in list(self._ring):
+                if seq >= start:
+                    self._replay.send_multipart([*head, seq.to_bytes(8, "big"), payload])
+        self._replay.send_multipart([*head, END_SEQ, b""])
+
+    def close(self) -> None:
+        """Send what is queued and stop; the sockets are closed. Idempotent."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+
+def _bind(socket: zmq.Socket[bytes], endpoint: str) -> str:
+    """Bind ``endpoint``; a TCP port of 0 binds a free one. Returns the endpoint bound."""
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        port = socket.bind_to_random_port(endpoint[: -len(":0")])
+        return f"{endpoint[: -len(':0')]}:{port}"
+    socket.bind(endpoint)
+    return endpoint
