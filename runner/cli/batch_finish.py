@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runner.cli.batch_paths import check_output_file
+
 if TYPE_CHECKING:
     from runner.cli.batch_run import BatchRun
     from runner.engine.llm import LLM
@@ -61,7 +63,13 @@ class PrefixCacheFile:
 
 def write_metrics(metrics: dict[str, Any], path: Path) -> None:
     """The metrics JSON, written beside `path` then swapped in: a full disk leaves no half
-    file for `kvcache report` to choke on, and no temporary file."""
+    file for `kvcache report` to choke on, and no temporary file. Checked again as --metrics
+    was before the run: what was put at `path` since (a device, a FIFO) is never replaced."""
+    try:
+        check_output_file(str(path))
+    except ValueError as err:
+        _say(f"metrics: not written ({err})")
+        return
     partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         partial.write_text(json.dumps(metrics))

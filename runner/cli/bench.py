@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from runner.cli.batch_paths import OutputFile, check_output_file
+
 
 @click.command()
 @click.option(
@@ -101,7 +103,14 @@ import click
     show_default=True,
     help="Processes spinning on the CPU while the systems run (a busy machine).",
 )
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option(
+    "--json",
+    "json_path",
+    type=OutputFile(),
+    default=None,
+    help="Also write every figure as JSON (engine-pd's schedules beside it, in "
+    "FILE.<system>.metrics.json).",
+)
 @click.option(
     "--redis", default=None, help="tiers-*: redis://host:port/db, or auto (a server of its own)."
 )
@@ -175,8 +184,16 @@ def bench(
         tiers_main.main(args, standalone_mode=False)
         return
     if workload == "pd_interference" or "engine-pd" in systems:  # served systems (runner/disagg)
-        from runner.disagg.bench_command import pd_bench
+        from runner.disagg.bench_command import DEFAULT_SYSTEMS, pd_bench
 
+        if json_path:  # the schedules' files beside it, checked as --json is, before the runs
+            names = {s.strip() for s in f"{systems},{DEFAULT_SYSTEMS}".split(",") if s.strip()}
+            for name in sorted(names):
+                beside = str(Path(json_path).with_suffix(f".{name}.metrics.json"))
+                try:
+                    check_output_file(beside)
+                except ValueError as err:
+                    raise click.BadParameter(str(err), param_hint="--json") from err
         pd_bench(workload, systems, model, limit, json_path)
         return
     from runner.bench.external import PeerPaths

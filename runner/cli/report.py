@@ -7,13 +7,15 @@ from pathlib import Path
 
 import click
 
+from runner.cli.batch_paths import OutputFile
+
 
 @click.command()
 @click.argument("metrics_path", metavar="METRICS", type=click.Path(exists=True, dir_okay=False))
 @click.option(
     "--html",
     "html_path",
-    type=click.Path(dir_okay=False),
+    type=OutputFile(),
     default=None,
     help="Also write a self-contained HTML page with the schedule pictures.",
 )
@@ -21,8 +23,6 @@ def report(metrics_path: str, html_path: str | None) -> None:
     """Summarise a run recorded with `kvcache generate --metrics`."""
     from runner.report.summary import format_summary, load_metrics
 
-    if html_path and not Path(html_path).resolve().parent.is_dir():
-        raise click.UsageError(f"--html: folder {Path(html_path).parent} does not exist")
     try:
         metrics = load_metrics(Path(metrics_path))
     except ValueError as err:
