@@ -14,6 +14,19 @@ import click
 from runner.cli.sizes import ByteSize
 from runner.engine.config import CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig
 
+
+def _non_empty_key(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """--cache-key as given, refusing an empty one: `--cache-key "$SECRET"` with SECRET unset
+    would otherwise run unsigned, trusting every stored block, without a word."""
+    if value == "":
+        raise click.BadParameter(
+            "is empty (an unset variable?): stored blocks would go unsigned and unchecked; "
+            "give the key, or leave the option out",
+            param_hint="--cache-key",
+        )
+    return value
+
+
 _OPTIONS = [
     click.option("--block-size", type=int, default=16, show_default=True),
     click.option("--no-prefix-cache", is_flag=True, help="Turn the prefix cache off."),
@@ -129,8 +142,10 @@ _OPTIONS = [
     click.option(
         "--cache-key",
         default=None,
+        callback=_non_empty_key,
         help="Sign every stored block with this key, and serve none that another key (or none) "
-        "signed [default: $KVCACHE_CACHE_KEY]. Without a key, cache files and tiers are trusted.",
+        "signed [default: $KVCACHE_CACHE_KEY]. Without a key, cache files and tiers are trusted; "
+        "an empty key is an error.",
     ),
 ]
 
