@@ -65,8 +65,10 @@ class BatchLine:
     request_hash: str = ""  # of the request as it runs (runner/cli/batch_records.py), for --resume
 
 
-def read_lines(stream: IO[bytes], is_text_file: bool) -> Iterator[tuple[int, str | None, str]]:
-    """Yield (line number, decoded line or None, error) for each non-blank line.
+def read_lines(stream: IO[bytes], is_text_file: bool) -> Iterator[tuple[int, str, str]]:
+    """Yield (line number, decoded line, error) for each non-blank line; the error is empty
+    unless the line is not UTF-8, whose bytes that are not are then decoded as lone
+    surrogates (for unreadable_line to find the line's id; never to run as a prompt).
 
     Decoding is per line, so one line that is not UTF-8 fails alone."""
     for line_no, raw in enumerate(stream, start=1):
@@ -77,7 +79,7 @@ def read_lines(stream: IO[bytes], is_text_file: bool) -> Iterator[tuple[int, str
         except UnicodeDecodeError as err:
             yield (
                 line_no,
-                None,
+                raw.decode("utf-8", "surrogateescape").rstrip("\r\n"),
                 f"line {line_no}: not valid UTF-8 ({err.reason} at byte {err.start})",
             )
             continue
@@ -101,7 +103,7 @@ def parse_line(line_no: int, text: str, defaults: dict[str, Any], is_text_file: 
         return BatchLine(line_no, str(line_no), error=f"line {line_no}: expected a JSON object")
     bad_text = first_bad_text(obj, "") if may_hold_surrogates(text) else None
     if bad_text is not None:  # before any of it reaches an encoder: the id, the prompt, ...
-        return BatchLine(line_no, str(line_no), error=f"line {line_no}: {bad_text}")
+        return _failed(line_no, own_id(obj), f"line {line_no}: {bad_text}")
     request_id = obj.get("id", str(line_no))
     if not isinstance(request_id, str | int) or isinstance(request_id, bool):
         return BatchLine(line_no, str(line_no), error=f"line {line_no}: 'id' must be a string")
@@ -147,6 +149,34 @@ def parse_line(line_no: int, text: str, defaults: dict[str, Any], is_text_file: 
             return line
         line.template_kwargs = obj["chat_template_kwargs"]
     return _with_params(line, {k: obj[k] for k in SAMPLING_FIELDS if k in obj}, defaults)
+
+
+def own_id(obj: Any) -> str | None:
+    """A parsed line's own id, when it has one that can name its record: a string of text (no
+    lone surrogate: a record cannot be written with one) or an integer; else None."""
+    request_id = obj.get("id") if isinstance(obj, dict) else None
+    if isinstance(request_id, bool) or not isinstance(request_id, str | int):
+        return None
+    return None if first_bad_text(str(request_id), "id") else str(request_id)
+
+
+def unreadable_line(line_no: int, text: str, error: str, is_text_file: bool) -> BatchLine:
+    """A line that is not UTF-8 (read_lines' error) as a failed BatchLine; its record keeps the
+    line's own id when the rest of the line is a JSON object with a readable id."""
+    if is_text_file:
+        return _failed(line_no, None, error)
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        obj = None
+    return _failed(line_no, own_id(obj), error)
+
+
+def _failed(line_no: int, request_id: str | None, error: str) -> BatchLine:
+    """A line that fails, named by its own id when it has one, else by its line number."""
+    if request_id is None:
+        return BatchLine(line_no, str(line_no), error=error)
+    return BatchLine(line_no, request_id, id_given=True, error=error)
 
 
 def _with_params(line: BatchLine, given: dict[str, Any], defaults: dict[str, Any]) -> BatchLine:

@@ -11,7 +11,13 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from runner.cli.batch_beams import line_prompt, search_lines
-from runner.cli.batch_file import BatchLine, ResultWriter, parse_line, read_lines
+from runner.cli.batch_file import (
+    BatchLine,
+    ResultWriter,
+    parse_line,
+    read_lines,
+    unreadable_line,
+)
 from runner.cli.batch_records import RecordsNotWritten
 from runner.engine.llm import LLM
 from runner.engine.outputs import RequestOutput
@@ -69,8 +75,8 @@ class BatchRun:
                 return 2
             is_text = input_path.endswith(".txt")
             for line_no, text, error in read_lines(stream, is_text):
-                if text is None:
-                    self._fail(writer, BatchLine(line_no, str(line_no), error=error))
+                if error:
+                    self._fail(writer, unreadable_line(line_no, text, error, is_text))
                     continue
                 line = parse_line(line_no, text, self.defaults, is_text)
                 if line.request_id in writer.done_ids:
