@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from runner.model.architectures import resolve_architecture, text_config
 from runner.model.decoder import CausalLM
 from runner.model.gguf import convert_gguf, default_gguf_path
+from runner.model.hub import looks_like_hub_id, resolve_hub_model
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _DTYPES = {
@@ -78,14 +79,17 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:
-    """The HF folder to read: converts GGUF (cached) and checks that config.json exists."""
+    """The HF folder to read: a local folder or .gguf file (converted once, cached), or a Hub id
+    that is no local path (runner/model/hub.py); checks that config.json exists."""
     if model is None:
         return convert_gguf(default_gguf_path())
     path = Path(model).expanduser()
     if not path.exists():
+        if isinstance(model, str) and looks_like_hub_id(model):
+            return resolve_hub_model(model)  # from the Hugging Face cache, else downloaded
         raise ValueError(
-            f"model path not found: {path} (a local HF folder or .gguf file is expected; "
-            "nothing is downloaded from a model hub)"
+            f"model path not found: {path} (a local HF folder, a .gguf file or a Hugging Face "
+            "Hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct' is expected)"
         )
     if path.is_file():
         if path.suffix.lower() == ".gguf":
