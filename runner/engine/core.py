@@ -286,6 +286,5 @@ class Engine:
                 self._outputs.keep(self._finish(item.seq, "error", error))
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput.of(
-            seq, self.stopper.output_text(seq), self.recorder.request_record(seq)
-        )
+        text, record = self.stopper.output_text(seq), self.recorder.request_record(seq)
+        return RequestOutput.of(seq, text, record, self.tokenizer)

@@ -1,4 +1,5 @@
-"""What a finished request hands back to the user."""
+"""What a finished request hands back to the user, in vLLM's shape (RequestOutput with its
+CompletionOutputs, log-probabilities as {token id: Logprob} per position) with our additions."""
 
 from __future__ import annotations
 
@@ -10,22 +11,92 @@ from runner.engine.sequence import Sequence as Seq
 from runner.sampling.logprobs import TokenLogprobs
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's entry at one position, as vLLM's: its log-probability, its rank in the
+    step's distribution (1 = likeliest) and its text alone (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class PositionLogprobs(dict[int, Logprob]):
+    """One position's log-probabilities in vLLM's shape, {token id: Logprob}: the token at
+    that position and the N likeliest of its step. Ours stay beside it: `logprob`, that token's
+    log-probability, and `top`, the N likeliest as (token id, log-probability), likeliest first
+    (what TokenLogprobs held)."""
+
+    __slots__ = ("logprob", "top")
+
+    def __init__(self, token_id: int, entry: TokenLogprobs, decoded: dict[int, str | None]) -> None:
+        # The token first, then the top-N: a token among the top-N takes its rank there, as
+        # vLLM's dict does.
+        super().__init__()
+        self[token_id] = Logprob(entry.logprob, entry.rank, decoded.get(token_id))
+        for rank, (top_id, value) in enumerate(entry.top, start=1):
+            self[top_id] = Logprob(value, rank, decoded.get(top_id))
+        self.logprob = entry.logprob
+        self.top = entry.top
+
+
+def vllm_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[TokenLogprobs | None] | None,
+    tokenizer: Any = None,
+) -> list[PositionLogprobs | None] | None:
+    """Per position of `token_ids`, its entry as a PositionLogprobs (None where there is
+    none: a prompt's first token); each distinct token decoded alone, in one batched call."""
+    if entries is None:
+        return None
+    ids = {t for t, e in zip(token_ids, entries, strict=True) if e is not None}
+    ids.update(top_id for e in entries if e is not None for top_id, _ in e.top)
+    decoded: dict[int, str | None] = {}
+    if tokenizer is not None and ids:
+        order = sorted(ids)
+        texts = tokenizer.batch_decode([[i] for i in order], skip_special_tokens=False)
+        decoded = dict(zip(order, map(str, texts), strict=True))
+    return [
+        None if e is None else PositionLogprobs(t, e, decoded)
+        for t, e in zip(token_ids, entries, strict=True)
+    ]
+
+
+def stop_reason_of(seq: Seq) -> int | str | None:
+    """vLLM's stop_reason: the stop string or the stop_token_ids entry that ended the sequence;
+    None when EOS, its length or anything else did."""
+    if seq.finish_reason != "stop":
+        return None
+    return seq.stop_reason
+
+
 @dataclass
 class CompletionOutput:
-    """One sample of a request (vLLM's shape): a request with SamplingParams.n = k has k."""
+    """One sample of a request (vLLM's shape): a request with SamplingParams.n = k has k.
+
+    `logprobs` is vLLM's: per output token a PositionLogprobs ({token id: Logprob}, which also
+    has our `.logprob` and `.top`); `token_logprobs` holds the same figures as TokenLogprobs.
+    `stop_reason` is the stop string or stop token id that ended it (None for EOS or length)."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     num_cached_tokens: int = 0  # prompt tokens this sample found in the cache
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[PositionLogprobs] | None = None
     metrics: dict[str, Any] = field(default_factory=dict, repr=False)  # its own timings
+    stop_reason: int | str | None = None
+    token_logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)
 
     @property
     def cumulative_logprob(self) -> float | None:
         """The log-probability of the whole output under the model (None without logprobs)."""
         return None if self.logprobs is None else sum(t.logprob for t in self.logprobs)
+
+    def finished(self) -> bool:
+        """vLLM's (a method there too): whether the sample has ended, i.e. has a finish
+        reason."""
+        return self.finish_reason is not None
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -36,8 +107,8 @@ class CompletionOutput:
             "output_tokens": len(self.token_ids),
             "finish_reason": self.finish_reason,
             **(
-                {"logprobs": logprob_records(self.token_ids, self.logprobs)}
-                if self.logprobs is not None
+                {"logprobs": logprob_records(self.token_ids, self.token_logprobs)}
+                if self.token_logprobs is not None
                 else {}
             ),
         }
@@ -45,11 +116,15 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """One request's result. `token_ids` include the stop token (EOS) when one ended it;
-    `text` is cut before a matched stop string and leaves special tokens out.
+    """One request's result, as vLLM's RequestOutput (request_id, prompt, prompt_token_ids,
+    prompt_logprobs, outputs, finished, num_cached_tokens) plus flat fields. `token_ids`
+    include the stop token (EOS) when one ended it; `text` is cut before a matched stop string
+    and leaves special tokens out.
 
     `outputs` holds every sample (one unless SamplingParams.n asked for more); the flat fields
-    (text, token_ids, finish_reason, logprobs, num_cached_tokens, metrics) are sample 0's."""
+    (text, token_ids, finish_reason, stop_reason, logprobs, num_cached_tokens, metrics) are
+    sample 0's. A RequestOutput is made when its request ends, so `finished` is True unless
+    it was made by hand to say otherwise."""
 
     request_id: str
     prompt: str | None
@@ -60,11 +135,15 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "error" | "abort"
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # why the request failed, when finish_reason is "error"
-    # Per token of token_ids, when SamplingParams.logprobs asked for them.
-    logprobs: list[TokenLogprobs] | None = None
+    # Per token of token_ids, when SamplingParams.logprobs asked for them (vLLM's shape).
+    logprobs: list[PositionLogprobs] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     # Per prompt token (None for the first), when SamplingParams.prompt_logprobs asked.
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    stop_reason: int | str | None = None
+    finished: bool = True
+    token_logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)
+    prompt_token_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.outputs:
@@ -77,23 +156,35 @@ class RequestOutput:
                     self.num_cached_tokens,
                     self.logprobs,
                     self.metrics,
+                    self.stop_reason,
+                    self.token_logprobs,
                 )
             ]
 
     @classmethod
-    def of(cls, seq: Seq, text: str, metrics: dict[str, Any]) -> RequestOutput:
-        """A finished (or aborted, or failed) sequence's output, with its decoded text."""
+    def of(
+        cls, seq: Seq, text: str, metrics: dict[str, Any], tokenizer: Any = None
+    ) -> RequestOutput:
+        """A finished (or aborted, or failed) sequence's output, with its decoded text; the
+        `tokenizer` gives each log-probability's token its text (vLLM's decoded_token)."""
+        raw = list(seq.output_logprobs) if seq.params.logprobs is not None else None
+        prompt_raw = None if seq.prompt_logprobs is None else list(seq.prompt_logprobs)
+        output_ids = list(seq.output_token_ids)
+        logprobs = vllm_logprobs(output_ids, raw, tokenizer)
         return cls(
             request_id=seq.request_id,
             prompt=seq.prompt_text,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
+            token_ids=output_ids,
             text=text,
             num_cached_tokens=seq.num_cached_tokens,
             finish_reason=seq.finish_reason,
             metrics=metrics,
-            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-            prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs),
+            logprobs=None if logprobs is None else [p for p in logprobs if p is not None],
+            prompt_logprobs=vllm_logprobs(seq.prompt_token_ids, prompt_raw, tokenizer),
+            stop_reason=stop_reason_of(seq),
+            token_logprobs=raw,
+            prompt_token_logprobs=prompt_raw,
         )
 
     @property
@@ -106,14 +197,15 @@ class RequestOutput:
         several samples also lists each under "outputs"."""
         sample = self.outputs[0].to_record()  # the flat fields are sample 0's
         del sample["index"]
+        prompt_entries = self.prompt_token_logprobs
         return {
             "id": self.request_id,
             "prompt_tokens": len(self.prompt_token_ids),
             **sample,
             **self.metrics,
             **(
-                {"prompt_logprobs": logprob_records(self.prompt_token_ids, self.prompt_logprobs)}
-                if self.prompt_logprobs is not None
+                {"prompt_logprobs": logprob_records(self.prompt_token_ids, prompt_entries)}
+                if prompt_entries is not None
                 else {}
             ),
             **({"outputs": [o.to_record() for o in self.outputs]} if len(self.outputs) > 1 else {}),

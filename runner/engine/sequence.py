@@ -48,6 +48,7 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_text_cut: int | None = None  # chars of the text kept when a stop string matched
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     arrival_time: float = field(default_factory=time.perf_counter)
     arrival_step: int = 0
     wait_since_step: int = 0

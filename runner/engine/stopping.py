@@ -112,6 +112,8 @@ class StopChecker:
         if len(seq.output_token_ids) < params.min_tokens:  # such tokens were banned anyway
             return None
         if params.stop_token_ids and token in params.stop_token_ids:
+            if params.ignore_eos or token not in self.eos_ids:  # EOS is no stop_reason (vLLM)
+                seq.stop_reason = token
             return "stop"
         if not params.ignore_eos and token in self.eos_ids:
             return "stop"
@@ -145,6 +147,7 @@ class StopChecker:
             return False  # split), or it ends within the first min_tokens tokens
         cut, stop = found
         seq.stop_text_cut = cut + len(stop) if params.include_stop_str_in_output else cut
+        seq.stop_reason = stop
         return True
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -17,10 +17,13 @@ from runner.sampling.params import SamplingParams
 
 class TokenLogprobs(NamedTuple):
     """One generated token's log-probability, and the N likeliest tokens of its step as
-    (token id, log-probability), most likely first (the generated one among them or not)."""
+    (token id, log-probability), most likely first (the generated one among them or not);
+    `rank` is the generated token's place in its step's distribution, as vLLM counts it (the
+    tokens at least as likely, itself included: 1 for the likeliest)."""
 
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 def token_logprobs(
@@ -49,7 +52,9 @@ def logprobs_of(
     likeliest tokens. One log-softmax and one top-k for all rows, and two transfers."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
     chosen_ids = torch.tensor(list(targets), dtype=torch.int64, device=logits.device)[:, None]
-    chosen = logp.gather(1, chosen_ids)[:, 0].tolist()
+    chosen_logp = logp.gather(1, chosen_ids)  # [n, 1]
+    ranks = (logp >= chosen_logp).sum(dim=-1)  # exact in float32 for vocabularies below 2**24
+    chosen, rank = torch.stack([chosen_logp[:, 0], ranks.to(logp.dtype)]).tolist()
     width = max(widths, default=0)
     top_values: list[list[float]] = [[] for _ in targets]
     top_ids: list[list[int]] = [[] for _ in targets]
@@ -57,6 +62,8 @@ def logprobs_of(
         top = torch.topk(logp, width, dim=-1)
         top_values, top_ids = top.values.tolist(), top.indices.tolist()
     return [
-        TokenLogprobs(chosen[k], list(zip(top_ids[k][:n], top_values[k][:n], strict=True)))
+        TokenLogprobs(
+            chosen[k], list(zip(top_ids[k][:n], top_values[k][:n], strict=True)), int(rank[k])
+        )
         for k, n in enumerate(widths)
     ]

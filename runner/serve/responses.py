@@ -98,8 +98,8 @@ def completion_response(
     for output in outputs:
         for sample in output.outputs:
             logprobs = None
-            if sample.logprobs is not None:
-                logprobs = fmt.completion(sample.token_ids, sample.logprobs, 0)
+            if sample.token_logprobs is not None:
+                logprobs = fmt.completion(sample.token_ids, sample.token_logprobs, 0)
             choices.append(
                 {
                     "index": len(choices),
@@ -125,8 +125,8 @@ def chat_response(
     choices: list[dict[str, Any]] = []
     for sample in output.outputs:
         logprobs = None
-        if sample.logprobs is not None:
-            logprobs = fmt.chat(sample.token_ids, sample.logprobs)
+        if sample.token_logprobs is not None:
+            logprobs = fmt.chat(sample.token_ids, sample.token_logprobs)
         choices.append(
             {
                 "index": sample.index,
