@@ -224,6 +224,22 @@ class BlockCache:
         if tail.block_id in self.partials:
             pool.lru_add(tail.block_id, pool.next_tick())
 
+    def drop_unheld(self) -> int:
+        """Evict every cached block no request holds (a prefix-cache reset): leaves and tails,
+        then the parents they leave childless, until only held blocks stay. The listeners hear
+        of the tree nodes removed; ``on_evict`` does not (nothing is under pressure: the tiers
+        below are not written). Returns the blocks freed."""
+        evicted: list[Node] = []
+        freed = self.pool.num_cached
+        while self.pool.num_cached:
+            node = self._evict_one()
+            if node is not None:
+                evicted.append(node)
+        if evicted:
+            for listener in self.listeners:
+                listener.blocks_removed(evicted)
+        return freed
+
     def _evict_one(self) -> Node | None:
         """Evict the least recently used ref-0 leaf or tail: a parent left childless (and
         unheld) becomes an evictable leaf itself, so it may go next, never before. A node's

@@ -279,6 +279,12 @@ class BlockManager:
             token_ids = ()  # its partial block is not kept
         self._cache.release(request_id, request, token_ids, num_computed_tokens)
 
+    def drop_cached(self) -> int:
+        """Forget every cached block no request holds (the tree's and the tails): a reset of
+        the prefix cache. Mutates the pool and the tree; held blocks and requests are left as
+        they are. Returns the blocks freed."""
+        return self._cache.drop_unheld()
+
     # -- checks --------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Assert every invariant (AssertionError names the broken one): see

@@ -36,7 +36,7 @@ class BeamEngine(Protocol):
     @property
     def stopper(self) -> TokenDecoder: ...
 
-    def generate(self, prompts: Any, params: Any = None) -> list[RequestOutput]: ...
+    def generate(self, prompts: Any, sampling_params: Any = None) -> list[RequestOutput]: ...
 
 
 @dataclass
@@ -74,13 +74,26 @@ class BeamSearchParams:
 @dataclass
 class BeamSequence:
     """One answer: its new tokens (an EOS that ended it included), text, log-probability and
-    score (the log-probability over its length ** length_penalty)."""
+    score (the log-probability over its length ** length_penalty). vLLM's names for its
+    BeamSearchSequence are there too: `tokens` (the prompt's and the answer's) and
+    `cum_logprob`."""
 
     token_ids: list[int]
     text: str
     cumulative_logprob: float
     score: float
     finish_reason: str  # "stop" (EOS) | "length"
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens(self) -> list[int]:
+        """vLLM's: the prompt's tokens, then the answer's."""
+        return self.prompt_token_ids + self.token_ids
+
+    @property
+    def cum_logprob(self) -> float:
+        """vLLM's name for cumulative_logprob."""
+        return self.cumulative_logprob
 
 
 @dataclass
@@ -173,6 +186,7 @@ def _result(llm: BeamEngine, search: _Search, eos: Collection[int]) -> BeamSearc
             cumulative_logprob=lp,
             score=score,
             finish_reason="stop" if tokens[-1] in eos else "length",
+            prompt_token_ids=search.prompt,
         )
         for score, tokens, lp in search.finished
     ]

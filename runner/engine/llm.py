@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,18 @@ from runner.engine.frozen_heap import frozen_heap
 from runner.engine.lock import locked
 from runner.engine.outputs import RequestOutput
 from runner.engine.prefix_cache_file import cache_identity, load_prefix_cache, save_prefix_cache
+from runner.engine.prompt_inputs import (
+    Params,
+    PromptInput,
+    chat_template_options,
+    prompt_inputs,
+    sampling_params_arg,
+)
 from runner.engine.requests import (
     Messages,
     Prompt,
     conversation_batch,
     params_per_prompt,
-    prompt_batch,
     prompt_token_ids,
     render_chat,
 )
@@ -28,67 +35,125 @@ from runner.engine.sequence import Sequence, request_id_of
 from runner.engine.streaming import StreamDelta, stream_requests
 from runner.sampling.params import SamplingParams
 
+log = logging.getLogger(__name__)
+# What `generate` takes: one prompt (text, token ids, a vLLM prompt dict) or a list of them.
+PromptArg = Prompt | Mapping[str, Any] | Seq[Prompt | Mapping[str, Any]]
+
 
 class LLM(Engine):
-    """Generation with a prefix cache that persists across calls of one instance."""
+    """Generation with a prefix cache that persists across calls of one instance.
+
+    The calls take vLLM's names and forms beside ours (runner/engine/prompt_inputs.py):
+    `generate(prompts, sampling_params)` or `params=`, prompt dicts, `chat`'s template
+    keywords; `LLM(model=...)` takes a local folder, a .gguf file or a Hugging Face Hub id."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        seed: int = 0,
+        trust_remote_code: bool = False,
+        **options: Any,
+    ) -> None:
+        """`model` and `options` as EngineConfig names them (vLLM's names where vLLM has the
+        option); `trust_remote_code`, vLLM's, is accepted: this engine runs its own model code
+        and never a repository's, so it changes nothing."""
+        if trust_remote_code:
+            log.info("trust_remote_code: no model repository code is run here; it is ignored")
+        super().__init__(model, seed=seed, **options)
 
     def generate(
         self,
-        prompts: Seq[Prompt] | Prompt,
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        prompts: PromptArg,
+        sampling_params: Params = None,
         *,
         use_tqdm: bool = False,
         cache_salt: str | None = None,
+        params: Params = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in input order."""
-        batch = prompt_batch(prompts)
-        return self._generate_all(batch, params, use_tqdm, cache_salt, chat=False)
+        """Generate for each prompt (text, token ids, or vLLM's {"prompt": ...} or
+        {"prompt_token_ids": [...]} dict); outputs come back in input order. `sampling_params`
+        (vLLM's name) or `params`: one for all prompts or one per prompt."""
+        batch = prompt_inputs(prompts)
+        chosen = sampling_params_arg(sampling_params, params)
+        return self._generate_all(batch, chosen, use_tqdm, cache_salt, chat=False)
 
     def chat(
         self,
-        conversations: Seq[Messages] | Messages,
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        messages: Seq[Messages] | Messages,
+        sampling_params: Params = None,
         *,
         use_tqdm: bool = False,
         cache_salt: str | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        params: Params = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template (with `chat_template_kwargs`, such as Qwen3's
-        `enable_thinking`) to each conversation, then generate."""
-        texts = self._chat_texts(conversations, chat_template_kwargs)
-        return self._generate_all(texts, params, use_tqdm, cache_salt, chat=True)
+        """Apply the model's chat template (or `chat_template`) to each conversation, then
+        generate. The keywords mean what vLLM's do: `tools` reach the template as `tools`,
+        `continue_final_message` leaves the last assistant message open to be continued (with
+        add_generation_prompt=False), and `chat_template_kwargs` (such as Qwen3's
+        `enable_thinking`) go to the template over them."""
+        options = chat_template_options(
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+            chat_template_kwargs,
+        )
+        texts = self._chat_texts(messages, options)
+        chosen = sampling_params_arg(sampling_params, params)
+        return self._generate_all(texts, chosen, use_tqdm, cache_salt, chat=True)
 
     def stream(
         self,
-        prompts: Seq[Prompt] | Prompt,
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        prompts: PromptArg,
+        sampling_params: Params = None,
         *,
         cache_salt: str | None = None,
+        params: Params = None,
     ) -> Iterator[StreamDelta]:
         """Like `generate`, but yield each request's new tokens and text after every step
         (runner/engine/streaming.py); a sample's deltas add up to its final text exactly, and a
         request's last delta carries its RequestOutput. The requests are queued when the
         iteration starts (a bad prompt raises there); leaving the loop early aborts the rest."""
-        batch = prompt_batch(prompts)
-        return stream_requests(self, lambda: self._queue_all(batch, params, cache_salt))
+        batch = prompt_inputs(prompts)
+        chosen = sampling_params_arg(sampling_params, params)
+        return stream_requests(self, lambda: self._queue_all(batch, chosen, cache_salt))
 
     def stream_chat(
         self,
-        conversations: Seq[Messages] | Messages,
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        messages: Seq[Messages] | Messages,
+        sampling_params: Params = None,
         *,
         cache_salt: str | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        params: Params = None,
     ) -> Iterator[StreamDelta]:
-        """`stream` over conversations, with the model's chat template applied."""
-        texts = self._chat_texts(conversations, chat_template_kwargs)
-        return stream_requests(self, lambda: self._queue_all(texts, params, cache_salt, True))
+        """`stream` over conversations, with the chat template applied as `chat` applies it."""
+        options = chat_template_options(
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+            chat_template_kwargs,
+        )
+        texts = self._chat_texts(messages, options)
+        chosen = sampling_params_arg(sampling_params, params)
+        return stream_requests(self, lambda: self._queue_all(texts, chosen, cache_salt, True))
 
     def beam_search(
-        self, prompts: Seq[Prompt] | Prompt, params: BeamSearchParams | None = None
+        self, prompts: PromptArg, params: BeamSearchParams | None = None
     ) -> list[BeamSearchOutput]:
-        """The `params.beam_width` best answers to each prompt (text or token ids) by beam
-        search, as transformers' `generate(num_beams=...)` finds them
+        """The `params.beam_width` best answers to each prompt (text, token ids or a prompt
+        dict) by beam search, as transformers' `generate(num_beams=...)` finds them
         (runner/engine/beam_search.py); outputs come back in input order, each with its answers
         best first."""
         params = params if params is not None else BeamSearchParams()
@@ -97,9 +162,10 @@ class LLM(Engine):
         params.validate()  # it may have been changed since it was made
         whole = SamplingParams(max_tokens=params.max_tokens)  # a beam must fit the pool alone
         token_ids = []
-        for i, prompt in enumerate(prompt_batch(prompts)):
+        for i, prompt in enumerate(prompt_inputs(prompts)):
             try:
-                token_ids.append(prompt_token_ids(prompt, self.tokenizer, add_special_tokens=True))
+                ids = prompt_token_ids(prompt.prompt, self.tokenizer, add_special_tokens=True)
+                token_ids.append(ids)
                 self.validator.check(token_ids[-1], whole)
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from err
@@ -112,18 +178,32 @@ class LLM(Engine):
         """One conversation's prompt text, through the model's chat template."""
         return render_chat(self.tokenizer, messages, chat_template_kwargs)
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (a transformers tokenizer; None for a model without one), as
+        vLLM's `LLM.get_tokenizer`."""
+        return self.tokenizer
+
+    @locked
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block of the device pool that no running request holds (full
+        blocks and tails; the tiers below keep theirs), as vLLM's `reset_prefix_cache`: later
+        prompts find nothing cached but what running requests hold. True when the pool then
+        caches nothing at all; False when running requests still hold blocks."""
+        self.block_manager.drop_cached()
+        return self.block_manager.stats.blocks_in_use == 0
+
     def _chat_texts(
         self, conversations: Seq[Messages] | Messages, template_kwargs: dict[str, Any] | None
-    ) -> list[Prompt]:
+    ) -> list[PromptInput]:
         return [
-            self.apply_chat_template(list(c), template_kwargs)
+            PromptInput(self.apply_chat_template(list(c), template_kwargs))
             for c in conversation_batch(conversations)
         ]
 
     def _generate_all(
         self,
-        prompts: list[Prompt],
-        params: SamplingParams | Seq[SamplingParams] | None,
+        prompts: list[PromptInput],
+        params: Params,
         use_tqdm: bool,
         cache_salt: str | None,
         chat: bool,
@@ -170,20 +250,21 @@ class LLM(Engine):
 
     def _queue_all(
         self,
-        prompts: list[Prompt],
-        params: SamplingParams | Seq[SamplingParams] | None,
+        prompts: list[PromptInput],
+        params: Params,
         cache_salt: str | None,
         chat: bool = False,
     ) -> list[list[Sequence]]:
         """Add one request per prompt, in order; returns each one's samples. Everything is
         validated before anything runs, and a bad prompt takes the ones queued before it back
-        out: no orphans."""
+        out: no orphans. A prompt's own cache salt (a prompt dict's) wins over the call's."""
         param_list = params_per_prompt(params, len(prompts))
         queued: list[list[Sequence]] = []
         try:
             for prompt, p in zip(prompts, param_list, strict=True):
+                salt = prompt.cache_salt if prompt.cache_salt is not None else cache_salt
                 seq = self.add_request(
-                    prompt, p, cache_salt=cache_salt, add_special_tokens=not chat
+                    prompt.prompt, p, cache_salt=salt, add_special_tokens=not chat
                 )
                 queued.append(self.samples_of(request_id_of(seq)))
         except BaseException as err:  # Ctrl-C too: nothing queued may be left to run unseen

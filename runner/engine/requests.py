@@ -199,10 +199,10 @@ def render_chat(
     by default, may be turned off)."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so no chat template: pass token ids")
-    if not getattr(tokenizer, "chat_template", None):
+    options = check_template_kwargs(template_kwargs)
+    if not getattr(tokenizer, "chat_template", None) and not options.get("chat_template"):
         raise ValueError("this model has no chat template: pass prompt text instead")
     RequestValidator.check_messages(messages)
-    options = check_template_kwargs(template_kwargs)
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
     except Exception as err:  # jinja's TemplateError: "roles must alternate", ...
