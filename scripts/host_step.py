@@ -31,7 +31,7 @@ from kvcache import LLM, SamplingParams
 from runner.bench.gpu_workload import build_random_model
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=100)
@@ -44,7 +44,7 @@ def main() -> None:
         help="replace the model's forward and LM head by zeros: the host's own time, with the "
         "caches as a GPU step leaves them (a CPU forward evicts every sequence's objects)",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)  # the forward is not what is measured; keep it off the other core
 
     folder = build_random_model("tiny", Path(tempfile.mkdtemp()) / "tiny", torch.float32, "cpu")
@@ -74,7 +74,7 @@ def main() -> None:
     def after(*_: Any) -> None:
         forward_s.append(time.perf_counter() - started.pop())
 
-    model = llm.runner.model.decoder
+    model = llm.runner.model  # the CausalLM: its forward is the step's model work
     if args.skip_forward:
         skip_forward(model)
     model.register_forward_pre_hook(before)
