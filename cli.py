@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -17,6 +19,9 @@ from runner.cli.report import report
 from runner.cli.startup import start_up_without_gc
 from runner.router.command import router
 from runner.serve.command import serve
+
+if TYPE_CHECKING:
+    from runner.cli.output_lock import LockedOutput
 
 
 @click.group()
@@ -157,6 +162,8 @@ def generate(
     frequency_penalty, logprobs, prompt_logprobs, n) and cache_salt."""
     from runner.cli.batch_paths import check_paths
 
+    # First, and held until the command ends: a second run on OUTPUT is refused at once.
+    held = click.get_current_context().with_resource(_locked_output(output_path))
     try:  # before the model loads: a wrong path costs nothing yet
         check_paths(
             input_path,
@@ -207,10 +214,28 @@ def generate(
                 click.echo("interrupted while loading the model; nothing was generated", err=True)
                 sys.exit(130)
         cache = PrefixCacheFile(Path(prefix_cache_path), overwrite) if prefix_cache_path else None
-        output = Path(output_path) if output_path else None
         metrics = Path(metrics_path) if metrics_path else None
-        code = run_batch(run, input_path, output, resume, cache, metrics)
+        code = run_batch(run, input_path, held, resume, cache, metrics)
     sys.exit(code)
+
+
+@contextlib.contextmanager
+def _locked_output(path: str | None) -> Iterator[LockedOutput | None]:
+    """-o OUTPUT opened and locked for the whole run, before the model loads: a second run on
+    the same file is refused at once (runner/cli/output_lock.py)."""
+    if path is None:
+        yield None
+        return
+    from runner.cli.output_lock import LockedOutput, OutputInUse
+
+    try:
+        held = LockedOutput(Path(path))
+    except OutputInUse as err:
+        raise click.ClickException(str(err)) from err
+    except OSError as err:
+        raise click.ClickException(f"cannot open {path} for writing: {err.strerror}") from err
+    with held:
+        yield held
 
 
 def _json_schema(path: str | None) -> Any:

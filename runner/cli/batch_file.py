@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from runner.cli.batch_records import RecordsNotWritten, drop_stale, recover, request_hash
+from runner.cli.output_lock import LockedOutput, OutputInUse
 from runner.engine.requests import check_template_kwargs
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams
@@ -199,17 +200,29 @@ def _with_params(line: BatchLine, given: dict[str, Any], defaults: dict[str, Any
 class ResultWriter:
     """Appends one JSON record per finished request; each record is one write and an fsync,
     so a killed run leaves only whole lines (a torn tail from an older crash is cut on open).
-    A write that fails (a full disk) is cut back off and raised as RecordsNotWritten."""
+    A write that fails (a full disk) is cut back off and raised as RecordsNotWritten.
 
-    def __init__(self, path: Path, resume: bool) -> None:
+    The file is written under its lock (runner/cli/output_lock.py): `held`, taken before the
+    model loaded, or taken here (OutputInUse when another run holds it)."""
+
+    def __init__(self, path: Path, resume: bool, held: LockedOutput | None = None) -> None:
         self.path = path
-        self.done: dict[str, str | None] = recover(path) if resume and path.exists() else {}
+        self._own_lock = held is None  # closed with the writer; else the caller closes it
+        self._held = LockedOutput(path) if held is None else held
+        self._held.taken = True
+        try:
+            self.done: dict[str, str | None] = recover(path) if resume else {}
+            self._held.follow()  # recover may have swapped a new file in: hold that one
+            if not resume:  # emptied in place, through a symlink, not unlinked
+                os.ftruncate(self._held.fd, 0)
+        except BaseException:
+            if self._own_lock:
+                self._held.close()
+            raise
+        self._fd = self._held.fd
         self.done_ids: set[str] = set(self.done)
         self.num_records = len(self.done)
         self._stale: set[str] = set()  # done ids whose input line changed: answered again
-        # O_TRUNC empties the file in place, through a symlink, instead of unlinking it.
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if resume else os.O_TRUNC)
-        self._fd = os.open(path, flags, 0o666)
         self._opened_size = os.fstat(self._fd).st_size  # the records of earlier runs
 
     def is_stale(self, line: BatchLine) -> bool:
@@ -239,7 +252,10 @@ class ResultWriter:
         self.num_records += 1
 
     def close(self) -> None:
-        os.close(self._fd)
         if self._stale:  # their new records are in: the old ones go (a crash first: recover)
             with contextlib.suppress(OSError):  # a full disk: the next --resume drops them
-                drop_stale(self.path, self._opened_size, self._stale)
+                drop_stale(self.path, self._opened_size, self._stale)  # still locked
+            with contextlib.suppress(OSError, OutputInUse):  # our records are all written
+                self._held.follow()  # the rewritten file stays held until the run ends
+        if self._own_lock:
+            self._held.close()

@@ -14,6 +14,7 @@ from runner.cli.batch_paths import check_output_file
 
 if TYPE_CHECKING:
     from runner.cli.batch_run import BatchRun
+    from runner.cli.output_lock import LockedOutput
     from runner.engine.llm import LLM
 
 
@@ -84,7 +85,7 @@ def write_metrics(metrics: dict[str, Any], path: Path) -> None:
 def run_batch(
     run: BatchRun,
     input_path: str,
-    output: Path | None,
+    output: LockedOutput | None,
     resume: bool,
     cache: PrefixCacheFile | None,
     metrics_path: Path | None,

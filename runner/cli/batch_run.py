@@ -19,6 +19,7 @@ from runner.cli.batch_file import (
     unreadable_line,
 )
 from runner.cli.batch_records import RecordsNotWritten
+from runner.cli.output_lock import LockedOutput
 from runner.engine.llm import LLM
 from runner.engine.outputs import RequestOutput
 
@@ -45,20 +46,22 @@ class BatchRun:
         self.num_rerun = 0  # done ids in OUTPUT whose input line changed since: run again
         self._hash_of: dict[str, str] = {}  # each queued request's hash, for its record
 
-    def execute(self, input_path: str, output: Path | None, resume: bool) -> int:
-        """Returns the exit code: 0 when every line ran, 1 when some failed or the output
-        could not be written (a full disk), 130 on Ctrl-C."""
+    def execute(self, input_path: str, held: LockedOutput | None, resume: bool) -> int:
+        """Runs every line of the input into OUTPUT (`held`: opened and locked before the model
+        loaded; None: results are printed). Returns the exit code: 0 when every line ran, 1
+        when some failed or the output could not be written (a full disk), 130 on Ctrl-C."""
         try:
-            return self._execute(input_path, output, resume)
+            return self._execute(input_path, held, resume)
         except RecordsNotWritten as err:  # a full disk: every record written is whole
             print(f"\nerror: {err}", file=sys.stderr)
             return 1
 
-    def _execute(self, input_path: str, output: Path | None, resume: bool) -> int:
+    def _execute(self, input_path: str, held: LockedOutput | None, resume: bool) -> int:
         start = time.perf_counter()
+        output = held.path if held is not None else None
         try:
             writer: ResultWriter | PrintWriter = (
-                ResultWriter(output, resume) if output is not None else PrintWriter()
+                ResultWriter(output, resume, held) if output is not None else PrintWriter()
             )
         except OSError as err:  # --resume rewrote it (a torn tail cut) onto a full disk
             assert output is not None  # printing opens nothing
