@@ -52,14 +52,28 @@ class LLM(Engine):
         model: str | None = None,
         *,
         seed: int = 0,
+        tokenizer: str | None = None,
         trust_remote_code: bool = False,
         **options: Any,
     ) -> None:
         """`model` and `options` as EngineConfig names them (vLLM's names where vLLM has the
-        option); `trust_remote_code`, vLLM's, is accepted: this engine runs its own model code
-        and never a repository's, so it changes nothing."""
+        option). vLLM's `tokenizer` may name the model itself (its own tokenizer is the one
+        used); `trust_remote_code` is accepted and changes nothing: this engine runs its own
+        model code, never a repository's. Unknown names raise TypeError."""
+        if tokenizer is not None and not same_model(tokenizer, model):
+            raise ValueError(
+                f"tokenizer={tokenizer!r}: only the model's own tokenizer is supported; "
+                "leave tokenizer unset or name the model"
+            )
         if trust_remote_code:
             log.info("trust_remote_code: no model repository code is run here; it is ignored")
+        if "gpu_memory_utilization" in options and not str(options.get("device")).startswith(
+            "cuda"
+        ):
+            log.warning(
+                "gpu_memory_utilization sizes the KV pool on a GPU only; on the CPU it is "
+                "ignored (num_kv_blocks or kv_cache_memory_bytes size the pool there)"
+            )
         super().__init__(model, seed=seed, **options)
 
     def generate(
@@ -189,8 +203,11 @@ class LLM(Engine):
         blocks and tails; the tiers below keep theirs), as vLLM's `reset_prefix_cache`: later
         prompts find nothing cached but what running requests hold. True when the pool then
         caches nothing at all; False when running requests still hold blocks."""
-        self.block_manager.drop_cached()
-        return self.block_manager.stats.blocks_in_use == 0
+        self.block_manager.drop_cached()  # KV-event listeners hear each block removed
+        cleared = self.block_manager.stats.blocks_in_use == 0
+        if cleared and self.kv_events is not None:
+            self.kv_events.all_cleared()  # and, as after vLLM's reset, AllBlocksCleared
+        return cleared
 
     def _chat_texts(
         self, conversations: Seq[Messages] | Messages, template_kwargs: dict[str, Any] | None
@@ -348,3 +365,13 @@ class LLM(Engine):
 
     def _cache_identity(self) -> dict[str, str]:
         return cache_identity(self.kv, self.fingerprint, self.config.cpu_weight_dtype)
+
+
+def same_model(tokenizer: str, model: str | None) -> bool:
+    """Whether vLLM's `tokenizer` argument names `model` (the same id, or the same folder)."""
+    if model is None:
+        return False
+    if tokenizer == model:
+        return True
+    tok, mod = Path(tokenizer).expanduser(), Path(model).expanduser()
+    return tok.exists() and mod.exists() and tok.resolve() == mod.resolve()

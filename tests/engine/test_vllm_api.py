@@ -29,7 +29,8 @@ from kvcache import LLM, SamplingParams
 
 prompts = ["Hello, my name is", "The capital of France is"]
 sampling_params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-llm = LLM(model="tiny-org/tiny-llama", dtype="float32", seed=0, max_model_len=256,
+llm = LLM(model="tiny-org/tiny-llama", tokenizer="tiny-org/tiny-llama", dtype="float32",
+          seed=0, max_model_len=256,
           gpu_memory_utilization=0.5, enable_prefix_caching=True, max_num_seqs=8,
           block_size=16, enforce_eager=True, trust_remote_code=False)
 outputs = llm.generate(prompts, sampling_params)
@@ -324,12 +325,30 @@ def test_greedy_tokens_rank_first(llm: LLM) -> None:
 
 
 # ------------------------------------------------------------------------------ the engine
+class TreeMirror:
+    """A block listener (as KV events are) that keeps the set of blocks it was told are in
+    the tree."""
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+
+    def blocks_stored(self, nodes: list[Any]) -> None:
+        self.held.update(node.block_id for node in nodes)
+
+    def blocks_removed(self, nodes: list[Any]) -> None:
+        self.held.difference_update(node.block_id for node in nodes)
+
+
 def test_reset_prefix_cache(tiny_llama_tok_dir: Path) -> None:
     engine = LLM(str(tiny_llama_tok_dir), block_size=4, num_kv_blocks=128)
+    mirror = TreeMirror()
+    engine.block_manager.add_listener(mirror)
     prompt = list(range(10, 40))
     engine.generate([prompt], GREEDY)
     assert engine.generate([prompt], GREEDY)[0].num_cached_tokens > 0
+    assert mirror.held
     assert engine.reset_prefix_cache() is True
+    assert mirror.held == set()  # listeners (KV events) heard every block go
     assert engine.stats()["blocks_cached"] == 0 and engine.stats()["blocks_tails"] == 0
     assert engine.generate([prompt], GREEDY)[0].num_cached_tokens == 0
     # A running request keeps its blocks: the rest is dropped, and False says not all went.
@@ -361,3 +380,17 @@ def test_get_tokenizer_and_beam_search_take_vllms_forms(llm: LLM) -> None:
 def test_unknown_constructor_names_stay_errors(tiny_llama_tok_dir: Path) -> None:
     with pytest.raises(TypeError, match="no_such_option"):
         LLM(str(tiny_llama_tok_dir), no_such_option=1)
+
+
+def test_vllms_constructor_names(
+    tiny_llama_tok_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """tokenizer may name the model (another is refused by name); gpu_memory_utilization on
+    the CPU is accepted with a warning that says it changes nothing there."""
+    with caplog.at_level("WARNING", logger="runner.engine.llm"):
+        engine = LLM(
+            str(tiny_llama_tok_dir), tokenizer=str(tiny_llama_tok_dir), gpu_memory_utilization=0.5
+        )
+    assert "gpu_memory_utilization" in caplog.text and engine.get_tokenizer() is not None
+    with pytest.raises(ValueError, match="tokenizer=.*only the model's own tokenizer"):
+        LLM(str(tiny_llama_tok_dir), tokenizer=str(tmp_path))
