@@ -8,6 +8,10 @@ another one pointed at the same directory, gets hits on what was written before.
 limit is enforced on what is really on disk: each file counts its allocated blocks (never less
 than its size), and the directory is rescanned every ``RESCAN_EVERY`` writes so that files
 other processes added count too.
+
+Faults: a directory that is read-only to this process still serves hits (the touch that makes
+a hit recent is skipped when it fails); a directory deleted under a running process is made
+again by the next write, which starts a fresh index.
 """
 
 from __future__ import annotations
@@ -92,9 +96,16 @@ class DiskTier:
             except FileNotFoundError:
                 pass
 
+    def has_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key has a file, without reading or touching it (a lookup asks before
+        it reads, so that it reads nothing past a chain's first gap). Pure."""
+        root = os.fspath(self.root)
+        return [os.path.isfile(os.path.join(root, self.file_name(key))) for key in keys]
+
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each key's file contents (None where absent or unreadable); a hit is touched, so
-        it counts as recent here and after a restart."""
+        it counts as recent here and after a restart. A hit whose touch fails (a read-only
+        directory) is still a hit: only its recency is not recorded on disk."""
         out: list[bytes | None] = []
         root = os.fspath(self.root)  # plain strings: a lookup asks for every block's key
         for key in keys:
@@ -103,13 +114,16 @@ class DiskTier:
             try:
                 with open(path, "rb", buffering=0) as file:
                     data = file.readall()
-                os.utime(path)
             except OSError:
                 with self._lock:
                     size = self._index.pop(name, None)
                     self._bytes -= size or 0
                 out.append(None)
                 continue
+            try:
+                os.utime(path)
+            except OSError:
+                pass  # read-only to us: still a hit, its recency kept in this process only
             with self._lock:
                 if name in self._index:
                     self._index.move_to_end(name)
@@ -123,7 +137,12 @@ class DiskTier:
         name = self.file_name(key)
         with self._lock:
             self._writes += 1
-            if self._writes % RESCAN_EVERY == 0:
+            if not self.root.is_dir():
+                # Deleted under us (a cleanup, an operator): make it again, with a fresh index
+                # (its files went with it), rather than lose the tier until a restart.
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._rescan()
+            elif self._writes % RESCAN_EVERY == 0:
                 self._rescan()
             old = self._index.pop(name, None)
             self._bytes -= old or 0

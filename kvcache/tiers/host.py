@@ -42,6 +42,11 @@ class HostTier:
         with self._lock:
             return list(self._values)
 
+    def has_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is held, without making it recent. Pure."""
+        with self._lock:
+            return [key in self._values for key in keys]
+
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """The value of each key (None where absent); a hit becomes the most recent."""
         with self._lock:

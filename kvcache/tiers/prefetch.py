@@ -12,7 +12,6 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
-from functools import partial
 
 from kvcache.tiers.block_value import value_blocks
 from kvcache.tiers.host import HostTier
@@ -27,44 +26,39 @@ class Prefetcher:
         self.lower = [t for t in store.tiers if t is not host]
         self.prefetched_blocks = 0  # values copied up into the host tier
         self.dropped = 0  # chains not prefetched: the queue was full
-        self._queue: queue.Queue[list[int] | None] = queue.Queue(maxsize=queue_chains)
+        # (a chain's block hashes, the first one's place from the chain's top)
+        self._queue: queue.Queue[tuple[list[int], int] | None] = queue.Queue(maxsize=queue_chains)
         self._thread = threading.Thread(target=self._loop, name="kv-prefetch", daemon=True)
         self._thread.start()
 
-    def prefetch(self, hashes: Sequence[int]) -> None:
-        """Queue a chain (block hashes in order) to be read up. Never blocks."""
+    def prefetch(self, hashes: Sequence[int], first: int = 0) -> None:
+        """Queue a chain (block hashes in order, the first at place ``first`` from its top) to
+        be read up. Never blocks."""
         if not hashes or not self.lower:
             return
         try:
-            self._queue.put_nowait(list(hashes))
+            self._queue.put_nowait((list(hashes), first))
         except queue.Full:
             self.dropped += 1
 
     def _loop(self) -> None:
         while True:
-            hashes = self._queue.get()
+            chain = self._queue.get()
             try:
-                if hashes is None:
+                if chain is None:
                     return
-                self._fetch(hashes)
+                self._fetch(*chain)
             finally:
                 self._queue.task_done()
 
-    def _fetch(self, hashes: list[int]) -> None:
-        """Read up the chain's values that the host tier lacks. A value is keyed by its last
-        block, and a chunk covers the blocks before it: every value found is copied, and the
-        admission's lookup decides which of them continue the chain."""
-        keys = [self.store.key_of(h) for h in hashes]
-        missing = [key for key in keys if key not in self.host]
-        for tier in self.lower:
-            if not missing:
-                break
-            values = self.store.guarded(tier, partial(tier.get_many, missing))
-            for key, value in zip(missing, values or [], strict=False):
-                if value is not None:
-                    self.host.put(key, value)
-                    self.prefetched_blocks += value_blocks(value)
-            missing = [key for key in missing if key not in self.host]
+    def _fetch(self, hashes: list[int], first: int) -> None:
+        """Read up the values of the chain that the lower tiers hold and the host tier lacks,
+        up to the chain's first gap in every tier (TieredStore.read_chain): a value past it
+        could not be served, and reading it would make it recent in its tier for nothing.
+        The admission's lookup decides which of them continue the chain."""
+        for key, value in self.store.read_chain(hashes, first, self.lower).items():
+            self.host.put(key, value)
+            self.prefetched_blocks += value_blocks(value)
 
     def flush(self) -> None:
         """Wait until every queued chain is read up (tests)."""

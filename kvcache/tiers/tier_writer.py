@@ -24,6 +24,7 @@ class TierDown(ConnectionError):
 class Tier(Protocol):
     name: str
 
+    def has_many(self, keys: Sequence[str]) -> list[bool]: ...
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]: ...
     def put(self, key: str, value: bytes) -> bool: ...
     def discard(self, key: str) -> None: ...
@@ -47,8 +48,9 @@ class _Job(NamedTuple):
 
 # A value to write: its storage key and its encoded bytes.
 Encoder = Callable[[tuple[Pending, ...]], tuple[str, bytes]]
-# One tier call, its failure counted and warned (TieredStore.guarded): the result, or None.
-Guard = Callable[[Tier, Callable[[], Any]], Any]
+# One tier call, its failure counted and warned (TieredStore.guarded; the flag: a write):
+# the result, or None.
+Guard = Callable[[Tier, Callable[[], Any], bool], Any]
 # What a tier's written values add to its counters: (tier name, values, blocks, bytes).
 Written = Callable[[str, int, int, int], None]
 
@@ -97,6 +99,11 @@ class TierWriter:
         self.dropped += dropped
         return dropped
 
+    @property
+    def capacity(self) -> int:
+        """How many blocks the queue holds at most. Pure."""
+        return self._capacity
+
     def space(self) -> int:
         """How many blocks the queue has room for now. Pure."""
         return max(0, self._capacity - self._queued_blocks)
@@ -134,10 +141,10 @@ class TierWriter:
         """Write values to one tier (one pipeline where the tier has ``put_many``)."""
         put_many = getattr(tier, "put_many", None)
         if put_many is not None:
-            done = self._guarded(tier, lambda: put_many(batch) or True)
+            done = self._guarded(tier, lambda: put_many(batch) or True, True)
             written = batch if done else []
         else:
-            written = [kv for kv in batch if self._guarded(tier, partial(tier.put, *kv))]
+            written = [kv for kv in batch if self._guarded(tier, partial(tier.put, *kv), True)]
         blocks = sum(value_blocks(value) for _, value in written)
         self._written(tier.name, len(written), blocks, sum(len(value) for _, value in written))
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
+from kvcache.redaction import redact_text
 from kvcache.tiers.block_value import (
     BlockSpec,
     BlockValue,
@@ -45,6 +46,8 @@ class TierCounters:
 
     hit_blocks: int = 0  # blocks served from this tier
     read_bytes: int = 0  # bytes of the values served
+    fetched_values: int = 0  # values read from the tier (served or not: checks, prefetch)
+    fetched_bytes: int = 0
     written_blocks: int = 0
     written_values: int = 0  # keys written: a chunk is one value of several blocks
     written_bytes: int = 0
@@ -68,9 +71,13 @@ class TieredStore:
         *,
         mac_key: bytes | None = None,
         queue_blocks: int = 256,
+        chunk_blocks: int = 16,
         warn: Callable[[str], None] = log.warning,
     ) -> None:
+        if chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
         self.spec = spec
+        self.chunk_blocks = chunk_blocks  # how the writers cut a chain (see _plan)
         self.tiers = list(tiers)
         self.mac_key = mac_key
         self.counters = {t.name: TierCounters() for t in self.tiers}
@@ -86,37 +93,40 @@ class TieredStore:
         return storage_key(self.spec, block_hash)
 
     # -- lookup --------------------------------------------------------------------------------
-    def lookup(self, hashes: Sequence[int], parent: int, tokens: Sequence[bytes]) -> list[Hit]:
+    def lookup(
+        self, hashes: Sequence[int], parent: int, tokens: Sequence[bytes], first: int = 0
+    ) -> list[Hit]:
         """The longest run of ``hashes`` (block i's tokens ``tokens[i]``, the first one's parent
-        ``parent``) the tiers hold, each value verified, in order, one Hit a block.
+        ``parent``, its place in the chain from the top ``first``) the tiers hold, each value
+        verified, in order, one Hit a block.
 
-        Every block's key is asked for (a value is keyed by its last block, and a chunk may end
-        at any of them); each tier once, for the keys the tiers above did not have. Then, from
-        the first block on, the value that covers it and reaches furthest is decoded and
-        checked block by block against the chain; a value that fails is a miss and the next
-        best one is tried."""
+        Each tier is asked once which keys it holds (of those the tiers above lack), without
+        reading or refreshing anything; then only the values that continue the chain are read
+        (``_plan``): nothing past the chain's first gap. Then, from the first block on, the
+        value read that covers it and reaches furthest is decoded and checked block by block
+        against the chain; a value that fails (or went meanwhile) is a miss, and the run goes
+        on with another value for the same block if a tier holds one (one more read). A value
+        shorter than the plan assumed (the host tier's single blocks) is kept for its own
+        place."""
         n = len(hashes)
         keys = [self.key_of(h) for h in hashes]
-        found: dict[int, tuple[Tier, bytes]] = {}
-        for tier in self.tiers:
-            want = [i for i in range(n) if i not in found]
-            if not want:
-                break
-            values = self.guarded(tier, partial(tier.get_many, [keys[i] for i in want]))
-            for i, value in zip(want, values or [], strict=False):
-                if value is not None:
-                    found[i] = (tier, value)
-        # Where each value starts (read from its header once, not at every block).
-        starts = {k: k - value_blocks(data) + 1 for k, (_, data) in found.items()}
+        holders = self._holders(keys)
+        tried: set[int] = set()  # places whose value was asked for: never asked again
+        known: dict[int, tuple[int, Tier, bytes]] = {}  # read, not used yet: (its first, ...)
         hits: list[Hit] = []
         while len(hits) < n:
             pos = len(hits)
-            covering = [k for k, first in starts.items() if k >= pos and first <= pos]
-            if not covering:
-                break
-            last = max(covering)
-            del starts[last]
-            tier, data = found.pop(last)
+            covering = [k for k, (start, _, _) in known.items() if k >= pos >= start]
+            if not covering:  # read the values that continue the chain from pos
+                plan = self._plan(holders, tried, pos, n, first)
+                if not plan:
+                    break
+                tried.update(plan)
+                for k, (tier, data) in self._read(keys, plan, holders).items():
+                    known[k] = (k - value_blocks(data) + 1, tier, data)
+                continue
+            last = max(covering)  # the value that covers pos and reaches furthest
+            _, tier, data = known.pop(last)
             blocks = self._check(tier, keys[last], data, (hashes, tokens, parent), pos, last)
             if blocks is None:
                 continue
@@ -126,6 +136,70 @@ class TieredStore:
             hits.extend(Hit(tier.name, block) for block in blocks)
             parent = hashes[last]
         return hits
+
+    def read_chain(
+        self, hashes: Sequence[int], first: int, tiers: Sequence[Tier]
+    ) -> dict[str, bytes]:
+        """The values ``tiers`` (some of this store's) hold that continue a chain (``hashes``,
+        the first at place ``first`` from the top) as far as every tier's keys reach, by
+        storage key, unverified: what a prefetch copies up. Nothing past the first gap."""
+        keys = [self.key_of(h) for h in hashes]
+        holders = self._holders(keys)
+        plan = [i for i in self._plan(holders, set(), 0, len(keys), first) if holders[i] in tiers]
+        return {keys[i]: data for i, (_, data) in self._read(keys, plan, holders).items()}
+
+    def _holders(self, keys: Sequence[str]) -> dict[int, Tier]:
+        """Place -> the first tier that holds its key, each tier asked once (for the keys the
+        tiers above lack), nothing read nor made recent."""
+        holders: dict[int, Tier] = {}
+        for tier in self.tiers:
+            want = [i for i in range(len(keys)) if i not in holders]
+            if not want:
+                break
+            present = self.guarded(tier, partial(tier.has_many, [keys[i] for i in want]))
+            for i, has in zip(want, present or [], strict=False):
+                if has:
+                    holders[i] = tier
+        return holders
+
+    def _plan(
+        self, holders: dict[int, Tier], tried: set[int], pos: int, n: int, first: int
+    ) -> list[int]:
+        """The places whose values continue the chain from ``pos``, in order, up to its first
+        gap. Values are laid out as the writer cuts a chain (``chunk_blocks`` aligned on the
+        chain from its top, keyed by their last block; single blocks past a chain's last
+        chunk): the block at ``pos`` is covered by its chunk's value, else by its own. Pure."""
+        C, plan = self.chunk_blocks, []
+        while pos < n:
+            end = ((first + pos) // C + 1) * C - 1 - first  # pos's chunk's last block
+            if end < n and end in holders and end not in tried:
+                plan.append(end)
+                pos = end + 1
+            elif pos in holders and pos not in tried:
+                plan.append(pos)
+                pos += 1
+            else:
+                break
+        return plan
+
+    def _read(
+        self, keys: Sequence[str], plan: Sequence[int], holders: dict[int, Tier]
+    ) -> dict[int, tuple[Tier, bytes]]:
+        """The planned places' values, one ``get_many`` per tier; a value gone meanwhile (an
+        LRU eviction) or a tier that fails is absent."""
+        found: dict[int, tuple[Tier, bytes]] = {}
+        for tier in self.tiers:
+            mine = [i for i in plan if holders[i] is tier]
+            if not mine:
+                continue
+            values = self.guarded(tier, partial(tier.get_many, [keys[i] for i in mine]))
+            counters = self.counters[tier.name]
+            for i, value in zip(mine, values or [], strict=False):
+                if value is not None:
+                    found[i] = (tier, value)
+                    counters.fetched_values += 1
+                    counters.fetched_bytes += len(value)
+        return found
 
     def _check(
         self,
@@ -163,9 +237,12 @@ class TieredStore:
             return None
         return wanted
 
-    def guarded(self, tier: Tier, call: Callable[[], Any]) -> Any:
-        """Run one tier call; a failure is counted, warned once, and returns None."""
+    def guarded(self, tier: Tier, call: Callable[[], Any], writing: bool = False) -> Any:
+        """Run one tier call; a failure is counted, warned once (per tier, and apart for
+        reads and writes: what it costs differs), and returns None."""
         counters = self.counters[tier.name]
+        outcome = "a write failed, the value is not stored" if writing else "read as a miss"
+        topic = f"{tier.name}-write" if writing else tier.name
         try:
             return call()
         except TierDown as err:
@@ -173,16 +250,18 @@ class TieredStore:
                 counters.skipped += 1
             else:
                 counters.errors += 1
-                self._warn_once(tier.name, f"{tier.name} tier unavailable, read as a miss: {err}")
+                self._warn_once(topic, f"{tier.name} tier unavailable, {outcome}: {err}")
         except Exception as err:  # noqa: BLE001 - a tier's fault is a miss, never the request's
             counters.errors += 1
-            self._warn_once(tier.name, f"{tier.name} tier failed, read as a miss: {err!r}")
+            self._warn_once(topic, f"{tier.name} tier failed, {outcome}: {err!r}")
         return None
 
     def _warn_once(self, topic: str, message: str) -> None:
         if topic not in self._warned:
             self._warned.add(topic)
-            self._warn(message)
+            # An error's text (from redis-py, say) may quote a tier's URL and its password.
+            urls = [url for tier in self.tiers if isinstance(url := getattr(tier, "url", ""), str)]
+            self._warn(redact_text(message, urls))
 
     # -- writes --------------------------------------------------------------------------------
     def write(self, targets: Sequence[str], blocks: list[Pending]) -> int:
@@ -199,6 +278,11 @@ class TieredStore:
         """How many blocks the write queue has room for now (copying more K/V off the pool
         would be wasted: they would be dropped). Pure."""
         return self.writer.space()
+
+    @property
+    def capacity(self) -> int:
+        """How many blocks the write queue holds at most (a value larger never goes). Pure."""
+        return self.writer.capacity
 
     def count_dropped(self, blocks: int) -> None:
         """Blocks a caller did not queue because there was no room (counted as dropped)."""

@@ -5,7 +5,9 @@ and how hits come back up.
   write-through tiers (disk, remote), in chunks of ``cache_chunk_tokens`` (``_chunks``); each
   block about to be evicted from the pool, for the host tier (write-back). The copy is made at
   once, while the block still holds its K/V; encoding, checksums, MACs and I/O run on the
-  store's writer thread.
+  store's writer thread. What the write queue has no room for waits in the pool
+  (``WriteBacklog``: a long prompt committed in one step) and is copied at the next commit,
+  eviction or flush, oldest first; only a block evicted before then is dropped.
 * At admission (``load``, before the block manager's allocate) the request's chain of block
   hashes is followed past the device tree's longest match through the tiers; the verified hits
   are copied into fresh blocks and committed into the tree, as if this engine had computed them,
@@ -27,6 +29,7 @@ from kvcache.radix_tree import Node
 from kvcache.store import KVStore
 from kvcache.tiers import BlockSpec, DiskTier, HostTier, Pending, RemoteTier, TieredStore
 from kvcache.tiers.prefetch import Prefetcher
+from kvcache.tiers.write_backlog import WriteBacklog
 from runner.engine.config import EngineConfig
 from runner.engine.kv_transfer import read_blocks, write_blocks
 
@@ -64,7 +67,10 @@ class TierLoader:
             tiers.append(DiskTier(config.disk_cache_dir, config.disk_cache_bytes))
         if config.remote_cache_url:
             tiers.append(RemoteTier(config.remote_cache_url))
-        self.store = TieredStore(spec, tiers, mac_key=cache_mac_key(config))
+        self.chunk_blocks = max(1, config.cache_chunk_tokens // config.block_size)
+        self.store = TieredStore(
+            spec, tiers, mac_key=cache_mac_key(config), chunk_blocks=self.chunk_blocks
+        )
         self.host = host
         # A waiting request's blocks are read up from disk or Redis into the host tier.
         self.prefetcher = (
@@ -74,11 +80,16 @@ class TierLoader:
         self._close = weakref.finalize(self, _close, self.prefetcher, self.store)
         self.bm, self.kv = bm, kv
         self.block_size = config.block_size
-        self.chunk_blocks = max(1, config.cache_chunk_tokens // config.block_size)
         self._loading = False  # blocks committed by a load came from the tiers: not written back
         self.loaded_blocks = 0
         self.load_seconds = 0.0
-        bm.watch(self._committed, self._evicting if self.store.has("host") else None)
+        self._write_through = any(self.store.has(t) for t in WRITE_THROUGH)
+        # Committed blocks the write queue had no room for yet; it hears of evictions.
+        self.backlog = WriteBacklog()
+        if self._write_through:
+            bm.add_listener(self.backlog)
+        watch_evictions = self.store.has("host") or self._write_through
+        bm.watch(self._committed, self._evicting if watch_evictions else None)
 
     # -- down ----------------------------------------------------------------------------------
     @staticmethod
@@ -87,15 +98,21 @@ class TierLoader:
         return Pending(node.key, parent, node.tokens, node.parent is None, kv)
 
     def _committed(self, nodes: list[Node]) -> None:
-        if self._loading or not any(self.store.has(t) for t in WRITE_THROUGH):
+        if self._loading or not self._write_through:
             return
-        chunks = self._chunks(nodes)
-        count = sum(len(chunk) for chunk in chunks)
-        if self.store.space() < count:  # dropped: copying them off the pool would be wasted
-            self.store.count_dropped(count)
+        self.backlog.add(self._chunks(nodes))
+        self._write_backlog()
+
+    def _write_backlog(self) -> None:
+        """Copy off the pool and queue, in one copy, the oldest waiting values the write
+        queue has room for; the rest wait (their blocks stay in the pool)."""
+        store = self.store
+        chunks, dropped = self.backlog.take(store.space(), store.capacity)
+        store.count_dropped(dropped)
+        if not chunks:
             return
         payloads = iter(read_blocks(self.kv, [n.block_id for chunk in chunks for n in chunk]))
-        self.store.write_chunks(
+        store.write_chunks(
             WRITE_THROUGH, [[self._pending(n, next(payloads)) for n in chunk] for chunk in chunks]
         )
 
@@ -123,9 +140,15 @@ class TierLoader:
         return out
 
     def _evicting(self, nodes: list[Node]) -> None:
-        """Write back the blocks one allocation evicts, in one copy off the pool. A block the
-        host tier holds already (loaded from it, or prefetched into it) is not copied again."""
-        assert self.host is not None  # watched only with a host tier
+        """Before an allocation evicts ``nodes`` (their K/V still intact): the waiting
+        write-through values the queue has room for go first (they may be among them), then
+        the host tier's write-back of the evicted blocks, in one copy off the pool. A block
+        the host tier holds already (loaded from it, or prefetched into it) is not copied
+        again."""
+        if len(self.backlog):
+            self._write_backlog()
+        if self.host is None:
+            return
         host, store = self.host, self.store
         fresh = [n for n in nodes if store.key_of(n.key) not in host]
         room = min(len(fresh), store.space())
@@ -154,7 +177,7 @@ class TierLoader:
         """Start reading a queued request's blocks up into the host tier (Scheduler.add)."""
         if self.prefetcher is not None:
             on_device, hashes = self._chain_past_device(token_ids, root)
-            self.prefetcher.prefetch(hashes[on_device:])
+            self.prefetcher.prefetch(hashes[on_device:], on_device)
 
     def load(self, token_ids: Sequence[int], root: int) -> int:
         """Load the tiers' blocks that continue the device tree's longest match of this prompt
@@ -170,7 +193,7 @@ class TierLoader:
         width = len(packed) // max_blocks
         blocks = [packed[i * width : (i + 1) * width] for i in range(on_device, max_blocks)]
         parent = hashes[on_device - 1] if on_device else root
-        hits = self.store.lookup(hashes[on_device:], parent, blocks)
+        hits = self.store.lookup(hashes[on_device:], parent, blocks, on_device)
         lookup_s = time.perf_counter() - started
         return self._install(token_ids, root, on_device, [hit.value.kv for hit in hits], lookup_s)
 
@@ -238,6 +261,7 @@ class TierLoader:
         for counters in out["tiers"].values():
             counters["hit_tokens"] = counters["hit_blocks"] * self.block_size
         out["prefetched_blocks"] = self.prefetcher.prefetched_blocks if self.prefetcher else 0
+        out["waiting_writes"] = self.backlog.blocks  # committed, waiting for the write queue
         out["loaded_blocks"] = self.loaded_blocks
         out["load_ms_per_block"] = (
             1000 * self.load_seconds / self.loaded_blocks if self.loaded_blocks else 0.0
@@ -245,11 +269,16 @@ class TierLoader:
         return out
 
     def flush(self) -> None:
-        """Wait for every queued write and prefetch (tests; a process about to hand its tiers
-        to another)."""
+        """Wait for every queued write and prefetch, the waiting ones included (tests; a
+        process about to hand its tiers to another). On the engine's thread, between steps:
+        it copies waiting blocks off the pool."""
         if self.prefetcher is not None:
             self.prefetcher.flush()
-        self.store.flush()
+        while True:  # each round empties the queue, so the next takes at least one value
+            self._write_backlog()
+            self.store.flush()
+            if not len(self.backlog):
+                return
 
     def close(self) -> None:
         """Finish queued writes and close the tiers."""
