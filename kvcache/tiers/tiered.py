@@ -31,6 +31,7 @@ from kvcache.tiers.block_value import (
     storage_key,
     value_blocks,
 )
+from kvcache.tiers.chain_reads import plan_reads
 from kvcache.tiers.tier_writer import Pending, Tier, TierDown, TierWriter
 
 __all__ = ["Hit", "Pending", "Tier", "TierCounters", "TierDown", "TieredStore"]
@@ -77,7 +78,7 @@ class TieredStore:
         if chunk_blocks < 1:
             raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
         self.spec = spec
-        self.chunk_blocks = chunk_blocks  # how the writers cut a chain (see _plan)
+        self.chunk_blocks = chunk_blocks  # how the writers cut a chain (chain_reads.py)
         self.tiers = list(tiers)
         self.mac_key = mac_key
         self.counters = {t.name: TierCounters() for t in self.tiers}
@@ -102,7 +103,7 @@ class TieredStore:
 
         Each tier is asked once which keys it holds (of those the tiers above lack), without
         reading or refreshing anything; then only the values that continue the chain are read
-        (``_plan``): nothing past the chain's first gap. Then, from the first block on, the
+        (chain_reads.py): nothing past the chain's first gap. Then, from the first block on, the
         value read that covers it and reaches furthest is decoded and checked block by block
         against the chain; a value that fails (or went meanwhile) is a miss, and the run goes
         on with another value for the same block if a tier holds one (one more read). A value
@@ -118,7 +119,7 @@ class TieredStore:
             pos = len(hits)
             covering = [k for k, (start, _, _) in known.items() if k >= pos >= start]
             if not covering:  # read the values that continue the chain from pos
-                plan = self._plan(holders, tried, pos, n, first)
+                plan = plan_reads(holders, tried, pos, n, first, self.chunk_blocks)
                 if not plan:
                     break
                 tried.update(plan)
@@ -145,7 +146,8 @@ class TieredStore:
         storage key, unverified: what a prefetch copies up. Nothing past the first gap."""
         keys = [self.key_of(h) for h in hashes]
         holders = self._holders(keys)
-        plan = [i for i in self._plan(holders, set(), 0, len(keys), first) if holders[i] in tiers]
+        planned = plan_reads(holders, (), 0, len(keys), first, self.chunk_blocks)
+        plan = [i for i in planned if holders[i] in tiers]
         return {keys[i]: data for i, (_, data) in self._read(keys, plan, holders).items()}
 
     def _holders(self, keys: Sequence[str]) -> dict[int, Tier]:
@@ -161,26 +163,6 @@ class TieredStore:
                 if has:
                     holders[i] = tier
         return holders
-
-    def _plan(
-        self, holders: dict[int, Tier], tried: set[int], pos: int, n: int, first: int
-    ) -> list[int]:
-        """The places whose values continue the chain from ``pos``, in order, up to its first
-        gap. Values are laid out as the writer cuts a chain (``chunk_blocks`` aligned on the
-        chain from its top, keyed by their last block; single blocks past a chain's last
-        chunk): the block at ``pos`` is covered by its chunk's value, else by its own. Pure."""
-        C, plan = self.chunk_blocks, []
-        while pos < n:
-            end = ((first + pos) // C + 1) * C - 1 - first  # pos's chunk's last block
-            if end < n and end in holders and end not in tried:
-                plan.append(end)
-                pos = end + 1
-            elif pos in holders and pos not in tried:
-                plan.append(pos)
-                pos += 1
-            else:
-                break
-        return plan
 
     def _read(
         self, keys: Sequence[str], plan: Sequence[int], holders: dict[int, Tier]

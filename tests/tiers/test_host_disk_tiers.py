@@ -51,6 +51,11 @@ class HostMachine(RuleBasedStateMachine):
         self.tier.discard(key)
         self.ref.pop(key, None)
 
+    @rule(keys=st.lists(KEYS, max_size=4))
+    def has(self, keys: list[str]) -> None:
+        """Asking is not a use: the LRU order stays (the invariant checks it)."""
+        assert self.tier.has_many(keys) == [k in self.ref for k in keys]
+
     @invariant()
     def same_as_reference(self) -> None:
         assert self.tier.keys() == list(self.ref)  # LRU order, oldest first
@@ -79,6 +84,16 @@ class DiskMachine(RuleBasedStateMachine):
     def get(self, keys: list[str]) -> None:
         for key, got in zip(keys, self.tier.get_many(keys), strict=True):
             assert got is None or got == self.last.get(key)
+
+    @rule(keys=st.lists(KEYS, max_size=4))
+    def has(self, keys: list[str]) -> None:
+        """A key the tier says it has reads back as its last value, and asking touches
+        nothing: no file's modification time changes."""
+        times = {e.name: e.stat().st_mtime_ns for e in os.scandir(self.root)}
+        held = self.tier.has_many(keys)
+        assert times == {e.name: e.stat().st_mtime_ns for e in os.scandir(self.root)}
+        for key, has, got in zip(keys, held, self.tier.get_many(keys), strict=True):
+            assert has == (got is not None) and (got is None or got == self.last[key])
 
     @rule()
     def restart(self) -> None:

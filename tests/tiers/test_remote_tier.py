@@ -44,6 +44,10 @@ def test_the_remote_tier_is_a_dict(redis_server: RedisServer) -> None:
         def get_many(self, keys: list[str]) -> None:
             assert self.tier.get_many(keys) == [self.ref.get(k) for k in keys]
 
+        @rule(keys=st.lists(KEYS, max_size=6))
+        def has_many(self, keys: list[str]) -> None:
+            assert self.tier.has_many(keys) == [k in self.ref for k in keys]
+
         @invariant()
         def not_backing_off(self) -> None:
             assert not self.tier.backing_off
