@@ -17,6 +17,7 @@ from runner.cli.bench import bench
 from runner.cli.engine_options import engine_options
 from runner.cli.report import report
 from runner.cli.startup import start_up_without_gc
+from runner.cli.stdout import Commands
 from runner.router.command import router
 from runner.serve.command import serve
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from runner.cli.output_lock import LockedOutput
 
 
-@click.group()
+@click.group(cls=Commands)
 def main() -> None:
     """A prefix-caching KV-cache engine for LLM inference."""
 

@@ -20,6 +20,7 @@ from runner.cli.batch_file import (
 )
 from runner.cli.batch_records import RecordsNotWritten
 from runner.cli.output_lock import LockedOutput
+from runner.cli.stdout import StdoutFailed, silence_stdout
 from runner.engine.llm import LLM
 from runner.engine.outputs import RequestOutput
 
@@ -54,6 +55,10 @@ class BatchRun:
             return self._execute(input_path, held, resume)
         except RecordsNotWritten as err:  # a full disk: every record written is whole
             print(f"\nerror: {err}", file=sys.stderr)
+            return 1
+        except StdoutFailed as err:  # printed results that cannot be: stop, saying so once
+            silence_stdout()
+            print(f"\nerror: {err.message}", file=sys.stderr)
             return 1
 
     def _execute(self, input_path: str, held: LockedOutput | None, resume: bool) -> int:
@@ -246,9 +251,12 @@ class PrintWriter:
             ]
         else:
             lines = [f"[{record['id']}] ({record['finish_reason']}) {record['text']!r}"]
-        for line in lines:
-            tqdm.write(line, file=sys.stdout)  # not across the bar
-        sys.stdout.flush()
+        try:
+            for line in lines:
+                tqdm.write(line, file=sys.stdout)  # not across the bar
+            sys.stdout.flush()
+        except OSError as err:  # `> /dev/full`, a full disk under a redirect
+            raise StdoutFailed(err) from err
 
     def close(self) -> None:
         pass

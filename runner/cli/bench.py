@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from runner.cli.batch_paths import OutputFile, check_output_file
+from runner.cli.stdout import echo
 
 
 @click.command()
@@ -236,7 +237,7 @@ def bench(
         peer_paths=PeerPaths(vllm_python, llama_server),
         background=background_load,
     )
-    click.echo(result["table"])
+    echo(result["table"])
     if json_path:
         Path(json_path).write_text(json.dumps(result["rows"], indent=2))
     click.echo(f"bench took {time.perf_counter() - start:.1f} s", err=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from runner.cli.batch_paths import OutputFile
+from runner.cli.stdout import echo
 
 
 @click.command()
@@ -27,7 +28,7 @@ def report(metrics_path: str, html_path: str | None) -> None:
         metrics = load_metrics(Path(metrics_path))
     except ValueError as err:
         raise click.ClickException(str(err)) from err
-    click.echo(format_summary(metrics))
+    echo(format_summary(metrics))
     if html_path:
         from runner.report.html import write_html
 
@@ -35,4 +36,4 @@ def report(metrics_path: str, html_path: str | None) -> None:
             write_html(metrics, Path(html_path))
         except ValueError as err:  # a disaggregated run's second worker, malformed
             raise click.ClickException(str(err)) from err
-        click.echo(f"report page written to {html_path}")
+        echo(f"report page written to {html_path}")
