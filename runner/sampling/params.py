@@ -11,6 +11,13 @@ from runner.sampling.text_checks import check_text
 _GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default cap: each costs a top-k column and a host transfer
 MAX_SAMPLES = 1024  # samples per request: each is a sequence of its own, queued at once
+# Per-request bounds on fields whose cost grows with their size on every step (a stop string
+# is looked for in each new piece of text; each logit_bias entry is a write into the logits):
+# past them one request slowed every other request's stream.
+MAX_LOGIT_BIAS = 2048  # logit_bias entries
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 256  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -98,14 +105,30 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop_strings = (self.stop,) if self.stop else ()
         elif isinstance(self.stop, list | tuple) and all(isinstance(s, str) for s in self.stop):
+            if len(self.stop) > MAX_STOP_STRINGS:
+                raise ValueError(
+                    f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
+                )
             if "" in self.stop:  # it would match at once, everywhere: never what was meant
                 raise ValueError(f"stop must not hold an empty string, got {self.stop!r}")
             self.stop_strings = tuple(self.stop)
         else:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         for i, stop in enumerate(self.stop_strings):
+            if len(stop) > MAX_STOP_CHARS:
+                raise ValueError(
+                    f"stop[{i}] is {len(stop)} characters long; at most {MAX_STOP_CHARS} "
+                    "are allowed"
+                )
             check_text(f"stop[{i}]", stop)
         if self.stop_token_ids is not None:
+            if isinstance(self.stop_token_ids, list | tuple) and (
+                len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+            ):
+                raise ValueError(
+                    f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most "
+                    f"{MAX_STOP_TOKEN_IDS} are allowed"
+                )
             if not isinstance(self.stop_token_ids, list | tuple) or not all(
                 _is_token_id(t) for t in self.stop_token_ids
             ):
@@ -197,12 +220,18 @@ def _is_token_id(value: object) -> bool:
 
 
 def _bias_items(logit_bias: object) -> tuple[tuple[int, float], ...]:
-    """logit_bias as (token id, bias) pairs; ValueError naming a bad key or bias."""
+    """logit_bias as (token id, bias) pairs; ValueError naming a bad key or bias, or more
+    entries than MAX_LOGIT_BIAS. Linear in the entries (a set of the tokens seen)."""
     if logit_bias is None:
         return ()
     if not isinstance(logit_bias, dict):
         raise ValueError(f"logit_bias must be a dict of token id to bias, got {logit_bias!r}")
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise ValueError(
+            f"logit_bias holds {len(logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed"
+        )
     items: list[tuple[int, float]] = []
+    seen: set[int] = set()
     for key, bias in logit_bias.items():
         token = int(key) if isinstance(key, str) and key.isdecimal() else key
         if not _is_token_id(token):
@@ -210,8 +239,9 @@ def _bias_items(logit_bias: object) -> tuple[tuple[int, float], ...]:
         _check_number(f"logit_bias[{key!r}]", bias)
         if not -100.0 <= bias <= 100.0:
             raise ValueError(f"logit_bias[{key!r}] must be in [-100, 100], got {bias}")
-        if token in {seen for seen, _ in items}:
+        if token in seen:  # "7" and 7 are one token
             raise ValueError(f"logit_bias names token {token} twice")
+        seen.add(token)
         items.append((int(token), float(bias)))
     return tuple(items)
 
