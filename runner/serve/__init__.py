@@ -2,11 +2,12 @@
 
 Owns the HTTP side only: the request and response bodies (protocol.py, responses.py), the
 engine loop thread that alone calls the engine (engine_loop.py) and the events it exchanges
-with the handlers (events.py), one call's life from submit to its last chunk (calls.py), the
-FastAPI routes (app.py), the API key check it shares with the router (auth.py), uvicorn with
-its SIGTERM drain (server.py), Prometheus metrics (metrics.py) and the click command
-(command.py).
-May import: engine (the LLM, streaming, outputs), sampling (SamplingParams), cli (the engine's
-options), disagg (only command.py, which starts a worker in its role); nothing in the engine
-imports this package. Importing it imports nothing heavy.
+with the handlers (events.py), one call's life from submit to its last chunk (calls.py), chat
+templates rendered off the engine's thread within bounds (templates.py), the FastAPI routes
+(app.py), the API key check it shares with the routers (auth.py), secrets masked in what it
+shows (masking.py), the bound on a request body's arrival (body_deadline.py), uvicorn with its
+SIGTERM drain (server.py), Prometheus metrics (metrics.py) and the click command (command.py).
+May import: kvcache (its redaction of URLs), engine (the LLM, streaming, outputs), sampling
+(SamplingParams), cli (the engine's options), disagg (only command.py, which starts a worker
+in its role); nothing in the engine imports this package. Importing it imports nothing heavy.
 """

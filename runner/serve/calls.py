@@ -1,8 +1,12 @@
 """One HTTP call's life on the engine: submit its requests to the engine loop, wait until the
 loop has queued them (so a bad prompt is still a 400), then collect the whole answer or stream
-it as OpenAI's chunks. A client that goes away has its requests aborted at once: a stream's
-generator is cancelled by Starlette when the connection drops, and a waiting call watches
-for the disconnect itself."""
+it as OpenAI's chunks. A conversation is rendered through its chat template first, on the
+renderer's threads (bounded: runner/serve/templates.py), never on the engine's.
+
+A client that goes away has its requests aborted at once: a stream's generator is cancelled
+by Starlette when the connection drops, and a call that collects the whole answer has a task
+that waits for the connection's http.disconnect message (which the server sends when the
+socket closes, however busy the engine keeps the call's queue)."""
 
 from __future__ import annotations
 
@@ -24,6 +28,10 @@ from runner.serve.responses import error_body, sse, usage_of
 DISCONNECT_POLL_S = 0.25  # how often a call with nothing new looks whether its client left
 
 
+class ClientGone:
+    """Put on a call's queue when its client disconnected: the call ends there."""
+
+
 class CallError(Exception):
     """A call that ends with an HTTP error: its status and OpenAI error object."""
 
@@ -42,12 +50,21 @@ class Call:
     prompt_param: str  # the field a rejected prompt is reported under
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[Event | ClientGone] = field(default_factory=asyncio.Queue)
     open: set[int] = field(default_factory=set)  # indexes of requests not yet Done
 
     async def start(self) -> None:
         """Submit every request and wait until each is queued; CallError 400 if one is
         refused (the others are then aborted)."""
+        for sub in self.submissions:
+            if sub.messages is not None and sub.prompt is None:
+                try:
+                    sub.prompt = await self.engine.renderer.render_async(
+                        sub.messages, sub.template_kwargs
+                    )
+                except ValueError as err:
+                    param = field_named(str(err), self.prompt_param)
+                    raise CallError(400, str(err), "invalid_request_error", param) from err
         self.engine.submit(self.submissions, self.events.put_nowait)  # run in this loop
         self.open = {s.index for s in self.submissions}
         accepted, early = 0, []
@@ -72,11 +89,23 @@ class Call:
         """The next event; if the client disconnects meanwhile, abort and cancel."""
         while True:
             try:
-                return await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
+                event = await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
             except TimeoutError:
                 if await self.request.is_disconnected():
-                    self.abort()
-                    raise asyncio.CancelledError("client disconnected") from None
+                    event = ClientGone()
+                else:
+                    continue
+            if isinstance(event, ClientGone):
+                self.abort()
+                raise asyncio.CancelledError("client disconnected")
+            return event
+
+    async def _watch_disconnect(self) -> None:
+        """Wait for the client to go away, then end the call (its body is read already, so
+        the next ASGI message is http.disconnect, sent when the socket closes)."""
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
+        self.events.put_nowait(ClientGone())
 
     def abort(self) -> None:
         """Abort the requests still running (a no-op once every one is Done)."""
@@ -88,6 +117,7 @@ class Call:
     async def outputs(self) -> list[RequestOutput]:
         """Every request's output, in index order; CallError 500 if one failed."""
         done: dict[int, RequestOutput] = {}
+        watcher = asyncio.create_task(self._watch_disconnect())
         try:
             while self.open:
                 event = await self.next_event()
@@ -99,6 +129,7 @@ class Call:
                             500, f"request failed: {event.output.error}", "server_error"
                         )
         finally:
+            watcher.cancel()
             self.abort()
         return [done[i] for i in sorted(done)]
 

@@ -21,7 +21,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
     "--api-key",
     default=None,
     envvar="KVCACHE_API_KEY",
-    help="Clients must send 'Authorization: Bearer KEY' to /v1/* (or $KVCACHE_API_KEY).",
+    help="Clients must send 'Authorization: Bearer KEY' to every route but /health "
+    "(or $KVCACHE_API_KEY).",
 )
 @click.option(
     "--served-model-name", default=None, help="The model's name in the API [default: its folder]."
@@ -31,7 +32,20 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
     type=click.IntRange(min=1),
     default=1024,
     show_default=True,
-    help="Past this many requests waiting to start, new ones get 429 with Retry-After.",
+    help="Past this many samples (prompts x n) waiting to start, new requests get 429 with "
+    "Retry-After; one request holding more gets 400.",
+)
+@click.option(
+    "--trust-request-chat-template",
+    is_flag=True,
+    help="Render a client's own chat_template (in chat_template_kwargs); refused otherwise.",
+)
+@click.option(
+    "--body-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds a request's body may take to arrive; a slower one gets 408.",
 )
 @click.option(
     "--drain-timeout",
@@ -62,6 +76,8 @@ def serve(
     api_key: str | None,
     served_model_name: str | None,
     max_queued_requests: int,
+    trust_request_chat_template: bool,
+    body_timeout: float,
     drain_timeout: float,
     role: str,
     handover: str,
@@ -75,8 +91,11 @@ def serve(
     from runner.engine.frozen_heap import freeze_server_heap
     from runner.engine.llm import LLM
     from runner.serve.app import ServeSettings, build_app
+    from runner.serve.masking import Masker
     from runner.serve.server import run_server
 
+    if api_key is not None and not api_key.strip():  # an unset $SECRET: not "no key"
+        raise click.BadParameter("the key is empty", param_hint="--api-key")
     name = served_model_name or (Path(model).stem if model else DEFAULT_MODEL_NAME)
     engine_options["record_metrics"] = False  # a server's memory must not grow per token
     engine_options["prefault_kv_cache"] = True  # its pool's page faults at start, not in steps
@@ -84,9 +103,19 @@ def serve(
         try:
             make = lambda options: LLM(model, **options)  # noqa: E731
             llm, attach = start_role(role, handover, cpus, make, engine_options)
-        except ValueError as err:
-            raise click.ClickException(str(err)) from err
+        except ValueError as err:  # its text may quote a URL it was given
+            urls = [u for u in (engine_options.get("remote_cache_url"), handover) if u]
+            raise click.ClickException(Masker(tuple(urls)).mask(str(err))) from err
         freeze_server_heap()  # inside: its collection is the start-up's one, not a second
-    settings = ServeSettings(name, api_key=api_key, max_queued_requests=max_queued_requests)
-    click.echo(f"kvcache serve ({role}): {name} on http://{host}:{port}/v1", err=True)
+    secret_urls = tuple(u for u in (engine_options.get("remote_cache_url"), handover) if u)
+    settings = ServeSettings(
+        name,
+        api_key=api_key,
+        max_queued_requests=max_queued_requests,
+        trust_request_chat_template=trust_request_chat_template,
+        body_timeout_s=body_timeout,
+        secret_urls=secret_urls,
+    )
+    banner = f"kvcache serve ({role}): {name} on http://{host}:{port}/v1"
+    click.echo(settings.masker().mask(banner), err=True)
     run_server(attach(build_app(llm, settings)), host, port, drain_timeout)

@@ -25,7 +25,9 @@ from runner.engine.outputs import RequestOutput
 from runner.engine.sequence import Sequence
 from runner.engine.streaming import TextStream
 from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Sink, Submission
+from runner.serve.masking import Masker
 from runner.serve.metrics import ServeMetrics
+from runner.serve.templates import ChatRenderer
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # how long an idle loop sleeps before it looks at its stop flag again
@@ -46,11 +48,22 @@ class _Tracked:
 
 
 class EngineLoop:
-    """Owns `llm` from `start` to `stop`: nothing else may call it meanwhile."""
+    """Owns `llm` from `start` to `stop`: nothing else may call it meanwhile. Its chat
+    templates are rendered by `renderer`, on threads of its own (runner/serve/templates.py),
+    before a conversation is submitted; the error texts its requests end with pass through
+    `masker`."""
 
-    def __init__(self, llm: Any, metrics: ServeMetrics) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        metrics: ServeMetrics,
+        renderer: ChatRenderer | None = None,
+        masker: Masker | None = None,
+    ) -> None:
         self._llm = llm
         self._metrics = metrics
+        self.renderer = renderer or ChatRenderer(llm.apply_chat_template)
+        self._masker = masker or Masker()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._live: dict[str, _Tracked] = {}  # the loop thread's own
         self._pending_lock = threading.Lock()
@@ -73,10 +86,12 @@ class EngineLoop:
         self._stop.set()
         self._inbox.put(("wake", None))
         self._thread.join(timeout)
+        self.renderer.close()
 
     def submit(self, submissions: list[Submission], sink: Sink) -> None:
+        """Queue prompts (a conversation's already rendered: Call.start does it)."""
         with self._pending_lock:
-            self._pending += len(submissions)
+            self._pending += sum(_samples(sub) for sub in submissions)
         for sub in submissions:
             self._inbox.put(("add", (sub, sink)))
 
@@ -85,7 +100,8 @@ class EngineLoop:
         self._inbox.put(("abort", list(request_ids)))
 
     def queued(self) -> int:
-        """Requests not yet admitted to the batch: in the inbox, or waiting in the scheduler."""
+        """Samples not yet admitted to the batch (a request of n samples counts n): in the
+        inbox, or waiting in the scheduler (each sample is a sequence there)."""
         return self._pending + self._waiting
 
     def live(self) -> int:
@@ -144,28 +160,40 @@ class EngineLoop:
                     if self._live.pop(request_id, None) is not None:
                         self._llm.abort_request(request_id)
                         self._metrics.requests.labels(finish_reason="abort").inc()
+                self._update_gauges()  # no step may follow: the gauges must not stay behind
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
+    def _update_gauges(self) -> None:
+        """The gauges as the engine is now: its batch, its queue and its pool."""
+        llm = self._llm
+        with llm.lock:
+            self._waiting = len(llm.scheduler.waiting)
+            self._metrics.on_step(
+                len(llm.scheduler.running),
+                self.queued(),
+                llm.block_manager.stats,
+                llm.block_manager.num_blocks,
+            )
+
     def _add(self, sub: Submission, sink: Sink) -> None:
         with self._pending_lock:
-            self._pending -= 1
+            self._pending -= _samples(sub)
         llm = self._llm
         try:
-            prompt = sub.prompt
-            if sub.messages is not None:
-                prompt = llm.apply_chat_template(sub.messages, sub.template_kwargs)
+            if sub.prompt is None:  # never rendered here: a template may run for long
+                raise ValueError("messages: the conversation was submitted unrendered")
             seq = llm.add_request(
-                prompt,
+                sub.prompt,
                 sub.params,
                 request_id=sub.request_id,
                 cache_salt=sub.cache_salt,
-                add_special_tokens=sub.messages is None,
+                add_special_tokens=sub.messages is None,  # a chat template wrote its own
             )
         except ValueError as err:
-            self._deliver(sink, Rejected(sub.index, str(err)))
+            self._deliver(sink, Rejected(sub.index, self._masker.mask(str(err))))
             return
         seqs = llm.samples_of(sub.request_id) or [seq]
         if sub.on_queued is not None:
@@ -187,13 +215,7 @@ class EngineLoop:
         with llm.lock:
             for live in self._live.values():
                 self._deltas(live, now)
-            self._waiting = len(llm.scheduler.waiting)
-            self._metrics.on_step(
-                len(llm.scheduler.running),
-                self.queued(),
-                llm.block_manager.stats,
-                llm.block_manager.num_blocks,
-            )
+            self._update_gauges()
         for output in outputs:
             tracked = self._live.pop(output.request_id, None)
             if tracked is None:
@@ -205,6 +227,8 @@ class EngineLoop:
                 output.num_cached_tokens,
                 generated,
             )
+            if output.error is not None:
+                output.error = self._masker.mask(output.error)
             self._deliver(tracked.sink, Done(tracked.index, output))
 
     def _deltas(self, tracked: _Tracked, now: float) -> None:
@@ -244,8 +268,14 @@ class EngineLoop:
             if output is None:
                 continue
             if error is not None:
-                output.finish_reason, output.error = "error", error
+                output.finish_reason, output.error = "error", self._masker.mask(error)
             self._deliver(tracked.sink, Done(tracked.index, output))
+        self._update_gauges()
+
+
+def _samples(sub: Submission) -> int:
+    """The sequences a submission becomes: its n samples."""
+    return max(sub.params.n, 1)
 
 
 def _run_sinks(batch: list[tuple[Sink, Event]]) -> None:

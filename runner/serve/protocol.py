@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams
@@ -15,7 +15,9 @@ TokenIds = list[int]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Python's json (which reads the body) takes NaN and Infinity: refused as not finite,
+    # never compared with a range (NaN "should be <= 2" named the wrong problem).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(Strict):
@@ -138,6 +140,13 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: object) -> object:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("must hold at least one prompt (an empty list asks for nothing)")
+        return prompt
+
     def prompts(self) -> list[str | TokenIds]:
         """The prompts, one per engine request (a flat list of ints is one prompt)."""
         prompt = self.prompt
@@ -173,6 +182,12 @@ class ChatCompletionRequest(SamplingFields):
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.as_template_message() for m in self.messages]
+
+
+def samples_per_prompt(body: SamplingFields) -> int:
+    """The sequences each prompt of `body` becomes: n (or best_of, where larger)."""
+    best_of = getattr(body, "best_of", None) or 0
+    return max(body.n, best_of)
 
 
 def unsupported(**given: bool) -> None:

@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
         "runner.sampling",
     },
     "runner.report": set(),
-    "runner.serve": {"runner.engine", "runner.sampling", "runner.cli", "runner.disagg"},
+    "runner.serve": {"kvcache", "runner.engine", "runner.sampling", "runner.cli", "runner.disagg"},
     "runner.disagg": {"kvcache", "runner.serve", "runner.engine", "runner.bench"},
     "runner.router": {"kvcache", "runner.engine", "runner.serve"},
     "runner.cli": {
