@@ -25,6 +25,8 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
     "engine-kv16": {"kv_cache_dtype": "float16"},
     # Speculative decoding by n-gram lookup (greedy requests only; the reference's output).
     "engine-spec": {"speculative_tokens": 4},
+    # Batch-invariant steps (docs/DETERMINISM.md): every attention row in one fixed order.
+    "engine-deterministic": {"deterministic": True},
 }
 PEER_SYSTEMS = ("hf-static", "hf-cb", "hf-lookup", *EXTERNAL_SYSTEMS)
 

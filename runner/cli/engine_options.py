@@ -87,6 +87,13 @@ _OPTIONS = [
         "repeat earlier text, the same tokens.",
     ),
     click.option(
+        "--deterministic",
+        is_flag=True,
+        help="CPU: a request's tokens and log-probabilities are bitwise the same whatever else "
+        "runs beside it, however its prompt is chunked or cached; unseeded sampled requests "
+        "take a seed from the engine's and their prompt (docs/DETERMINISM.md).",
+    ),
+    click.option(
         "--cpu-weight-dtype",
         type=click.Choice(CPU_WEIGHT_DTYPES),
         default="float32",

@@ -20,6 +20,9 @@ CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET = 512, 2048
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 # Where the engine runs: the CPU or one CUDA device (torch's spelling).
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+# The packed weights whose products deterministic=True has checked per-row (panel_gemm.c): the
+# bfloat16-dot and int8-dot products round or quantize their inputs in kernels not checked.
+DETERMINISTIC_WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 # What the KV cache may store: the model's dtype ("auto"), or float16 (half the bytes of float32).
 KV_CACHE_DTYPES = ("auto", "float16")
 
@@ -104,6 +107,11 @@ class EngineConfig:
     # vLLM's KV events (runner/kv_events): every block stored in and evicted from the pool,
     # published on ZeroMQ for a router to follow; a dict or vLLM's JSON text is accepted too.
     kv_events_config: KVEventsConfig | None = None
+    # Batch-invariant inference (docs/DETERMINISM.md): a request's tokens and log-probabilities
+    # are bitwise the same whatever else runs beside it, however its prompt is chunked or
+    # cached, and a sampled request without a seed gets one from the engine's seed and its
+    # prompt. CPU only, through the C kernels (every attention row summed in one fixed order).
+    deterministic: bool = False
 
     @property
     def token_budget(self) -> int:
@@ -187,7 +195,34 @@ class EngineConfig:
             )
         if self.has_tiers and not self.enable_prefix_caching:
             raise ValueError("host/disk/remote cache tiers need the prefix cache on")
+        if self.deterministic:
+            self._check_deterministic()
         if not 0 <= self.speculative_tokens <= 16:
             raise ValueError(
                 f"speculative_tokens must be in [0, 16], got {self.speculative_tokens}"
             )
+
+    def _check_deterministic(self) -> None:
+        """deterministic=True where its sums can be fixed: the CPU's C kernels on float32
+        activations and panels whose products are per-row (the loader refuses a machine
+        without the kernels: runner/backends/cpu/attention.py batch_invariant_backend)."""
+        if not str(self.device).startswith("cpu"):
+            raise ValueError(
+                "deterministic=True runs on the CPU only: on CUDA this engine's matrix products "
+                "and attention kernels are not batch-invariant yet (docs/DETERMINISM.md); "
+                "use device='cpu' or leave deterministic off"
+            )
+        fits = {
+            "cpu_kernels": self.cpu_kernels,
+            "prepack_weights": self.prepack_weights,
+            "attention_backend": self.attention_backend in (None, "cpu"),
+            "dtype": self.dtype in (None, "float32"),
+            "cpu_weight_dtype": self.cpu_weight_dtype in DETERMINISTIC_WEIGHT_DTYPES,
+        }
+        for name, fit in fits.items():
+            if not fit:
+                raise ValueError(
+                    f"deterministic=True needs the CPU's C kernels on float32 activations: "
+                    f"{name}={getattr(self, name)!r} cannot be combined with it "
+                    f"(docs/DETERMINISM.md)"
+                )

@@ -87,6 +87,7 @@ class Engine:
             validator=self.validator,
             grammars=self.grammars,
             seed=seed,
+            deterministic=self.config.deterministic,
         )
         self._requests = LiveRequests()  # queued or running requests by id, and sample groups
         self._outputs = OutputRouter()  # finished outputs waiting for the caller they belong to

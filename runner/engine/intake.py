@@ -7,7 +7,10 @@ the sequences whole, or none of them (runner/engine/core.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
+from array import array
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -15,7 +18,7 @@ import torch
 
 from kvcache import block_hashes, namespace_root
 from runner.engine.requests import Prompt, RequestValidator, prompt_token_ids
-from runner.engine.sample_groups import sample_params, sample_request_id
+from runner.engine.sample_groups import SEED_RANGE, sample_params, sample_request_id
 from runner.engine.sequence import Sequence
 from runner.sampling.logit_rules import bad_word_ids
 from runner.sampling.params import SamplingParams
@@ -44,6 +47,7 @@ class RequestIntake:
         validator: RequestValidator,
         grammars: GrammarBook,
         seed: int,
+        deterministic: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.fingerprint = fingerprint
@@ -52,6 +56,9 @@ class RequestIntake:
         self.grammars = grammars
         self.seq_ids = itertools.count()  # also numbers beam searches (runner/engine/llm.py)
         self.rng = torch.Generator().manual_seed(seed)  # seeds requests' streams (CPU)
+        # EngineConfig.deterministic: an unseeded sampled request's seed comes from the engine's
+        # seed and its prompt (request_seed), not from how many requests came before it.
+        self.seed = seed if deterministic else None
         self._roots: dict[str | None, int] = {}
 
     def root(self, cache_salt: str | None) -> int:
@@ -82,6 +89,8 @@ class RequestIntake:
         token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
         token_ids, params = self.validator.fit(token_ids, params)
         self.grammars.check(params.structured_outputs)  # a bad structure fails here, alone
+        if self.seed is not None and params.seed is None and not params.greedy:
+            params = dataclasses.replace(params, seed=request_seed(self.seed, token_ids))
         bad_words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         root = self.root(cache_salt)
         first = block_hashes(token_ids[: self.block_size], self.block_size, root)
@@ -115,6 +124,17 @@ class RequestIntake:
                 )
             )
         return Intake(seqs, rid if n > 1 else None, f"{first[0]:016x}" if first else "")
+
+
+def request_seed(engine_seed: int, token_ids: list[int]) -> int:
+    """The seed of an unseeded sampled request in deterministic mode: a hash of the engine's
+    seed and the prompt's tokens, below SamplingParams' 2**63. The same request then draws the
+    same tokens in any batch, in any order of arrival, in any process started with that seed;
+    its n samples take it plus 0 .. n - 1, as a seeded request's do."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(engine_seed.to_bytes(16, "little", signed=True))
+    digest.update(array("q", token_ids).tobytes())
+    return int.from_bytes(digest.digest(), "little") % SEED_RANGE
 
 
 def _ids_taken(request_id: str, n: int, taken: Callable[[str], bool]) -> list[str]:

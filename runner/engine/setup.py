@@ -12,6 +12,7 @@ from kvcache.store import KVStore
 from kvcache.tiers import BlockSpec
 from runner.attention.backend import AttentionBackend
 from runner.backends.cpu.allocator import keep_step_buffers_in_heap
+from runner.backends.cpu.attention import batch_invariant_backend
 from runner.backends.cpu.quant import round_matrices
 from runner.backends.registry import attention_backend
 from runner.engine.config import EngineConfig
@@ -67,8 +68,12 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     loaded = load_model(config.model, device=str(device), dtype=dtype)
     model, hf = loaded.model, loaded.config
     attention = attention_backend(attention_backend_name(config, device))
+    if config.deterministic:  # EngineConfig checked the rest: the CPU, the kernels, float32
+        attention = batch_invariant_backend()
     if device.type == "cpu" and config.prepack_weights:
-        packing = prepack_for_cpu(model, config.cpu_kernels, config.cpu_weight_dtype)
+        packing = prepack_for_cpu(
+            model, config.cpu_kernels, config.cpu_weight_dtype, config.deterministic
+        )
         if attention.name == "cpu":  # whole steps in C where the model fits layers.c
             attention = attention.with_layers(packing.layers)
     elif config.cpu_weight_dtype in ("bfloat16-dot", "int8-dot"):  # the panel kernel's products

@@ -47,9 +47,12 @@ class CpuLayers:
     """The layers of one packed model, as the pointers layers.c walks. Build with `for_model`;
     ask `takes` each step."""
 
-    def __init__(self, model: CausalLM, kernels: CpuKernels) -> None:
+    def __init__(self, model: CausalLM, kernels: CpuKernels, per_row: bool = False) -> None:
         layers = _layers(model)
         self.kernels = kernels
+        # Batch-invariant steps (EngineConfig.deterministic): every row attends through the
+        # decode kernel alone (runner/backends/cpu/split.py CpuSplit.per_row).
+        self.per_row = per_row
         self.hidden = model.hidden_size
         self.intermediate = layers[0].mlp.intermediate
         self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
@@ -122,8 +125,10 @@ class CpuLayers:
         return float(self._seconds[1])
 
     @classmethod
-    def for_model(cls, model: CausalLM, kernels: CpuKernels | None) -> CpuLayers | None:
-        """The layers in C where the model fits layers.c, else None."""
+    def for_model(
+        cls, model: CausalLM, kernels: CpuKernels | None, per_row: bool = False
+    ) -> CpuLayers | None:
+        """The layers in C where the model fits layers.c, else None; `per_row`: see __init__."""
         if kernels is None or not model.layers:
             return None
         kinds = {type(layer) for layer in model.layers}
@@ -150,7 +155,7 @@ class CpuLayers:
             return None
         if len({_softcap(layer) for layer in layers}) != 1:  # and one soft cap
             return None
-        return cls(model, kernels)
+        return cls(model, kernels, per_row)
 
     def takes(self, kv: KVStore) -> bool:
         """Whether steps can run here: a contiguous store that the decode kernel takes (float32
@@ -179,7 +184,7 @@ class CpuLayers:
         any. Check `takes` first."""
         rows = h.shape[0]
         group = self.num_heads // self.num_kv_heads
-        split = CpuSplit.for_step(meta, True, group, kv.block_size)
+        split = CpuSplit.for_step(meta, True, group, kv.block_size, self.per_row)
         h = h.contiguous().clone()  # updated in place by every layer
         by_type = rope_by_type or {}
         tables = [  # layers.c's table 1, and 2 where the layers rotate with two

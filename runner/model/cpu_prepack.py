@@ -25,7 +25,10 @@ class CpuPacking(NamedTuple):
 
 
 def prepack_for_cpu(
-    model: CausalLM, cpu_kernels: bool = True, weight_dtype: str = "float32"
+    model: CausalLM,
+    cpu_kernels: bool = True,
+    weight_dtype: str = "float32",
+    deterministic: bool = False,
 ) -> CpuPacking:
     """Pack every projection and the LM head once (see runner/backends/cpu/linear.py), for the panel
     kernel where it builds (and then run norms, the activation and, where the model fits, whole
@@ -36,7 +39,8 @@ def prepack_for_cpu(
     its products round their inputs too, "int8-dot" int8 quads whose products quantize their
     inputs to int8 (each raises ValueError where the kernels cannot). Call after
     loading the weights. Returns how many matrices were packed, and the C layer stack that the
-    "cpu" attention backend runs (runner/attention/backend.py), or None."""
+    "cpu" attention backend runs (runner/attention/backend.py), or None; `deterministic`: a
+    stack whose steps are batch-invariant (CpuLayers.per_row, docs/DETERMINISM.md)."""
     kernels = load_cpu_kernels() if cpu_kernels else None
     dot = weight_dtype == "bfloat16-dot"
     if dot and (kernels is None or not kernels.has_pairs):
@@ -61,7 +65,7 @@ def prepack_for_cpu(
         tied = int8.get(model.embed_tokens)
         model.lm_head = PackedLinear(weight, None, cpu_kernels, dtype, tied, dot, int8_dot)
         packed += 1
-    layers = CpuLayers.for_model(model, kernels)
+    layers = CpuLayers.for_model(model, kernels, per_row=deterministic)
     if weight_dtype != "float32" and kernels is None:
         log.warning(
             "cpu_weight_dtype=%s without the C kernels: the rounded weights are kept as float32 "

@@ -1,10 +1,12 @@
 """The CPU attention backend ("cpu"): the C kernels of runner/backends/cpu/csrc on the paged cache,
-and the torch path (runner/attention/paged.py) wherever they cannot run."""
+and the torch path (runner/attention/paged.py) wherever they cannot run; and its batch-invariant
+form (`batch_invariant_attention`, EngineConfig.deterministic), which has no such fallback."""
 
 from __future__ import annotations
 
 import torch
 
+from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
 from runner.attention.paged import torch_paged_attention, write_kv
 from runner.backends.cpu.loader import load_cpu_kernels
@@ -75,3 +77,48 @@ def cpu_paged_attention(
             q, k_cache, v_cache, tables, starts, lens, contexts, out, scale, window, softcap
         )
     return out
+
+
+def batch_invariant_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Every query row through decode_attention.c alone (CpuSplit.per_row), no prefix scored
+    for several rows together: a row's output is bitwise the same whatever else the step holds,
+    whether it is a prompt's, a decode's or a recompute's, and wherever its prompt's chunk or
+    cached prefix ends (docs/DETERMINISM.md). Raises ValueError where the kernel cannot take
+    these shapes: there is no other path whose sums are fixed (batch_invariant_supported)."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.decode_supported(q, k_cache):
+        raise ValueError(
+            f"deterministic attention needs the CPU decode kernel for q {tuple(q.shape)}, "
+            f"cache block {tuple(k_cache.shape[1:])}"
+        )
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    group = q.shape[1] // k_cache.shape[2]
+    split = CpuSplit.for_step(meta, True, group, k_cache.shape[1], per_row=True)
+    assert split.decodes is not None  # per_row: every row is one
+    _, tables, contexts = split.decodes
+    return kernels.decode_attention(
+        q, k_cache, v_cache, tables, contexts, scale, 0, window, softcap
+    )
+
+
+def batch_invariant_backend() -> AttentionBackend:
+    """The "cpu" backend in its batch-invariant form (EngineConfig.deterministic). Raises
+    ValueError where the C kernels do not run here (no AVX-512, no C compiler, a failed build):
+    torch's own products and attention choose their kernels, and so their sums, by the batch."""
+    if load_cpu_kernels() is None:
+        raise ValueError(
+            "deterministic=True needs the CPU's C kernels (an AVX-512 CPU and a C compiler; "
+            "the log says why they did not load): torch's own products and attention sum in an "
+            "order that depends on the batch"
+        )
+    return AttentionBackend("cpu", batch_invariant_attention)
