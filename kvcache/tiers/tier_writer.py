@@ -6,6 +6,7 @@ a slow Redis, and a block not written is only a later miss."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -14,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 from kvcache.tiers.block_value import value_blocks
 
+log = logging.getLogger(__name__)
 _BATCH = 64  # values the writer thread takes from the queue at a time (one pipeline)
 
 
@@ -69,6 +71,7 @@ class TierWriter:
         self.tiers = list(tiers)
         self.names = {tier.name for tier in self.tiers}
         self.dropped = 0  # blocks not written because the queue was full
+        self.failed = 0  # blocks not written because their value could not be encoded
         self._encode, self._guarded, self._written = encode, guarded, written
         # Bounded in blocks (a chunk counts each of its blocks), not in values.
         self._queue: queue.Queue[list[_Job] | None] = queue.Queue()
@@ -131,9 +134,17 @@ class TierWriter:
                 return
 
     def _write_jobs(self, jobs: list[_Job]) -> None:
-        values = [self._encode(job.blocks) for job in jobs]
+        encoded: list[tuple[_Job, tuple[str, bytes]]] = []
+        for job in jobs:
+            try:
+                encoded.append((job, self._encode(job.blocks)))
+            except Exception:  # noqa: BLE001 - the writer thread must outlive any one value
+                # A dead writer would leave every later write queued and every flush waiting.
+                if not self.failed:  # the first one with its traceback; the rest counted
+                    log.exception("kv-tiers: a value could not be encoded; it is not written")
+                self.failed += len(job.blocks)
         for tier in self.tiers:
-            batch = [v for v, job in zip(values, jobs, strict=True) if tier.name in job.targets]
+            batch = [value for job, value in encoded if tier.name in job.targets]
             if batch:
                 self._put_batch(tier, batch)
 

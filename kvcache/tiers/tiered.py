@@ -301,4 +301,5 @@ class TieredStore:
         return {
             "tiers": {name: asdict(c) for name, c in self.counters.items()},
             "dropped_writes": self.dropped_writes,
+            "failed_writes": self.writer.failed,
         }

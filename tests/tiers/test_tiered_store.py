@@ -4,6 +4,7 @@ once and counted, with every value the server still has served once it is back."
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -113,3 +114,24 @@ def test_redis_killed_and_restarted(tmp_path: Path) -> None:
         store.close()
     finally:
         server.stop()
+
+
+def test_a_value_that_cannot_be_encoded_does_not_stop_the_writer(tmp_path: Path) -> None:
+    """The writer thread outlives a value it cannot encode (here: a block of two blocks'
+    tokens): the write is counted as failed, and the writes beside and after it still land."""
+    disk = DiskTier(tmp_path, 10**6)
+    store = TieredStore(SPEC, [disk])
+    links = chain(TOKENS)
+    key, parent, tokens = links[0]
+    good = [Pending(h, p, t, i == 0, bytes(SPEC.block_nbytes)) for i, (h, p, t) in enumerate(links)]
+    store.write(("disk",), [Pending(key, parent, tokens * 2, True, bytes(SPEC.block_nbytes))])
+    store.write(("disk",), good[:3])
+    store.flush()
+    assert len(disk) == 3
+    store.write(("disk",), good[3:])
+    flushed = threading.Thread(target=store.flush, daemon=True)
+    flushed.start()
+    flushed.join(timeout=30)  # a dead writer would never finish this flush
+    assert not flushed.is_alive() and len(disk) == 6
+    assert store.stats()["failed_writes"] == 1
+    store.close()
