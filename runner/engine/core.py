@@ -16,7 +16,7 @@ from runner.engine.live_requests import LiveRequests
 from runner.engine.lock import locked
 from runner.engine.metrics import MetricsRecorder
 from runner.engine.output_routing import OutputRouter
-from runner.engine.outputs import RequestOutput
+from runner.engine.outputs import RequestOutput, TokenTexts
 from runner.engine.requests import Prompt, RequestValidator
 from runner.engine.scheduler import Scheduler, SchedulerOutput
 from runner.engine.sequence import Sequence
@@ -69,6 +69,7 @@ class Engine:
             self.hf_config, self.tokenizer, self.max_model_len, generation_eos_ids(self.model_path)
         )
         self.eos_ids = self.stopper.eos_ids
+        self.token_texts = TokenTexts(self.tokenizer)  # logprobs' decoded tokens, remembered
         self.grammars = GrammarBook(self.tokenizer, int(self.hf_config.vocab_size), self.eos_ids)
         self.validator = RequestValidator(
             vocab_size=int(self.hf_config.vocab_size),
@@ -288,4 +289,4 @@ class Engine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text, record = self.stopper.output_text(seq), self.recorder.request_record(seq)
-        return RequestOutput.of(seq, text, record, self.tokenizer)
+        return RequestOutput.of(seq, text, record, self.token_texts)

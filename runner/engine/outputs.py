@@ -3,7 +3,7 @@ CompletionOutputs, log-probabilities as {token id: Logprob} per position) with o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,9 @@ class PositionLogprobs(dict[int, Logprob]):
 
     __slots__ = ("logprob", "top")
 
-    def __init__(self, token_id: int, entry: TokenLogprobs, decoded: dict[int, str | None]) -> None:
+    def __init__(
+        self, token_id: int, entry: TokenLogprobs, decoded: Mapping[int, str | None]
+    ) -> None:
         # The token first, then the top-N: a token among the top-N takes its rank there, as
         # vLLM's dict does.
         super().__init__()
@@ -40,22 +42,42 @@ class PositionLogprobs(dict[int, Logprob]):
         self.top = entry.top
 
 
+class TokenTexts:
+    """Each token's text decoded alone (vLLM's `decoded_token`), remembered once decoded: an
+    engine's outputs name the same tokens again and again, and the tokenizer's batch decode
+    costs ~16 us a token (2,000 positions of 20 alternatives took 0.45 s decoded afresh). It
+    holds at most one string per vocabulary entry."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._known: dict[int, str] = {}
+
+    def texts(self, token_ids: set[int]) -> dict[int, str]:
+        """The text of each of `token_ids` (an empty map without a tokenizer), decoding only
+        those not seen before, in one call."""
+        if self.tokenizer is None:
+            return {}
+        missing = sorted(token_ids - self._known.keys())
+        if missing:
+            decoded = self.tokenizer.batch_decode([[i] for i in missing], skip_special_tokens=False)
+            self._known.update(zip(missing, map(str, decoded), strict=True))
+        return self._known
+
+
 def vllm_logprobs(
     token_ids: Sequence[int],
     entries: Sequence[TokenLogprobs | None] | None,
-    tokenizer: Any = None,
+    token_texts: TokenTexts | None = None,
 ) -> list[PositionLogprobs | None] | None:
     """Per position of `token_ids`, its entry as a PositionLogprobs (None where there is
-    none: a prompt's first token); each distinct token decoded alone, in one batched call."""
+    none: a prompt's first token), each token's text from `token_texts`."""
     if entries is None:
         return None
-    ids = {t for t, e in zip(token_ids, entries, strict=True) if e is not None}
-    ids.update(top_id for e in entries if e is not None for top_id, _ in e.top)
-    decoded: dict[int, str | None] = {}
-    if tokenizer is not None and ids:
-        order = sorted(ids)
-        texts = tokenizer.batch_decode([[i] for i in order], skip_special_tokens=False)
-        decoded = dict(zip(order, map(str, texts), strict=True))
+    decoded: Mapping[int, str | None] = {}
+    if token_texts is not None:
+        ids = {t for t, e in zip(token_ids, entries, strict=True) if e is not None}
+        ids.update(top_id for e in entries if e is not None for top_id, _ in e.top)
+        decoded = token_texts.texts(ids)
     return [
         None if e is None else PositionLogprobs(t, e, decoded)
         for t, e in zip(token_ids, entries, strict=True)
@@ -163,14 +185,14 @@ class RequestOutput:
 
     @classmethod
     def of(
-        cls, seq: Seq, text: str, metrics: dict[str, Any], tokenizer: Any = None
+        cls, seq: Seq, text: str, metrics: dict[str, Any], token_texts: TokenTexts | None = None
     ) -> RequestOutput:
-        """A finished (or aborted, or failed) sequence's output, with its decoded text; the
-        `tokenizer` gives each log-probability's token its text (vLLM's decoded_token)."""
+        """A finished (or aborted, or failed) sequence's output, with its decoded text;
+        `token_texts` gives each log-probability's token its text (vLLM's decoded_token)."""
         raw = list(seq.output_logprobs) if seq.params.logprobs is not None else None
         prompt_raw = None if seq.prompt_logprobs is None else list(seq.prompt_logprobs)
         output_ids = list(seq.output_token_ids)
-        logprobs = vllm_logprobs(output_ids, raw, tokenizer)
+        logprobs = vllm_logprobs(output_ids, raw, token_texts)
         return cls(
             request_id=seq.request_id,
             prompt=seq.prompt_text,
@@ -181,7 +203,7 @@ class RequestOutput:
             finish_reason=seq.finish_reason,
             metrics=metrics,
             logprobs=None if logprobs is None else [p for p in logprobs if p is not None],
-            prompt_logprobs=vllm_logprobs(seq.prompt_token_ids, prompt_raw, tokenizer),
+            prompt_logprobs=vllm_logprobs(seq.prompt_token_ids, prompt_raw, token_texts),
             stop_reason=stop_reason_of(seq),
             token_logprobs=raw,
             prompt_token_logprobs=prompt_raw,
