@@ -4,7 +4,9 @@ What it owns: the one format of KV stored outside the pool (``block_value``: a b
 chunk of blocks, header, tokens, raw K/V, checksum, optional keyed MAC), the tiers that
 hold such values (``host``: a bounded LRU in RAM; ``disk``: a directory that survives
 restarts; ``remote``: a Redis server shared by every engine), ``tiered``: lookup of a
-chain across them, and ``tier_writer``: the bounded background writer. It imports neither
+chain across them (``chain_reads``: which values it reads, nothing past a gap),
+``tier_writer``: the bounded background writer, and ``write_backlog``: committed blocks
+waiting in the pool for room in its queue. It imports neither
 torch nor ``runner``: the engine copies K/V in and out of the pool (runner/engine/kv_transfer.py)
 and hands this package bytes.
 

@@ -2,13 +2,16 @@
 background writer.
 
 Lookup: given a request's block hashes past what the device pool holds, each tier is asked
-once for the keys the tiers above it did not have (the remote one in one round trip), and the
-longest run of consecutive blocks the values found cover, each block verified
-(``block_value.decode_chunk``, then its expected hash, parent and tokens), is the hit. A
-tier that fails is a miss, warned once per tier and counted; it never fails the request.
+once which of the keys the tiers above it lack it holds (nothing read nor made recent; the
+remote one in one round trip), then only the values that continue the chain up to its first
+gap are read (chain_reads.py), and the longest run of consecutive blocks they cover, each
+block verified (``block_value.decode_chunk``, then its expected hash, parent and tokens), is
+the hit. A tier that fails is a miss, warned once per tier and counted (its URL's password
+never shown); it never fails the request.
 
 Writes: committed blocks through to disk and remote, evicted ones back to the host tier, on
-the bounded background writer (tier_writer.py), which drops a write rather than wait for it.
+the bounded background writer (tier_writer.py), which drops a write rather than wait for it
+(the engine keeps what does not fit yet waiting in its pool: write_backlog.py).
 """
 
 from __future__ import annotations
