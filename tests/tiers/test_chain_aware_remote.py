@@ -12,7 +12,8 @@ from pathlib import Path
 import redis
 from tier_values import ROOT, chain
 
-from kvcache.tiers import BlockSpec, Pending, RemoteTier, TieredStore
+from kvcache.tiers import BlockSpec, HostTier, Pending, RemoteTier, TieredStore
+from kvcache.tiers.prefetch import Prefetcher
 from tests.redis_server import RedisServer
 
 C = 4  # blocks a chunk
@@ -100,3 +101,18 @@ def test_an_lru_redis_evicting_mid_chain_sends_only_what_is_served(tmp_path: Pat
 def _sent(client: redis.Redis) -> int:
     """Bytes the server has sent to all its clients so far."""
     return int(client.info("stats")["total_net_output_bytes"])
+
+
+def test_a_prefetch_reads_nothing_past_a_gap(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    host = HostTier(10**8)
+    store = TieredStore(SPEC, [host, RemoteTier(redis_server.url)], chunk_blocks=C)
+    keys = write_chain(store, 0)
+    client.delete(keys[1])
+    prefetcher = Prefetcher(store, host)
+    prefetcher.prefetch([h for h, _, _ in chain(tokens_of(0))])
+    prefetcher.flush()
+    assert host.keys() == [keys[0]] and prefetcher.prefetched_blocks == C
+    assert store.counters["remote"].fetched_values == 1
+    prefetcher.close()
+    store.close()
