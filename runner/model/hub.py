@@ -46,11 +46,11 @@ def hub_offline() -> bool:
 def resolve_hub_model(repo_id: str, revision: str | None = None) -> Path:
     """The snapshot folder of Hub model `repo_id`: the cached one, else downloaded where the
     network is allowed. Raises ValueError naming the id, the cache looked in and what to do."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     cache = hub_cache_dir()
-    where = cache or "huggingface_hub's default cache"
+    where = cache or constants.HF_HUB_CACHE
     try:
         folder = Path(
             snapshot_download(
