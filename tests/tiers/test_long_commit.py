@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
 from kvcache import LLM, SamplingParams
 from kvcache.hashing import pack_tokens
 from kvcache.radix_tree import Node
@@ -60,3 +64,58 @@ def test_the_backlog_goes_oldest_first_and_drops_only_what_was_evicted() -> None
     assert backlog.take(8, capacity=2) == ([(d, e)], 3)  # larger than the queue: never fits
     backlog.blocks_removed([a])  # no longer waiting: nothing to forget
     assert len(backlog) == 0
+
+
+class BacklogMachine(RuleBasedStateMachine):
+    """The backlog against a list: values come out in the order they went in, never one with
+    an evicted node, each value once (taken or dropped), never more blocks than the room."""
+
+    CAPACITY = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chain = nodes(12)
+        self.backlog = WriteBacklog()
+        self.ref: list[tuple[Node, ...]] = []  # waiting values, oldest first
+        self.evicted: set[Node] = set()
+        self.count = 0  # values added
+
+    @rule(first=st.integers(0, 11), size=st.integers(1, 5))
+    def add(self, first: int, size: int) -> None:
+        value = tuple(self.chain[first : first + size])
+        if any(node in self.evicted for node in value):
+            return  # the engine commits only nodes in the tree
+        self.backlog.add([value])
+        self.ref.append(value)
+
+    @rule(index=st.integers(0, 11))
+    def evict(self, index: int) -> None:
+        self.evicted.add(self.chain[index])
+        self.backlog.blocks_removed([self.chain[index]])
+
+    @rule(room=st.integers(0, 6))
+    def take(self, room: int) -> None:
+        taken, dropped = self.backlog.take(room, self.CAPACITY)
+        expected, expected_dropped = [], 0
+        while self.ref:
+            value = self.ref[0]
+            stale = any(node in self.evicted for node in value)
+            if not stale and len(value) <= self.CAPACITY and len(value) > room:
+                break
+            self.ref.pop(0)
+            if stale or len(value) > self.CAPACITY:
+                expected_dropped += len(value)
+            else:
+                expected.append(value)
+                room -= len(value)
+        assert (taken, dropped) == (expected, expected_dropped)
+        assert not any(node in self.evicted for value in taken for node in value)
+
+    @invariant()
+    def counts_agree(self) -> None:
+        assert len(self.backlog) == len(self.ref)
+        assert self.backlog.blocks == sum(len(value) for value in self.ref)
+
+
+TestBacklog = BacklogMachine.TestCase
+TestBacklog.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
