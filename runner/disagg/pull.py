@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvcache.hashing import unpack_tokens
+from kvcache.redaction import redact_text
 from kvcache.tiers import HostTier, TierDown, storage_key
 from runner.disagg.blocks import check_values, prompt_chain
 from runner.disagg.redis_transport import RedisHandover
@@ -118,7 +119,7 @@ class Puller:
             out |= self._fetch(transport, endpoint, handover_id, chain, start, keys)
         except (HandoverUnreachable, TierDown, OSError) as err:
             self.counters.failed_pulls += 1
-            out["reason"] = f"{type(err).__name__}: {err}"
+            out["reason"] = self._shown(err)
         out["ms"] = 1000 * (time.perf_counter() - started)
         c = self.counters
         c.pulls += 1
@@ -147,24 +148,30 @@ class Puller:
             # Blocks arrive one a round trip and go into the pool LOAD_BLOCKS a hold: each hold
             # waits for the running step, so one a hold made a handover's tail a step a block.
             pending_at, pending_kvs, pending = at, [], []
-            for values in chunks if hashes else []:
-                checked = check_values(self.llm, chain, at, values)
-                passed = [value for value in values[: checked.passed] if value is not None]
-                nbytes += sum(len(value) for value in passed)
-                pending_kvs += checked.kvs
-                pending += passed
-                at += checked.passed
-                del values, passed
-                if len(pending) >= LOAD_BLOCKS or checked.reason is not None:
-                    self._install(chain, keys, pending_at, pending_kvs, pending)
-                    pending_at, pending_kvs, pending = at, [], []  # buffers free for the next
-                if checked.reason is not None:
-                    reason = checked.reason
-                    if "missing" in reason:
-                        self.counters.missing_blocks += len(keys) - at
-                    else:
-                        self.counters.rejected_blocks += 1
-                    break
+            try:
+                for values in chunks if hashes else []:
+                    checked = check_values(self.llm, chain, at, values)
+                    passed = [value for value in values[: checked.passed] if value is not None]
+                    nbytes += sum(len(value) for value in passed)
+                    pending_kvs += checked.kvs
+                    pending += passed
+                    at += checked.passed
+                    del values, passed
+                    if len(pending) >= LOAD_BLOCKS or checked.reason is not None:
+                        self._install(chain, keys, pending_at, pending_kvs, pending)
+                        pending_at, pending_kvs, pending = at, [], []  # buffers free for the next
+                    if checked.reason is not None:
+                        reason = checked.reason
+                        if "missing" in reason:
+                            self.counters.missing_blocks += len(keys) - at
+                        else:
+                            self.counters.rejected_blocks += 1
+                        break
+            except (HandoverUnreachable, TierDown, OSError) as err:
+                # The other side stopped answering (a stall, a death): the blocks that came
+                # before are kept, the rest computed here.
+                self.counters.failed_pulls += 1
+                reason = self._shown(err)
             if pending:
                 self._install(chain, keys, pending_at, pending_kvs, pending)
         finally:
@@ -176,6 +183,11 @@ class Puller:
                 finally:
                     client.close()
         return {"blocks": at - start, "bytes": nbytes, "reason": reason}
+
+    def _shown(self, err: Exception) -> str:
+        """A failure as the pull's answer says it: the Redis password masked."""
+        secrets = [self.redis.endpoint] if self.redis is not None else []
+        return redact_text(f"{type(err).__name__}: {err}", secrets)
 
     def _install(
         self,

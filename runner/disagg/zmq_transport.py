@@ -13,6 +13,7 @@ whose request then computes its prompt itself."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -22,20 +23,36 @@ import zmq
 
 from runner.disagg.held import HeldHandovers
 
+log = logging.getLogger(__name__)
+
 POLL_MS = 200  # how often the serving thread looks at its stop flag
 DEFAULT_TIMEOUT_S = 5.0
 OPEN_POLL_S = 0.05  # how often a pull asks again for blocks its prefill has not committed yet
 DEFAULT_OPEN_WAIT_S = 600.0  # the longest a pull waits on one open handover
+# The bounds of a request. A get names at most a chunk of blocks (the pull's default is one);
+# 4,096 hashes are a 64k-token prompt's chain at 16 tokens a block, ~90 KB of JSON, well under
+# the frame bound. A peer whose frame passes MAX_REQUEST_BYTES is disconnected by ZeroMQ
+# (ZMQ_MAXMSGSIZE) before anything is read.
+MAX_REQUEST_HASHES = 4096
+MAX_REQUEST_BYTES = 1 << 20
+
+
+class BadRequest(ValueError):
+    """A request the server cannot take; its text is the answer's error."""
 
 
 class ZmqHandoverServer:
-    """The prefill side: one thread answering gets and releases from ``held``."""
+    """The prefill side: one thread answering gets and releases from ``held``. Any bytes a peer
+    sends are answered (an error naming the problem where an envelope can be read) or dropped
+    with their sender (past the size bound); none ends the thread, whose state ``alive`` says
+    (the worker's /health reports a thread gone all the same)."""
 
     def __init__(self, held: HeldHandovers, host: str = "127.0.0.1", port: int = 0) -> None:
         self.held = held
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         if port:
             self._socket.bind(f"tcp://{host}:{port}")
         else:
@@ -43,45 +60,100 @@ class ZmqHandoverServer:
         self.endpoint = f"tcp://{host}:{port}"
         self.served_blocks = 0
         self.served_bytes = 0
+        self.bad_requests = 0  # requests answered with an error
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-handover", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the serving thread runs (False once closed, or if it ended any other way)."""
+        return self._thread.is_alive()
+
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(POLL_MS):
-                continue
-            ident, _, raw = self._socket.recv_multipart()
-            # Not copied (the values are immutable bytes their frames keep alive): a one-block
-            # pull 90 ms against 111-141 ms copied (scripts/handover_transports.py).
-            self._socket.send_multipart([ident, b"", *self._answer(raw)], copy=False)
-        self._socket.close()
-        self._context.term()
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(POLL_MS):
+                    continue
+                frames = self._socket.recv_multipart(copy=False)
+                # Not copied (the values are immutable bytes their frames keep alive): a
+                # one-block pull 90 ms against 111-141 ms copied (scripts/handover_transports.py).
+                self._socket.send_multipart(self._reply(frames), copy=False)
+        except Exception:  # the socket itself failed: say so; /health reports the thread gone
+            log.exception("the handover server at %s stopped", self.endpoint)
+        finally:
+            self._socket.close()
+            self._context.term()
+
+    def _reply(self, frames: list[zmq.Frame]) -> list[bytes | zmq.Frame]:
+        """The answer to one message off the ROUTER socket: its envelope (the sender's identity,
+        any routing frames, the empty delimiter, as a REQ socket sends them) and the answer's
+        frames. A message with no delimiter is answered after one, so a DEALER hears why."""
+        ident, rest = frames[0], frames[1:]
+        delimiter = next((i for i, frame in enumerate(rest) if not len(frame)), None)
+        envelope = [ident, *rest[: delimiter + 1]] if delimiter is not None else [ident, b""]
+        try:
+            if delimiter is None:
+                raise BadRequest("no empty delimiter: a request is an empty frame, one JSON frame")
+            body = rest[delimiter + 1 :]
+            if len(body) != 1:
+                raise BadRequest(f"a request is one frame after the delimiter, got {len(body)}")
+            return [*envelope, *self._answer(body[0].bytes)]
+        except BadRequest as err:
+            self.bad_requests += 1
+            return [*envelope, _error(str(err))]
+        except Exception as err:  # a fault of ours: this request fails, the thread goes on
+            log.exception("a handover request failed")
+            return [*envelope, _error(f"internal error: {err!r}")]
 
     def _answer(self, raw: bytes) -> list[bytes]:
-        try:
-            request = json.loads(raw)
-            op, handover_id = request["op"], str(request["id"])
-            if op == "release":
-                self.held.release(handover_id)
-                return [b'{"ok": true}']
-            if op == "get":
-                hashes = [int(h) for h in request["hashes"]]
-                values, still_open = self.held.get_open(handover_id, hashes)
-                found = [v for v in values if v is not None]
-                self.served_blocks += len(found)
-                self.served_bytes += sum(len(v) for v in found)
-                head = json.dumps({"ok": True, "open": still_open}).encode()
-                return [head, *(v if v is not None else b"" for v in values)]
-            raise ValueError(f"unknown op {op!r}")
-        except (ValueError, KeyError, TypeError) as err:  # a bad request is answered, not fatal
-            return [json.dumps({"ok": False, "error": str(err)}).encode()]
+        op, handover_id, hashes = parse_request(raw)
+        if op == "release":
+            self.held.release(handover_id)
+            return [b'{"ok": true}']
+        values, still_open = self.held.get_open(handover_id, hashes)
+        found = [v for v in values if v is not None]
+        self.served_blocks += len(found)
+        self.served_bytes += sum(len(v) for v in found)
+        head = json.dumps({"ok": True, "open": still_open}).encode()
+        return [head, *(v if v is not None else b"" for v in values)]
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+def parse_request(raw: bytes) -> tuple[str, str, list[int]]:
+    """(op, handover id, hashes: empty for a release) of a request frame. Raises BadRequest
+    naming the field and its bound."""
+    try:
+        request = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # RecursionError: nesting past the parser's
+        raise BadRequest(f"the request is not JSON: {str(err)[:200]}") from None
+    if not isinstance(request, dict):
+        raise BadRequest(f"the request must be a JSON object, got {type(request).__name__}")
+    op, handover_id = request.get("op"), request.get("id")
+    if op not in ("get", "release"):
+        raise BadRequest(f"op: get or release, got {str(op)[:50]!r}" if op else "op: missing")
+    if isinstance(handover_id, bool) or not isinstance(handover_id, (str, int)):
+        raise BadRequest(f"id: a string, got {type(handover_id).__name__}")
+    if op == "release":
+        return op, str(handover_id), []
+    hashes = request.get("hashes")
+    if not isinstance(hashes, list):
+        raise BadRequest(f"hashes: a list of block hashes, got {type(hashes).__name__}")
+    if len(hashes) > MAX_REQUEST_HASHES:
+        message = f"hashes: at most {MAX_REQUEST_HASHES} a request, got {len(hashes)}"
+        raise BadRequest(message)
+    if not all(type(h) is int for h in hashes):  # not bool, float (1e400 is inf) or str
+        raise BadRequest("hashes: each an integer")
+    return op, str(handover_id), hashes
+
+
+def _error(message: str) -> bytes:
+    return json.dumps({"ok": False, "error": message}).encode()
 
 
 class HandoverUnreachable(ConnectionError):
@@ -89,18 +161,27 @@ class HandoverUnreachable(ConnectionError):
 
 
 class ZmqHandoverClient:
-    """The decode side: one REQ socket to a prefill worker's endpoint for one pull."""
+    """The decode side: one REQ socket at a time to a prefill worker's endpoint for one pull.
+    A REQ socket that sent a request and got no answer takes no other request (it waits for
+    that answer forever), so after a timeout it is closed and a fresh one connected (ZeroMQ's
+    "lazy pirate" pattern): the release that follows a stalled get reaches the worker if it
+    resumes, and a late answer to the get goes to the closed socket, never to the release."""
 
     def __init__(self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if not endpoint.startswith("tcp://"):
             raise ValueError(f"a ZeroMQ handover endpoint is tcp://host:port, got {endpoint!r}")
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._socket = self._context.socket(zmq.REQ)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-        self._socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-        self._socket.connect(endpoint)
+        self._timeout_ms = int(timeout_s * 1000)
         self.endpoint = endpoint
+        self._socket = self._connect()
+
+    def _connect(self) -> zmq.Socket[bytes]:
+        socket = self._context.socket(zmq.REQ)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVTIMEO, self._timeout_ms)
+        socket.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
+        socket.connect(self.endpoint)
+        return socket
 
     def _call(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[memoryview]]:
         """The answer's head and its frames, as views of ZeroMQ's own buffers (no copy). The
@@ -110,11 +191,19 @@ class ZmqHandoverClient:
         try:
             self._socket.send(json.dumps(request).encode())
             head, *frames = self._socket.recv_multipart(copy=False)
-        except zmq.Again as err:
-            raise HandoverUnreachable(f"{self.endpoint} did not answer in time") from err
-        answer = json.loads(head.bytes)
-        if not answer.get("ok"):
-            raise HandoverUnreachable(f"{self.endpoint}: {answer.get('error')}")
+        except zmq.ZMQError as err:  # zmq.Again: no answer in time
+            self._socket.close()  # stuck waiting for that answer: a fresh socket for the next
+            self._socket = self._connect()
+            if isinstance(err, zmq.Again):
+                raise HandoverUnreachable(f"{self.endpoint} did not answer in time") from err
+            raise HandoverUnreachable(f"{self.endpoint}: {err}") from err
+        try:
+            answer = json.loads(head.bytes)
+        except ValueError as err:
+            raise HandoverUnreachable(f"{self.endpoint}: an answer that is not JSON") from err
+        if not isinstance(answer, dict) or not answer.get("ok"):
+            error = answer.get("error") if isinstance(answer, dict) else answer
+            raise HandoverUnreachable(f"{self.endpoint}: {str(error)[:200]}")
         return answer, [frame.buffer for frame in frames]
 
     def fetch(
