@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvcache.redaction import redact_url
 from kvcache.tiers import TierDown
 from runner.disagg.blocks import cached_values, prompt_chain
 from runner.disagg.commit_tap import CommitTap
@@ -144,7 +145,16 @@ class Publisher:
 
     @property
     def redis_url(self) -> str | None:
-        return self.redis.endpoint if self.redis is not None else None
+        """The Redis handover's URL as shown (params, stats): its password masked. The decode
+        worker reads Redis at its own --handover URL, never at this one."""
+        return redact_url(self.redis.endpoint) if self.redis is not None else None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the transport's thread (the ZeroMQ server, the Redis writer) still runs."""
+        if self.server is not None:
+            return self.server.alive
+        return self.stream is None or self.stream.alive
 
     def release(self, handover_id: str) -> bool:
         """Free a handover not pulled (its request failed or was aborted elsewhere)."""

@@ -35,6 +35,11 @@ class RedisStream:
         self._thread = threading.Thread(target=self._write_loop, name="kv-redis", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the writing thread runs (False once closed)."""
+        return self._thread.is_alive()
+
     def open(self, handover_id: str) -> None:
         """Start a handover (its marker says open). Raises TierDown: the caller hands it over
         when the prefill ends instead."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvcache.redaction import redact_url
 from runner.disagg.held import DEFAULT_TTL_S, HeldHandovers
 from runner.disagg.publish import Publisher
 from runner.disagg.pull import DEFAULT_CHUNK_BLOCKS, Puller
@@ -32,8 +33,8 @@ class RoleOptions:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if not self.handover.startswith(("zmq", "redis://", "rediss://")):
-            message = f"handover must be zmq, zmq://HOST:PORT or redis://..., got {self.handover!r}"
-            raise ValueError(message)
+            shown = redact_url(self.handover)  # a mistyped URL may still carry its password
+            raise ValueError(f"handover must be zmq, zmq://HOST:PORT or redis://..., got {shown!r}")
         if self.chunk_blocks < 1:
             raise ValueError(f"handover chunk must be >= 1 block, got {self.chunk_blocks}")
 
@@ -48,7 +49,7 @@ class RoleOptions:
             return "127.0.0.1", 0
         host, sep, port = rest.rpartition(":")
         if not sep or not port.isdigit():
-            raise ValueError(f"handover must be zmq://HOST:PORT, got {self.handover!r}")
+            raise ValueError(f"handover must be zmq://HOST:PORT, got {redact_url(self.handover)!r}")
         return host, int(port)
 
 

@@ -13,6 +13,10 @@
   engine's recorded steps and requests (an engine made with record_metrics, as the bench's
   workers are) with the wall-clock time its step times count from, so two workers' schedules
   can be drawn on one timeline (`kvcache report`).
+
+With --api-key every one of them takes the server's key (they are guarded here too, so they
+stay guarded on any app the role is attached to); /health stays open, and says 503 when the
+handover's thread is gone. A URL they show has its password masked (kvcache.redaction).
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from kvcache.redaction import redact_url
 from runner.disagg.roles import RoleParts
 from runner.engine.sequence import Sequence
 from runner.serve.app import _admit  # the server's own checks: draining, model, 400, 429
+from runner.serve.auth import key_matches, unauthorized
 from runner.serve.calls import Call, CallError
 from runner.serve.engine_loop import Submission
 from runner.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from runner.serve.responses import error_body
 
 # Fields of the client's body a prefill does not take: it answers once, with one sample.
 _PREFILL_DROPPED = (
@@ -43,7 +48,12 @@ _PREFILL_DROPPED = (
     "top_logprobs",
     "best_of",
 )
-_GUARDED = ("/kvcache/prefill/", "/kvcache/pull", "/kvcache/release")
+# Every route of a role's but /health: with --api-key they take the server's key. The info
+# route names the handover's URL (its password masked) and what the handovers did; metrics
+# say what the worker ran.
+_GUARDED = (
+    "/kvcache/prefill/", "/kvcache/pull", "/kvcache/release", "/kvcache/disagg", "/kvcache/metrics",
+)  # fmt: skip
 
 
 def prefill_body(kind: str, raw: dict[str, Any]) -> SamplingFields:
@@ -69,18 +79,21 @@ def prefill_body(kind: str, raw: dict[str, Any]) -> SamplingFields:
 
 def attach_role(app: FastAPI, parts: RoleParts) -> None:
     """Add the role's routes to a `kvcache serve` app. With --api-key they take the same key
-    as /v1/* (the server's middleware guards only /v1/)."""
+    as /v1/*."""
     state = app.state.serve
     publisher, puller = parts.publisher, parts.puller
 
     @app.middleware("http")
-    async def api_key(request: Request, call_next: Any) -> Any:
-        key = state.settings.api_key
-        if key is not None and request.url.path.startswith(_GUARDED):
-            if request.headers.get("authorization") != f"Bearer {key}":
-                message = "invalid or missing API key"
-                body = error_body(message, "invalid_request_error", None, "invalid_api_key")
-                return JSONResponse(body, 401)
+    async def guard(request: Request, call_next: Any) -> Any:
+        """The API key on the role's routes; /health says 503 when the handover's thread is
+        gone (a router then sends the worker nothing: its handovers would all be computed)."""
+        key, path = state.settings.api_key, request.url.path
+        if key is not None and path.startswith(_GUARDED):
+            # key_matches: Bearer in any case, compared in constant time (hmac.compare_digest)
+            if not key_matches(request.headers.get("authorization"), key):
+                return unauthorized()
+        if path == "/health" and publisher is not None and not publisher.alive:
+            return JSONResponse({"status": "handover server down"}, 503)
         return await call_next(request)
 
     async def prefill(kind: str, raw: dict[str, Any], request: Request) -> Response:
@@ -179,7 +192,8 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
 
     @app.get("/kvcache/disagg")
     async def disagg() -> dict[str, Any]:
-        out: dict[str, Any] = {"role": parts.options.role, "handover": parts.options.handover}
+        handover = redact_url(parts.options.handover)  # never the Redis password
+        out: dict[str, Any] = {"role": parts.options.role, "handover": handover}
         if publisher is not None:
             out["published"] = publisher.stats()
         if puller is not None:
