@@ -21,6 +21,11 @@ _ENGINE_NAMES = {
     "RequestOutput": "runner.engine.outputs",
     "StructuredOutputsParams": "runner.sampling.structured_outputs",
     "BeamSearchParams": "runner.engine.beam_search",
+    # vLLM's names for its prompt dicts and output parts.
+    "TextPrompt": "runner.engine.prompt_inputs",
+    "TokensPrompt": "runner.engine.prompt_inputs",
+    "CompletionOutput": "runner.engine.outputs",
+    "Logprob": "runner.engine.outputs",
 }
 
 __all__ = [
@@ -32,6 +37,10 @@ __all__ = [
     "CachedBlock",
     "SlotCopy",
     "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "TextPrompt",
+    "TokensPrompt",
     "SamplingParams",
     "StructuredOutputsParams",
     "block_hashes",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Required, TypedDict
 
 from runner.engine.requests import Prompt, check_template_kwargs, prompt_batch
 from runner.sampling.params import SamplingParams
@@ -19,6 +19,22 @@ from runner.sampling.params import SamplingParams
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 Params = SamplingParams | Seq[SamplingParams] | None
+
+
+class TextPrompt(TypedDict, total=False):
+    """vLLM's TextPrompt: a prompt's text, and optionally the cache salt it runs under."""
+
+    prompt: Required[str]
+    cache_salt: str
+
+
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's TokensPrompt: a prompt's token ids (which run), optionally its text and cache
+    salt."""
+
+    prompt_token_ids: Required[list[int]]
+    prompt: str
+    cache_salt: str
 
 
 class PromptInput(NamedTuple):

@@ -23,9 +23,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["Hello, my name is", "The capital of France is"]
 
 # A vLLM example script as a vLLM user writes it; only the import line differs
-# (`from vllm import LLM, SamplingParams`).
+# (`from vllm import LLM, SamplingParams, TextPrompt, TokensPrompt`).
 VLLM_SCRIPT = """
-from kvcache import LLM, SamplingParams
+from kvcache import LLM, SamplingParams, TextPrompt, TokensPrompt
 
 prompts = ["Hello, my name is", "The capital of France is"]
 sampling_params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -43,8 +43,8 @@ for output in outputs:
 
 tokenizer = llm.get_tokenizer()
 ids = tokenizer.encode(prompts[0])
-by_ids = llm.generate({"prompt_token_ids": ids}, sampling_params=sampling_params)
-mixed = llm.generate([{"prompt": prompts[0]}, prompts[1]], sampling_params)
+by_ids = llm.generate(TokensPrompt(prompt_token_ids=ids), sampling_params=sampling_params)
+mixed = llm.generate([TextPrompt(prompt=prompts[0]), prompts[1]], sampling_params)
 
 conversation = [
     {"role": "system", "content": "You are a helpful assistant"},
