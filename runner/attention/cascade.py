@@ -9,6 +9,10 @@ their log-sum-exps.
 
 Both calls go to torch's CPU flash-attention kernel, the one behind
 F.scaled_dot_product_attention on the CPU, through the aten op that also returns the log-sum-exp.
+
+Which sequences share which blocks is one concept for every backend: count_shared_blocks and
+find_prefix_groups (several groups a step) are what the Triton decode path
+(runner/backends/triton/shared_prefix.py) plans from as well.
 """
 
 from __future__ import annotations
@@ -40,9 +44,14 @@ def cascade_supported(device: torch.device) -> bool:
     )
 
 
-def count_shared_blocks(tables: torch.Tensor, first_query_pos: list[int], block_size: int) -> int:
+def count_shared_blocks(
+    tables: torch.Tensor,
+    first_query_pos: list[int],
+    block_size: int,
+    min_tokens: int = MIN_SHARED_TOKENS,
+) -> int:
     """How many leading blocks every row of `tables` [S, nb] has in common and that lie wholly
-    before every sequence's first query; 0 when that is under MIN_SHARED_TOKENS tokens."""
+    before every sequence's first query; 0 when that is under `min_tokens` tokens."""
     num_seqs, num_blocks = tables.shape
     if num_seqs < 2 or num_blocks < 2:
         return 0
@@ -50,7 +59,45 @@ def count_shared_blocks(tables: torch.Tensor, first_query_pos: list[int], block_
     shared = int(same.cumprod(0).sum())
     # Each query's own key stays in the suffix, so neither part of a softmax row is empty.
     shared = min(shared, min(first_query_pos) // block_size)
-    return shared if shared * block_size >= MIN_SHARED_TOKENS else 0
+    return shared if shared * block_size >= min_tokens else 0
+
+
+class PrefixGroup(NamedTuple):
+    """Sequences of a step that start with the same `blocks` (pool ids), all of them wholly
+    before each member's first query: the shared prefix one pass can read for all of them."""
+
+    members: list[int]  # rows of the step's batch, ascending
+    blocks: list[int]
+
+
+def find_prefix_groups(
+    tables: torch.Tensor,
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    min_tokens: int = MIN_SHARED_TOKENS,
+) -> list[PrefixGroup]:
+    """The step's prefix groups, from its block tables [S, max_blocks] (on the host): the
+    sequences with a query (query_len > 0) are bucketed by their first block id (the radix tree
+    gives a prompt that shares a prefix the same physical blocks), and each bucket of two or more
+    shares the leading blocks its members all have in common (count_shared_blocks), when that is
+    at least `min_tokens` tokens. A bucket whose common run is too short forms no group; the
+    backends read those members' contexts whole, as any other sequence's."""
+    buckets: dict[int, list[int]] = {}
+    for s, (q_len, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
+        if q_len and ctx - q_len >= block_size:  # a whole block before its first query
+            buckets.setdefault(int(tables[s, 0]), []).append(s)
+    groups: list[PrefixGroup] = []
+    for members in buckets.values():
+        if len(members) < 2:
+            continue
+        nb = -(-min(context_lens[s] for s in members) // block_size)
+        rows = tables[torch.tensor(members), :nb]
+        first = [context_lens[s] - query_lens[s] for s in members]
+        shared = count_shared_blocks(rows, first, block_size, min_tokens)
+        if shared:
+            groups.append(PrefixGroup(members, rows[0, :shared].tolist()))
+    return groups
 
 
 def shared_prefix(

@@ -28,6 +28,8 @@ class AttentionMetadata:
     # The torch path's plans for sliding windows, by window: its layers may mix several.
     _window_plans: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
     _cpu_split: Any = field(default=None, init=False, repr=False, compare=False)
+    # The Triton decode's shared-prefix plan of this step, with what it was built for.
+    _shared_prefix: Any = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

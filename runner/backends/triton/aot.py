@@ -90,6 +90,7 @@ def recorded_launches() -> Iterator[list[Launch]]:
     """Within the block, the runner's kernels record their launches instead of running."""
     import runner.backends.triton.attention as store_mod
     import runner.backends.triton.decode as decode_mod
+    import runner.backends.triton.decode_prefix as prefix_mod
     import runner.backends.triton.decode_reduce as reduce_mod
     import runner.backends.triton.prefill as prefill_mod
     import runner.backends.triton.rms_norm as norm_mod
@@ -99,6 +100,7 @@ def recorded_launches() -> Iterator[list[Launch]]:
         (prefill_mod, "_prefill_kernel"),
         (decode_mod, "_decode_partition_kernel"),
         (reduce_mod, "_decode_reduce_kernel"),
+        (prefix_mod, "_prefix_partition_kernel"),
         (norm_mod, "_rms_norm_kernel"),
     ]
     sink: list[Launch] = []
@@ -120,14 +122,17 @@ def step_launches(
     softcap: float | None = None,
 ) -> list[Launch]:
     """The launches of the runner's attention steps for one model shape and cache dtype: K/V
-    store, prefill over a cached prefix, decode in one partition and split into several. With a
+    store, prefill over a cached prefix, decode in one partition and split into several, and a
+    decode that reads a shared prefix once (its prefix pass, its query tile the widest). With a
     sliding `window` and / or a logit `softcap` the attention launches are those variants (a
     window shorter than DEFAULT_PARTITION_SIZE leaves the long decode in one partition). In 16
     bits, the RMSNorms too: over whole rows, over the query heads, and scaling in float32."""
+    from runner.attention.cascade import PrefixGroup
     from runner.backends.triton.attention import store_kv
     from runner.backends.triton.decode import DEFAULT_PARTITION_SIZE, decode_attention
     from runner.backends.triton.prefill import prefill_attention
     from runner.backends.triton.rms_norm import rms_norm
+    from runner.backends.triton.shared_prefix import build_shared_prefix_plan, members_per_chunk
 
     num_q, num_kv, head_dim = MODEL_SHAPES[shape]
     blocks = 64
@@ -147,6 +152,12 @@ def step_launches(
         long = torch.tensor([DEFAULT_PARTITION_SIZE * 3, 3], dtype=i32)
         max_long = int(long.max())
         decode_attention(q[:2], k_cache, v_cache, long, tables, 0.1, max_long, **variant)
+        members = members_per_chunk(num_q // num_kv, dtype)
+        group = [PrefixGroup([0, 1], [0, 1, 2])]
+        plan = build_shared_prefix_plan(group, 2, block_size, members, "cpu")
+        decode_attention(
+            q[:2], k_cache, v_cache, long, tables, 0.1, max_long, shared_prefix=plan, **variant
+        )
         if dtype != torch.float32:  # float32 norms are torch's own fused kernel
             rows = q.view(40, num_q * head_dim)
             rms_norm(rows, torch.ones(num_q * head_dim, dtype=dtype), 1e-6, False)

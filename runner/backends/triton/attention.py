@@ -8,6 +8,12 @@ flat slot is block * block_size + offset. A step first writes the new tokens' K/
 (runner/backends/triton/prefill.py), which also covers mixed prefill + decode batches. Both take an
 optional sliding window (and then load only the keys inside it) and an optional logit soft cap.
 
+A decode-only step whose sequences share leading blocks can read each group's prefix once
+(shared-prefix attention: runner/backends/triton/shared_prefix.py), where the cost model
+(cascade_cost.py) says it saves enough; the plan is built once a step, on its first layer, from
+a host copy of the block tables. It is opt-in (triton_backend(thresholds)) for eager steps; a
+step being captured in a CUDA graph never plans (a graph holds no host sync).
+
 Without CUDA the kernels run in Triton's interpreter on CPU tensors
 (runner/backends/triton/common.py).
 """
@@ -18,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
+from runner.backends.triton.cascade_cost import DEFAULT_THRESHOLDS, NEVER, CascadeThresholds
 from runner.backends.triton.common import (
     check_cache_pair,
     check_softcap,
@@ -27,8 +35,15 @@ from runner.backends.triton.common import (
 )
 from runner.backends.triton.decode import decode_attention
 from runner.backends.triton.prefill import prefill_attention
+from runner.backends.triton.shared_prefix import SharedPrefixPlan, plan_decode_step
 
-__all__ = ["decode_attention", "prefill_attention", "store_kv", "triton_paged_attention"]
+__all__ = [
+    "decode_attention",
+    "prefill_attention",
+    "store_kv",
+    "triton_backend",
+    "triton_paged_attention",
+]
 
 
 @triton.jit
@@ -122,6 +137,7 @@ def triton_paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     partition_size: int | None = None,
+    cascade: CascadeThresholds = NEVER,
 ) -> torch.Tensor:
     """Same contract as `paged_attention(..., backend="triton")`.
 
@@ -150,6 +166,10 @@ def triton_paged_attention(
     same way (a runtime float plus a constexpr flag), so softcap=None costs nothing either.
 
     `partition_size` overrides the decode split-K partition length (keys per program).
+    `cascade` holds the cost model's thresholds for reading a shared prefix once: NEVER (the
+    default, and the registry's "triton" backend) until the decode graphs capture the plan,
+    since their warm-up step runs eagerly over padding rows whose host contexts are not real;
+    triton_backend() gives an engine the cost model's choice for its eager decodes.
     """
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window} must be at least 1")
@@ -157,6 +177,8 @@ def triton_paged_attention(
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.decode_only:
         kwargs = {} if partition_size is None else {"partition_size": partition_size}
+        plan = step_shared_prefix(meta, q, k_cache, cascade)
+        uncut = window is None or window >= meta.max_context_len  # a window could hide it all
         return decode_attention(
             q,
             k_cache,
@@ -167,6 +189,7 @@ def triton_paged_attention(
             meta.max_context_len,
             window=window,
             softcap=softcap,
+            shared_prefix=plan if uncut else None,
             **kwargs,
         )
     return prefill_attention(
@@ -181,3 +204,58 @@ def triton_paged_attention(
         window=window,
         softcap=softcap,
     )
+
+
+def step_shared_prefix(
+    meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, thresholds: CascadeThresholds
+) -> SharedPrefixPlan | None:
+    """The decode step's shared-prefix plan, built on its first layer and kept on `meta` for the
+    others; None while a CUDA graph is being captured (no host copy may happen there) or when
+    the cost model keeps no group."""
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    key = (thresholds, block_size, q.shape[1], num_kv_heads, head_dim, k_cache.dtype)
+    cached = meta._shared_prefix
+    if cached is not None and cached[0] == key:
+        plan: SharedPrefixPlan | None = cached[1]
+        return plan
+    plan = None
+    if meta.num_seqs >= max(2, thresholds.min_group_size) and (
+        meta.max_context_len > thresholds.min_prefix_tokens
+    ):  # only then is the host copy of the tables (a sync on a GPU) worth making
+        plan = plan_decode_step(
+            meta.block_tables.cpu(),
+            meta.context_lens_host,
+            block_size,
+            q.shape[1],
+            num_kv_heads,
+            head_dim,
+            k_cache.dtype,
+            q.device,
+            thresholds,
+        )
+    meta._shared_prefix = (key, plan)
+    return plan
+
+
+def triton_backend(cascade: CascadeThresholds = DEFAULT_THRESHOLDS) -> AttentionBackend:
+    """The Triton attention as a backend whose decodes read shared prefixes by `cascade`'s
+    thresholds (NEVER: a baseline without, ALWAYS: every group found)."""
+
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        return triton_paged_attention(
+            q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap, cascade=cascade
+        )
+
+    return AttentionBackend("triton", attend)

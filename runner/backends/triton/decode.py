@@ -34,7 +34,9 @@ from runner.backends.triton.common import (
     pow2_at_least,
     soft_cap,
 )
+from runner.backends.triton.decode_prefix import prefix_partitions, prefix_pass
 from runner.backends.triton.decode_reduce import combine_partitions
+from runner.backends.triton.shared_prefix import SharedPrefixPlan
 
 __all__ = ["DEFAULT_PARTITION_SIZE", "LOG2E", "decode_attention"]
 DEFAULT_PARTITION_SIZE = 512  # keys per partition; a multiple of every tile size used
@@ -49,6 +51,7 @@ def _decode_partition_kernel(
     part_lse_ptr: tl.tensor,  # [S, Hq, P] float32 log2-sum-exp; unused when not WRITE_LSE
     context_lens_ptr: tl.tensor,  # [S] int32
     block_tables_ptr: tl.tensor,  # [S, max_blocks] int32
+    prefix_lens_ptr: tl.tensor,  # [S] int32 shared tokens read by the prefix pass; USE_PREFIX
     qk_scale: float,  # softmax scale * log2(e)
     stride_qt: int,
     stride_qh: int,
@@ -73,6 +76,7 @@ def _decode_partition_kernel(
     WRITE_LSE: tl.constexpr,
     USE_WINDOW: tl.constexpr,  # False: the whole context, at no extra cost
     USE_SOFTCAP: tl.constexpr,  # False: raw scores, at no extra cost
+    USE_PREFIX: tl.constexpr,  # False: no shared-prefix pass, every key read here
     DOT_DTYPE: tl.constexpr,  # tl.dot operand dtype (see dot_config)
     DOT_PRECISION: tl.constexpr,
 ) -> None:
@@ -87,6 +91,8 @@ def _decode_partition_kernel(
     win_start = 0
     if USE_WINDOW:
         win_start = tl.maximum(ctx_len - window, 0)
+    if USE_PREFIX:  # the shared prefix's keys are the prefix pass's (decode_prefix.py)
+        win_start = tl.maximum(win_start, tl.load(prefix_lens_ptr + seq))
     part_start = win_start + part * PARTITION_SIZE
     part_end = tl.minimum(ctx_len, part_start + PARTITION_SIZE)  # <= part_start: nothing to do
 
@@ -163,6 +169,7 @@ def decode_attention(
     block_n: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    shared_prefix: SharedPrefixPlan | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached context: all of it, or with a
     sliding `window` W >= 1 its last W keys (the new token's own included). A `softcap` c > 0
@@ -173,6 +180,11 @@ def decode_attention(
     [S, max_blocks] int32. `max_context_len` (host int, an upper bound of context_lens) sets
     the number of partitions; it is read from the tensor, with a device sync, when not given.
     `partition_size` must be a power-of-two multiple of 16. Returns [S, Hq, D] in q's dtype.
+
+    With a `shared_prefix` plan (shared_prefix.py), each group's prefix is read once for all
+    its members by the prefix pass (decode_prefix.py), each sequence's own partitions start
+    after its prefix, and the reduce merges both: the same result, fewer bytes read. The plan
+    changes no grid that depends on the step (its tensors may be a graph's static ones).
     """
     check_cache_pair(k_cache, v_cache)
     q = last_dim_contiguous(q)
@@ -197,6 +209,9 @@ def decode_attention(
     # A query sees at most min(C, W) keys; partitions start at its window start (see above).
     max_keys = max_context_len if window is None else min(max_context_len, window)
     num_parts = max(1, triton.cdiv(max_keys, partition_size))
+    own_parts = num_parts  # the sequences' own partitions; the prefix pass's come after them
+    if shared_prefix is not None:
+        num_parts += prefix_partitions(shared_prefix.max_prefix_len, partition_size)
     single = num_parts == 1
     if single:  # the partition kernel writes the final output: view it as [S, Hq, P=1, D]
         part_out, part_lse = out.unsqueeze(2), out
@@ -217,6 +232,7 @@ def decode_attention(
         part_lse,
         context_lens,
         block_tables,
+        context_lens if shared_prefix is None else shared_prefix.seq_prefix_lens,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -241,10 +257,24 @@ def decode_attention(
         WRITE_LSE=not single,
         USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None,
+        USE_PREFIX=shared_prefix is not None,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
     )
     if single:
         return out
-    combine_partitions(part_out, part_lse, out, context_lens, partition_size, window)
+    if shared_prefix is not None:
+        prefix_pass(
+            q, k_cache, v_cache, context_lens, shared_prefix, part_out, part_lse, own_parts,
+            scale, partition_size, block_n, window, cap, softcap is not None,
+        )  # fmt: skip
+    combine_partitions(
+        part_out,
+        part_lse,
+        out,
+        context_lens,
+        partition_size,
+        window,
+        None if shared_prefix is None else (shared_prefix.seq_prefix_lens, own_parts),
+    )
     return out

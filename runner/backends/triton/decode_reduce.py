@@ -23,6 +23,7 @@ def _decode_reduce_kernel(
     part_lse_ptr: tl.tensor,  # [S, Hq, P] float32 log2-sum-exp of each partition's scores
     out_ptr: tl.tensor,  # [S, Hq, D]
     context_lens_ptr: tl.tensor,  # [S] int32
+    prefix_lens_ptr: tl.tensor,  # [S] int32 shared tokens of the prefix pass; USE_PREFIX
     stride_ps: int,
     stride_ph: int,
     stride_pp: int,
@@ -31,11 +32,13 @@ def _decode_reduce_kernel(
     stride_os: int,
     stride_oh: int,
     window: int,  # sliding window in keys; read only when USE_WINDOW
+    prefix_base: int,  # partitions prefix_base.. hold the prefix pass's results; USE_PREFIX
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
     P_PAD: tl.constexpr,  # number of partitions rounded up to a power of two
     USE_WINDOW: tl.constexpr,
+    USE_PREFIX: tl.constexpr,  # a shared-prefix pass wrote partitions from prefix_base on
 ) -> None:
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -43,14 +46,20 @@ def _decode_reduce_kernel(
     # The partitions tile [win_start, ctx_len), each of them non-empty; only these were written
     # for this sequence (the grid is sized for the longest one), so no partition without a key
     # ever enters the max or the sum below.
-    num_keys = ctx_len
+    win_start = 0
     if USE_WINDOW:
-        num_keys = tl.minimum(ctx_len, window)
-    num_parts = tl.cdiv(num_keys, PARTITION_SIZE)
+        win_start = tl.maximum(ctx_len - window, 0)
+    if USE_PREFIX:  # the own pass starts after the shared prefix, which has partitions apart
+        prefix_len = tl.load(prefix_lens_ptr + seq)
+        win_start = tl.maximum(win_start, prefix_len)
+    num_parts = tl.cdiv(ctx_len - win_start, PARTITION_SIZE)
 
     offs_p = tl.arange(0, P_PAD)
     offs_d = tl.arange(0, D_PAD)
     p_valid = offs_p < num_parts
+    if USE_PREFIX:
+        prefix_parts = tl.cdiv(prefix_len, PARTITION_SIZE)
+        p_valid = p_valid | ((offs_p >= prefix_base) & (offs_p < prefix_base + prefix_parts))
     d_valid = offs_d < HEAD_DIM
     lse_row = part_lse_ptr + seq.to(tl.int64) * stride_ls + head * stride_lh
     lse = tl.load(lse_row + offs_p, mask=p_valid, other=float("-inf"))  # [P_PAD]
@@ -81,15 +90,19 @@ def combine_partitions(
     context_lens: torch.Tensor,
     partition_size: int,
     window: int | None,
+    prefix: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """Merge part_out [S, Hq, P, D] float32 / part_lse [S, Hq, P] float32, as the partition
-    kernel wrote them for the same `partition_size` and `window`, into out [S, Hq, D]."""
+    kernel wrote them for the same `partition_size` and `window`, into out [S, Hq, D]. With
+    `prefix` (each sequence's shared-prefix length [S] int32, the first prefix partition), the
+    own partitions start after the prefix and the prefix pass's follow from that slot."""
     num_seqs, num_q_heads, num_parts, head_dim = part_out.shape
     _decode_reduce_kernel[(num_seqs, num_q_heads)](
         part_out,
         part_lse,
         out,
         context_lens,
+        context_lens if prefix is None else prefix[0],
         part_out.stride(0),
         part_out.stride(1),
         part_out.stride(2),
@@ -98,9 +111,11 @@ def combine_partitions(
         out.stride(0),
         out.stride(1),
         window or 0,  # ignored without a window (USE_WINDOW=False)
+        0 if prefix is None else prefix[1],
         HEAD_DIM=head_dim,
         D_PAD=pow2_at_least(head_dim),
         PARTITION_SIZE=partition_size,
         P_PAD=triton.next_power_of_2(num_parts),
         USE_WINDOW=window is not None,
+        USE_PREFIX=prefix is not None,
     )

@@ -32,7 +32,13 @@ CASES = {
     90: ["smollm2-135m:bfloat16", "smollm2-135m:float16", "qwen3-0.6b:bfloat16"],
     80: ["qwen3-0.6b:float32"],
 }
-KERNELS = {"store_kv_kernel", "prefill_kernel", "decode_partition_kernel", "decode_reduce_kernel"}
+KERNELS = {
+    "store_kv_kernel",
+    "prefill_kernel",
+    "decode_partition_kernel",
+    "decode_reduce_kernel",
+    "prefix_partition_kernel",
+}
 NORM = "rms_norm_kernel"  # 16-bit cases only: in float32 the norm is torch's own kernel
 
 
@@ -53,9 +59,10 @@ def test_step_launches_cover_every_kernel() -> None:
     assert set(names) == KERNELS
     in_16_bits = step_launches("smollm2-135m", torch.bfloat16)
     assert {launch.kernel.fn.__name__.lstrip("_") for launch in in_16_bits} == KERNELS | {NORM}
-    # Two decode launches: one partition (writes the output itself), several (then a reduce).
+    # Three decode launches: one partition (writes the output itself), several (then a reduce),
+    # and several with a shared prefix read once (its own pass, the prefix pass, the reduce).
     split = [launch.kwargs["WRITE_LSE"] for launch in launches if "WRITE_LSE" in launch.kwargs]
-    assert split == [False, True]
+    assert split == [False, True, True]
 
 
 def test_recorded_launches_restores_the_kernels() -> None:
