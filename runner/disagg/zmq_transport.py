@@ -6,9 +6,11 @@ Wire: a request is one JSON frame, ``{"op": "get", "id": ID, "hashes": [...]}`` 
 ``{"op": "release", "id": ID}``; the answer is a JSON frame ``{"ok": true}`` followed, for a
 get, by one frame per hash: the block value, or an empty frame where none is held; the head
 says ``"open": true`` while the handover is still being filled by its prefill (an empty frame
-may be filled yet: the client asks again). Every wait is bounded (``timeout_s`` an answer,
-``open_wait_s`` an open handover): a prefill worker that died is a miss for the decode worker,
-whose request then computes its prompt itself."""
+may be filled yet: the client asks again). Anything else is answered ``{"ok": false, "error":
+...}`` naming the problem (the bounds: MAX_REQUEST_HASHES, MAX_REQUEST_BYTES). Every wait is
+bounded (``timeout_s`` an answer, ``open_wait_s`` an open handover): a prefill worker that
+stalled or died is a miss for the decode worker, whose request then computes the rest of its
+prompt itself."""
 
 from __future__ import annotations
 
