@@ -47,12 +47,12 @@ class CpuLayers:
     """The layers of one packed model, as the pointers layers.c walks. Build with `for_model`;
     ask `takes` each step."""
 
-    def __init__(self, model: CausalLM, kernels: CpuKernels, per_row: bool = False) -> None:
+    def __init__(self, model: CausalLM, kernels: CpuKernels, batch_invariant: bool = False) -> None:
         layers = _layers(model)
         self.kernels = kernels
-        # Batch-invariant steps (EngineConfig.deterministic): every row attends through the
-        # decode kernel alone (runner/backends/cpu/split.py CpuSplit.per_row).
-        self.per_row = per_row
+        # Batch-invariant steps (EngineConfig.deterministic): every sequence attends through
+        # the prefill kernel's tile (runner/backends/cpu/split.py CpuSplit.for_step).
+        self.batch_invariant = batch_invariant
         self.hidden = model.hidden_size
         self.intermediate = layers[0].mlp.intermediate
         self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
@@ -126,9 +126,10 @@ class CpuLayers:
 
     @classmethod
     def for_model(
-        cls, model: CausalLM, kernels: CpuKernels | None, per_row: bool = False
+        cls, model: CausalLM, kernels: CpuKernels | None, batch_invariant: bool = False
     ) -> CpuLayers | None:
-        """The layers in C where the model fits layers.c, else None; `per_row`: see __init__."""
+        """The layers in C where the model fits layers.c, else None (`batch_invariant`: see
+        __init__)."""
         if kernels is None or not model.layers:
             return None
         kinds = {type(layer) for layer in model.layers}
@@ -155,7 +156,7 @@ class CpuLayers:
             return None
         if len({_softcap(layer) for layer in layers}) != 1:  # and one soft cap
             return None
-        return cls(model, kernels, per_row)
+        return cls(model, kernels, batch_invariant)
 
     def takes(self, kv: KVStore) -> bool:
         """Whether steps can run here: a contiguous store that the decode kernel takes (float32
@@ -184,7 +185,7 @@ class CpuLayers:
         any. Check `takes` first."""
         rows = h.shape[0]
         group = self.num_heads // self.num_kv_heads
-        split = CpuSplit.for_step(meta, True, group, kv.block_size, self.per_row)
+        split = CpuSplit.for_step(meta, True, group, kv.block_size, self.batch_invariant)
         h = h.contiguous().clone()  # updated in place by every layer
         by_type = rope_by_type or {}
         tables = [  # layers.c's table 1, and 2 where the layers rotate with two

@@ -40,7 +40,7 @@ def prepack_for_cpu(
     inputs to int8 (each raises ValueError where the kernels cannot). Call after
     loading the weights. Returns how many matrices were packed, and the C layer stack that the
     "cpu" attention backend runs (runner/attention/backend.py), or None; `deterministic`: a
-    stack whose steps are batch-invariant (CpuLayers.per_row, docs/DETERMINISM.md)."""
+    stack whose steps are batch-invariant (CpuLayers.batch_invariant, docs/DETERMINISM.md)."""
     kernels = load_cpu_kernels() if cpu_kernels else None
     dot = weight_dtype == "bfloat16-dot"
     if dot and (kernels is None or not kernels.has_pairs):
@@ -65,7 +65,7 @@ def prepack_for_cpu(
         tied = int8.get(model.embed_tokens)
         model.lm_head = PackedLinear(weight, None, cpu_kernels, dtype, tied, dot, int8_dot)
         packed += 1
-    layers = CpuLayers.for_model(model, kernels, per_row=deterministic)
+    layers = CpuLayers.for_model(model, kernels, batch_invariant=deterministic)
     if weight_dtype != "float32" and kernels is None:
         log.warning(
             "cpu_weight_dtype=%s without the C kernels: the rounded weights are kept as float32 "

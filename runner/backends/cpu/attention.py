@@ -90,25 +90,27 @@ def batch_invariant_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Every query row through decode_attention.c alone (CpuSplit.per_row), no prefix scored
-    for several rows together: a row's output is bitwise the same whatever else the step holds,
-    whether it is a prompt's, a decode's or a recompute's, and wherever its prompt's chunk or
-    cached prefix ends (docs/DETERMINISM.md). Raises ValueError where the kernel cannot take
-    these shapes: there is no other path whose sums are fixed (batch_invariant_supported)."""
+    """Every sequence of the step, decodes too, through prefill_attention.c's tile
+    (CpuSplit.for_step's batch_invariant): a row's output is bitwise the same whatever else the
+    step holds, whether it is a prompt's, a decode's or a recompute's, and wherever its prompt's
+    chunk or cached prefix ends (docs/DETERMINISM.md). Raises ValueError where the kernel cannot
+    take these shapes: there is no other path whose sums are fixed."""
     kernels = load_cpu_kernels()
-    if kernels is None or not kernels.decode_supported(q, k_cache):
+    if kernels is None or not kernels.prefill_supported(q, k_cache):
         raise ValueError(
-            f"deterministic attention needs the CPU decode kernel for q {tuple(q.shape)}, "
+            f"deterministic attention needs the CPU prefill kernel for q {tuple(q.shape)}, "
             f"cache block {tuple(k_cache.shape[1:])}"
         )
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     group = q.shape[1] // k_cache.shape[2]
-    split = CpuSplit.for_step(meta, True, group, k_cache.shape[1], per_row=True)
-    assert split.decodes is not None  # per_row: every row is one
-    _, tables, contexts = split.decodes
-    return kernels.decode_attention(
-        q, k_cache, v_cache, tables, contexts, scale, 0, window, softcap
+    split = CpuSplit.for_step(meta, False, group, k_cache.shape[1], batch_invariant=True)
+    assert split.longer is not None  # batch_invariant: every sequence is one
+    tables, starts, lens, contexts = split.longer
+    out = torch.empty_like(q)
+    kernels.prefill_attention(
+        q, k_cache, v_cache, tables, starts, lens, contexts, out, scale, window, softcap
     )
+    return out
 
 
 def batch_invariant_backend() -> AttentionBackend:

@@ -38,33 +38,20 @@ class CpuSplit:
         decode_kernel: bool,
         group: int,
         block_size: int,
-        per_row: bool = False,
+        batch_invariant: bool = False,
     ) -> CpuSplit:
-        """The step's split: built by its first layer, kept on `meta` for the others."""
+        """The step's split: built by its first layer, kept on `meta` for the others.
+        `batch_invariant` (EngineConfig.deterministic, docs/DETERMINISM.md): every sequence,
+        decodes too, goes to prefill_attention.c, whose tile sums each query row in one order
+        (16 keys at a time from key 0, per key a sequential dot product over the head) whatever
+        rows share its tile, wherever its prompt's chunk or cached prefix ends, and whether it is
+        a prompt's, a decode's or a recompute's row; no prefix is scored for several sequences
+        together in another order."""
         if meta._cpu_split is None:
-            meta._cpu_split = (
-                cls.per_row(meta) if per_row else cls.of(meta, decode_kernel, group, block_size)
-            )
+            kernel = decode_kernel and not batch_invariant
+            meta._cpu_split = cls.of(meta, kernel, group, block_size)
         split: CpuSplit = meta._cpu_split
         return split
-
-    @classmethod
-    def per_row(cls, meta: AttentionMetadata) -> CpuSplit:
-        """The batch-invariant split (EngineConfig.deterministic, docs/DETERMINISM.md): every
-        query row of the step a decode of its own, attending to its keys 0 .. its position
-        through its sequence's table, and no prefix scored for several rows together. Each
-        row's sums then run in one order, decode_attention.c's (per block from key 0, per key a
-        dot product over the head), whatever shares the step, wherever a prefill chunk or a
-        cached prefix ends, and whether the row is a prompt's, a decode's or a recompute's."""
-        lens = torch.tensor(meta.query_lens, dtype=torch.int64)
-        seq_of_row = torch.repeat_interleave(torch.arange(lens.numel()), lens)  # [T]
-        first_row = torch.cumsum(lens, 0) - lens
-        # Row r of sequence s is at position context - query_len + (r - first_row[s]).
-        offset = torch.arange(seq_of_row.numel()) - first_row[seq_of_row]
-        contexts = meta.context_lens.to(torch.int64)[seq_of_row] - lens[seq_of_row] + offset + 1
-        tables = meta.block_tables.index_select(0, seq_of_row).contiguous()
-        rows = torch.arange(seq_of_row.numel(), dtype=torch.int64)
-        return cls((rows, tables, contexts.to(torch.int32).contiguous()), None, 0)
 
     @classmethod
     def of(

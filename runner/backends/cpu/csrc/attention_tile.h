@@ -156,11 +156,15 @@ static inline __attribute__((always_inline)) void tile_attend_body(
             __m512 part[TILE];
             for (int j = 0; j < TILE; j++)
                 part[j] = _mm512_mul_ps(_mm512_load_ps(state->acc[j0 + j]), shrink);
+            /* Only the rows that see key t add it: for the others it is no term at all, not
+             * a term 0 * v (which turns an accumulated -0 into +0), so a row's sum is the same
+             * whatever rows and keys its tile holds beside it (deterministic mode). */
             for (int t = 0; t < TILE; t++) {
                 __m512 p = _mm512_load_ps(probs[t]);
                 const float *value = values[t] + j0;
                 for (int j = 0; j < TILE; j++)
-                    part[j] = _mm512_fmadd_ps(_mm512_set1_ps(value[j]), p, part[j]);
+                    part[j] = _mm512_mask3_fmadd_ps(_mm512_set1_ps(value[j]), p, part[j],
+                                                    visible[t]);
             }
             for (int j = 0; j < TILE; j++)
                 _mm512_store_ps(state->acc[j0 + j], part[j]);

@@ -59,6 +59,10 @@ static void attend_tile(const float *q, const float *k_cache, const float *v_cac
         last_position = positions[i] > last_position ? positions[i] : last_position;
         first_key = lows[i] < first_key ? lows[i] : first_key;
     }
+    /* The tile's keys go 16 at a time from a multiple of 16: a row's chunks of keys, and so
+     * its sums, are then the same whatever rows share its tile (a window's start need not be
+     * aligned; keys before a row's own start are masked for it). */
+    first_key -= first_key % LANES;
     const struct paged_keys keys = {k_cache, v_cache, table, shape->block_size,
                                     shape->hkv * d, head, d};
     tile_attend(qt, &keys, first_key, last_position + 1, shape->window ? lows : NULL, positions,
