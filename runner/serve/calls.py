@@ -40,6 +40,15 @@ class CallError(Exception):
         self.status, self.body = status, error_body(message, kind, param)
 
 
+class ClientLeft(CallError):
+    """The client closed the connection: its requests are aborted, and the answer (nginx's
+    499) goes nowhere. An error the app answers, not a CancelledError, which uvicorn logged
+    with its traceback as a failure of the server."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the connection", "client_disconnected")
+
+
 @dataclass
 class Call:
     """The engine requests of one HTTP call and the queue their events arrive on."""
@@ -64,6 +73,8 @@ class Call:
                     )
                 except ValueError as err:
                     param = field_named(str(err), self.prompt_param)
+                    if "chat_template" in (sub.template_kwargs or {}):  # the client's own
+                        param = "chat_template_kwargs.chat_template"
                     raise CallError(400, str(err), "invalid_request_error", param) from err
         self.engine.submit(self.submissions, self.events.put_nowait)  # run in this loop
         self.open = {s.index for s in self.submissions}
@@ -86,7 +97,7 @@ class Call:
             self.events.put_nowait(event)
 
     async def next_event(self) -> Event:
-        """The next event; if the client disconnects meanwhile, abort and cancel."""
+        """The next event; if the client disconnects meanwhile, abort and raise ClientLeft."""
         while True:
             try:
                 event = await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
@@ -97,7 +108,7 @@ class Call:
                     continue
             if isinstance(event, ClientGone):
                 self.abort()
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientLeft()
             return event
 
     async def _watch_disconnect(self) -> None:
@@ -147,7 +158,10 @@ class Call:
             for chunk in first_chunks:
                 yield sse(chunk)
             while self.open:
-                event = await self.next_event()
+                try:
+                    event = await self.next_event()
+                except ClientLeft:
+                    return  # nobody to send the rest to
                 if isinstance(event, Delta):
                     yield sse(chunk_of(event))
                 elif isinstance(event, Done):

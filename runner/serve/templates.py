@@ -29,6 +29,7 @@ from jinja2.utils import Namespace
 
 TEMPLATE_FILENAME = "<template>"  # jinja's name for the code of a template made from a string
 RENDER_THREADS = 2
+YIELD_EVERY = 64  # template lines between two hand-overs of the interpreter's lock
 
 Render = Callable[[list[dict[str, str]], Mapping[str, Any] | None], str]
 
@@ -107,10 +108,19 @@ def _size(value: object) -> int:
 
 def _tracer(deadline: float, bounds: RenderBounds) -> Callable[[FrameType, str, Any], Any]:
     """A trace function that follows only template frames, and in them stops the render
-    past `deadline` or once a string of the template holds more than `bounds.max_chars`."""
+    past `deadline` or once a string of the template holds more than `bounds.max_chars`.
+    Every YIELD_EVERY lines it lets go of the interpreter's lock: a render that keeps it
+    for its whole switch interval (5 ms) makes the engine thread, which takes it back after
+    each device call, wait that long each time (a stream's gaps grew 3-4x beside a long
+    render)."""
+    lines = 0
 
     def in_template(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal lines
         if event == "line":
+            lines += 1
+            if lines % YIELD_EVERY == 0:
+                time.sleep(0)
             if time.monotonic() > deadline:
                 raise _OverBound(
                     f"chat template: rendering took over {bounds.time_s:g} s "

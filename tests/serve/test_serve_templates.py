@@ -46,6 +46,7 @@ def test_renders_past_their_bounds_are_400s(serve: ServeFactory) -> None:
         slow = chat(server, chat_template_kwargs={"chat_template": NESTED})
         assert slow.status_code == 400, slow.text
         assert "took over 0.5 s" in slow.json()["error"]["message"]
+        assert slow.json()["error"]["param"] == "chat_template_kwargs.chat_template"
         big = chat(server, chat_template_kwargs={"chat_template": DOUBLING})
         assert big.status_code == 400, big.text
         assert "went past 100000 characters" in big.json()["error"]["message"]
