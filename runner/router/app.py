@@ -1,24 +1,27 @@
 """The router's FastAPI app: OpenAI's POST routes forwarded to the replica the policy picks
-(streams passed through chunk by chunk as they arrive), retried on another replica when the
-chosen one cannot be reached or is draining before it answered; /v1/models from a healthy
-replica; /health; /router/stats (JSON) and Prometheus /metrics."""
+(streams passed through event by event as they arrive, runner/router/relay.py), retried on
+another replica when the chosen one cannot be reached, is draining, or stays silent past the
+first-output timeout before it answered; /v1/models from a healthy replica; /health;
+/router/stats (JSON) and Prometheus /metrics. A replica that fails once it answered ends the
+client's stream with an error event (a whole answer: 502, or 504 when it went silent)."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
+import time
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from runner.router.load import FirstToken, Work, answer_blocks
+from runner.router.bodies import read_body
+from runner.router.load import Work, answer_blocks
 from runner.router.policy import policy_for
 from runner.router.prompt_hashes import PromptHasher, replica_hashes
 from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
-from runner.router.replicas import ReplicaSet
+from runner.router.relay import Hooks, Timeouts, UpstreamSilent, relay, send
+from runner.router.replicas import Replica, ReplicaSet
 from runner.router.worker_choice import PromptTokens
 from runner.serve.responses import error_body
 
@@ -47,6 +50,7 @@ class Router:
         self.policy = policy_for(settings)
         self.replicas = ReplicaSet(urls, client, settings.health_interval_s)
         self.client = client
+        self.timeouts = Timeouts.of(settings)
         self.prompt_tokens = PromptTokens(settings.tokenizer)
         self.metrics = RouterMetrics()
         self.reasons: dict[str, int] = {}
@@ -64,15 +68,11 @@ class Router:
         return self.prompt_tokens.hasher
 
     async def forward(self, path: str, request: Request) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None  # forwarded as it is: the replica answers its 400
+        raw, body = await read_body(request)  # else a 400 (runner/router/bodies.py)
         token_ids = None
-        if self.policy.uses_prefixes and isinstance(body, dict):
+        if self.policy.uses_prefixes:
             token_ids = await self.prompt_tokens.of(path, body, self.replicas.replicas)
-        salt = body.get("cache_salt") if isinstance(body, dict) else None
+        salt = body.get("cache_salt")
         headers = forwarded_headers(request, self.settings)
         hashes_of = replica_hashes(self.hasher, token_ids, salt)
 
@@ -86,6 +86,7 @@ class Router:
             if self.policy.uses_prefixes:
                 replica.index.insert(hashes_of(replica))
             work = Work(replica, route.prefill_blocks, answer_blocks(body, replica))
+            sent_at = time.monotonic()
             response = await self._send(work, path, raw, headers)
             if response is None:
                 tried.add(replica.url)
@@ -93,7 +94,9 @@ class Router:
                 continue
             self.metrics.routed.labels(replica=replica.url, reason=route.reason).inc()
             self.reasons[route.reason] = self.reasons.get(route.reason, 0) + 1
-            return await self._relay(work, response)
+            return await relay(
+                response, sent_at, self.timeouts, self._hooks(work), _passed_back(response)
+            )
         message = "no replica could take the request (all are down or draining)"
         return JSONResponse(error_body(message, "service_unavailable"), 503)
 
@@ -101,17 +104,23 @@ class Router:
         self, work: Work, path: str, raw: bytes, headers: dict[str, str]
     ) -> httpx.Response | None:
         """The replica's response, its body not read yet; None when it must be retried
-        elsewhere: unreachable (taken out until its health check passes) or draining."""
+        elsewhere: unreachable or closed without answering (marked dead: its prefix index is
+        forgotten), silent past the first-output timeout (out until its health check passes),
+        or draining."""
         replica = work.replica
         work.start()
         upstream = self.client.build_request(
-            "POST", replica.url + path, content=raw, headers=headers
+            "POST",
+            replica.url + path,
+            content=raw,
+            headers=headers,
+            timeout=self.timeouts.for_httpx(),
         )
         try:
-            response = await self.client.send(upstream, stream=True)
-        except httpx.TransportError:
+            response = await send(self.client, upstream, self.timeouts)
+        except (httpx.TransportError, UpstreamSilent) as err:
             work.finish()
-            self.replicas.mark_dead(replica)
+            self._failed(replica, err)
             return None
         if response.status_code == 503:
             await response.aclose()
@@ -120,31 +129,19 @@ class Router:
             return None
         return response
 
-    async def _relay(self, work: Work, response: httpx.Response) -> Response:
-        headers = {k: v for k, v in response.headers.items() if k.lower() in PASSED_BACK_HEADERS}
-        media_type = response.headers.get("content-type")
-        if not (media_type or "").startswith("text/event-stream"):
-            try:
-                content = await response.aread()
-            finally:
-                await response.aclose()
-                work.finish()
-            return Response(content, response.status_code, headers, media_type)
+    def _failed(self, replica: Replica, err: Exception) -> None:
+        if isinstance(err, UpstreamSilent):
+            self.replicas.mark_silent(replica)
+        else:
+            self.replicas.mark_dead(replica)
 
-        async def chunks() -> AsyncIterator[bytes]:
-            first = FirstToken()
-            try:
-                async for chunk in response.aiter_raw():
-                    if not first.seen and first.feed(chunk):
-                        work.prefilled()
-                    yield chunk
-            except httpx.TransportError:  # the replica died mid-stream: the stream just ends
-                pass
-            finally:  # the client left, or the stream ended: the replica's request ends too
-                await response.aclose()
-                work.finish()
-
-        return StreamingResponse(chunks(), response.status_code, headers, media_type)
+    def _hooks(self, work: Work) -> Hooks:
+        return Hooks(
+            "the replica",
+            work.prefilled,
+            work.finish,
+            lambda err: self._failed(work.replica, err),
+        )
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -162,6 +159,10 @@ class Router:
                 for r in self.replicas.replicas
             ],
         }
+
+
+def _passed_back(response: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.lower() in PASSED_BACK_HEADERS}
 
 
 def build_router_app(urls: list[str], settings: RouterSettings) -> FastAPI:

@@ -63,6 +63,30 @@ from runner.router.policy import POLICIES
 )
 @click.option("--health-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True)
 @click.option(
+    "--upstream-connect-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=5.0,
+    show_default=True,
+    help="Seconds to connect to a replica.",
+)
+@click.option(
+    "--upstream-first-output-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds from a request to its first generated text (not streamed: its whole answer); "
+    "past it the replica is taken out and the request retried on another.",
+)
+@click.option(
+    "--upstream-idle-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds a stream may go without a byte once its text began (a stream is alive while "
+    "tokens arrive); past it the client's stream ends with an error event and the replica is "
+    "taken out until its health check passes.",
+)
+@click.option(
     "--tokenizer", default=None, help="cache_aware: tokenizer folder [default: the replicas']."
 )
 @click.option(
@@ -91,6 +115,9 @@ def router(
     load_weight: float,
     recent_half_life: float,
     health_interval: float,
+    upstream_connect_timeout: float,
+    upstream_first_output_timeout: float,
+    upstream_idle_timeout: float,
     tokenizer: str | None,
     api_key: str | None,
     replica_api_key: str | None,
@@ -112,6 +139,9 @@ def router(
         replica_api_key=replica_api_key,
         load_weight=load_weight,
         recent_half_life_s=recent_half_life,
+        connect_timeout_s=upstream_connect_timeout,
+        first_output_timeout_s=upstream_first_output_timeout,
+        idle_timeout_s=upstream_idle_timeout,
     )
     from runner.router.pd import build_pd_router_app
 

@@ -10,8 +10,9 @@ prompt and its load (worker_choice.py).
 Faults: a worker that cannot be reached (or is draining) before it answered is taken out and
 the step retried on another; when no prefill worker is left the request fails with 503, and
 when no decode worker is left the prefill worker is told to release the handover. A decode
-worker that dies mid-answer ends the stream with an error event (a whole answer: 502); a
-prefill worker that dies mid-answer fails the request with 502."""
+worker that dies (or goes silent past the upstream timeouts) mid-answer ends the stream with
+an error event (a whole answer: 502, or 504), as runner/router/relay.py does for the replicas'
+router; a prefill worker that dies mid-answer fails the request with 502."""
 
 from __future__ import annotations
 
@@ -19,17 +20,18 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from runner.router.bodies import read_body
 from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
+from runner.router.relay import Hooks, Timeouts, UpstreamSilent, relay, send
 from runner.router.replicas import Replica, ReplicaSet
 from runner.router.worker_choice import PromptTokens, WorkerChoice
-from runner.serve.responses import error_body, sse
+from runner.serve.responses import error_body
 
 
 class Unavailable(Exception):
@@ -49,6 +51,7 @@ class PDRouter:
         self.prefill = ReplicaSet(prefill, client, settings.health_interval_s)
         self.decode = ReplicaSet(decode, client, settings.health_interval_s)
         self.settings, self.client = settings, client
+        self.timeouts = Timeouts.of(settings)
         self.prefill_choice, self.decode_choice = WorkerChoice(settings), WorkerChoice(settings)
         self.prompt_tokens = PromptTokens(settings.tokenizer)  # for prefill_choice
         self.counts = {"requests": 0, "prefill_failed": 0, "decode_failed": 0, "released": 0}
@@ -142,14 +145,7 @@ class PDRouter:
 
     async def forward(self, path: str, request: Request) -> Response:
         self.counts["requests"] += 1
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            return JSONResponse(
-                error_body("the body must be a JSON object", "invalid_request_error"), 400
-            )
+        _, body = await read_body(request)  # else a 400 (runner/router/bodies.py)
         headers = forwarded_headers(request, self.settings)
         try:
             prefill, answer = await self._post_prefill(path, body, headers)
@@ -199,17 +195,23 @@ class PDRouter:
                 if pulling is None:
                     break
             (worker, task), pulling = pulling, None
+            silent = False
             try:
                 pulled = await task
                 self.handover["after_prefill_ms"] += 1000 * (time.perf_counter() - ended)
                 if pulled.status_code == 200:
                     upstream = self.client.build_request(
-                        "POST", worker.url + path, json=body, headers=headers
+                        "POST",
+                        worker.url + path,
+                        json=body,
+                        headers=headers,
+                        timeout=self.timeouts.for_httpx(),
                     )
-                    response = await self.client.send(upstream, stream=True)
+                    sent_at = time.monotonic()
+                    response = await send(self.client, upstream, self.timeouts)
                     if response.status_code != 503:
                         self._count(pulled.json())
-                        return await self._relay(worker, response)
+                        return await self._relay(worker, response, sent_at)
                     await response.aclose()
                 elif pulled.status_code != 503:
                     worker.in_flight -= 1
@@ -218,8 +220,10 @@ class PDRouter:
                     )
             except httpx.TransportError:
                 pass
+            except UpstreamSilent:
+                silent = True
             worker.in_flight -= 1
-            self.decode.mark_dead(worker)
+            (self.decode.mark_silent if silent else self.decode.mark_dead)(worker)
             tried.add(worker.url)
         raise Unavailable
 
@@ -236,32 +240,21 @@ class PDRouter:
             await self.client.post(url, json=body, headers=headers)
             self.counts["released"] += 1
 
-    async def _relay(self, worker: Replica, response: httpx.Response) -> Response:
-        media_type = response.headers.get("content-type") or ""
-        if not media_type.startswith("text/event-stream"):
-            try:
-                content = await response.aread()
-            except httpx.TransportError:
-                message = "the decode worker died before it answered"
-                return JSONResponse(error_body(message, "server_error"), 502)
-            finally:
-                await response.aclose()
-                worker.in_flight -= 1
-            return Response(content, response.status_code, media_type=media_type or None)
+    async def _relay(self, worker: Replica, response: httpx.Response, sent_at: float) -> Response:
+        """The decode worker's answer, relayed as the replicas' router relays one."""
 
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in response.aiter_raw():
-                    yield chunk
-            except httpx.TransportError:  # died mid-stream: the client is told, then [DONE]
-                self.counts["decode_failed"] += 1
-                message = "the decode worker died mid-stream"
-                yield (sse(error_body(message, "server_error")) + sse("[DONE]")).encode()
-            finally:
-                await response.aclose()
-                worker.in_flight -= 1
+        def failed(err: Exception) -> None:
+            self.counts["decode_failed"] += 1
+            if isinstance(err, UpstreamSilent):
+                self.decode.mark_silent(worker)
+            else:
+                self.decode.mark_dead(worker)
 
-        return StreamingResponse(chunks(), response.status_code, media_type=media_type)
+        def end() -> None:
+            worker.in_flight -= 1
+
+        hooks = Hooks("the decode worker", lambda: None, end, failed)
+        return await relay(response, sent_at, self.timeouts, hooks)
 
     def stats(self) -> dict[str, Any]:
         def workers(rs: ReplicaSet) -> list[dict[str, Any]]:

@@ -13,9 +13,12 @@ from typing import Any, Protocol
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
+from runner.router.bodies import BadBody
 from runner.serve.auth import require_api_key
+from runner.serve.responses import error_body
 
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 
@@ -29,7 +32,12 @@ class RouterSettings:
     health_interval_s: float = 1.0
     tokenizer: str | None = None  # default: the first replica's model folder
     max_attempts: int = 3
-    request_timeout_s: float = 600.0
+    # Upstream timeouts (runner/router/relay.py): connecting; from a request to its first
+    # generated text (or its whole answer, not streamed); the longest silence in a stream after
+    # it. 600 s each but the connection, as the one timeout was before they had flags.
+    connect_timeout_s: float = 5.0
+    first_output_timeout_s: float = 600.0
+    idle_timeout_s: float = 600.0
     api_key: str | None = None  # what the router's own clients must send
     replica_api_key: str | None = None  # what the router sends the replicas, instead of theirs
     load_weight: float = 1.0  # cache_aware: a block of work in flight against a block matched
@@ -54,7 +62,7 @@ def upstream_client(settings: RouterSettings) -> httpx.AsyncClient:
     """The one client a router's upstream calls share; with a replica key, every call it
     makes carries it (requests, health checks, /kvcache/info, /v1/models)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    timeout = httpx.Timeout(settings.request_timeout_s, connect=5.0)
+    timeout = httpx.Timeout(settings.first_output_timeout_s, connect=settings.connect_timeout_s)
     headers = {}
     if settings.replica_api_key is not None:
         headers["authorization"] = f"Bearer {settings.replica_api_key}"
@@ -71,7 +79,9 @@ def proxy_app(
 ) -> FastAPI:
     """An app whose OpenAI routes go through `router`: `start` runs at startup, the health
     loop from then to shutdown, and the client closes last. With `api_key`, its /v1/* routes
-    answer 401 to a client without it, as `kvcache serve --api-key` does."""
+    answer 401 to a client without it, as `kvcache serve --api-key` does. Every error it
+    answers itself is in OpenAI's shape: a bad body a 400 naming the problem, an unknown
+    route its 404/405, anything unexpected a 500 (its traceback goes to the log only)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -86,6 +96,20 @@ def proxy_app(
     app = FastAPI(title=title, lifespan=lifespan)
     app.state.router = router
     require_api_key(app, api_key)
+
+    @app.exception_handler(BadBody)
+    async def bad_body(request: Request, err: BadBody) -> Response:
+        return JSONResponse(error_body(err.message, "invalid_request_error", err.param), 400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> Response:
+        body = error_body(str(err.detail), "invalid_request_error")
+        return JSONResponse(body, err.status_code, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, err: Exception) -> Response:
+        message = f"the router failed on this request ({type(err).__name__}); see its log"
+        return JSONResponse(error_body(message, "server_error"), 500)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -47,25 +47,48 @@ class ReplicaSet:
         return [r for r in self.replicas if r.healthy and r.url not in exclude]
 
     def mark_dead(self, replica: Replica) -> None:
-        """Out of rotation until its health check passes again."""
+        """It refused a connection, closed one without answering, died mid-answer or is
+        draining: out of rotation until its health check passes again, and what the prefix
+        index believes it holds is forgotten. A replica that went away comes back with an empty
+        cache: kept, its old prefixes drew every request there (336 of 336 for a minute after
+        a restart, issue 42) to compute them afresh."""
+        replica.healthy = False
+        replica.index = PrefixIndex(replica.index.capacity)
+
+    def mark_silent(self, replica: Replica) -> None:
+        """It kept silent past an upstream timeout: out of rotation until its health check
+        passes again (a replica whose engine hung while its HTTP side answers comes back at its
+        next check, and is taken out again by the next request that times out). Its index is
+        kept: a slow replica still holds its cache, and one that restarts meanwhile refuses a
+        connection first."""
         replica.healthy = False
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in self.replicas))
 
     async def check(self, replica: Replica) -> None:
-        """One health check. A replica that comes back (or up) has its /kvcache/info read
-        afresh; its prefix index is emptied if it now names blocks otherwise (another model or
-        block size). A slow health check under load must not cost the index."""
+        """One health check. A replica that refuses the connection (down, restarting) or
+        answers 503 (draining: about to go) is marked dead, its prefix index forgotten. One
+        that comes back (or up) has its /kvcache/info read afresh; its prefix index is emptied
+        if it now names blocks otherwise (another model or block size). A slow health check
+        under load (a timeout) must not cost the index."""
         url = replica.url
         try:
-            ok = (await self.client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)).is_success
+            resp = await self.client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)
+            ok = resp.is_success
+            if resp.status_code == 503:
+                self.mark_dead(replica)
             if ok and not replica.healthy:
                 resp = await self.client.get(f"{url}/kvcache/info", timeout=HEALTH_TIMEOUT_S)
                 info = resp.json() if resp.is_success else None
                 if _naming(info) != _naming(replica.info):
                     replica.index = PrefixIndex(replica.index.capacity)
                 replica.info = info
+        except httpx.TimeoutException:
+            ok = False
+        except httpx.TransportError:
+            ok = False
+            self.mark_dead(replica)
         except (httpx.HTTPError, ValueError):
             ok = False
         replica.healthy = ok
