@@ -87,6 +87,24 @@ def test_a_cached_prompt_and_one_chunked_small_answer_the_same(model: Path) -> N
     assert [answer_of(first), answer_of(again), chunked] == [reference] * 3
 
 
+def test_a_sliding_window_model_answers_the_same(make_tiny_model: Callable[..., Path]) -> None:
+    """Mistral's window of 20 keys: a prompt's tile of rows starts reading at its first row's
+    window, which its later rows mask; where that start falls must not change their sums."""
+    windowed = make_tiny_model("mistral", **MODEL_SHAPE, sliding_window=20)
+    reference = alone(windowed, 8)
+    for others, at, budget in ((9, 3, 13), (30, 30, 40), (5, 0, 7)):
+        got, _ = run_needle(
+            windowed,
+            others,
+            at,
+            GREEDY,
+            deterministic=True,
+            block_size=8,
+            max_num_batched_tokens=budget,
+        )
+        assert got == reference, f"{others} others, needle at {at}, budget {budget}"
+
+
 def test_preemption_and_recompute_answer_the_same(model: Path) -> None:
     """A pool too small for the batch: sequences are preempted and recomputed, decoded
     positions then computed again as prompt rows."""
