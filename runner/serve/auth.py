@@ -41,7 +41,7 @@ def key_matches(authorization: str | None, key: str) -> bool:
     scheme is case-insensitive). The keys are compared as SHA-256 digests with
     compare_digest: the time taken says nothing of how much of the key, or its length,
     matched."""
-    if authorization is None:
+    if authorization is None or not key:  # an empty key is no key anyone holds
         return False
     scheme, _, token = authorization.strip().partition(" ")
     if scheme.lower() != "bearer":
@@ -60,9 +60,11 @@ def unauthorized() -> JSONResponse:
 
 def require_api_key(app: FastAPI, key: str | None, guarded: Guarded = V1_ROUTES) -> None:
     """With a key, every request to a `guarded` path must carry it; without one, nothing is
-    checked."""
+    checked. An empty key (an unset $SECRET) is a ValueError, never an open door."""
     if key is None:
         return
+    if not key.strip():
+        raise ValueError("api_key is empty: give a key, or None for no key")
 
     @app.middleware("http")
     async def api_key(request: Request, call_next: Any) -> Response:

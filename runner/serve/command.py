@@ -86,6 +86,8 @@ def serve(
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with /health
     and Prometheus /metrics, over one engine that batches every request continuously."""
+    if api_key is not None and not api_key.strip():  # an unset $SECRET: not "no key"
+        raise click.BadParameter("the key is empty", param_hint="--api-key")
     from runner.cli.startup import start_up_without_gc
     from runner.disagg.serve_role import start_role
     from runner.engine.frozen_heap import freeze_server_heap
@@ -94,8 +96,6 @@ def serve(
     from runner.serve.masking import Masker
     from runner.serve.server import run_server
 
-    if api_key is not None and not api_key.strip():  # an unset $SECRET: not "no key"
-        raise click.BadParameter("the key is empty", param_hint="--api-key")
     name = served_model_name or (Path(model).stem if model else DEFAULT_MODEL_NAME)
     engine_options["record_metrics"] = False  # a server's memory must not grow per token
     engine_options["prefault_kv_cache"] = True  # its pool's page faults at start, not in steps

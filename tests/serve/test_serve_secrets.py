@@ -9,8 +9,10 @@ from typing import Any
 
 import httpx
 import pytest
+from click.testing import CliRunner
 
 from runner.serve.auth import key_matches
+from runner.serve.command import serve as serve_command
 from runner.serve.masking import Masker
 from tests.serve.conftest import ServeFactory
 
@@ -50,6 +52,15 @@ def test_every_route_but_health_needs_the_key(serve: ServeFactory) -> None:
 )
 def test_key_matches(header: str | None, matches: bool) -> None:
     assert key_matches(header, KEY) is matches
+
+
+def test_an_empty_key_is_refused_not_open(serve: ServeFactory) -> None:
+    assert not key_matches("Bearer ", "")
+    with pytest.raises(ValueError, match="api_key is empty"), serve(api_key=""):
+        pass
+    # `--api-key "$UNSET"`: refused before the model loads
+    result = CliRunner().invoke(serve_command, ["--api-key", ""])
+    assert result.exit_code == 2 and "the key is empty" in result.output, result.output
 
 
 def test_error_texts_show_no_secret(serve: ServeFactory, monkeypatch: pytest.MonkeyPatch) -> None:
