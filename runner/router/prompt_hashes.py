@@ -17,7 +17,8 @@ from runner.serve.protocol import ChatMessage
 
 class PromptHasher:
     """Token ids and block hashes of request bodies; None where a body has no prompt this can
-    read (the replica then answers it, with its 400 if it is bad)."""
+    read, or asks for its own chat template (the replica then answers it, with its 400 if it
+    is bad)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -26,6 +27,11 @@ class PromptHasher:
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         try:
             if path.endswith("/chat/completions"):
+                if "chat_template" in (body.get("chat_template_kwargs") or {}):
+                    # A client's own template is code the router does not run: a loop in it
+                    # could hold a thread for minutes (issue 42). The request is routed by
+                    # load alone, and the replica renders it, or refuses it.
+                    return None
                 messages = [
                     ChatMessage.model_validate(m).as_template_message() for m in body["messages"]
                 ]
