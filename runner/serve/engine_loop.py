@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,7 +201,8 @@ class EngineLoop:
             try:
                 sub.on_queued(seqs)
             except Exception:  # noqa: BLE001 - the hook's failure is not the request's
-                log.exception("request %s: its on_queued hook failed", sub.request_id)
+                trace = self._masker.mask(traceback.format_exc())  # it may quote a URL
+                log.error("request %s: its on_queued hook failed\n%s", sub.request_id, trace)
         tracked = _Tracked(sub.index, sink, seqs, arrival=time.perf_counter())
         for s in seqs:
             tracked.texts[s.seq_id] = TextStream(llm.stopper, s.params.skip_special_tokens)
