@@ -9,6 +9,11 @@ greedy-equality check against transformers' unbatched `generate` on a tiny model
 Results are printed and written as JSON after each phase, and a phase that fails records its
 error and lets the next one run, so a run cut short or broken still leaves what it measured.
 `--device cpu --quick` runs everything at toy sizes in seconds.
+
+Each run's decode time is set beside its floor: the K/V and weight bytes it must read at the
+device's bandwidth (`--bandwidth`, an H200's 4.8 TB/s by default; runner/bench/gpu_floor.py).
+`--workload shared-prefix` runs the shared-prefix workload instead (256 requests behind one
+2,048-token system prompt, four ways: runner/bench/gpu_shared_prefix.py).
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ from typing import Any
 
 import torch
 
+from runner.bench.gpu_floor import H200_BYTES_PER_S, ModelBytes, decode_floor, model_bytes
+from runner.bench.gpu_shared_prefix import (
+    make_shared_prefix_workload,
+    run_shared_prefix_ways,
+    step_bytes_report,
+)
 from runner.bench.gpu_step_profile import decode_step_profile, rms_norm_us
 from runner.bench.gpu_workload import (
     EOS_ID,
@@ -49,14 +60,24 @@ def _release(device: str) -> None:
 
 
 def run_kvcache(
-    path: Path, requests: list[BenchRequest], device: str, options: dict[str, Any]
+    path: Path,
+    requests: list[BenchRequest],
+    device: str,
+    options: dict[str, Any],
+    prepare: Callable[[Any], None] | None = None,
+    keep_tokens: bool = False,
+    profile: bool = True,
 ) -> dict[str, Any]:
-    """Throughput of kvcache.LLM on the workload, EOS ignored, greedy; start-up excluded."""
+    """Throughput of kvcache.LLM on the workload, EOS ignored, greedy; start-up excluded.
+    `prepare(llm)` runs once the engine is built (a bench's choice of attention backend);
+    `keep_tokens` returns every request's output tokens; `profile` adds the step profile."""
     from kvcache import LLM, SamplingParams
 
     start = time.perf_counter()
     llm = LLM(str(path), device=device, **options)
     startup = time.perf_counter() - start
+    if prepare is not None:
+        prepare(llm)
     warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     # Triton specialises an int argument on == 1 / divisible by 16 / neither, and the prefill
     # kernel's block-table row stride is the step's widest table: one prompt of each kind (1, 3
@@ -93,7 +114,14 @@ def run_kvcache(
         "cuda_graphs": graphs is not None,
         "cuda_graph_replays": (graphs.num_replays - replays_before) if graphs is not None else 0,
         **step_times(steps),
+        "model_bytes": model_bytes(path, llm.runner.kv.dtype)._asdict(),
     }
+    if keep_tokens:
+        result["token_ids"] = [list(o.token_ids) for o in outs]
+    if not profile:
+        del llm, outs, graphs
+        _release(device)
+        return result
     # A diagnostic, which must never cost the run its own figures: the run's median decode
     # batch at a context halfway through the median request.
     try:
@@ -180,6 +208,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="engine only (no ratio)")
     p.add_argument("--skip-check", action="store_true", help="no greedy-equality check")
     p.add_argument(
+        "--workload",
+        choices=["nano-vllm", "shared-prefix"],
+        default="nano-vllm",
+        help="nano-vllm's benchmark (against transformers), or the shared-prefix workload run "
+        "four ways (prefix cache off, on, on eagerly, on with shared-prefix attention)",
+    )
+    p.add_argument("--prefix-len", type=int, default=2048, help="shared-prefix: system prompt")
+    p.add_argument("--own-len", type=int, nargs=2, default=[50, 200], metavar=("MIN", "MAX"))
+    p.add_argument("--new-tokens", type=int, default=128, help="shared-prefix: tokens each")
+    p.add_argument(
+        "--bandwidth", type=float, default=H200_BYTES_PER_S, help="device bytes/s for the floor"
+    )
+    p.add_argument(
         "--hf-deadline-s",
         type=float,
         default=270.0,  # transformers took 244 s on an H200 (2026-11-30)
@@ -190,6 +231,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.shape, args.num_seqs, args.min_len = "tiny", 4, 4
         args.max_input_len, args.max_output_len = 24, 12
         args.max_num_seqs, args.max_num_batched_tokens = 8, 64
+        args.prefix_len, args.own_len, args.new_tokens = 32, [4, 8], 4
     return args
 
 
@@ -226,6 +268,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         folder = build_random_model(args.shape, Path(tmp) / args.shape, dtype, device)
         vocab = vocab_size(args.shape)
+        options = {
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "attention_backend": "triton" if device.startswith("cuda") else None,
+        }
+        if args.workload == "shared-prefix":
+            shared = make_shared_prefix_workload(
+                args.num_seqs,
+                args.prefix_len,
+                (args.own_len[0], args.own_len[1]),
+                args.new_tokens,
+                (0, min(10000, vocab - 1)),
+                args.seed,
+            )
+            phase("workload", lambda: _workload_summary(args.shape, shared))
+            phase(
+                "shared_prefix",
+                lambda: _shared_prefix(folder, shared, device, options, dtype, args),
+            )
+            return report
         requests = make_workload(
             args.num_seqs,
             args.min_len,
@@ -235,12 +297,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.seed,
         )
         phase("workload", lambda: _workload_summary(args.shape, requests))
-        options = {
-            "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "attention_backend": "triton" if device.startswith("cuda") else None,
-        }
         phase("kvcache", lambda: run_kvcache(folder, requests, device, options))
+        phase("decode_floor", lambda: _floor(report["kvcache"], requests, args.bandwidth))
         if not args.skip_hf:
             phase("hf_generate_batch", lambda: _run_hf(folder, requests, device, args))
             phase("ratio", lambda: _ratio(report))
@@ -248,6 +306,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             tiny = Path(tmp) / "tiny"
             phase("correctness", lambda: check_greedy(_tiny_model(tiny), device))
     return report
+
+
+def _floor(
+    result: dict[str, Any], requests: list[BenchRequest], bytes_per_s: float
+) -> dict[str, Any]:
+    """The run's decode time beside the floor its K/V and weight bytes set."""
+    sizes = ModelBytes(**result["model_bytes"])
+    floor = decode_floor(requests, sizes, int(result["decode_steps"]), bytes_per_s)
+    return {
+        **floor,
+        "decode_s": result["decode_s"],
+        "over_floor": result["decode_s"] / floor["floor_s"],
+    }
+
+
+def _shared_prefix(
+    folder: Path,
+    requests: list[BenchRequest],
+    device: str,
+    options: dict[str, Any],
+    dtype: torch.dtype,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The shared-prefix workload four ways, and the bytes one decode step reads both ways."""
+    ways = run_shared_prefix_ways(
+        run_kvcache, folder, requests, device, options, args.bandwidth, args.quick
+    )
+    sized = next((w["model_bytes"] for w in ways.values() if "model_bytes" in w), None)
+    if sized is not None:
+        block = 16  # the engine's default block size, which the bench keeps
+        sizes = ModelBytes(**sized)
+        ways["step_bytes"] = step_bytes_report(
+            requests, args.prefix_len, sizes, block, dtype, args.bandwidth
+        )
+    return ways
 
 
 def _workload_summary(shape: str, requests: list[BenchRequest]) -> dict[str, Any]:

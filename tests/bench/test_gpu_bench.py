@@ -14,9 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+from runner.bench.gpu_floor import ModelBytes, decode_floor, model_bytes
+from runner.bench.gpu_shared_prefix import make_shared_prefix_workload, step_bytes_report
 from runner.bench.gpu_workload import build_random_model, make_workload
 from runner.bench.hf_continuous import tokens_in_flight
 from runner.bench.peers import load_hf_model
+from runner.bench.workloads import BenchRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,6 +60,8 @@ def test_gpu_bench_quick_cpu(tmp_path: Path) -> None:
     assert timed["decode_steps"] > 0 and timed["prefill_steps"] > 0
     assert 0 < timed["decode_s"] + timed["prefill_s"] <= timed["wall_s"]
     assert 1 <= timed["decode_batch_median"] <= report["workload"]["num_seqs"]
+    floor = report["decode_floor"]  # decode time beside the bytes it must read
+    assert floor["floor_s"] > 0 and floor["over_floor"] == timed["decode_s"] / floor["floor_s"]
 
 
 def test_gpu_bench_keeps_going_after_a_failed_phase(
@@ -142,3 +147,89 @@ def test_tokens_in_flight_counts_transformers_running_requests(tmp_path: Path) -
     assert seen[0] is not None and seen[-1] is not None and seen[-1] >= 20, seen[-5:]
     assert finished is None or not finished.is_finished()  # counted before any request ended
     assert all(isinstance(n, int) and 0 <= n <= 3 * 400 for n in seen)
+
+
+def test_shared_prefix_workload_shares_one_system_prompt() -> None:
+    a = make_shared_prefix_workload(256, 2048, (50, 200), 128, (0, 10000), seed=0)
+    assert a == make_shared_prefix_workload(256, 2048, (50, 200), 128, (0, 10000), seed=0)
+    system = a[0].prompt_token_ids[:2048]
+    for r in a:
+        assert r.prompt_token_ids[:2048] == system and r.max_tokens == 128
+        assert 50 <= len(r.prompt_token_ids) - 2048 <= 200
+    assert len({tuple(r.prompt_token_ids[2048:2060]) for r in a}) == 256  # their own parts
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="on a GPU machine scripts/gpu_check.sh runs the real bench"
+)
+def test_shared_prefix_workload_quick_cpu(tmp_path: Path) -> None:
+    """The shared-prefix workload four ways at toy sizes: every way completes with the same
+    greedy tokens, only the last reads the system prompt once (through the Triton kernels, in
+    the interpreter), and a step's bytes drop to the ideal."""
+    import runner.bench.gpu_bench as gpu_bench
+
+    out = tmp_path / "bench.json"
+    args = ["--device", "cpu", "--quick", "--workload", "shared-prefix", "--out", str(out)]
+    report = gpu_bench.main(args)
+    ways = report["shared_prefix"]
+    for name in ("cache_off", "cache_on", "cache_on_eager", "shared_prefix"):
+        assert ways[name]["complete"], ways[name]
+        assert ways[name]["same_tokens_as_cache_on"] is True, name
+        assert ways[name]["decode_floor"]["floor_s"] > 0
+    assert ways["cache_on_eager"]["steps_reading_a_prefix_once"] == 0
+    assert (
+        ways["shared_prefix"]["steps_reading_a_prefix_once"]
+        >= ways["shared_prefix"]["decode_steps"]
+    )
+    step = ways["step_bytes"]
+    assert step["kv_bytes_shared_prefix"] < step["kv_bytes_plain"]
+    assert step["shared_over_ideal"] == 1.0  # 4 members: one chunk reads the prefix once
+    assert json.loads(out.read_text())["shared_prefix"]["step_bytes"] == step
+
+
+def test_model_bytes_count_the_checkpoint(tmp_path: Path) -> None:
+    """The tiny model (untied: its embedding is looked up, its LM head read) in float32, and
+    in bf16 (the K/V and weights at 2 bytes)."""
+    folder = build_random_model("tiny", tmp_path / "tiny", torch.float32, "cpu")
+    hf = load_hf_model(folder, "cpu")
+    params = sum(p.numel() for p in hf.parameters())
+    embedding = hf.get_input_embeddings().weight.numel()
+    sizes = model_bytes(folder, torch.float32)
+    assert sizes == ModelBytes((params - embedding) * 4, 2 * 2 * 32 * 4, 2, 2)
+    assert model_bytes(folder, torch.bfloat16) == ModelBytes(
+        (params - embedding) * 2, 2 * 2 * 32 * 2, 2, 2
+    )
+
+
+def test_decode_floor_and_step_bytes_exactly() -> None:
+    """Two requests: prompts of 3 and 5 tokens, 3 and 2 new ones. The first token of each is
+    the prefill's; the decodes feed tokens 1 and 2 of the first (contexts 4 and 5) and token 1
+    of the second (context 6); 100 bytes a token a layer, 2 layers; 4 decode steps each
+    reading 1,000 bytes of weights; 1,000 bytes/s."""
+    sizes = ModelBytes(weights=1000, kv_per_token=100, num_layers=2, gqa=2)
+    requests = [BenchRequest("a", [1, 2, 3], 3), BenchRequest("b", [1, 2, 3, 4, 5], 2)]
+    floor = decode_floor(requests, sizes, decode_steps=4, bytes_per_s=1000.0)
+    assert floor["kv_bytes"] == (4 + 5 + 6) * 100 * 2
+    assert floor["weight_bytes"] == 4000
+    assert floor["floor_s"] == (3000 + 4000) / 1000.0
+    # A step halfway: 3 requests behind a 32-token prefix (2 blocks of 16), contexts 40, 42, 44.
+    shared = [BenchRequest(str(i), [7] * 32 + [i] * (6 + 2 * i), 4) for i in range(3)]
+    got = step_bytes_report(shared, 32, sizes, 16, torch.bfloat16, 1000.0)
+    assert got["kv_bytes_plain"] == (40 + 42 + 44) * 100 * 2
+    assert got["kv_bytes_shared_prefix"] == got["kv_bytes_ideal"] == (32 + 8 + 10 + 12) * 200
+    assert got["floor_ms_plain"] == 1e3 * (25200 + 1000) / 1000.0
+
+
+def test_gpu_cascade_quick_cpu(tmp_path: Path) -> None:
+    """The cost model's measurement (runner/bench/gpu_cascade.py) at toy sizes in the
+    interpreter: both decodes agree at every point, and the fit is reported."""
+    from runner.bench import gpu_cascade
+
+    out = tmp_path / "cascade.json"
+    report = gpu_cascade.main(["--device", "cpu", "--quick", "--out", str(out)])
+    assert len(report["points"]) == 4
+    for point in report["points"]:
+        assert point["max_abs_diff"] < 1e-5 and point["plain_us"] > 0 and point["shared_us"] > 0
+        assert point["model_says"] is False  # toy prefixes never pay
+    assert report["fit"]["keeps_rule"] is True
+    assert json.loads(out.read_text())["fit"] == report["fit"]

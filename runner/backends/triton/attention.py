@@ -39,6 +39,7 @@ from runner.backends.triton.shared_prefix import SharedPrefixPlan, plan_decode_s
 
 __all__ = [
     "decode_attention",
+    "planned_shared_prefix",
     "prefill_attention",
     "store_kv",
     "triton_backend",
@@ -204,6 +205,13 @@ def triton_paged_attention(
         window=window,
         softcap=softcap,
     )
+
+
+def planned_shared_prefix(meta: AttentionMetadata) -> SharedPrefixPlan | None:
+    """The shared-prefix plan a decode step ran with (None: none, or not planned yet)."""
+    cached = meta._shared_prefix
+    plan: SharedPrefixPlan | None = None if cached is None else cached[1]
+    return plan
 
 
 def step_shared_prefix(
