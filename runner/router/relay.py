@@ -107,7 +107,7 @@ async def relay(
         return Response(content, response.status_code, headers, media_type or None)
 
     async def events() -> AsyncIterator[bytes]:
-        first, pending = FirstToken(), b""
+        first, pending, done = FirstToken(), b"", False
         timed = _timed(response, timeouts, sent_at, lambda: first.seen)
         try:
             async with contextlib.aclosing(timed) as chunks:
@@ -116,13 +116,15 @@ async def relay(
                         hooks.first_output()
                     whole, pending = _whole_events(pending + chunk)
                     if whole:
+                        done = done or b"data: [DONE]" in whole
                         yield whole
             if pending:
                 yield pending  # the upstream's last bytes, as it ended them
         except (httpx.HTTPError, UpstreamSilent) as err:
             hooks.failed(err)  # the cut event (pending) is dropped: it is no event
-            message = _message(hooks.who, err, streaming=True)
-            yield (sse(error_body(message, "server_error")) + sse("[DONE]")).encode()
+            if not done:  # after its [DONE] the client has the whole answer
+                message = _message(hooks.who, err, streaming=True)
+                yield (sse(error_body(message, "server_error")) + sse("[DONE]")).encode()
         finally:  # the client left, or the stream ended: the upstream request ends too
             await response.aclose()
             hooks.end()
