@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvcache.redaction import redact_url
 from runner.backends.cpu.quant import CPU_WEIGHT_DTYPES
 from runner.kv_events.config import KVEventsConfig
 
@@ -94,7 +95,7 @@ class EngineConfig:
     host_cache_bytes: int | None = None
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 10 * 2**30
-    remote_cache_url: str | None = None
+    remote_cache_url: str | None = field(default=None, repr=False)  # may carry a password
     # Tokens a disk or Redis value holds (consecutive blocks of a chain, a multiple of the block
     # size): one key and one header per chunk, not per block (LMCache's unit is 256 too);
     # block_size: one block a value.
@@ -184,6 +185,8 @@ class EngineConfig:
                 f"cache_chunk_tokens must be a positive multiple of block_size "
                 f"({self.block_size}), got {chunk}"
             )
+        if self.cache_key == "":  # an unset $SECRET: signing must not silently turn off
+            raise ValueError("cache_key is empty: give a key, or None for no signing")
         if self.disk_cache_bytes < 1:
             raise ValueError(f"disk_cache_bytes must be >= 1, got {self.disk_cache_bytes}")
         if self.remote_cache_url is not None and not self.remote_cache_url.startswith(
@@ -191,7 +194,7 @@ class EngineConfig:
         ):
             raise ValueError(
                 "remote_cache_url must look like redis://host:port/db, "
-                f"got {self.remote_cache_url!r}"
+                f"got {redact_url(self.remote_cache_url)!r}"
             )
         if self.has_tiers and not self.enable_prefix_caching:
             raise ValueError("host/disk/remote cache tiers need the prefix cache on")

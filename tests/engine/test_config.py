@@ -82,3 +82,14 @@ def test_max_model_len_bounds_requests_and_the_pool(
     assert full.generate([prompt], params)[0].token_ids == out[0].token_ids
     with pytest.raises(ValueError, match="longer than the model's context"):
         LLM(str(path), max_model_len=513)
+
+
+def test_an_empty_cache_key_and_a_remote_password_are_not_silent() -> None:
+    """cache_key="" (an unset $SECRET) is refused, not unsigned; a bad remote URL's error
+    and the config's repr never show its password."""
+    with pytest.raises(ValueError, match="cache_key is empty"):
+        EngineConfig(cache_key="")
+    with pytest.raises(ValueError, match="remote_cache_url") as err:
+        EngineConfig(remote_cache_url="http://:hunter2@127.0.0.1:1")
+    assert "hunter2" not in str(err.value)
+    assert "hunter2" not in repr(EngineConfig(remote_cache_url="redis://:hunter2@127.0.0.1:1/0"))
