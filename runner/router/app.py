@@ -97,7 +97,7 @@ class Router:
             return await relay(
                 response, sent_at, self.timeouts, self._hooks(work), _passed_back(response)
             )
-        message = "no replica could take the request (all are down or draining)"
+        message = "no replica could take the request (all are down, draining or timed out)"
         return JSONResponse(error_body(message, "service_unavailable"), 503)
 
     async def _send(
