@@ -1,26 +1,53 @@
 #!/usr/bin/env bash
-# GPU check of the CUDA runner: the CUDA tests, then the throughput bench against transformers'
-# continuous batching. Every stage runs under `timeout` (SIGINT first, so pytest still prints its
-# summary and Python a traceback of where it stuck): typically about 7 minutes, and about 9 at
-# most whatever hangs (every stage at its limit; the last, optional one only starts before
-# 520 s). Everything, the bench JSON included, lands in one file, and goes to stdout too (the
-# device tool returns the output's tail).
+# GPU check of the CUDA runner, one command for a session that has the GPU (issue 39):
+#   1. the CUDA tests (the CUDA, GPU bench, Triton and engine ones);
+#   2. the shared-prefix decode against the plain one (runner.bench.gpu_cascade: the data the
+#      cost model is fitted to and checked by, with its verdict);
+#   3. the shared-prefix workload four ways (prefix cache off, on, on eagerly, on with
+#      shared-prefix attention), with the bytes a decode step reads both ways;
+#   4. nano-vllm's benchmark against transformers' continuous batching (runner.bench.gpu_bench),
+#      decode time beside its memory floor;
+#   5. the host's time per engine step, if time is left.
+# Every stage runs under `timeout` (SIGINT first, so pytest still prints its summary and Python a
+# traceback of where it stuck): about 7 minutes in all, under 10 whatever hangs (the last,
+# optional stage only starts before 520 s). Each stage's JSON lands beside the result file, and
+# everything goes to stdout too (the device tool returns the output's tail).
 #
-# usage: scripts/gpu_check.sh [RESULT_FILE]     default: $OUT/gpu_check.txt (else /tmp/...)
-# knobs: GPU_CHECK_TESTS_S (default 150), GPU_CHECK_BENCH_S (default 340),
-#        GPU_CHECK_TESTS (the test files; default: the CUDA, GPU bench, Triton and engine ones),
-#        GPU_CHECK_BENCH_ARGS (extra runner.bench.gpu_bench flags, e.g. "--num-seqs 128"),
+# usage: scripts/gpu_check.sh [RESULT_FILE]   default: $OUT/gpu_check.txt (else /tmp/...)
+#        scripts/gpu_check.sh --dry-run [RESULT_FILE]   every stage at toy sizes on the CPU
+#                                                       (Triton's interpreter): a minute or two
+# knobs: GPU_CHECK_TESTS_S (150), GPU_CHECK_CASCADE_S (60), GPU_CHECK_SHARED_S (150),
+#        GPU_CHECK_BENCH_S (190), GPU_CHECK_TESTS (the test files),
+#        GPU_CHECK_BENCH_ARGS (extra gpu_bench flags; default "--hf-deadline-s 100"),
 #        PYTHON (default: python3, else python)
 set -u
 cd "$(dirname "$0")/.."
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then
+  DRY=1
+  shift
+fi
 RESULT="${1:-${OUT:-/tmp}/gpu_check.txt}"
 mkdir -p "$(dirname "$RESULT")"
-BENCH_JSON="$(dirname "$RESULT")/gpu_bench.json"
+DIR="$(dirname "$RESULT")"
 TESTS_S="${GPU_CHECK_TESTS_S:-150}"
-BENCH_S="${GPU_CHECK_BENCH_S:-340}"
+CASCADE_S="${GPU_CHECK_CASCADE_S:-60}"
+SHARED_S="${GPU_CHECK_SHARED_S:-150}"
+BENCH_S="${GPU_CHECK_BENCH_S:-190}"
 DEFAULT_TESTS="tests/model/test_cuda.py tests/bench/test_gpu_bench.py tests/backends/triton/test_triton_attention.py"
 DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_rms_norm.py"
+DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_shared_prefix.py"
 TESTS="${GPU_CHECK_TESTS:-$DEFAULT_TESTS tests/engine/test_engine_equivalence.py}"
+BENCH_ARGS="${GPU_CHECK_BENCH_ARGS:---hf-deadline-s 100}"
+TOY=""  # the dry run's flags: CPU, toy sizes
+HOST_ARGS="--skip-forward"
+if [ "$DRY" = 1 ]; then
+  TOY="--device cpu --quick"
+  TESTS="${GPU_CHECK_TESTS:-tests/backends/triton/test_triton_shared_prefix.py}"
+  BENCH_ARGS="${GPU_CHECK_BENCH_ARGS:---skip-hf}"
+  HOST_ARGS="--skip-forward --num-seqs 4 --prompt-len 8 --max-tokens 6"
+  export TRITON_INTERPRET=1
+fi
 # The scripts import the project from this checkout (the GPU machine does not install it).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The GPU machine has no network: never wait on a hub look-up.
@@ -31,18 +58,30 @@ PY="${PYTHON:-$(command -v python3 || command -v python)}"
 START=$(date +%s)
 
 section() { printf '\n== %s  (t=%ss)\n' "$1" "$(($(date +%s) - START))"; }
-verdict() {  # name, exit code
+verdict() { # name, exit code
   case "$2" in
     0) echo "-- $1: OK" ;;
     124 | 137) echo "-- $1: TIMED OUT (exit $2)" ;;
     *) echo "-- $1: FAILED (exit $2)" ;;
   esac
 }
+# stage NAME LIMIT_S JSON ARGS...: one python -m run under its limit, its JSON shown after it
+stage() {
+  local name="$1" limit="$2" json="$3"
+  shift 3
+  section "$name (limit ${limit}s)"
+  rm -f "$json"
+  timeout -s INT -k 15 "$limit" "$PY" "$@" --out "$json"
+  verdict "$name" $?
+  section "$name results (JSON; partial if cut short)"
+  cat "$json" 2>/dev/null || echo "(no JSON written)"
+}
 
 {
   section "environment"
   date -u
   git rev-parse --short HEAD 2>/dev/null || true
+  [ "$DRY" = 1 ] && echo "DRY RUN: toy sizes on the CPU; no figure here means anything"
   timeout 20 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version \
     --format=csv 2>&1 || echo "nvidia-smi unavailable"
   timeout 60 "$PY" -c 'import torch, triton, transformers
@@ -52,25 +91,25 @@ print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "
 
   section "tests (limit ${TESTS_S}s)"
   # shellcheck disable=SC2086  # TESTS is a list of paths on purpose
-  timeout -s INT -k 15 "$TESTS_S" "$PY" -m pytest -v --tb=short -rs -p no:cacheprovider --durations=10 \
-    $TESTS
+  timeout -s INT -k 15 "$TESTS_S" "$PY" -m pytest -v --tb=short -rs -p no:cacheprovider \
+    --durations=10 $TESTS
   verdict "tests" $?
 
-  section "bench (limit ${BENCH_S}s)"
-  rm -f "$BENCH_JSON"
-  # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of flags on purpose
-  timeout -s INT -k 15 "$BENCH_S" "$PY" -m runner.bench.gpu_bench --out "$BENCH_JSON" ${GPU_CHECK_BENCH_ARGS:-}
-  verdict "bench" $?
-
-  section "bench results (JSON; partial if the bench was cut short)"
-  cat "$BENCH_JSON" 2>/dev/null || echo "(no bench JSON written)"
+  # shellcheck disable=SC2086  # TOY and BENCH_ARGS are lists of flags on purpose
+  stage "cascade cost model" "$CASCADE_S" "$DIR/gpu_cascade.json" -m runner.bench.gpu_cascade $TOY
+  # shellcheck disable=SC2086
+  stage "shared-prefix workload" "$SHARED_S" "$DIR/gpu_shared_prefix.json" \
+    -m runner.bench.gpu_bench --workload shared-prefix --skip-hf --skip-check $TOY
+  # shellcheck disable=SC2086
+  stage "bench" "$BENCH_S" "$DIR/gpu_bench.json" -m runner.bench.gpu_bench $TOY $BENCH_ARGS
 
   # This host's Python between steps, on its own CPU (tiny model, ~10 s): set against the
   # bench's decode_step_ms_median, it says whether the GPU waits on the host. Only with time
   # to spare: the whole check must stay inside the device tool's 10 minutes a command.
   section "host time per step (limit 30s)"
   if [ $(($(date +%s) - START)) -lt 520 ]; then
-    timeout -s INT -k 5 30 "$PY" scripts/host_step.py --skip-forward
+    # shellcheck disable=SC2086
+    timeout -s INT -k 5 30 "$PY" scripts/host_step.py $HOST_ARGS
     verdict "host step" $?
   else
     echo "-- host step: skipped (the check has run for over 520 s)"
