@@ -31,6 +31,7 @@ class StepSplit(ctypes.Structure):
         ("longer_starts", _ptr),
         ("longer_lens", _ptr),
         ("longer_contexts", _ptr),
+        ("tiled_decodes", _long),
     ]
 
 
@@ -45,6 +46,7 @@ def step_split(split: CpuSplit) -> StepSplit:
         out.decode_max_blocks = tables.shape[1]
         out.decode_lens = contexts.data_ptr()
         out.shared_blocks = split.shared_blocks
+        out.tiled_decodes = split.tiled_decodes
     if split.longer is not None:
         tables, starts, lens, contexts = split.longer
         out.num_longer = lens.numel()
@@ -65,6 +67,8 @@ SIGNATURES: dict[str, tuple[Sequence[type], type | None]] = {
     # q, caches, tables, context lengths, out; S, Hq, Hkv, D, block size, max blocks, shared
     # blocks, window (0: none); scale, soft cap (0: none); float16 caches
     "decode_attention": ([_ptr] * 6 + [_long] * 8 + [_float] * 2 + [_int], _int),
+    # decode_attention's, each row summed as prefill_attention sums it (deterministic mode)
+    "tiled_decode_attention": ([_ptr] * 6 + [_long] * 8 + [_float] * 2 + [_int], _int),
     # q, its token stride; caches, tables, query starts and lengths, context lengths, out; S, Hq,
     # Hkv, D, block size, max blocks, window (0: none); scale, soft cap (0: none); float16 caches
     "prefill_attention": ([_ptr, _long] + [_ptr] * 7 + [_long] * 7 + [_float] * 2 + [_int], _int),

@@ -90,26 +90,41 @@ def batch_invariant_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Every sequence of the step, decodes too, through prefill_attention.c's tile
+    """The C kernels with each query row summed in one order, prefill_attention.c's tile's
     (CpuSplit.for_step's batch_invariant): a row's output is bitwise the same whatever else the
     step holds, whether it is a prompt's, a decode's or a recompute's, and wherever its prompt's
-    chunk or cached prefix ends (docs/DETERMINISM.md). Raises ValueError where the kernel cannot
-    take these shapes: there is no other path whose sums are fixed."""
+    chunk or cached prefix ends (docs/DETERMINISM.md). Raises ValueError where the kernels
+    cannot take these shapes: there is no other path whose sums are fixed."""
     kernels = load_cpu_kernels()
-    if kernels is None or not kernels.prefill_supported(q, k_cache):
+    if kernels is None or not kernels.decode_supported(q, k_cache):
         raise ValueError(
-            f"deterministic attention needs the CPU prefill kernel for q {tuple(q.shape)}, "
+            f"deterministic attention needs the CPU attention kernels for q {tuple(q.shape)}, "
             f"cache block {tuple(k_cache.shape[1:])}"
         )
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     group = q.shape[1] // k_cache.shape[2]
-    split = CpuSplit.for_step(meta, False, group, k_cache.shape[1], batch_invariant=True)
-    assert split.longer is not None  # batch_invariant: every sequence is one
-    tables, starts, lens, contexts = split.longer
+    split = CpuSplit.for_step(meta, True, group, k_cache.shape[1], batch_invariant=True)
     out = torch.empty_like(q)
-    kernels.prefill_attention(
-        q, k_cache, v_cache, tables, starts, lens, contexts, out, scale, window, softcap
-    )
+    if split.decodes is not None:
+        rows, tables, contexts = split.decodes
+        decoded = kernels.decode_attention(
+            q.index_select(0, rows),
+            k_cache,
+            v_cache,
+            tables,
+            contexts,
+            scale,
+            split.shared_blocks,
+            window,
+            softcap,
+            tiled=True,
+        )
+        out.index_copy_(0, rows, decoded)
+    if split.longer is not None:
+        tables, starts, lens, contexts = split.longer
+        kernels.prefill_attention(
+            q, k_cache, v_cache, tables, starts, lens, contexts, out, scale, window, softcap
+        )
     return out
 
 

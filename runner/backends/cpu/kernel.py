@@ -50,6 +50,7 @@ class CpuKernels:
         # Whether it was built with AVX512-VNNI, for int8 quad panels.
         self.has_quads = bool(library.panel_gemm_has_quads())
         self._decode = library.decode_attention
+        self._tiled_decode = library.tiled_decode_attention
         self._prefill = library.prefill_attention
         self._rms_norm = library.rms_norm
         self._silu_and_mul = library.silu_and_mul
@@ -123,6 +124,7 @@ class CpuKernels:
         shared_blocks: int = 0,
         window: int | None = None,
         softcap: float | None = None,
+        tiled: bool = False,
     ) -> torch.Tensor:
         """One query token per sequence: q [S, Hq, D]; caches [blocks, B, Hkv, D]; block_tables
         [S, max_blocks] int32; context_lens [S] int32. Returns [S, Hq, D], sequence s attending
@@ -130,11 +132,12 @@ class CpuKernels:
         With `shared_blocks`, every table starts with those same blocks and every context is
         longer: they are scored for all rows together (unless a window starts past key 0).
         A `softcap` c makes each score s = (q . k) * scale c * tanh(s / c) (None: as it is).
-        Check decode_supported first."""
+        `tiled`: each row summed as prefill_attention sums a prompt's row at its position
+        (tiled_decode.c, deterministic mode). Check decode_supported first."""
         num_seqs, hq, d = q.shape
         _, block_size, hkv, _ = k_cache.shape
         q, tables, lens, out = decode_operands(q, k_cache, v_cache, block_tables, context_lens)
-        status = self._decode(
+        status = (self._tiled_decode if tiled else self._decode)(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),

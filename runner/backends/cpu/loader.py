@@ -49,6 +49,7 @@ SOURCES = tuple(
         "quad_gemm.c",
         "decode_attention.c",
         "prefill_attention.c",
+        "tiled_decode.c",
         "elementwise.c",
         "rope_store.c",
         "layers.c",

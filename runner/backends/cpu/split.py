@@ -30,6 +30,9 @@ class CpuSplit:
     # every layer: in a layer whose sliding window starts past key 0 for some decode,
     # decode_attention.c reads them per sequence instead (it never scores a key out of a window).
     shared_blocks: int = 0
+    # Deterministic mode: the decodes go to tiled_decode.c, which sums each row as
+    # prefill_attention.c's tile sums a prompt's row at that position.
+    tiled_decodes: bool = False
 
     @classmethod
     def for_step(
@@ -41,15 +44,15 @@ class CpuSplit:
         batch_invariant: bool = False,
     ) -> CpuSplit:
         """The step's split: built by its first layer, kept on `meta` for the others.
-        `batch_invariant` (EngineConfig.deterministic, docs/DETERMINISM.md): every sequence,
-        decodes too, goes to prefill_attention.c, whose tile sums each query row in one order
-        (16 keys at a time from key 0, per key a sequential dot product over the head) whatever
-        rows share its tile, wherever its prompt's chunk or cached prefix ends, and whether it is
-        a prompt's, a decode's or a recompute's row; no prefix is scored for several sequences
-        together in another order."""
+        `batch_invariant` (EngineConfig.deterministic, docs/DETERMINISM.md): the decodes go to
+        tiled_decode.c, which sums each query row as prefill_attention.c's tile does (16 keys at
+        a time from key 0, per key a sequential dot product over the head), the tile's order
+        whatever rows share it, wherever a prompt's chunk or cached prefix ends, and whether
+        the row is a prompt's, a decode's or a recompute's."""
         if meta._cpu_split is None:
-            kernel = decode_kernel and not batch_invariant
-            meta._cpu_split = cls.of(meta, kernel, group, block_size)
+            built = cls.of(meta, decode_kernel, group, block_size)
+            built.tiled_decodes = batch_invariant and built.decodes is not None
+            meta._cpu_split = built
         split: CpuSplit = meta._cpu_split
         return split
 

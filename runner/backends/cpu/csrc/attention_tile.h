@@ -73,6 +73,15 @@ static inline void soft_cap_scores(float *scores, long n, float softcap)
     }
 }
 
+/* A tile's state before its first key: no max, no sum, out^T zero. */
+static inline void tile_start(struct tile_state *state, long d)
+{
+    for (long j = 0; j < d; j++)
+        _mm512_store_ps(state->acc[j], _mm512_setzero_ps());
+    state->running_max = _mm512_set1_ps(-INFINITY);
+    state->running_sum = _mm512_setzero_ps();
+}
+
 /* tile_attend's body; CAP (a constant in each instance) says whether scores are capped, so the
  * uncapped instance is the loop it was before caps existed, instruction for instruction. */
 static inline __attribute__((always_inline)) void tile_attend_body(
@@ -90,10 +99,6 @@ static inline __attribute__((always_inline)) void tile_attend_body(
     float probs[TILE][TILE] __attribute__((aligned(64))); /* p per key, lanes = rows */
     const __m512i position = _mm512_loadu_si512(positions);
     const __m512i low = lows ? _mm512_loadu_si512(lows) : _mm512_set1_epi32((int)key_begin);
-    for (long j = 0; j < d; j++)
-        _mm512_store_ps(state->acc[j], _mm512_setzero_ps());
-    state->running_max = _mm512_set1_ps(-INFINITY);
-    state->running_sum = _mm512_setzero_ps();
     for (long first = key_begin; first < key_end; first += TILE) {
         const float *keys[TILE], *values[TILE];
         for (long t = 0; t < TILE; t++) {
@@ -187,7 +192,8 @@ static void tile_attend_uncapped(const float qt[][TILE], const struct paged_keys
 }
 
 /* Lanes of qt [d][16] (the rows' queries, transposed and scaled) against keys key_begin ..
- * key_end - 1; lane i sees keys lows[i] .. positions[i] (lows NULL: from key_begin; a sliding
+ * key_end - 1, carrying on from `state` (tile_start's, or where an earlier call over the keys
+ * before key_begin left it: deterministic decodes go on from a shared prefix's state); lane i sees keys lows[i] .. positions[i] (lows NULL: from key_begin; a sliding
  * window's start otherwise), at least one of them. key_begin need not start a block. softcap >
  * 0: each score s counts as softcap * tanh(s / softcap) (the logit soft cap; 0: none). */
 static inline void tile_attend(const float qt[][TILE], const struct paged_keys *src,

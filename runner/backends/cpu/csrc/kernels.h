@@ -18,6 +18,14 @@ int decode_attention(const float *q, const void *k_cache, const void *v_cache,
                      long max_blocks, long shared_blocks, long window, float scale,
                      float softcap, int kv_half);
 
+/* tiled_decode.c: decode_attention's arguments and result, each query row summed as
+ * prefill_attention sums a prompt's row at its position (deterministic mode). */
+int tiled_decode_attention(const float *q, const void *k_cache, const void *v_cache,
+                           const int *block_tables, const int *context_lens, float *out,
+                           long num_seqs, long hq, long hkv, long d, long block_size,
+                           long max_blocks, long shared_blocks, long window, float scale,
+                           float softcap, int kv_half);
+
 /* prefill_attention.c: causal attention of longer queries over the paged cache, each query
  * over its last `window` keys up to its own (0: all of them), scores soft-capped at softcap
  * (0: not); 0 or -1. */

@@ -67,6 +67,7 @@ struct step_split {
     const int *longer_tables; /* [num_longer, longer_max_blocks] */
     long longer_max_blocks;
     const int *longer_starts, *longer_lens, *longer_contexts; /* [num_longer] each */
+    long tiled_decodes; /* deterministic mode: decodes through tiled_decode_attention */
 };
 
 /* Row stride for x of a product: rows a multiple of 2 KB apart share L1 sets in the panel
@@ -138,6 +139,11 @@ static void add_branch(float *h, float *out, const float *norm, long rows, long 
     add_rows(h, out, rows * hidden, m);
 }
 
+/* A decode kernel: decode_attention, or tiled_decode_attention in deterministic mode. */
+typedef int (*decode_kernel)(const float *, const void *, const void *, const int *, const int *,
+                             float *, long, long, long, long, long, long, long, long, float,
+                             float, int);
+
 /* attn [rows, hq * d] = attention of q [rows, hq * d] over the paged cache, each query over its
  * last `window` keys (0: all), scores soft-capped at softcap (0: not). decoded, decode_q:
  * scratch of rows * hq * d floats each. Returns 0 or -1 (a kernel refused). */
@@ -147,17 +153,17 @@ static int attend(const float *q, const void *k_cache, const void *v_cache, floa
                   float *decode_q, float *decoded, int kv_half)
 {
     const long width = hq * d;
+    const decode_kernel decode = split->tiled_decodes ? tiled_decode_attention : decode_attention;
     if (split->num_decodes == rows) /* decodes only, in row order: q and attn as they are */
-        return decode_attention(q, k_cache, v_cache, split->decode_tables, split->decode_lens,
-                                attn, rows, hq, hkv, d, block_size, split->decode_max_blocks,
-                                split->shared_blocks, window, scale, softcap, kv_half);
+        return decode(q, k_cache, v_cache, split->decode_tables, split->decode_lens, attn, rows,
+                      hq, hkv, d, block_size, split->decode_max_blocks, split->shared_blocks,
+                      window, scale, softcap, kv_half);
     if (split->num_decodes) {
         for (long i = 0; i < split->num_decodes; i++)
             memcpy(decode_q + i * width, q + split->decode_rows[i] * width, width * sizeof(float));
-        if (decode_attention(decode_q, k_cache, v_cache, split->decode_tables, split->decode_lens,
-                             decoded, split->num_decodes, hq, hkv, d, block_size,
-                             split->decode_max_blocks, split->shared_blocks, window, scale,
-                             softcap, kv_half))
+        if (decode(decode_q, k_cache, v_cache, split->decode_tables, split->decode_lens, decoded,
+                   split->num_decodes, hq, hkv, d, block_size, split->decode_max_blocks,
+                   split->shared_blocks, window, scale, softcap, kv_half))
             return -1;
         for (long i = 0; i < split->num_decodes; i++)
             memcpy(attn + split->decode_rows[i] * width, decoded + i * width, width * sizeof(float));

@@ -65,6 +65,7 @@ static void attend_tile(const float *q, const float *k_cache, const float *v_cac
     first_key -= first_key % LANES;
     const struct paged_keys keys = {k_cache, v_cache, table, shape->block_size,
                                     shape->hkv * d, head, d};
+    tile_start(&state, d);
     tile_attend(qt, &keys, first_key, last_position + 1, shape->window ? lows : NULL, positions,
                 shape->softcap, &state);
     __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), state.running_sum);
