@@ -37,6 +37,7 @@ BENCH_S="${GPU_CHECK_BENCH_S:-190}"
 DEFAULT_TESTS="tests/model/test_cuda.py tests/bench/test_gpu_bench.py tests/backends/triton/test_triton_attention.py"
 DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_rms_norm.py"
 DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_shared_prefix.py"
+DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_fused_elementwise.py"
 TESTS="${GPU_CHECK_TESTS:-$DEFAULT_TESTS tests/engine/test_engine_equivalence.py}"
 BENCH_ARGS="${GPU_CHECK_BENCH_ARGS:---hf-deadline-s 100}"
 TOY=""  # the dry run's flags: CPU, toy sizes

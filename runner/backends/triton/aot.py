@@ -92,6 +92,7 @@ def recorded_launches() -> Iterator[list[Launch]]:
     import runner.backends.triton.decode as decode_mod
     import runner.backends.triton.decode_prefix as prefix_mod
     import runner.backends.triton.decode_reduce as reduce_mod
+    import runner.backends.triton.fused_elementwise as fused_mod
     import runner.backends.triton.prefill as prefill_mod
     import runner.backends.triton.rms_norm as norm_mod
 
@@ -102,6 +103,8 @@ def recorded_launches() -> Iterator[list[Launch]]:
         (reduce_mod, "_decode_reduce_kernel"),
         (prefix_mod, "_prefix_partition_kernel"),
         (norm_mod, "_rms_norm_kernel"),
+        (fused_mod, "_add_rms_norm_kernel"),
+        (fused_mod, "_silu_mul_kernel"),
     ]
     sink: list[Launch] = []
     saved = [(module, name, getattr(module, name)) for module, name in targets]
@@ -126,10 +129,12 @@ def step_launches(
     decode that reads a shared prefix once (its prefix pass, its query tile the widest). With a
     sliding `window` and / or a logit `softcap` the attention launches are those variants (a
     window shorter than DEFAULT_PARTITION_SIZE leaves the long decode in one partition). In 16
-    bits, the RMSNorms too: over whole rows, over the query heads, and scaling in float32."""
+    bits, the RMSNorms too: over whole rows, over the query heads, and scaling in float32; and
+    the fused residual-add norm and SiLU-times-up (fused_elementwise.py)."""
     from runner.attention.cascade import PrefixGroup
     from runner.backends.triton.attention import store_kv
     from runner.backends.triton.decode import DEFAULT_PARTITION_SIZE, decode_attention
+    from runner.backends.triton.fused_elementwise import add_rms_norm, silu_mul
     from runner.backends.triton.prefill import prefill_attention
     from runner.backends.triton.rms_norm import rms_norm
     from runner.backends.triton.shared_prefix import build_shared_prefix_plan, members_per_chunk
@@ -163,6 +168,8 @@ def step_launches(
             rms_norm(rows, torch.ones(num_q * head_dim, dtype=dtype), 1e-6, False)
             rms_norm(q, torch.ones(head_dim, dtype=dtype), 1e-6, False)
             rms_norm(rows, torch.ones(num_q * head_dim), 1e-6, True)
+            add_rms_norm(rows, rows, torch.ones(num_q * head_dim, dtype=dtype), 1e-6, False)
+            silu_mul(rows)
     return launches
 
 

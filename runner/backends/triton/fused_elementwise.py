@@ -1,0 +1,135 @@
+"""Two fused elementwise kernels for the decode graph (issue 39: fewer kernels a step), for 16-bit
+activations on a GPU:
+
+- add_rms_norm: the residual add folded into the RMSNorm that follows it. transformers adds the
+  attention's (or the MLP's) output to the residual stream, rounds the sum to the activations'
+  dtype, and normalises that sum for the next sublayer: an add kernel, then the norm's. Here
+  one pass reads both rows, writes the rounded sum (the next residual) and its norm.
+- silu_mul: SiLU of the gate times the up projection, read from the fused gate_up output
+  [T, 2I], as torch computes F.silu(gate) * up in 16 bits (the SiLU in float32 rounded once,
+  then the product rounded once): one kernel instead of three (split, SiLU, multiply).
+
+Both keep torch's order of operations and roundings (the norm's through rms_norm.py's rounding
+helper), so they equal the torch path within one unit in the last place (the sum of squares is
+added in another order). The model's layers do not call them yet: wiring them into
+runner/model/decoder_layers.py, then measuring the graph's kernel count, is the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runner.backends.triton.common import pow2_at_least
+from runner.backends.triton.rms_norm import _rounded
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr: tl.tensor,  # [T, dim], the sublayer's output
+    residual_ptr: tl.tensor,  # [T, dim]
+    scale_ptr: tl.tensor,  # [dim]
+    sum_ptr: tl.tensor,  # [T, dim] out: x + residual, rounded (the next residual)
+    out_ptr: tl.tensor,  # [T, dim] out: its RMSNorm
+    stride_x: int,
+    stride_r: int,
+    dim: int,
+    eps: float,
+    D_PAD: tl.constexpr,
+    SCALE_IN_FLOAT32: tl.constexpr,
+) -> None:
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, D_PAD)
+    mask = cols < dim
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    total = _rounded(x + res, out_ty)  # a 16-bit add, as torch's
+    tl.store(sum_ptr + row * dim + cols, total.to(out_ty), mask=mask)
+    normed = total * (1.0 / tl.sqrt(tl.sum(total * total, axis=0) / dim + eps))
+    scale = tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if SCALE_IN_FLOAT32:
+        out = scale * normed
+    else:
+        out = scale * _rounded(normed, out_ty)
+    tl.store(out_ptr + row * dim + cols, _rounded(out, out_ty).to(out_ty), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    scale_in_float32: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * scale, x + residual) for x, residual [T, dim] (rows may be
+    strided, the last dim contiguous): the sum rounded to x's dtype as torch's add rounds it,
+    then normalised as runner/backends/triton/rms_norm.py does. Returns new contiguous tensors."""
+    if x.dim() != 2 or residual.shape != x.shape or scale.shape != (x.shape[1],):
+        raise ValueError(
+            f"add_rms_norm of {tuple(x.shape)} and {tuple(residual.shape)} by a scale of "
+            f"{tuple(scale.shape)}"
+        )
+    if residual.dtype != x.dtype or (not scale_in_float32 and scale.dtype != x.dtype):
+        raise ValueError(
+            f"add_rms_norm needs one dtype: {x.dtype}, {residual.dtype}, {scale.dtype}"
+        )
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    tokens, dim = x.shape
+    d_pad = pow2_at_least(dim, floor=1)
+    if tokens:
+        _add_rms_norm_kernel[(tokens,)](
+            x,
+            residual,
+            scale.contiguous(),
+            total,
+            out,
+            x.stride(0),
+            residual.stride(0),
+            dim,
+            eps,
+            D_PAD=d_pad,
+            SCALE_IN_FLOAT32=scale_in_float32,
+            num_warps=min(8, max(1, d_pad // 256)),
+        )
+    return out, total
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gate_up_ptr: tl.tensor,  # [T, 2 * inter]: gate, then up
+    out_ptr: tl.tensor,  # [T, inter]
+    stride_t: int,
+    inter: int,
+    BLOCK: tl.constexpr,
+) -> None:
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    base = gate_up_ptr + row * stride_t
+    gate = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(base + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    act = _rounded(gate / (1.0 + tl.exp(-gate)), out_ty)  # F.silu: float32 inside, rounded
+    tl.store(out_ptr + row * inter + cols, _rounded(act * up, out_ty).to(out_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up for gate_up [T, 2I] (gate the first I columns, up the last), as torch
+    computes it in gate_up's dtype. Returns a new contiguous [T, I]."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul needs [T, 2I], got {tuple(gate_up.shape)}")
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    tokens, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, pow2_at_least(inter, floor=16))
+    if tokens and inter:
+        grid = (tokens, triton.cdiv(inter, block))
+        _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), inter, BLOCK=block)
+    return out

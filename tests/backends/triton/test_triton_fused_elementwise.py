@@ -1,0 +1,71 @@
+"""The fused residual-add RMSNorm and SiLU-times-up kernels (runner/backends/triton/
+fused_elementwise.py) against torch's own operations in the same dtype: within one unit in the
+last place, nearly all values equal. In Triton's interpreter on the CPU; on a GPU on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from runner.backends.triton.fused_elementwise import add_rms_norm, silu_mul
+from runner.model.layers import RMSNorm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def assert_within_an_ulp(got: torch.Tensor, ref: torch.Tensor, equal_share: float) -> None:
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[ref.dtype]
+    magnitude = ref.float().abs().clamp_min(2.0**-14)
+    ulp = torch.exp2(torch.floor(torch.log2(magnitude)) - mantissa_bits)
+    diff = (got.float() - ref.float()).abs()
+    assert bool((diff <= ulp).all()), f"{int((diff > ulp).sum())} values off by over an ulp"
+    assert float((got == ref).float().mean()) >= equal_share
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("in_float32", "offset"), [(False, 0.0), (True, 0.0), (True, 1.0)])
+@pytest.mark.parametrize("dim", [48, 576])
+def test_add_rms_norm_equals_add_then_norm(
+    dtype: torch.dtype, in_float32: bool, offset: float, dim: int
+) -> None:
+    torch.manual_seed(dim)
+    norm = RMSNorm(dim, 1e-6, in_float32, offset).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(0.3 * torch.randn(dim) + (0.0 if offset else 1.0))
+    norm = norm.to(DEVICE)
+    wide = (4 * torch.randn(13, 2 * dim)).to(dtype).to(DEVICE)
+    x = wide[:, dim:]  # strided rows, as a slice of a wider output
+    residual = (4 * torch.randn(13, dim)).to(dtype).to(DEVICE)
+    out, total = add_rms_norm(x, residual, norm.scale(), norm.eps, in_float32)
+    ref_total = x + residual
+    assert torch.equal(total, ref_total)  # the add rounds once, as torch's
+    assert_within_an_ulp(out, norm.torch_path(ref_total), 0.98)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inter", [24, 1536])
+def test_silu_mul_equals_torch(dtype: torch.dtype, inter: int) -> None:
+    torch.manual_seed(inter)
+    gate_up = (3 * torch.randn(7, 2 * inter)).to(dtype).to(DEVICE)
+    gate, up = gate_up.split(inter, dim=-1)
+    got = silu_mul(gate_up)
+    assert got.is_contiguous()
+    assert_within_an_ulp(got, F.silu(gate) * up, 0.97)
+
+
+def test_bad_shapes_and_no_rows() -> None:
+    x = torch.ones(2, 16, dtype=torch.bfloat16, device=DEVICE)
+    scale = torch.ones(16, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="add_rms_norm of"):
+        add_rms_norm(x, x[:, :8], scale, 1e-6, False)
+    with pytest.raises(ValueError, match="one dtype"):
+        add_rms_norm(x, x.half(), scale, 1e-6, False)
+    with pytest.raises(ValueError, match=r"\[T, 2I\]"):
+        silu_mul(x[:, :7])
+    empty = x[:0]
+    assert add_rms_norm(empty, empty, scale, 1e-6, False)[0].shape == (0, 16)
+    assert silu_mul(empty).shape == (0, 8)
