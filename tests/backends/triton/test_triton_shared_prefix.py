@@ -252,3 +252,53 @@ def test_plan_decode_step_keeps_only_what_the_cost_model_accepts() -> None:
     plan = plan_decode_step(*args, thresholds=ALWAYS)
     assert plan is not None
     assert sorted(g.members for g in plan.groups) == [[0, 1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_fixed_shape_plan_serves_every_step(device: str) -> None:
+    """As a CUDA graph replays it: one decode call over static tensors (a plan padded to a
+    capacity, fixed batch, the grid set by host bounds), later steps' plans copied into them
+    between replays, no host value changed. On CUDA the call is a captured graph."""
+    steps = [
+        make_step([(3, [1, 6]), (6, [3, 4, 9, 1, 2])], [7], 1, 4, 2, 16, torch.float32, seed=11),
+        make_step([(7, [2, 2, 5, 3, 1, 4, 2, 3])], [], 1, 4, 2, 16, torch.float32, seed=12),
+        make_step([], [5, 9, 4, 2, 6, 3, 8, 7], 1, 4, 2, 16, torch.float32, seed=13),  # no group
+    ]
+    rows, blocks, width = 9, max(s.k_cache.shape[0] for s in steps), 12
+    static_q = torch.zeros(rows, 4, 16, device=device)
+    static_k = torch.zeros(blocks, BLOCK, 2, 16, device=device)
+    static_v = torch.zeros_like(static_k)
+    static_ctx = torch.ones(rows, dtype=torch.int32, device=device)
+    static_tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
+    static_plan = build_shared_prefix_plan([], rows, BLOCK, 2, device, capacity=(6, 10))
+    max_ctx = width * BLOCK
+
+    def call() -> torch.Tensor:
+        out: torch.Tensor = decode_attention(
+            static_q, static_k, static_v, static_ctx, static_tables, 0.25, max_ctx,
+            partition_size=16, block_n=16, shared_prefix=static_plan,
+        )  # fmt: skip
+        return out
+
+    graph = None
+    if device == "cuda":
+        call()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = call()
+    for step in steps:
+        n = len(step.context_lens)
+        static_q[:n].copy_(step.q)
+        static_k[: step.k_cache.shape[0]].copy_(step.k_cache)
+        static_v[: step.v_cache.shape[0]].copy_(step.v_cache)
+        static_ctx[:n].copy_(torch.tensor(step.context_lens, dtype=torch.int32))
+        static_tables[:n, : step.tables.shape[1]].copy_(step.tables)
+        groups = find_prefix_groups(step.tables, step.context_lens, [1] * n, BLOCK, 1)
+        build_shared_prefix_plan(groups, n, BLOCK, 2, device).copy_into(static_plan)
+        if graph is not None:
+            graph.replay()
+            out = static_out.clone()
+        else:
+            out = call()
+        ref = reference(step, 0.25, None)
+        torch.testing.assert_close(out[: n - 1].cpu(), ref[: n - 1], atol=1e-4, rtol=1e-4)
