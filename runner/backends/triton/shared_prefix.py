@@ -51,6 +51,7 @@ class SharedPrefixPlan:
     max_prefix_len: int  # host bound of chunk_prefix_lens: the prefix pass's grid
     groups: list[PrefixGroup]  # host copy: what the plan was built from
     chunks_per_group: list[int]
+    prefix_lens: list[int]  # host copy: tokens of each group's prefix
 
     @property
     def members_per_chunk(self) -> int:
@@ -113,6 +114,7 @@ def build_shared_prefix_plan(
         max_prefix_len=width * block_size if capacity else int(lens.max()),
         groups=groups,
         chunks_per_group=per_group,
+        prefix_lens=[len(g.blocks) * block_size for g in groups],
     )
 
 
@@ -180,14 +182,17 @@ def decode_kv_bytes(
     scale = kv_bytes_per_token * num_layers
     if plan is None:
         return KVBytes(plain * scale, plain * scale)
-    prefix_of = plan.seq_prefix_lens.tolist()
+    prefix_of = [0] * len(context_lens)  # from the host copies: no device read
+    for group, tokens in zip(plan.groups, plan.prefix_lens, strict=True):
+        for s in group.members:
+            prefix_of[s] = tokens
     low = [
         p if window is None else max(p, c - window)
         for c, p in zip(context_lens, prefix_of, strict=True)
     ]
     own = sum(c - lo for c, lo in zip(context_lens, low, strict=True))
     prefix = sum(
-        chunks * prefix_of[group.members[0]]
-        for group, chunks in zip(plan.groups, plan.chunks_per_group, strict=True)
+        chunks * tokens
+        for chunks, tokens in zip(plan.chunks_per_group, plan.prefix_lens, strict=True)
     )
     return KVBytes(plain * scale, (own + prefix) * scale)
