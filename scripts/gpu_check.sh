@@ -16,12 +16,27 @@
 # usage: scripts/gpu_check.sh [RESULT_FILE]   default: $OUT/gpu_check.txt (else /tmp/...)
 #        scripts/gpu_check.sh --dry-run [RESULT_FILE]   every stage at toy sizes on the CPU
 #                                                       (Triton's interpreter): a minute or two
+#        scripts/gpu_check.sh --fetch-wheels   here, before the GPU run: the wheels (Python 3.12,
+#            x86-64) of what the engine imports and the H200 image lacks (redis, pyzmq, msgspec)
+#            into .whl/ (add /.whl/ to .git/info/exclude); carry ".whl" in the device run, and
+#            the check installs them into /tmp/site when the engine's imports fail without them.
 # knobs: GPU_CHECK_TESTS_S (150), GPU_CHECK_CASCADE_S (60), GPU_CHECK_SHARED_S (150),
 #        GPU_CHECK_BENCH_S (190), GPU_CHECK_TESTS (the test files),
 #        GPU_CHECK_BENCH_ARGS (extra gpu_bench flags; default "--hf-deadline-s 100"),
 #        PYTHON (default: python3, else python)
 set -u
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--fetch-wheels" ]; then
+  PY="${PYTHON:-$(command -v python3 || command -v python)}"
+  wheels=""
+  for name in redis pyzmq msgspec; do  # the versions this machine runs, for the same behaviour
+    wheels="$wheels $name==$("$PY" -c "import importlib.metadata as m; print(m.version('$name'))")"
+  done
+  # shellcheck disable=SC2086  # a list of requirements on purpose
+  exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d .whl $wheels
+fi
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then
   DRY=1
@@ -85,6 +100,18 @@ stage() {
   [ "$DRY" = 1 ] && echo "DRY RUN: toy sizes on the CPU; no figure here means anything"
   timeout 20 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version \
     --format=csv 2>&1 || echo "nvidia-smi unavailable"
+  # The engine imports redis, pyzmq and msgspec, which the H200 image lacks: carried wheels
+  # (--fetch-wheels above) go into /tmp/site when the imports fail without them.
+  imports='import runner.bench.gpu_bench, runner.bench.gpu_cascade; from kvcache import LLM'
+  if ! timeout 60 "$PY" -c "$imports" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  fi
+  if timeout 60 "$PY" -c "$imports"; then
+    echo "-- imports: OK"
+  else
+    echo "-- imports: FAILED (scripts/gpu_check.sh --fetch-wheels, then carry .whl)"
+  fi
   timeout 60 "$PY" -c 'import torch, triton, transformers
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 print("triton", triton.__version__, "transformers", transformers.__version__)
