@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from kvcache.block_cache import CachedBlock
-from kvcache.block_manager import Allocation, BlockManager, SlotCopy
+from kvcache.block_manager import Allocation, BlockManager, Purpose, SlotCopy
 from kvcache.hashing import block_hashes, hash_block, namespace_root
 from kvcache.stats import CacheStats
 
@@ -35,6 +35,7 @@ __all__ = [
     "BlockManager",
     "CacheStats",
     "CachedBlock",
+    "Purpose",
     "SlotCopy",
     "RequestOutput",
     "CompletionOutput",

@@ -1,16 +1,18 @@
 """What the pool holds beyond running requests: full blocks in the radix tree, tails beside them,
 the eviction that reclaims both, and the running requests' partial blocks on offer as copy
-sources (kvcache/partial_blocks.py).
+sources.
 
-The block manager decides who holds what; this class is the only code that changes the pool,
-the tree and the partial blocks, and keeps them in step: a block is cached content (ref 0,
+The block manager decides who holds what (through its caching policy, kvcache/cache_policy.py);
+this class and the partial blocks it owns (kvcache/partial_blocks.py: what a tail is, when one
+is kept, copied and evicted, and the tails' pool state) are the only code that changes the pool,
+the tree and the partial blocks, and keep them in step: a block is cached content (ref 0,
 reclaimable) exactly when it is a tree node or a tail, and the LRU holds the ref-0 tree leaves
 and every tail. An offered block stays its request's own (ref 1) and is never cached content.
 
-Recency lives here alone: every access tick is drawn from the pool's counter by ``_stamp``
-(a node matched and held, inserted, released root to leaf) or ``touch`` (a copy source
-used); an evictable node enters the LRU at its node's tick, a tail at a fresh one. Eviction
-takes the least recently used entry.
+Recency lives here: every access tick is drawn from the pool's counter by ``_stamp`` (a node
+matched and held, inserted, released root to leaf) or ``touch`` (a copy source used); an
+evictable node enters the LRU at its node's tick, a tail at a fresh one (drawn when it is kept,
+after its request's chain was stamped). Eviction takes the least recently used entry.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class BlockCache:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.tree = RadixTree(block_size)
-        self.partials = PartialBlocks(block_size)  # tails and running requests' offers
+        self.partials = PartialBlocks(block_size, self.pool)  # tails and running requests' offers
         self.evicted_blocks = 0  # cached blocks reclaimed by eviction so far
         # Told of the nodes each insert adds (after the forward that wrote their K/V), and of
         # the tree nodes one ``take`` evicts, together, while their blocks still hold their K/V
@@ -206,23 +208,17 @@ class BlockCache:
         self.partials.withdraw(request_id)
         for node in request.chain:
             self._stamp(node)
-        if tail is not None:
-            pool.mark_cached(tail.block_id)  # before its release, which then caches it
         for block in (*request.table, *request.pins):
+            if tail is not None and block == tail.block_id:
+                continue  # released as it is kept, below
             if not (pool.release(block) and pool.is_cached_node(block)):
                 continue
             cached = self.tree.node_of(block)
-            if cached is None:
-                assert tail is not None and block == tail.block_id, f"block {block}: no node"
-            elif not cached.children:
+            assert cached is not None, f"block {block}: no node"
+            if not cached.children:
                 pool.lru_add(block, cached.tick)
-        if tail is None:
-            return
-        for block in self.partials.add(tail):  # tails it makes redundant, or itself
-            pool.lru_discard(block)
-            pool.evict(block)
-        if tail.block_id in self.partials:
-            pool.lru_add(tail.block_id, pool.next_tick())
+        if tail is not None:
+            self.partials.keep(tail)
 
     def drop_unheld(self) -> int:
         """Evict every cached block no request holds (a prefix-cache reset): leaves and tails,
@@ -247,22 +243,16 @@ class BlockCache:
         (None for a tail); its block is free, its K/V not yet overwritten."""
         pool, tree, partials = self.pool, self.tree, self.partials
         block = pool.lru_pop()
-        evicted = [block]
-        node: Node | None = None
         if block in partials:
-            partials.remove(block)
-        else:
-            node = tree.node_of(block)
-            assert node is not None, f"LRU block {block} has no tree node"
-            for tail in partials.under(node.namespace, node):
-                partials.remove(tail.block_id)
-                pool.lru_discard(tail.block_id)
-                evicted.append(tail.block_id)
-            tree.remove_leaf(node)
-            parent = node.parent
-            if parent is not None and not parent.children and pool.ref(parent.block_id) == 0:
-                pool.lru_add(parent.block_id, parent.tick)
-        for gone in evicted:
-            pool.evict(gone)
-        self.evicted_blocks += len(evicted)
+            partials.evict(block)
+            self.evicted_blocks += 1
+            return None
+        node = tree.node_of(block)
+        assert node is not None, f"LRU block {block} has no tree node"
+        tree.remove_leaf(node)
+        parent = node.parent
+        if parent is not None and not parent.children and pool.ref(parent.block_id) == 0:
+            pool.lru_add(parent.block_id, parent.tick)
+        pool.evict(block)
+        self.evicted_blocks += 1 + partials.evict_under(node)
         return node

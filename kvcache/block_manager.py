@@ -9,7 +9,9 @@ request's partial last block as a *tail*: a later prompt that goes on past the c
 blocks has its next tokens' K/V copied (``Allocation.copy``) from a tail, from a full block
 that starts with them, or from a running request's partial block, instead of computing them
 again (kvcache/partial_blocks.py). The manager keeps each request's blocks; every change to
-the pool, the tree and the partial blocks goes through kvcache/block_cache.py.
+the pool, the tree and the partial blocks goes through kvcache/block_cache.py. What is shared
+between requests (all of the above, or nothing) is the caching policy chosen at construction
+(kvcache/cache_policy.py); the manager never asks which one it has.
 
 Invariants kept here (checked by ``check_integrity``):
 * block tables are append-only while a request lives;
@@ -25,17 +27,27 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from enum import Enum
 from typing import NamedTuple
 
 from kvcache.block_cache import BlockCache, BlockListener, CachedBlock
 from kvcache.block_integrity import check_block_manager
-from kvcache.hashing import pack_tokens
+from kvcache.cache_policy import CachePolicy, NoCaching, PrefixCaching
 from kvcache.partial_blocks import SlotCopy
 from kvcache.radix_tree import Node
 from kvcache.request_blocks import RequestBlocks
 from kvcache.stats import CacheStats
 
-__all__ = ["Allocation", "BlockListener", "BlockManager", "CachedBlock", "SlotCopy"]
+__all__ = ["Allocation", "BlockListener", "BlockManager", "CachedBlock", "Purpose", "SlotCopy"]
+
+
+class Purpose(Enum):
+    """Who asks ``allocate`` for blocks, which says what the allocation is counted as: a hit
+    rate counts each prompt once, and never a cache being loaded."""
+
+    ADMISSION = "admission"  # a request's first admission: query, hit and copied tokens
+    READMISSION = "readmission"  # a preempted request's next one: the readmit_* pair
+    LOADING = "loading"  # no request: blocks being loaded into the cache; counted nowhere
 
 
 class Allocation(NamedTuple):
@@ -54,8 +66,10 @@ class BlockManager:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching = enable_prefix_caching  # read by callers; decides nothing here
         self._cache = BlockCache(num_blocks, block_size)
+        policy = PrefixCaching if enable_prefix_caching else NoCaching
+        self._policy: CachePolicy = policy(self._cache)
         self._requests: dict[int, RequestBlocks] = {}
         self._stats = CacheStats()
 
@@ -115,7 +129,7 @@ class BlockManager:
 
     def _match(self, token_ids: Sequence[int], root: int) -> list[Node]:
         """Cached path for the prompt (see BlockCache.match); nothing without caching. Pure."""
-        return self._cache.match(token_ids, root) if self.enable_prefix_caching else []
+        return self._policy.match(token_ids, root)
 
     def cached_blocks(self) -> list[CachedBlock]:
         """Every block in the tree (cached or held), each after its parent, then every tail
@@ -126,35 +140,31 @@ class BlockManager:
     def cached_prefix_length(self, token_ids: Sequence[int], root: int) -> int:
         """Tokens ``allocate`` would serve from the cache now. Pure: no stats, no LRU touch."""
         nodes = self._match(token_ids, root)
-        copy = self._cache.copyable(token_ids, root, nodes) if self.enable_prefix_caching else None
+        copy = self._policy.copy_source(token_ids, root, nodes)
         return len(nodes) * self.block_size + (copy.num_tokens if copy else 0)
 
     def cached_continuation(self, request_id: int, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens with which a cached path (an earlier request that shared all of
         ``token_ids``) goes on past them, looked up from the end of the request's chain. Pure."""
-        request = self._requests[request_id]
-        if not self.enable_prefix_caching:
-            return []
-        return self._cache.continuation(request, token_ids, k)
+        return self._policy.continuation(self._requests[request_id], token_ids, k)
 
     def blocks_needed(self, token_ids: Sequence[int], root: int) -> int:
         """Fresh blocks ``allocate`` would take now. Pure."""
         return self._blocks_for(len(token_ids)) - len(self._match(token_ids, root))
 
-    def _shortfall(self, token_ids: Sequence[int], nodes: list[Node], reuse: bool = True) -> int:
+    def _shortfall(self, token_ids: Sequence[int], nodes: list[Node]) -> int:
         """Blocks missing for allocate: fresh blocks needed minus those reclaimable once the
-        matched path is locked (locking a ref-0 node takes it out of the reclaimable set).
-        Not reusing, nothing is matched or locked: every block is fresh."""
-        if not reuse:
-            return self._blocks_for(len(token_ids)) - self.num_available_blocks()
+        matched path is locked (locking a ref-0 node takes it out of the reclaimable set)."""
         locked_now = self._cache.num_unheld(nodes)
         needed = self._blocks_for(len(token_ids)) - len(nodes)
         return needed - (self.num_available_blocks() - locked_now)
 
-    def can_allocate(self, token_ids: Sequence[int], root: int, *, reuse: bool = True) -> bool:
-        """Whether ``allocate`` (with the same ``reuse``) would succeed now. Pure."""
-        nodes = self._match(token_ids, root) if reuse else []
-        return self._shortfall(token_ids, nodes, reuse) <= 0
+    def can_allocate(
+        self, token_ids: Sequence[int], root: int, *, reads_cache: bool = True
+    ) -> bool:
+        """Whether ``allocate`` (with the same ``reads_cache``) would succeed now. Pure."""
+        nodes = self._match(token_ids, root) if reads_cache else []
+        return self._shortfall(token_ids, nodes) <= 0
 
     def block_table(self, request_id: int) -> Sequence[int]:
         """The request's block table itself, read only: it grows in place as slots are
@@ -171,48 +181,51 @@ class BlockManager:
         request_id: int,
         token_ids: Sequence[int],
         root: int,
+        purpose: Purpose = Purpose.ADMISSION,
         *,
-        readmission: bool = False,
-        count: bool = True,
-        reuse: bool = True,
+        reads_cache: bool = True,
     ) -> Allocation:
         """Admit a request. Mutates: locks the matched path (ref += 1, out of the LRU, ticks
         touched), takes fresh blocks (evicting LRU leaves when the free list is short), counts
-        query/hit tokens (``readmit_*`` when ``readmission``; nothing when not ``count``, for
-        a cache being loaded rather than a request). ``copy`` names the slots the caller must
-        copy into the first fresh block (see SlotCopy) for them to count as cached. Not
-        ``reuse``: nothing is matched or copied, every block is fresh (a request that must
-        compute its whole prompt); ``commit`` still adds its blocks to the tree for others, up
-        to the first one that is cached already. Raises ValueError when blocks are short, the
-        prompt is empty or the id is live; nothing is mutated then."""
+        the prompt's query and hit tokens as ``purpose`` says. ``copy`` names the slots the
+        caller must copy into the first fresh block (see SlotCopy) for them to count as cached.
+        Not ``reads_cache`` (a request that must compute its whole prompt): nothing is matched
+        or copied, every block is fresh; ``commit`` still adds its blocks to the tree for
+        others, up to the first one that is cached already. Raises ValueError when blocks are
+        short, the prompt is empty or the id is live; nothing is mutated then."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already allocated")
         if not token_ids:
             raise ValueError("cannot allocate an empty prompt")
-        nodes = self._match(token_ids, root) if reuse else []
-        short = self._shortfall(token_ids, nodes, reuse)
+        nodes = self._match(token_ids, root) if reads_cache else []
+        short = self._shortfall(token_ids, nodes)
         if short > 0:
             raise ValueError(f"request {request_id}: {short} blocks short (ask can_allocate)")
-        copying = reuse and self.enable_prefix_caching
-        source = self._cache.copyable(token_ids, root, nodes) if copying else None
+        source = self._policy.copy_source(token_ids, root, nodes) if reads_cache else None
         for node in nodes:  # lock before taking fresh blocks, so eviction cannot take them
             self._cache.hold(node)
         table = [node.block_id for node in nodes]
         table.extend(self._cache.take(self._blocks_for(len(token_ids)) - len(nodes)))
-        self._requests[request_id] = RequestBlocks(root, table, nodes, reuse=reuse)
+        request = RequestBlocks(root, table, nodes, reads_cache=reads_cache)
+        self._requests[request_id] = request
         copy = None
         if source is not None:  # the slots past the full blocks, from a cached or running block
-            copy = SlotCopy(source.block_id, table[len(nodes)], source.num_tokens)
+            copy = source.into(table[len(nodes)])
             self._cache.touch(source.block_id)
         cached = len(nodes) * self.block_size + (copy.num_tokens if copy else 0)
-        if count and readmission:
-            self._stats.readmit_query_tokens += len(token_ids)
-            self._stats.readmit_hit_tokens += cached
-        elif count:
-            self._stats.query_tokens += len(token_ids)
-            self._stats.hit_tokens += cached
-            self._stats.copied_tokens += copy.num_tokens if copy else 0
+        self._count(purpose, len(token_ids), cached, copy.num_tokens if copy else 0)
         return Allocation(list(table), cached, copy)
+
+    def _count(self, purpose: Purpose, query: int, hit: int, copied: int) -> None:
+        """Add one allocation's tokens to the counters ``purpose`` names. Mutates the stats."""
+        stats = self._stats
+        if purpose is Purpose.READMISSION:
+            stats.readmit_query_tokens += query
+            stats.readmit_hit_tokens += hit
+        elif purpose is Purpose.ADMISSION:
+            stats.query_tokens += query
+            stats.hit_tokens += hit
+            stats.copied_tokens += copied
 
     def grow(self, request_id: int, num_tokens: int) -> bool:
         """Grow the table to hold ``num_tokens`` tokens in total, ceil(num_tokens / B) blocks
@@ -227,13 +240,10 @@ class BlockManager:
         return True
 
     def commit(self, request_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Insert into the tree every full block inside ``num_computed_tokens`` not yet committed.
-
-        Mutates the tree and pool: new nodes own the request's blocks; a block already cached
-        under the same parent with equal tokens leaves the request's copy private and pins the
-        cached node (so the chain can continue below it); a block whose hash collides with a
-        cached block of other tokens, and every block after it, stay private for now.
-        ``token_ids`` must extend the tokens committed before.
+        """After a forward: publish every full block inside ``num_computed_tokens`` not yet
+        committed, and the partial block after them, as the caching policy does (with prefix
+        caching: into the tree and on offer; PrefixCaching.publish says how). Mutates the tree,
+        the pool and the request's chain. ``token_ids`` must extend the tokens committed before.
         """
         request = self._requests[request_id]
         if num_computed_tokens > len(token_ids):
@@ -241,43 +251,19 @@ class BlockManager:
         num_full = num_computed_tokens // self.block_size
         if num_full > len(request.table):
             raise ValueError(f"request {request_id}: computed tokens beyond its block table")
-        self._commit_full_blocks(request, token_ids, num_full)
-        if self.enable_prefix_caching and request.publishing:  # offer its partial block
-            self._cache.offer(request_id, request, token_ids, num_computed_tokens)
-
-    def _commit_full_blocks(
-        self, request: RequestBlocks, token_ids: Sequence[int], num_full: int
-    ) -> None:
-        start = len(request.chain)
-        if not self.enable_prefix_caching or num_full <= start or not request.publishing:
-            return
-        B = self.block_size
-        parent = request.chain[-1] if request.chain else None
-        data = pack_tokens(token_ids[start * B : num_full * B])
-        blocks = request.table[start:num_full]
-        result = self._cache.insert(request.root, parent, data, blocks, only_new=not request.reuse)
-        if not request.reuse and result.existing:
-            request.publishing = False  # the rest is cached already; its copies stay private
-            return
-        request.pins.extend(node.block_id for node in result.existing)  # held by the insert
-        request.chain.extend(result.existing)
-        request.chain.extend(result.created)
-        # On a collision the chain stops before the colliding block; the request's own copy
-        # stays private and the next commit retries from there (it succeeds once the colliding
-        # node has been evicted, since the chain's end is held by this request).
+        self._policy.publish(request_id, request, token_ids, num_computed_tokens)
 
     def free(
         self, request_id: int, token_ids: Sequence[int] = (), num_computed_tokens: int = 0
     ) -> None:
         """Finish (or preempt) a request. Mutates: ref -= 1 on every block it holds; tree blocks
         reaching ref 0 stay cached (ticks touched, root to leaf, and leaves become evictable);
-        private blocks return to the free list, except the partial block after the chain when
-        ``token_ids`` (with ``num_computed_tokens`` of them in the K/V) say what it holds:
-        that one stays cached as a tail. The request is forgotten."""
+        private blocks return to the free list, except, with prefix caching, the partial block
+        after the chain when ``token_ids`` (with ``num_computed_tokens`` of them in the K/V) say
+        what it holds: that one stays cached as a tail (PartialBlocks.tail_of). The request is
+        forgotten."""
         request = self._requests.pop(request_id)
-        if not (self.enable_prefix_caching and request.publishing):
-            token_ids = ()  # its partial block is not kept
-        self._cache.release(request_id, request, token_ids, num_computed_tokens)
+        self._policy.release(request_id, request, token_ids, num_computed_tokens)
 
     def drop_cached(self) -> int:
         """Forget every cached block no request holds (the tree's and the tails): a reset of
@@ -289,6 +275,5 @@ class BlockManager:
     def check_integrity(self) -> None:
         """Assert every invariant (AssertionError names the broken one): see
         kvcache/block_integrity.py for the list."""
-        check_block_manager(
-            self._cache, self._requests, self.num_blocks, self.enable_prefix_caching
-        )
+        check_block_manager(self._cache, self._requests, self.num_blocks)
+        self._policy.check_integrity()

@@ -1,4 +1,5 @@
-"""Copying a partial block: the slots of a prompt's next tokens past its cached full blocks.
+"""Partial blocks, the one module that says what a tail is and when one is offered, copied, kept
+and evicted: the slots of a prompt's next tokens past its cached full blocks.
 
 The radix tree caches full blocks only, so a prompt that goes on past its cached blocks would
 compute its partial block from scratch: up to ``block_size - 1`` tokens, at every beam search
@@ -6,12 +7,20 @@ step and for every repeated prompt. Their K/V are copied instead (``SlotCopy``) 
 that holds the longest run of them, one of:
 
 * a *tail*: a finished request's partial last block, whose first ``r`` slots hold computed
-  K/V, kept under the tree node it follows. Copied and never held, a tail has ref 0 always;
-  it is evictable at any time (the LRU holds every tail) and goes when its parent node does;
+  K/V, kept (``keep``) under the tree node it follows when its request published its blocks.
+  Copied and never held, a tail has ref 0 always; it is evictable at any time (the LRU holds
+  every tail, at the tick it was kept), goes when its parent node does (``evict_under``) and
+  when a longer tail under the same parent starts with its tokens;
 * a full block below the last matched node that starts with the same tokens;
-* an *offer*: a running request's partial block. A request writes each slot once, in order,
-  so its computed slots never change while it lives; the copy is made at allocation, so the
-  source cannot be freed or written in between.
+* an *offer*: a running request's partial block, offered after each of its commits while it
+  publishes its blocks. A request writes each slot once, in order, so its computed slots never
+  change while it lives; the copy is made at allocation, so the source cannot be freed or
+  written in between.
+
+Which slots are copied is decided here (``copyable``, then ``TailMatch.into`` once the
+destination block is known); the caller runs the ``SlotCopy`` on the K/V (kvcache/store.py).
+``BlockCache`` calls in at its fixed points (release, eviction); the tails' pool state (cached
+content, ref 0, in the LRU) is kept here, the tree nodes' there.
 
 Invariants (checked by ``check_integrity``):
 * a tail holds 1 .. block_size - 1 tokens and hangs under a live node of its namespace, or
@@ -26,6 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from itertools import islice
 from typing import NamedTuple
 
+from kvcache.block_pool import BlockPool
 from kvcache.hashing import TOKEN_BYTES, pack_tokens
 from kvcache.radix_tree import Node, RadixTree
 from kvcache.request_blocks import RequestBlocks
@@ -62,6 +72,10 @@ class Tail(NamedTuple):
 class TailMatch(NamedTuple):
     block_id: int  # the block to copy from
     num_tokens: int  # leading slots to copy
+
+    def into(self, dst_block: int) -> SlotCopy:
+        """The copy of these slots into ``dst_block`` (the request's first fresh block)."""
+        return SlotCopy(self.block_id, dst_block, self.num_tokens)
 
 
 class Offer:
@@ -104,10 +118,11 @@ def _key(namespace: int, parent: Node | None) -> Key:
 
 class PartialBlocks:
     """The tails and the offers of one block manager, by the (namespace, parent block) they
-    follow. Holds structure only: ``BlockCache`` keeps the tails' pool state and LRU order."""
+    follow, and the tails' state in the pool: cached content, ref 0, in the LRU."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, pool: BlockPool) -> None:
         self.block_size = block_size
+        self._pool = pool
         self._under: dict[Key, list[Tail]] = {}  # tails, oldest first
         self._by_block: dict[int, Tail] = {}
         self._offers: dict[int, Offer] = {}  # by request id
@@ -138,7 +153,11 @@ class PartialBlocks:
     def tail_of(
         self, request: RequestBlocks, token_ids: Sequence[int], num_computed_tokens: int
     ) -> Tail | None:
-        """A request's partial last block as a tail, when it can be kept."""
+        """A request's partial last block as a tail, when it can be kept: the request publishes
+        its blocks, and ``token_ids`` (``num_computed_tokens`` of them in the K/V; none: not
+        told) say what the block holds."""
+        if not request.publishing:
+            return None
         computed = min(num_computed_tokens, len(token_ids))
         full = self._partial_index(request, computed)
         if full is None:
@@ -178,6 +197,36 @@ class PartialBlocks:
         return best
 
     # -- mutations -----------------------------------------------------------------------------
+    def keep(self, tail: Tail) -> None:
+        """Keep a released request's partial block as a tail (``tail_of``; its request's other
+        blocks are released already). Mutates the pool: the block becomes cached content with
+        ref 0, evictable at a fresh tick, and the tails it makes redundant (or itself, when one
+        under the same parent already starts with its tokens) go back to the free list."""
+        pool, block = self._pool, tail.block_id
+        pool.mark_cached(block)
+        pool.release(block)
+        for gone in self.add(tail):
+            pool.lru_discard(gone)
+            pool.evict(gone)
+        if block in self._by_block:
+            pool.lru_add(block, pool.next_tick())
+
+    def evict(self, block_id: int) -> None:
+        """Evict the tail in ``block_id``, which the caller popped from the LRU. Mutates the
+        tails and the pool (the block goes back to the free list)."""
+        self.remove(block_id)
+        self._pool.evict(block_id)
+
+    def evict_under(self, node: Node) -> int:
+        """Evict the tails that follow ``node`` (it is being evicted: nothing can reach them
+        without it). Mutates the tails, the LRU and the free list; returns how many went."""
+        gone = self.under(node.namespace, node)
+        for tail in gone:
+            self.remove(tail.block_id)
+            self._pool.lru_discard(tail.block_id)
+            self._pool.evict(tail.block_id)
+        return len(gone)
+
     def add(self, tail: Tail) -> list[int]:
         """Keep ``tail`` unless a tail under the same parent already starts with its tokens.
         Mutates: tails that ``tail`` extends, and the oldest beyond MAX_TAILS_PER_PARENT, are
@@ -213,7 +262,11 @@ class PartialBlocks:
     ) -> None:
         """Offer a running request's partial block after a commit, or withdraw its offer when
         its computed slots do not follow its chain. Mutates. Runs for every request at every
-        step: while the block stays the same, the offer is only updated in place."""
+        step: while the block stays the same, the offer is only updated in place. A request that
+        stopped publishing offers nothing new (an offer it made before stays: its slots do not
+        change)."""
+        if not request.publishing:
+            return
         full = self._partial_index(request, computed)
         if full is None:
             self.withdraw(request_id)
@@ -240,7 +293,13 @@ class PartialBlocks:
     # -- checks --------------------------------------------------------------------------------
     def check_integrity(self, tree: RadixTree, requests: Mapping[int, RequestBlocks]) -> None:
         """Assert the invariants in the module docstring against ``tree``, whose nodes the
-        tails follow, and the running ``requests``. AssertionError names the broken one."""
+        tails follow, and the running ``requests``, and that every tail is evictable cached
+        content with ref 0. AssertionError names the broken one."""
+        lru = self._pool.lru_blocks()
+        for block in self._by_block:
+            assert self._pool.ref(block) == 0, f"tail {block} is held"
+            assert self._pool.is_cached_node(block), f"tail {block} is not cached content"
+            assert block in lru, f"tail {block} is not evictable"
         width = self.block_size * TOKEN_BYTES
         listed = 0
         for (namespace, parent_block), siblings in self._under.items():

@@ -17,7 +17,8 @@ class RequestBlocks:
     chain: list[Node]  # node of each committed full block, in order
     pins: list[int] = field(default_factory=list)  # blocks held only because the chain needs them
     # False: matched nothing at admission (its every block is its own), and it publishes its
-    # blocks only while none is cached already: pinning cached copies it does not use would
-    # take blocks the scheduler never counted for it.
-    reuse: bool = True
+    # blocks only while none is cached already (kvcache/cache_policy.py says why).
+    reads_cache: bool = True
+    # Whether its blocks still go to the tree, its partial block is offered, and its partial
+    # last block is kept as a tail when it ends (kvcache/partial_blocks.py).
     publishing: bool = True

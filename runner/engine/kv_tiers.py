@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from kvcache import BlockManager, block_hashes
+from kvcache import BlockManager, Purpose, block_hashes
 from kvcache.hashing import pack_tokens
 from kvcache.radix_tree import Node
 from kvcache.store import KVStore
@@ -232,7 +232,7 @@ class TierLoader:
             n -= 1  # the pool cannot spare that many now
         if n:
             probe = self._probe(token_ids, on_device + n)
-            alloc = bm.allocate(_LOADING_ID, probe, root, count=False)
+            alloc = bm.allocate(_LOADING_ID, probe, root, Purpose.LOADING)
             try:
                 fresh = alloc.block_table[on_device : on_device + n]
                 copy_started = time.perf_counter()

@@ -23,7 +23,7 @@ import struct
 import warnings
 from pathlib import Path
 
-from kvcache import BlockManager
+from kvcache import BlockManager, Purpose
 from kvcache.hashing import TOKEN_BYTES, hash_packed_block, pack_tokens, unpack_tokens
 from kvcache.store import KVStore
 from kvcache.tiers import BlockSpec, BlockValue, Miss, decode, encode
@@ -117,7 +117,7 @@ def load_prefix_cache(
         probe = known + [0]  # one more token: every full block matches
         if block_manager.blocks_needed(probe, root) > block_manager.stats.blocks_free:
             continue  # only free blocks: a chain must not evict one loaded before it
-        alloc = block_manager.allocate(request_id, probe, root, count=False)
+        alloc = block_manager.allocate(request_id, probe, root, Purpose.LOADING)
         have = alloc.num_cached_tokens // B
         try:  # the K/V of every fresh block of the chain (a tail's own block included)
             if have < len(chain):

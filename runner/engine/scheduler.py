@@ -8,7 +8,7 @@ from collections import abc, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvcache import BlockManager
+from kvcache import BlockManager, Purpose
 from runner.engine.admission import Admission
 from runner.engine.config import EngineConfig
 from runner.engine.kv_tiers import TierLoader
@@ -210,7 +210,7 @@ class Scheduler:
                 inflight = self.admission.inflight_hashes(self.running)
             chosen = self.admission.pick(self.waiting, inflight, self.step_count)
             if chosen is None or not self.bm.can_allocate(
-                chosen.token_ids, chosen.root, reuse=chosen.reuses_cache
+                chosen.token_ids, chosen.root, reads_cache=chosen.reuses_cache
             ):
                 break
             self.waiting.remove(chosen)
@@ -283,8 +283,9 @@ class Scheduler:
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
         if self.tiers is not None and seq.reuses_cache:
             self.tiers.load(seq.token_ids, seq.root)
+        purpose = Purpose.READMISSION if seq.admitted else Purpose.ADMISSION
         alloc = self.bm.allocate(
-            seq.seq_id, seq.token_ids, seq.root, readmission=seq.admitted, reuse=seq.reuses_cache
+            seq.seq_id, seq.token_ids, seq.root, purpose, reads_cache=seq.reuses_cache
         )
         if alloc.copy is not None:
             self.copy_slots(*alloc.copy)

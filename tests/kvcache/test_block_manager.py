@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 import kvcache.hashing
-from kvcache import BlockManager, namespace_root
+from kvcache import BlockManager, Purpose, namespace_root
 from kvcache.radix_tree import CONTINUATION_SCAN
 
 B = 16
@@ -325,7 +325,7 @@ def test_readmission_is_counted_apart() -> None:
     prefill(bm, 2, prompt)
     assert (bm.stats.query_tokens, bm.stats.hit_tokens) == (90, 32)
     bm.free(2)  # preempted
-    bm.allocate(2, prompt + [7, 8], ROOT, readmission=True)
+    bm.allocate(2, prompt + [7, 8], ROOT, Purpose.READMISSION)
     stats = bm.stats
     assert (stats.query_tokens, stats.hit_tokens) == (90, 32)
     assert (stats.readmit_query_tokens, stats.readmit_hit_tokens) == (52, 48)
@@ -431,7 +431,7 @@ def test_an_uncounted_allocation_leaves_the_hit_counters_alone() -> None:
     bm = BlockManager(num_blocks=8, block_size=B)
     run_once(bm, 0, seq(0, 2 * B + 1))
     before = bm.stats
-    alloc = bm.allocate(1, seq(0, 2 * B + 1), ROOT, count=False)
+    alloc = bm.allocate(1, seq(0, 2 * B + 1), ROOT, Purpose.LOADING)
     assert alloc.num_cached_tokens == 2 * B
     after = bm.stats
     assert (after.query_tokens, after.hit_tokens) == (before.query_tokens, before.hit_tokens)
@@ -440,15 +440,15 @@ def test_an_uncounted_allocation_leaves_the_hit_counters_alone() -> None:
 
 
 def test_a_request_that_reuses_nothing_still_fills_the_cache() -> None:
-    """reuse=False (a prompt whose every position must be computed): no block is matched, all
+    """reads_cache=False (a prompt whose every position must be computed): no block is matched, all
     are fresh; committing them adds nothing (the blocks are cached already) and pins nothing
     (it holds no more than it was given); a later request still hits the cached ones."""
     bm = BlockManager(num_blocks=16, block_size=B)
     prompt = seq(0, 3 * B + 1)
     run_once(bm, 0, prompt)
     cached_before = bm.stats.blocks_cached
-    assert bm.can_allocate(prompt, ROOT, reuse=False)
-    alloc = bm.allocate(1, prompt, ROOT, reuse=False)
+    assert bm.can_allocate(prompt, ROOT, reads_cache=False)
+    alloc = bm.allocate(1, prompt, ROOT, reads_cache=False)
     assert alloc.num_cached_tokens == 0 and len(alloc.block_table) == 4
     bm.commit(1, prompt, len(prompt))
     bm.check_integrity()
@@ -460,19 +460,19 @@ def test_a_request_that_reuses_nothing_still_fills_the_cache() -> None:
     assert run_once(bm, 2, prompt) == 3 * B
 
 
-def test_reuse_false_needs_room_for_every_block() -> None:
+def test_reading_nothing_needs_room_for_every_block() -> None:
     bm = BlockManager(num_blocks=5, block_size=B)
     prompt = seq(0, 3 * B + 1)
     run_once(bm, 0, prompt)  # 3 cached blocks, 2 free
     prefill(bm, 1, seq(0, B) + [999])  # holds the first cached block and one free one
     assert bm.can_allocate(prompt, ROOT)  # 3 matched + 1 fresh: the last free block
-    assert not bm.can_allocate(prompt, ROOT, reuse=False)  # 4 fresh: 1 free + 2 reclaimable
+    assert not bm.can_allocate(prompt, ROOT, reads_cache=False)  # 4 fresh: 1 free + 2 reclaimable
 
 
 def test_a_request_that_reuses_nothing_publishes_new_blocks() -> None:
     bm = BlockManager(num_blocks=16, block_size=B)
     prompt = seq(0, 3 * B + 1)
-    bm.allocate(0, prompt, ROOT, reuse=False)
+    bm.allocate(0, prompt, ROOT, reads_cache=False)
     bm.commit(0, prompt, 2 * B)  # in chunks, as a chunked prefill commits
     bm.commit(0, prompt, len(prompt))
     bm.free(0)

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import kvcache.hashing
-from kvcache import BlockManager, namespace_root
+from kvcache import BlockManager, Purpose, namespace_root
 from kvcache.radix_tree import Node
 
 B = 4
@@ -103,11 +103,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         peek = bm.cached_prefix_length(tokens, root) if reuse else 0
         evicted_before = bm.stats.evicted_blocks
         hits_before = bm.stats.hit_tokens + bm.stats.readmit_hit_tokens
-        if not bm.can_allocate(tokens, root, reuse=reuse):
+        purpose = Purpose.READMISSION if readmission else Purpose.ADMISSION
+        if not bm.can_allocate(tokens, root, reads_cache=reuse):
             with pytest.raises(ValueError):
-                bm.allocate(rid, tokens, root, readmission=readmission, reuse=reuse)
+                bm.allocate(rid, tokens, root, purpose, reads_cache=reuse)
             return False
-        alloc = bm.allocate(rid, tokens, root, readmission=readmission, reuse=reuse)
+        alloc = bm.allocate(rid, tokens, root, purpose, reads_cache=reuse)
         cached = alloc.num_cached_tokens
         if not reuse:
             assert cached == 0

@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcache import BlockManager, namespace_root
+from kvcache.block_pool import BlockPool
 from kvcache.hashing import pack_tokens
 from kvcache.partial_blocks import (
     MAX_TAILS_PER_PARENT,
@@ -100,7 +101,7 @@ def test_a_longer_tail_replaces_the_one_it_extends() -> None:
 
 
 def test_tails_under_one_parent_are_capped_newest_kept() -> None:
-    cache = PartialBlocks(B)
+    cache = PartialBlocks(B, BlockPool(64))
     tails = [Tail(i, pack_tokens([i + 1000]), None, ROOT) for i in range(MAX_TAILS_PER_PARENT + 3)]
     dropped = [block for tail in tails for block in cache.add(tail)]
     assert dropped == [0, 1, 2]
@@ -129,7 +130,7 @@ def test_no_tails_without_prefix_caching_or_for_requests_that_reuse_nothing() ->
     assert off.stats.blocks_tails == 0 and off.cached_prefix_length(seq(1, 20), ROOT) == 0
     bm = BlockManager(64, B)
     finish(bm, 1, seq(1, 20))
-    alloc = bm.allocate(2, seq(1, 21), ROOT, reuse=False)
+    alloc = bm.allocate(2, seq(1, 21), ROOT, reads_cache=False)
     assert alloc.num_cached_tokens == 0 and alloc.copy is None
 
 
