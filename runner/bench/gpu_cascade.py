@@ -161,10 +161,10 @@ def fit(points: list[dict[str, Any]], noise: float) -> dict[str, Any]:
     return {
         "noise": noise,
         "default_min_saved_bytes": DEFAULT_THRESHOLDS.min_saved_bytes,
-        "wrong_choices": [(p["prefix"], p["group"], round(p["ratio"], 3)) for p in wrong],
+        "wrong_choices": [[p["prefix"], p["group"], round(p["ratio"], 3)] for p in wrong],
         "keeps_rule": not wrong,
         "fitted_min_saved_bytes": bound,
-        "wins_left_out_by_fit": [(p["prefix"], p["group"], round(p["ratio"], 3)) for p in missed],
+        "wins_left_out_by_fit": [[p["prefix"], p["group"], round(p["ratio"], 3)] for p in missed],
         "best_ratio": min((p["ratio"] for p in points), default=None),
     }
 
@@ -191,11 +191,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             report["points"].append(point)
             print(json.dumps(point), flush=True)
-    report["fit"] = fit(report["points"], args.noise)
+            report["fit"] = fit(report["points"], args.noise)
+            save(report, args.out)  # after each point: a run cut short keeps what it measured
     print(json.dumps(report["fit"]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
     return report
+
+
+def save(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
