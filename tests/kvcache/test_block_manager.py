@@ -10,6 +10,7 @@ import pytest
 
 import kvcache.hashing
 from kvcache import BlockManager, Purpose, namespace_root
+from kvcache.hashing import pack_tokens
 from kvcache.radix_tree import CONTINUATION_SCAN
 
 B = 16
@@ -372,6 +373,19 @@ def test_check_integrity_catches_an_evictable_block_that_is_held() -> None:
     pool._lru.add(999 * bm.num_blocks + block)  # what lru_add would store, minus its checks
     pool._lru_key[block] = 999 * bm.num_blocks + block
     with pytest.raises(AssertionError, match="LRU"):
+        bm.check_integrity()
+
+
+def test_check_integrity_catches_a_block_cached_without_prefix_caching() -> None:
+    """The no-caching policy's own promise (kvcache/cache_policy.py): nothing is cached."""
+    bm = BlockManager(8, B, enable_prefix_caching=False)
+    run_once(bm, 1, seq(1, 20))
+    cache = bm._cache
+    [block] = cache.take(1)  # what a commit would insert, were it caching
+    [node] = cache.insert(ROOT, None, pack_tokens(seq(1, B)), [block], only_new=False).created
+    cache.pool.release(block)
+    cache.pool.lru_add(block, node.tick)
+    with pytest.raises(AssertionError, match="while disabled"):
         bm.check_integrity()
 
 

@@ -15,6 +15,7 @@ from kvcache.partial_blocks import (
     Tail,
     common_tokens,
 )
+from kvcache.radix_tree import RadixTree
 
 B = 16
 ROOT = namespace_root("model")
@@ -106,6 +107,23 @@ def test_tails_under_one_parent_are_capped_newest_kept() -> None:
     dropped = [block for tail in tails for block in cache.add(tail)]
     assert dropped == [0, 1, 2]
     assert len(cache) == MAX_TAILS_PER_PARENT
+
+
+def test_partial_blocks_keep_a_tails_pool_state_until_it_is_evicted() -> None:
+    """A kept tail is cached content with ref 0 in the LRU; a longer one under the same parent
+    frees it; its parent's eviction frees the rest (kvcache/partial_blocks.py owns all three)."""
+    pool, tree = BlockPool(8), RadixTree(B)
+    partials = PartialBlocks(B, pool)
+    parent_block, a, b = pool.take(3)
+    [node] = tree.insert(ROOT, None, pack_tokens(seq(1, B)), [parent_block], only_new=False).created
+    partials.keep(Tail(a, pack_tokens(seq(100, 3)), node, ROOT))
+    assert pool.ref(a) == 0 and pool.is_cached_node(a) and a in pool.lru_blocks()
+    partials.keep(Tail(b, pack_tokens(seq(100, 5)), node, ROOT))  # starts with a's tokens
+    assert a not in partials and not pool.is_cached_node(a) and a not in pool.lru_blocks()
+    partials.check_integrity(tree, {})
+    assert partials.evict_under(node) == 1
+    assert len(partials) == 0 and not pool.is_cached_node(b) and pool.num_free == 7
+    pool.check_integrity()
 
 
 def test_a_tail_is_evicted_with_its_parent_and_by_lru() -> None:
