@@ -5,8 +5,9 @@ chunk of blocks, header, tokens, raw K/V, checksum, optional keyed MAC), the tie
 hold such values (``host``: a bounded LRU in RAM; ``disk``: a directory that survives
 restarts; ``remote``: a Redis server shared by every engine), ``tiered``: lookup of a
 chain across them (``chain_reads``: which values it reads, nothing past a gap),
-``tier_writer``: the bounded background writer, and ``write_backlog``: committed blocks
-waiting in the pool for room in its queue. It imports neither
+``tier_writer``: the bounded background writer, ``write_backlog``: committed blocks
+waiting in the pool for room in its queue, and ``tier_events``: what the host and disk tiers
+tell a listener of the values they store and let go (KV events). It imports neither
 torch nor ``runner``: the engine copies K/V in and out of the pool (runner/engine/kv_transfer.py)
 and hands this package bytes.
 

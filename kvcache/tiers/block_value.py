@@ -245,3 +245,27 @@ def value_blocks(data: bytes | memoryview) -> int:
     if len(data) < _HEADER.size or bytes(data[:4]) != MAGIC:
         return 1
     return max(1, _HEADER.unpack_from(data)[4])
+
+
+def value_links(data: bytes | memoryview) -> tuple[bool, list[Link]] | None:
+    """(whether its first block is a chain's top, its blocks' hashes, parents and tokens), read
+    from a value's header and tokens alone, unverified (None when they do not parse): what a
+    KV event announces of a value a tier took (kvcache/tiers/tier_events.py). Pure."""
+    view = memoryview(data)
+    if len(view) < _HEADER.size or bytes(view[:4]) != MAGIC:
+        return None
+    head = _HEADER.unpack_from(view)
+    flags, num_blocks, ident_len, dtype_len = head[2], head[4], head[9], head[10]
+    links_at = _HEADER.size + ident_len + dtype_len
+    tok_at = links_at + num_blocks * _LINK.size
+    if head[1] != VERSION or len(view) < tok_at:
+        return None
+    links = []
+    for i in range(num_blocks):
+        key, parent, n = _LINK.unpack_from(view, links_at + i * _LINK.size)
+        tokens = bytes(view[tok_at : tok_at + n * TOKEN_BYTES])
+        if len(tokens) != n * TOKEN_BYTES:
+            return None
+        links.append(Link(key, parent, tokens))
+        tok_at += n * TOKEN_BYTES
+    return bool(flags & FLAG_TOP), links

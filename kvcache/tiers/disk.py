@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvcache.tiers.tier_events import TierListener
+
 SUFFIX = ".kvb"
 _TMP = ".tmp-"
 RESCAN_EVERY = 256
@@ -47,6 +49,9 @@ class DiskTier:
         self._bytes = 0
         self._writes = 0
         self._lock = threading.Lock()
+        # Told of values this process stores and lets go (KV events); files found at start
+        # or written by another process are never announced, nor their removal.
+        self.listener: TierListener | None = None
         with self._lock:
             self._rescan(remove_temporary=True)
             self._shrink(0)
@@ -83,18 +88,28 @@ class DiskTier:
                 except OSError:
                     continue  # removed meanwhile by another process
         found.sort()
+        before = self._index
         self._index = OrderedDict((name, size) for _, name, size in found)
         self._bytes = sum(self._index.values())
+        self._removed([name for name in before if name not in self._index])
 
     def _shrink(self, room: int) -> None:
         """Delete least recently used files until ``room`` more bytes fit under the limit."""
+        removed = []
         while self._index and self._bytes + room > self.capacity_bytes:
             name, size = self._index.popitem(last=False)
             self._bytes -= size
+            removed.append(name)
             try:
                 os.unlink(self.root / name)
             except FileNotFoundError:
                 pass
+        self._removed(removed)
+
+    def _removed(self, names: list[str]) -> None:
+        """Tell the listener of files gone from the index (under the lock)."""
+        if names and self.listener is not None:
+            self.listener.values_removed(self.name, [name[: -len(SUFFIX)] for name in names])
 
     def has_many(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key has a file, without reading or touching it (a lookup asks before
@@ -118,6 +133,7 @@ class DiskTier:
                 with self._lock:
                     size = self._index.pop(name, None)
                     self._bytes -= size or 0
+                    self._removed([name] if size is not None else [])
                 out.append(None)
                 continue
             try:
@@ -159,6 +175,8 @@ class DiskTier:
                 tmp.unlink(missing_ok=True)
             self._index[name] = size
             self._bytes += size
+            if self.listener is not None:
+                self.listener.value_stored(self.name, self.file_name(key)[: -len(SUFFIX)], value)
             self._shrink(0)
             return True
 
@@ -166,7 +184,9 @@ class DiskTier:
         """Delete a value's file (one that failed its checks: it would fail again)."""
         name = self.file_name(key)
         with self._lock:
-            self._bytes -= self._index.pop(name, 0)
+            size = self._index.pop(name, None)
+            self._bytes -= size or 0
+            self._removed([name] if size is not None else [])
         (self.root / name).unlink(missing_ok=True)
 
     def close(self) -> None:

@@ -11,6 +11,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvcache.tiers.tier_events import TierListener
+
 
 class HostTier:
     """Keys to value bytes, never more than ``capacity_bytes`` of values in all."""
@@ -24,6 +26,7 @@ class HostTier:
         self._values: OrderedDict[str, bytes] = OrderedDict()  # oldest first
         self._bytes = 0
         self._lock = threading.Lock()
+        self.listener: TierListener | None = None  # told of values stored and let go (events)
 
     @property
     def nbytes(self) -> int:
@@ -67,11 +70,17 @@ class HostTier:
             old = self._values.pop(key, None)
             if old is not None:
                 self._bytes -= len(old)
+            evicted = []
             while self._bytes + len(value) > self.capacity_bytes:
-                _, gone = self._values.popitem(last=False)
+                gone_key, gone = self._values.popitem(last=False)
                 self._bytes -= len(gone)
+                evicted.append(gone_key)
             self._values[key] = value
             self._bytes += len(value)
+            if self.listener is not None:
+                if evicted:
+                    self.listener.values_removed(self.name, evicted)
+                self.listener.value_stored(self.name, key, value)
             return True
 
     def discard(self, key: str) -> None:
@@ -80,6 +89,8 @@ class HostTier:
             old = self._values.pop(key, None)
             if old is not None:
                 self._bytes -= len(old)
+                if self.listener is not None:
+                    self.listener.values_removed(self.name, [key])
 
     def close(self) -> None:
         """Nothing to release; the tiers share one interface."""

@@ -154,6 +154,14 @@ _OPTIONS = [
         "signed [default: $KVCACHE_CACHE_KEY]. Without a key, cache files and tiers are trusted; "
         "an empty key is an error.",
     ),
+    click.option(
+        "--kv-events-config",
+        default=None,
+        help='vLLM\'s KV events, as its JSON: \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' publishes every block stored '
+        "in or removed from the KV pool (medium GPU), the host tier (CPU) and the disk tier "
+        "(DISK) on a ZeroMQ PUB socket, for llm-d, Dynamo or `kvcache router --kv-events`.",
+    ),
 ]
 
 

@@ -54,6 +54,8 @@ class Engine:
         if events is not None and events.publishes:
             self.kv_events = KVEventPublisher(events, self.config.block_size)
             self.block_manager.add_listener(self.kv_events)
+            if self.tiers is not None:
+                self.tiers.publish_events(self.kv_events)  # the host and disk tiers' blocks
         self.attention = parts.attention  # the backend every forward pass runs
         layers = parts.attention.layers
         # Whole steps in C (runner/model/cpu_layers.py), where the CPU backend has them.

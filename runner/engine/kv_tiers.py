@@ -32,6 +32,8 @@ from kvcache.tiers.prefetch import Prefetcher
 from kvcache.tiers.write_backlog import WriteBacklog
 from runner.engine.config import EngineConfig
 from runner.engine.kv_transfer import read_blocks, write_blocks
+from runner.kv_events.publisher import KVEventPublisher
+from runner.kv_events.tier_events import TierEvents
 
 KEY_ENV = "KVCACHE_CACHE_KEY"
 # The request id the block manager knows a load by: engine sequence ids are never negative.
@@ -252,6 +254,16 @@ class TierLoader:
         """The first ``num_blocks`` blocks and one token more: allocate matches every one of
         those blocks and takes one more for that token."""
         return list(token_ids[: num_blocks * self.block_size + 1])
+
+    # -- events --------------------------------------------------------------------------------
+    def publish_events(self, publisher: KVEventPublisher) -> None:
+        """Publish the blocks the host and disk tiers store and let go, each under its medium,
+        with the pool's events (runner/kv_events/tier_events.py; Redis publishes none)."""
+        events = TierEvents(publisher.publish, self.block_size)
+        publisher.on_cleared = events.cleared
+        for tier in self.store.tiers:
+            if isinstance(tier, HostTier | DiskTier):
+                tier.listener = events
 
     # -- reports -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

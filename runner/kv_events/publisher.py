@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -107,6 +108,8 @@ class KVEventPublisher:
         self.medium = medium
         self.next_seq = 0  # the number the next batch is sent under
         self._queue = EventQueue(config.max_queue_size)
+        # Publishes a reset's AllBlocksCleared with the blocks the tiers still hold after it.
+        self.on_cleared: Callable[[AllBlocksCleared], None] | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -134,9 +137,28 @@ class KVEventPublisher:
     def blocks_removed(self, nodes: list[Node]) -> None:
         self._enqueue([BlockRemoved(block_hashes=[node.key for node in nodes], medium=self.medium)])
 
+    def publish(self, events: Sequence[Event]) -> None:
+        """Queue other events (the tiers', runner/kv_events/tier_events.py) with the pool's,
+        in one numbered stream. Thread-safe."""
+        self._enqueue(list(events))
+
     def all_cleared(self) -> None:
-        """Everything cached was dropped (a prefix-cache reset)."""
-        self._enqueue([AllBlocksCleared()])
+        """Everything cached was dropped (a prefix-cache reset). AllBlocksCleared clears every
+        medium of this engine for a subscriber; the tiers keep theirs, so their blocks follow
+        it again (``on_cleared``: the tiers' TierEvents.cleared publishes both)."""
+        if self.on_cleared is not None:
+            self.on_cleared(AllBlocksCleared())
+        else:
+            self._enqueue([AllBlocksCleared()])
+
+    def endpoints(self) -> dict[str, str | None]:
+        """Where a subscriber connects, as bound (a TCP port of 0 resolved; ``*`` stands for
+        every interface of this host: a subscriber puts the host it reaches this one at)."""
+        return {
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "topic": self.config.topic,
+        }
 
     @property
     def dropped_events(self) -> int:

@@ -194,6 +194,8 @@ def _info(state: ServerState) -> dict[str, Any]:
         "block_size": llm.config.block_size,
         "max_model_len": llm.max_model_len,
         "enable_prefix_caching": llm.config.enable_prefix_caching,
+        # Where it publishes its KV events (None: it does not), for `kvcache router --kv-events`
+        "kv_events": (pub := getattr(llm, "kv_events", None)) and pub.endpoints(),
     }
 
 

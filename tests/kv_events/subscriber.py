@@ -52,26 +52,36 @@ class Subscriber:
         self.sub.connect(endpoint)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.replay_endpoint = replay_endpoint
-        self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+        # medium -> block hash -> (parent hash, the block's tokens)
+        self.views: dict[str | None, dict[int, tuple[int | None, tuple[int, ...]]]] = {}
         self.last_seq = -1
         self.replays = 0
         self.media: set[str | None] = set()
+        self.removed: dict[str | None, int] = {}  # blocks removed, by medium
 
     def apply(self, batch: KVEventBatch) -> None:
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self.media.add(event.medium)
+                view = self.views.setdefault(event.medium, {})
                 parent = event.parent_block_hash
                 size = event.block_size
                 for i, block_hash in enumerate(event.block_hashes):
                     tokens = tuple(event.token_ids[i * size : (i + 1) * size])
-                    self.blocks[block_hash] = (parent, tokens)
+                    view[block_hash] = (parent, tokens)
                     parent = block_hash
             elif isinstance(event, BlockRemoved):
+                view = self.views.setdefault(event.medium, {})
+                self.removed[event.medium] = self.removed.get(event.medium, 0) + 1
                 for block_hash in event.block_hashes:
-                    self.blocks.pop(block_hash, None)
+                    view.pop(block_hash, None)
             else:
-                self.blocks.clear()
+                self.views.clear()
+
+    @property
+    def blocks(self) -> dict[int, tuple[int | None, tuple[int, ...]]]:
+        """The device pool's blocks (medium GPU)."""
+        return self.views.get("GPU", {})
 
     def replay_from(self, start: int) -> None:
         """Ask the replay socket for every batch from ``start`` on (vLLM's protocol)."""
@@ -109,14 +119,15 @@ class Subscriber:
             self.apply(self.decoder.decode(payload))
             self.last_seq = seq
 
-    def prefixes(self) -> set[tuple[int, ...]]:
+    def prefixes(self, medium: str = "GPU") -> set[tuple[int, ...]]:
         """Each cached block's whole token prefix (its chain's tokens up to its end)."""
         out: set[tuple[int, ...]] = set()
-        for block_hash in self.blocks:
+        blocks = self.views.get(medium, {})
+        for block_hash in blocks:
             tokens: tuple[int, ...] = ()
             walk: int | None = block_hash
             while walk is not None:
-                parent, own = self.blocks[walk]
+                parent, own = blocks[walk]
                 tokens = own + tokens
                 walk = parent
             out.add(tokens)
