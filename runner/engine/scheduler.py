@@ -4,6 +4,7 @@ for decoding sequences (runner/engine/speculative.py)."""
 
 from __future__ import annotations
 
+import time
 from collections import abc, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,6 +98,7 @@ class Scheduler:
         self.held: list[Sequence] = []  # static mode: finished but still in the batch
         self.step_count = 0
         self.num_preemptions = 0
+        self.last_step_tokens = 0  # positions the latest step computes (vLLM's iteration tokens)
 
     # ----------------------------------------------------------------- queue bookkeeping
     def add(self, seq: Sequence) -> None:
@@ -175,6 +177,7 @@ class Scheduler:
             )
         for item in out.scheduled:  # every allocation and growth of the step is done
             item.block_table = self.bm.block_table(item.seq.seq_id)
+        self.last_step_tokens = out.num_prefill_tokens + out.num_decode_tokens
         return out
 
     def commit(self, computed: list[tuple[ScheduledSeq, int]]) -> None:
@@ -291,6 +294,7 @@ class Scheduler:
             self.copy_slots(*alloc.copy)
         if not seq.admitted:
             seq.num_cached_tokens = alloc.num_cached_tokens
+            seq.first_scheduled_time = time.perf_counter()  # its time queued ends here
         seq.admitted = True
         seq.num_computed_tokens = alloc.num_cached_tokens
         seq.status = SeqStatus.RUNNING

@@ -52,6 +52,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     arrival_step: int = 0
     wait_since_step: int = 0
+    first_scheduled_time: float | None = None  # its first admission to the batch
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None

@@ -6,8 +6,10 @@ with the handlers (events.py), one call's life from submit to its last chunk (ca
 templates rendered off the engine's thread within bounds (templates.py), the FastAPI routes
 (app.py), the API key check it shares with the routers (auth.py), secrets masked in what it
 shows (masking.py), the bound on a request body's arrival (body_deadline.py), uvicorn with its
-SIGTERM drain (server.py), Prometheus metrics (metrics.py) and the click command (command.py).
-May import: kvcache (its redaction of URLs), engine (the LLM, streaming, outputs), sampling
-(SamplingParams), cli (the engine's options), disagg (only command.py, which starts a worker
-in its role); nothing in the engine imports this package. Importing it imports nothing heavy.
+SIGTERM drain (server.py), Prometheus metrics (metrics.py; vLLM's names: vllm_metrics.py) and the
+click command (command.py).
+May import: kvcache (its redaction of URLs, CacheStats), engine (the LLM, streaming, outputs),
+sampling (SamplingParams), cli (the engine's options), disagg (only command.py, which starts a
+worker in its role); nothing in the engine imports this package. Importing it imports nothing
+heavy.
 """

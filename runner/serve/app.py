@@ -72,7 +72,7 @@ class ServerState:
 
 def build_app(llm: Any, settings: ServeSettings) -> FastAPI:
     """The app over `llm`, whose engine loop runs from the app's startup to its shutdown."""
-    metrics = ServeMetrics()
+    metrics = ServeMetrics(settings.model_name, llm.max_model_len)
     renderer = ChatRenderer(llm.apply_chat_template, settings.template_bounds)
     engine = EngineLoop(llm, metrics, renderer, settings.masker())
     state = ServerState(llm, settings, engine, metrics, LogprobFormat(llm.tokenizer))

@@ -29,6 +29,7 @@ from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Sink, Su
 from runner.serve.masking import Masker
 from runner.serve.metrics import ServeMetrics
 from runner.serve.templates import ChatRenderer
+from runner.serve.vllm_metrics import CacheConfig, request_end
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # how long an idle loop sleeps before it looks at its stop flag again
@@ -41,11 +42,11 @@ class _Tracked:
     index: int
     sink: Sink
     seqs: list[Sequence]
-    arrival: float
+    arrival: float  # when its handler submitted it (time.perf_counter)
     texts: dict[int, TextStream] = field(default_factory=dict)
     sent: dict[int, int] = field(default_factory=dict)  # tokens handed out, per sequence
     ended: set[int] = field(default_factory=set)  # sequences whose last delta is out
-    last_token: float | None = None
+    last_token: dict[int, float] = field(default_factory=dict)  # per sequence: its latest
 
 
 class EngineLoop:
@@ -74,6 +75,14 @@ class EngineLoop:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._outbox: list[tuple[Sink, Event]] = []  # the loop thread's, until _flush
         self._thread = threading.Thread(target=self._run, name="kvcache-engine-loop", daemon=True)
+        metrics.describe_cache(
+            CacheConfig(
+                llm.config.block_size,
+                llm.block_manager.num_blocks,
+                llm.config.enable_prefix_caching,
+                llm.kv.dtype_name,
+            )
+        )
 
     # ------------------------------------------------------------------ any thread
     def start(self, event_loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -93,8 +102,9 @@ class EngineLoop:
         """Queue prompts (a conversation's already rendered: Call.start does it)."""
         with self._pending_lock:
             self._pending += sum(_samples(sub) for sub in submissions)
+        now = time.perf_counter()  # the requests' arrival, as their latencies count it
         for sub in submissions:
-            self._inbox.put(("add", (sub, sink)))
+            self._inbox.put(("add", (sub, sink, now)))
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests and free their blocks; their sinks hear nothing more."""
@@ -158,9 +168,11 @@ class EngineLoop:
                 self._add(*value)
             elif kind == "abort":
                 for request_id in value:
-                    if self._live.pop(request_id, None) is not None:
+                    tracked = self._live.pop(request_id, None)
+                    if tracked is not None:
                         self._llm.abort_request(request_id)
                         self._metrics.requests.labels(finish_reason="abort").inc()
+                        self._ended(tracked, "abort")
                 self._update_gauges()  # no step may follow: the gauges must not stay behind
             try:
                 command = self._inbox.get_nowait()
@@ -177,9 +189,10 @@ class EngineLoop:
                 self.queued(),
                 llm.block_manager.stats,
                 llm.block_manager.num_blocks,
+                llm.scheduler.num_preemptions,
             )
 
-    def _add(self, sub: Submission, sink: Sink) -> None:
+    def _add(self, sub: Submission, sink: Sink, arrival: float) -> None:
         with self._pending_lock:
             self._pending -= _samples(sub)
         llm = self._llm
@@ -203,7 +216,7 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - the hook's failure is not the request's
                 trace = self._masker.mask(traceback.format_exc())  # it may quote a URL
                 log.error("request %s: its on_queued hook failed\n%s", sub.request_id, trace)
-        tracked = _Tracked(sub.index, sink, seqs, arrival=time.perf_counter())
+        tracked = _Tracked(sub.index, sink, seqs, arrival)
         for s in seqs:
             tracked.texts[s.seq_id] = TextStream(llm.stopper, s.params.skip_special_tokens)
             tracked.sent[s.seq_id] = 0
@@ -218,6 +231,7 @@ class EngineLoop:
             for live in self._live.values():
                 self._deltas(live, now)
             self._update_gauges()
+            self._metrics.on_iteration(llm.scheduler.last_step_tokens)
         for output in outputs:
             tracked = self._live.pop(output.request_id, None)
             if tracked is None:
@@ -229,9 +243,15 @@ class EngineLoop:
                 output.num_cached_tokens,
                 generated,
             )
+            self._ended(tracked, output.finish_reason or "stop")
             if output.error is not None:
                 output.error = self._masker.mask(output.error)
             self._deliver(tracked.sink, Done(tracked.index, output))
+
+    def _ended(self, tracked: _Tracked, reason: str) -> None:
+        """A request ended (any way): vLLM's per-request series."""
+        end = request_end(tracked.seqs, tracked.arrival, time.perf_counter(), reason)
+        self._metrics.on_end(end)
 
     def _deltas(self, tracked: _Tracked, now: float) -> None:
         stopper = self._llm.stopper
@@ -251,14 +271,13 @@ class EngineLoop:
             if seq.params.logprobs is not None:
                 logprobs = list(seq.output_logprobs[sent : sent + len(new_tokens)])
             reason = seq.finish_reason if seq.is_finished else None
-            if new_tokens and seq.sample_index == 0:
-                if tracked.last_token is None:
-                    self._metrics.ttft.observe(now - tracked.arrival)
-                else:
-                    gap = (now - tracked.last_token) / len(new_tokens)
-                    for _ in new_tokens:
-                        self._metrics.itl.observe(gap)
-                tracked.last_token = now
+            if new_tokens:
+                if not tracked.last_token:  # the request's first token, of any sample
+                    self._metrics.on_first_token(now - tracked.arrival, seq.num_prompt_tokens)
+                last = tracked.last_token.get(seq.seq_id)
+                gap = None if last is None else (now - last) / len(new_tokens)
+                self._metrics.on_tokens(len(new_tokens), gap, seq.sample_index)
+                tracked.last_token[seq.seq_id] = now
             delta = Delta(tracked.index, seq.sample_index, new_tokens, text, logprobs, reason)
             self._deliver(tracked.sink, delta)
 
@@ -267,6 +286,7 @@ class EngineLoop:
         for request_id, tracked in list(self._live.items()):
             output = self._llm.abort_request(request_id)
             del self._live[request_id]
+            self._ended(tracked, "error" if error is not None else "abort")
             if output is None:
                 continue
             if error is not None:
