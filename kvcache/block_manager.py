@@ -57,7 +57,8 @@ class Allocation(NamedTuple):
 
 
 class BlockManager:
-    """Prefix-caching block manager. No global state: each instance owns its pool and tree."""
+    """The blocks of every live request, and the cache they share as its caching policy says
+    (prefix caching, or none). No global state: each instance owns its pool and tree."""
 
     def __init__(
         self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
