@@ -17,8 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import redis
-
 from kvcache.redaction import redact_text, redact_url
 from kvcache.tiers.tiered import TierDown
 
@@ -36,7 +34,12 @@ class RemoteTier:
             raise ValueError(
                 f"remote_cache_url must be redis://host:port/db, got {redact_url(url)!r}"
             )
+        # Imported here, not at the top: an engine without a Redis tier (a GPU image without
+        # the redis package) never needs it.
+        import redis
+
         self.url = url
+        self._errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
         self._client = redis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
@@ -78,7 +81,7 @@ class RemoteTier:
             for key in keys:
                 pipe.exists(key)
             counts = pipe.execute()
-        except (redis.RedisError, OSError) as err:
+        except self._errors as err:
             raise self._call_failed(err) from err
         self._backoff = 0.0
         return [bool(count) for count in counts]
@@ -88,7 +91,7 @@ class RemoteTier:
         self._check()
         try:
             values = self._client.mget(list(keys)) if keys else []
-        except (redis.RedisError, OSError) as err:
+        except self._errors as err:
             raise self._call_failed(err) from err
         self._backoff = 0.0
         return [v if isinstance(v, bytes) else None for v in values]
@@ -103,7 +106,7 @@ class RemoteTier:
             for key, value in items:
                 pipe.set(key, value, px=expire_ms)
             pipe.execute()
-        except (redis.RedisError, OSError) as err:
+        except self._errors as err:
             raise self._call_failed(err) from err
         self._backoff = 0.0
 
@@ -116,7 +119,7 @@ class RemoteTier:
         try:
             if not self.backing_off:
                 self._client.delete(key)
-        except (redis.RedisError, OSError):
+        except self._errors:
             pass
 
     def close(self) -> None:

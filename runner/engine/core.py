@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.engine.config import EngineConfig
 from runner.engine.intake import RequestIntake
@@ -26,11 +26,13 @@ from runner.engine.step_clock import StepClock
 from runner.engine.step_isolation import run_each_alone
 from runner.engine.step_result import StepResult, sample_step
 from runner.engine.stopping import StopChecker
-from runner.kv_events.publisher import KVEventPublisher
 from runner.model.cpu_layers import CpuLayers
 from runner.model.loader import generation_eos_ids
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import GrammarBook
+
+if TYPE_CHECKING:
+    from runner.kv_events.publisher import KVEventPublisher
 
 
 class Engine:
@@ -52,6 +54,9 @@ class Engine:
         self.kv_events: KVEventPublisher | None = None
         events = self.config.kv_events_config
         if events is not None and events.publishes:
+            # Imported only when on: ZeroMQ and msgspec are not on every machine (a GPU image).
+            from runner.kv_events.publisher import KVEventPublisher
+
             self.kv_events = KVEventPublisher(events, self.config.block_size)
             self.block_manager.add_listener(self.kv_events)
             if self.tiers is not None:
