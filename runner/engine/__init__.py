@@ -1,6 +1,7 @@
 """The engine: `LLM` (llm.py) over the loop (core.py) that schedules, runs the model, samples
-and settles each step; the scheduler and its admission rule, sequences and requests, stopping,
-streaming, outputs, speculative decoding, beam search, metrics, and building an engine's parts
+and settles each step (on CUDA the next step is scheduled while the device runs this one:
+overlap.py); the scheduler and its admission rule, sequences and requests, stopping, streaming,
+outputs, speculative decoding, beam search, metrics, and building an engine's parts
 (setup.py) with its model runner (model_runner.py) and KV pool sizing (memory.py).
 
 May import: kvcache (the block manager) and kvcache.store, attention, backends (the registry

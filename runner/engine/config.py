@@ -113,6 +113,18 @@ class EngineConfig:
     # cached, and a sampled request without a seed gets one from the engine's seed and its
     # prompt. CPU only, through the C kernels (every attention row summed in one fixed order).
     deterministic: bool = False
+    # Asynchronous scheduling (vLLM's --async-scheduling; runner/engine/overlap.py): the host
+    # schedules and prepares step N+1 while the device runs step N. None: on for CUDA, off on
+    # the CPU (where the device is the host: nothing to overlap). Never with speculative tokens.
+    async_scheduling: bool | None = None
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether the engine runs the overlapped loop (async_scheduling resolved)."""
+        wanted = self.async_scheduling
+        if wanted is None:
+            wanted = str(self.device).startswith("cuda")
+        return wanted and not self.speculative_tokens
 
     @property
     def token_budget(self) -> int:

@@ -17,6 +17,7 @@ from runner.engine.lock import locked
 from runner.engine.metrics import MetricsRecorder
 from runner.engine.output_routing import OutputRouter
 from runner.engine.outputs import RequestOutput, TokenTexts
+from runner.engine.overlap import OverlappedLoop, default_device
 from runner.engine.requests import Prompt, RequestValidator
 from runner.engine.scheduler import Scheduler, SchedulerOutput
 from runner.engine.sequence import Sequence
@@ -69,7 +70,7 @@ class Engine:
             self.config,
             self.block_manager,
             self.max_model_len,
-            self.kv.copy_slots,
+            self._copy_slots,
             self.tiers,
         )
         self.stopper = StopChecker(
@@ -102,6 +103,17 @@ class Engine:
         self.spec_stats = SpecStats()  # drafted and accepted tokens (runner/engine/speculative.py)
         # Held by every add, abort and step (runner/engine/lock.py): threads may share an engine.
         self.lock = threading.RLock()
+        # Asynchronous scheduling (runner/engine/overlap.py): None runs the plain loop.
+        self.overlap: OverlappedLoop | None = None
+        if self.config.overlaps_steps:
+            self.overlap = OverlappedLoop(
+                self.scheduler,
+                self.runner,
+                default_device(self.device),
+                self._update,
+                self._run,
+                self._fail_unfinished,
+            )
 
     # ------------------------------------------------------------------ requests
     @locked
@@ -213,15 +225,28 @@ class Engine:
         interrupt lands before the step's requests are scheduled, during the model's forward
         pass (which nothing has counted on yet), or once every request that finished in the
         step has its output with the router, never between."""
+        if self.overlap is not None:  # the same, with the next step queued before this settles
+            self.overlap.step()
+            return
         t_start = time.perf_counter()
         with interrupts_held():
             out = self.scheduler.schedule()
         result = StepResult.nothing() if out.is_empty else self._run(out)
         with interrupts_held():
             try:
-                self._update(out, result, t_start)
+                self._update(out, result, t_start, self.scheduler.step_count)
             except Exception as err:  # noqa: BLE001 - as a failed forward pass: the step's end
                 self._fail_unfinished(out, err)
+
+    def _copy_slots(self, src_block: int, dst_block: int, num_tokens: int) -> None:
+        """The scheduler's slot copy, after the device work queued so far (a step in flight
+        may still be writing the source block)."""
+        if self.overlap is None:
+            self.kv.copy_slots(src_block, dst_block, num_tokens)
+        else:
+            self.overlap.device.run_ordered(
+                lambda: self.kv.copy_slots(src_block, dst_block, num_tokens)
+            )
 
     def _run(self, out: SchedulerOutput) -> StepResult:
         """The forward pass over the step's batch and the sampler over its rows. When either
@@ -234,11 +259,19 @@ class Engine:
         except Exception as err:  # noqa: BLE001 - one request's failure fails it alone
             return run_each_alone(self.runner, out.scheduled, self.eos_ids, err)
 
-    def _update(self, out: SchedulerOutput, result: StepResult, t_start: float) -> None:
+    def _update(
+        self,
+        out: SchedulerOutput,
+        result: StepResult,
+        t_start: float,
+        step: int,
+        commit: bool = True,
+    ) -> None:
         """After the model ran: fail the requests that failed alone, record the others' new
         tokens (a drafted sequence's one at a time, up to the first that ends it), cache the
-        blocks they filled, finish the requests they end (each output to the router as its
-        request is forgotten), and record the step."""
+        blocks they filled (unless `commit` is False: an overlapped step's were cached when it
+        was queued), finish the requests they end (each output to the router as its request is
+        forgotten), and record the step as step number `step`."""
         for item, error in result.failed:
             self._outputs.keep(self._finish(item.seq, "error", error))
         now = time.perf_counter()
@@ -247,13 +280,14 @@ class Engine:
         for item, tokens in zip(result.sampling, result.emitted, strict=True):
             if item.draft:  # computed and kept: the newest token, then the accepted guesses
                 self.spec_stats.update(drafted=len(item.draft), accepted=len(tokens) - 1)
-        self.scheduler.commit(result.computed())
+        if commit:
+            self.scheduler.commit(result.computed())
         done = [seq for seq, _ in finishing]
         for seq, reason in finishing:
             self._outputs.keep(self._finish(seq, reason, now=now, record=False))
         ran = out if not result.failed else out.without([item.seq for item, _ in result.failed])
         self.recorder.on_step(
-            self.scheduler.step_count,
+            step,
             ran,
             self.scheduler.held,
             t_start,

@@ -102,12 +102,22 @@ class ModelRunner:
         ids = _to(np.array(input_ids, dtype=np.int64), dev)
         return ids, _to(positions, dev), meta
 
-    @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """One forward pass; returns float32 logits [N, vocab], one row per item that samples
         (1 + len(draft) for an item with a draft), in batch order. Only those rows go through
         the LM head."""
-        input_ids, positions, meta = self.prepare(batch)
+        return self.forward(batch, *self.prepare(batch))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: list[ScheduledSeq],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`run`'s device half, over the inputs `prepare` made for `batch` (an overlapped step,
+        runner/engine/overlap.py, prepares on the host and queues this as the device's work)."""
         if (
             self.graphs is not None
             and meta.decode_only

@@ -13,6 +13,11 @@ from runner.sampling.params import SamplingParams
 from runner.sampling.penalties import TokenHistory
 from runner.sampling.structured_outputs import GrammarState
 
+# The value in token_ids of a token sampled on the device and not read back yet (see
+# Sequence.pending_token, which alone says where one is): out of every vocabulary, so that a
+# forward pass fed it by mistake fails instead of computing on a wrong token.
+PENDING_TOKEN = -1
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -73,6 +78,10 @@ class Sequence:
     # tokens a few times, and joining the two lists each time cost ~1 ms a step at 256 of them.
     _tokens: list[int] = field(init=False, repr=False, compare=False)
     _plain_logits: bool | None = field(default=None, init=False, repr=False, compare=False)
+    # Whether the last of token_ids holds the place of a token a step still running on the
+    # device sampled (runner/engine/overlap.py): the next step is scheduled around it, its
+    # input read on the device; never part of the output. At most one at a time.
+    pending_token: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._tokens = self.prompt_token_ids + self.output_token_ids
@@ -106,7 +115,7 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         """True while more than the single newest token is left to compute."""
-        return self.num_uncomputed_tokens > 1 or not self.output_token_ids
+        return self.num_uncomputed_tokens > 1 or not (self.output_token_ids or self.pending_token)
 
     @property
     def reuses_cache(self) -> bool:
@@ -136,9 +145,22 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    def hold_pending_token(self) -> None:
+        """Hold the place of the token a step still on the device sampled for this sequence:
+        token_ids grows by one whose value is PENDING_TOKEN (never read: the next step takes it
+        from the device), so the scheduler sees the sequence as if it had the token."""
+        assert not self.pending_token, "one step at a time is in flight"
+        self._tokens.append(PENDING_TOKEN)
+        self.pending_token = True
+
     def record_token(
         self, token_id: int, now: float, logprobs: TokenLogprobs | None = None
     ) -> None:
+        if self.pending_token:  # the token whose place was held: its value is known now
+            self._tokens.pop()
+            self.pending_token = False
+            # Memos of token_ids taken while the place was held hashed the placeholder.
+            self.block_hash_cache = self.cached_prefix_memo = None
         self.output_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)

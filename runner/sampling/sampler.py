@@ -51,6 +51,16 @@ def sample(
     per-request stream is what makes a seeded request reproducible whatever else shares its
     batch. The result comes back to the host in one transfer.
     """
+    return [int(t) for t in sample_on_device(logits, params, generators).tolist()]
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """`sample`'s tokens [N] int64, left on the logits' device: an overlapped step
+    (runner/engine/overlap.py) reads them back later, and feeds them to the next step there."""
     tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -62,7 +72,7 @@ def sample(
         filtered = filtered_probs(_select(logits, rows), [params[i] for i in rows])
         uniforms = torch.cat([torch.rand(1, generator=generators[i]) for i in rows])
         tokens.index_copy_(0, index, draw(filtered, uniforms.to(logits.device)))
-    return [int(t) for t in tokens.tolist()]
+    return tokens
 
 
 def _select(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -1,0 +1,305 @@
+"""Asynchronous scheduling: the host schedules and prepares step N+1 while the device runs
+step N (vLLM's `--async-scheduling`, SGLang's overlap scheduler).
+
+The plain loop (core.py) is schedule -> run -> settle, one step at a time, so on a GPU the
+device idles while the host's Python schedules, builds inputs and settles results. Here one
+step is in flight at a time. A call to `OverlappedLoop.step`:
+
+1. schedules step N+1 while step N still runs. Each sequence that sampled in step N holds the
+   place of that token (`Sequence.hold_pending_token`): the scheduler sees it as if the token
+   were known (a decode of one position, a block grown for it), though its value is not;
+2. prepares step N+1's inputs on the host and queues its device work: first the held tokens'
+   inputs copied from step N's sampled ids, which never left the device, then the forward
+   pass and the sampler, whose ids come back to the host by a non-blocking copy;
+3. only then waits for step N's ids and settles step N as the plain loop does (tokens
+   recorded, stops checked, requests finished, outputs handed over);
+4. advances step N+1's sequences (computed positions, filled blocks cached, places held).
+
+A stop is thus found one step late: a sequence that step N ends was also in step N+1, whose
+token for it is dropped (a finished sequence takes nothing more; its K/V writes land in blocks
+freed after they were queued, and the device runs its work in order).
+
+A step whose sampling needs the previous token on the host (a grammar's mask, penalties, logit
+rules, log-probabilities, prompt log-probabilities, speculative drafts) settles step N first
+and runs synchronously, as does a step whose launch raised (it then runs as the plain loop
+does, where one request's failure fails it alone). The engine uses this loop on CUDA by default
+(`async_scheduling`), never with speculative decoding (its drafts are made from the tokens at
+scheduling time).
+
+The device is a `StepDevice`: on CUDA, work is queued on the current stream and read back by an
+event; on the CPU it runs at once (the loop then only reorders the bookkeeping). Tests give it
+a device that runs each step on a worker thread, to show the overlap without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from runner.engine.interrupts import interrupts_held
+from runner.engine.model_runner import ModelRunner
+from runner.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from runner.engine.step_result import StepResult
+from runner.sampling.sampler import sample_on_device
+
+
+class PendingTokens(Protocol):
+    """The ids a queued step samples, one per sampling item, in batch order."""
+
+    def on_device(self) -> torch.Tensor:
+        """The ids [N] int64 on the device; called only from the next step's device work."""
+        ...
+
+    def wait(self) -> list[int]:
+        """Block until the ids are on the host; they (or the step's error) are returned."""
+        ...
+
+
+class StepDevice(Protocol):
+    """Where a step's device work runs, in the order it is submitted."""
+
+    def submit(self, work: Callable[[], torch.Tensor]) -> PendingTokens:
+        """Queue `work` (forward pass and sampler; returns the sampled ids on the device)."""
+        ...
+
+    def run_ordered(self, op: Callable[[], None]) -> None:
+        """Run a K/V operation the host issues (a slot copy) after the work queued so far."""
+        ...
+
+
+class _Ready:
+    """Ids already computed (the CPU runs a step's work when it is submitted)."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens
+
+    def on_device(self) -> torch.Tensor:
+        return self.tokens
+
+    def wait(self) -> list[int]:
+        return [int(t) for t in self.tokens.tolist()]
+
+
+class InlineDevice:
+    """The CPU: each step's work runs when submitted, so nothing overlaps; the loop still
+    settles a step one call late, which is what the CPU tests of this loop check."""
+
+    def submit(self, work: Callable[[], torch.Tensor]) -> PendingTokens:
+        return _Ready(work())
+
+    def run_ordered(self, op: Callable[[], None]) -> None:
+        op()
+
+
+class _CopiedBack:
+    """Ids being copied to pinned host memory behind the step's kernels."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens
+        self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        self.host.copy_(tokens, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def on_device(self) -> torch.Tensor:
+        return self.tokens
+
+    def wait(self) -> list[int]:
+        self.done.synchronize()  # the one point the host waits for the device
+        return [int(t) for t in self.host.tolist()]
+
+
+class CudaDevice:
+    """CUDA: a step's kernels are queued on the current stream (and slot copies after them),
+    so the host goes on at once; its ids come back by a non-blocking copy and an event."""
+
+    def submit(self, work: Callable[[], torch.Tensor]) -> PendingTokens:
+        return _CopiedBack(work())
+
+    def run_ordered(self, op: Callable[[], None]) -> None:
+        op()  # queued on the same stream as the steps: ordered behind them
+
+
+def default_device(device: torch.device) -> StepDevice:
+    return CudaDevice() if device.type == "cuda" else InlineDevice()
+
+
+@dataclass
+class InFlight:
+    """A step queued on the device and not settled yet."""
+
+    out: SchedulerOutput
+    pending: PendingTokens
+    sampling: list[ScheduledSeq]  # its items that sample, in the order of its ids
+    step: int  # the scheduler's step number
+    t_start: float
+    rows: dict[int, int] = field(default_factory=dict)  # id(seq) -> its row of the ids
+
+
+# How the loop settles a step and runs one synchronously: the engine's own (core.py).
+Settle = Callable[[SchedulerOutput, StepResult, float, int, bool], None]
+RunNow = Callable[[SchedulerOutput], StepResult]
+Fail = Callable[[SchedulerOutput, Exception], None]
+
+
+def overlappable(out: SchedulerOutput) -> bool:
+    """Whether a step can be queued before the previous one's tokens are on the host: its
+    samplers take the model's logits as they are (no grammar, rule, penalty or
+    log-probabilities, which read earlier tokens on the host), no drafts, no prompt
+    log-probabilities (written into the sequence by the forward pass)."""
+    for item in out.scheduled:
+        seq = item.seq
+        if item.draft or seq.prompt_logprobs is not None:
+            return False
+        if item.sample and not seq.plain_logits:
+            return False
+    return True
+
+
+class OverlappedLoop:
+    """The engine's step with one step in flight (see the module's docstring)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        device: StepDevice,
+        settle: Settle,
+        run_now: RunNow,
+        fail: Fail,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.device = device
+        self._settle_step = settle
+        self._run_now = run_now
+        self._fail = fail
+        self.inflight: InFlight | None = None
+        self.synchronous_steps = 0  # steps that could not overlap (see `overlappable`)
+
+    def step(self) -> None:
+        t_start = time.perf_counter()
+        with interrupts_held():
+            out = self.scheduler.schedule()
+        step = self.scheduler.step_count
+        prev, self.inflight = self.inflight, None
+        if out.is_empty:
+            if prev is not None:
+                self.settle(prev)
+            return
+        pending = None
+        if overlappable(out):
+            try:
+                pending = self._launch(out, prev)
+            except Exception:  # noqa: BLE001 - run below as the plain loop does, which isolates it
+                pending = None
+        if pending is None:
+            self._run_synchronously(out, prev, t_start, step)
+            return
+        if prev is not None:
+            self.settle(prev)  # the host waits for step N while the device runs step N+1
+        with interrupts_held():
+            self.inflight = self._advance(out, pending, step, t_start)
+
+    def settle(self, flight: InFlight) -> None:
+        """Read a queued step's ids and settle it: each sequence still running records its
+        token (the place it held takes the value); a finished one's is dropped."""
+        try:
+            tokens = flight.pending.wait()
+        except Exception as err:  # noqa: BLE001 - the device failed the step: its requests
+            with interrupts_held():
+                self._fail(flight.out, err)
+                # What it and the step after it cached may hold K/V it never wrote.
+                self.scheduler.bm.drop_cached()
+            return
+        live = [item for item in flight.sampling if not item.seq.is_finished]
+        emitted = [[tokens[flight.rows[id(item.seq)]]] for item in live]
+        ran = [item for item in flight.out.scheduled if not item.seq.is_finished]
+        result = StepResult(ran, live, emitted, [None] * len(live), [])
+        with interrupts_held():
+            try:
+                self._settle_step(flight.out, result, flight.t_start, flight.step, False)
+            except Exception as err:  # noqa: BLE001 - as a failed forward pass: the step's end
+                self._fail(flight.out, err)
+
+    def _run_synchronously(
+        self, out: SchedulerOutput, prev: InFlight | None, t_start: float, step: int
+    ) -> None:
+        """The plain loop's step, once the step before it is settled (which may finish some of
+        this step's sequences: they leave the batch)."""
+        self.synchronous_steps += 1
+        if prev is not None:
+            self.settle(prev)
+            out = out.without([item.seq for item in out.scheduled if item.seq.is_finished])
+            if out.is_empty:
+                return
+        result = self._run_now(out)
+        with interrupts_held():
+            try:
+                self._settle_step(out, result, t_start, step, True)
+            except Exception as err:  # noqa: BLE001 - as a failed forward pass: the step's end
+                self._fail(out, err)
+
+    def _launch(self, out: SchedulerOutput, prev: InFlight | None) -> PendingTokens:
+        """Prepare the step's inputs on the host and queue its device work."""
+        batch = out.scheduled
+        input_ids, positions, meta = self.runner.prepare(batch)
+        dst, src = _held_inputs(batch, meta.query_lens, prev)
+        sampling = [item for item in batch if item.sample]
+        params = [item.seq.params for item in sampling]
+        generators = [item.seq.generator for item in sampling]
+        device = input_ids.device
+        fill = (
+            (torch.tensor(dst, device=device), torch.tensor(src, device=device))
+            if dst and prev is not None
+            else None
+        )
+        previous = prev.pending if prev is not None else None
+
+        def work() -> torch.Tensor:
+            if fill is not None and previous is not None:  # held places: step N's own ids
+                input_ids[fill[0]] = previous.on_device().index_select(0, fill[1])
+            logits = self.runner.forward(batch, input_ids, positions, meta)
+            return sample_on_device(logits, params, generators)
+
+        return self.device.submit(work)
+
+    def _advance(
+        self, out: SchedulerOutput, pending: PendingTokens, step: int, t_start: float
+    ) -> InFlight:
+        """Move the queued step's sequences on as if it had finished: their computed positions
+        and filled blocks (all tokens known: the previous step is settled), and a held place
+        for each one that samples. A sequence the previous step finished takes no part."""
+        live = [item for item in out.scheduled if not item.seq.is_finished]
+        self.scheduler.commit([(item, item.num_new_tokens) for item in live])
+        sampling = [item for item in out.scheduled if item.sample]
+        flight = InFlight(out, pending, sampling, step, t_start)
+        for row, item in enumerate(sampling):
+            flight.rows[id(item.seq)] = row
+            if not item.seq.is_finished:
+                item.seq.hold_pending_token()
+        return flight
+
+
+def _held_inputs(
+    batch: list[ScheduledSeq], query_lens: list[int], prev: InFlight | None
+) -> tuple[list[int], list[int]]:
+    """(input index, row of the previous step's ids) of each held place among the batch's
+    inputs: a decode's one token, or the last of a re-admitted sequence's prefill."""
+    dst: list[int] = []
+    src: list[int] = []
+    offset = 0
+    for item, query_len in zip(batch, query_lens, strict=True):
+        seq = item.seq
+        if seq.pending_token:
+            held = seq.num_tokens - 1
+            if item.start <= held < item.start + query_len:
+                assert prev is not None, "a held token belongs to the step in flight"
+                dst.append(offset + held - item.start)
+                src.append(prev.rows[id(seq)])
+        offset += query_len
+    return dst, src
