@@ -1,8 +1,9 @@
 """`kvcache bench-serve`: load an OpenAI-compatible endpoint (`kvcache serve`, `kvcache router`,
-or any other such server) the way `vllm bench serve` does, and report TTFT, inter-token and
-end-to-end latency percentiles, throughput, the prefix cache's hit rate (from the responses'
-usage) and, behind a kvcache router, how the requests spread over its replicas; optionally the
-same load against llama.cpp's llama-server on the same GGUF.
+or any other such server, on its chat or completions route, with its API key) the way
+`vllm bench serve` does, and report TTFT, time per output token, inter-token and end-to-end
+latency percentiles (under vLLM's result names too), throughput, the prefix cache's hit rate
+(from the responses' usage) and, behind a kvcache router, how the requests spread over its
+replicas; optionally the same load against llama.cpp's llama-server on the same GGUF.
 
 Owns the workloads (workload.py, with the shared system prompt of system_prompt.py), the
 streaming client that times each request (client.py), what hit rate a multi-turn run could

@@ -1,8 +1,10 @@
 """The benchmark's client: sessions started at a Poisson rate (or all at once), at most
-`max_concurrency` of them running, each turn a streaming chat completion timed on arrival of
-its chunks: TTFT at the first chunk with text, each later one an inter-token gap, end to end at
-[DONE]; usage (with cached_tokens) from the final chunk (stream_options.include_usage), or
-llama-server's `timings.cache_n` where its usage has no cached_tokens."""
+`max_concurrency` of them running, each turn a streaming chat completion (or a completion of
+the conversation's transcript, on /v1/completions) timed on arrival of its chunks: TTFT at the
+first chunk with text, each later one an inter-token gap, end to end at [DONE], and the time
+per output token after the first (vLLM's TPOT); usage (with cached_tokens) from the final
+chunk (stream_options.include_usage), or llama-server's `timings.cache_n` where its usage has
+no cached_tokens. With an API key every request carries it as a bearer token."""
 
 from __future__ import annotations
 
@@ -11,11 +13,34 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
-from runner.bench.serve.workload import Session
+from runner.bench.serve.workload import Session, as_prompt
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+class Endpoint(NamedTuple):
+    """Where the requests go: a server's base URL, the route (CHAT or COMPLETIONS) and the
+    API key they carry, if any."""
+
+    base_url: str
+    path: str = CHAT
+    api_key: str | None = None
+
+    def url(self, path: str | None = None) -> str:
+        return self.base_url.rstrip("/") + (path or self.path)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def chat(self) -> bool:
+        return self.path == CHAT
 
 
 @dataclass
@@ -32,6 +57,13 @@ class RequestResult:
     cached_tokens: int = 0
     completion_tokens: int = 0
     text: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first (vLLM's TPOT): None below two tokens."""
+        if self.ttft is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
 
 
 async def run_turn(
@@ -66,7 +98,7 @@ async def run_turn(
                     reused = int(chunk["timings"].get("cache_n") or 0)
                     result.cached_tokens = reused
                 for choice in chunk.get("choices", []):
-                    content = choice.get("delta", {}).get("content")
+                    content = choice.get("delta", {}).get("content") or choice.get("text")
                     if content:
                         now = time.perf_counter()
                         if result.ttft is None:
@@ -82,15 +114,21 @@ async def run_turn(
 
 
 async def run_session(
-    client: httpx.AsyncClient, url: str, model: str, session: Session, extra: dict[str, Any]
+    client: httpx.AsyncClient,
+    endpoint: Endpoint,
+    model: str,
+    session: Session,
+    extra: dict[str, Any],
 ) -> list[RequestResult]:
     """A session's turns in order, each one's answer (as received) in the next one's prompt."""
     messages = [dict(m) for m in session.opening]
     results = []
+    url = endpoint.url()
     for turn in range(session.turns):
+        prompt = {"messages": messages} if endpoint.chat else {"prompt": as_prompt(messages)}
         body = {
             "model": model,
-            "messages": messages,
+            **prompt,
             "max_tokens": session.max_tokens,
             "temperature": 0,
             "stream": True,
@@ -112,7 +150,7 @@ async def run_session(
 
 
 async def run_benchmark(
-    base_url: str,
+    endpoint: Endpoint,
     model: str,
     sessions: list[Session],
     max_concurrency: int,
@@ -121,15 +159,17 @@ async def run_benchmark(
     extra: dict[str, Any],
 ) -> tuple[list[RequestResult], float]:
     """Every session's results, and the wall time the whole run took."""
-    url = f"{base_url.rstrip('/')}/v1/chat/completions"
     gate = asyncio.Semaphore(max_concurrency)
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=max_concurrency + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    timeout = httpx.Timeout(600.0)
+    async with httpx.AsyncClient(
+        timeout=timeout, limits=limits, headers=endpoint.headers
+    ) as client:
 
         async def gated(session: Session) -> list[RequestResult]:
             async with gate:
-                return await run_session(client, url, model, session, extra)
+                return await run_session(client, endpoint, model, session, extra)
 
         start = time.perf_counter()
         tasks = []

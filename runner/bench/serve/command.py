@@ -11,6 +11,19 @@ import click
 @click.command("bench-serve")
 @click.option("--base-url", default="http://127.0.0.1:8000", show_default=True)
 @click.option(
+    "--endpoint",
+    type=click.Choice(["/v1/chat/completions", "/v1/completions"]),
+    default="/v1/chat/completions",
+    show_default=True,
+    help="/v1/completions sends each conversation as one prompt: a lone user message as it is, "
+    "more as a plain 'Role: text' transcript.",
+)
+@click.option(
+    "--api-key",
+    default=None,
+    help="Sent as a bearer token with every request (the server's --api-key).",
+)
+@click.option(
     "--workload",
     type=click.Choice(["multi-turn", "dataset"]),
     default="multi-turn",
@@ -85,6 +98,8 @@ import click
 )
 def bench_serve(
     base_url: str,
+    endpoint: str,
+    api_key: str | None,
     workload: str,
     dataset: str,
     num_prompts: int,
@@ -104,13 +119,16 @@ def bench_serve(
     llama_server_args: str,
 ) -> None:
     """Benchmark an OpenAI-compatible server (kvcache serve or router) with streaming chat
-    requests: TTFT / ITL / end-to-end percentiles, throughput, prefix-cache hit rate."""
+    requests (or completions): TTFT / TPOT / ITL / end-to-end percentiles, throughput, the
+    prefix cache's hit rate; --result-json also under `vllm bench serve`'s key names."""
     from runner.bench.serve.llama_server import find_llama_server
     from runner.bench.serve.report import print_report
     from runner.bench.serve.runs import Load, compare_with_llama_server, run_against
     from runner.bench.serve.system_prompt import SYSTEM_PROMPT
     from runner.bench.serve.workload import multi_turn_sessions, read_lines, single_requests
 
+    if api_key is not None and not api_key.strip():
+        raise click.UsageError("--api-key is empty (an unset variable?): give the server's key")
     try:
         rows = read_lines(Path(dataset))
         llama_bin = find_llama_server(llama_server_bin)
@@ -127,8 +145,8 @@ def bench_serve(
         )
     else:
         sessions = single_requests(rows, num_prompts, max_tokens)
-    load = Load(sessions, max_concurrency, request_rate, seed, ignore_eos)
-    summary = run_against(base_url, load)
+    load = Load(sessions, max_concurrency, request_rate, seed, ignore_eos, endpoint)
+    summary = run_against(base_url, load, api_key)
     summary |= {"workload": workload, "dataset": dataset}
     print_report(summary)
     if compare_llama_server or llama_server_bin is not None:

@@ -1,8 +1,16 @@
 """bench-serve's summary of one run (vLLM's `bench serve` figures, plus the hit rate and the
-spread over a router's replicas) and its printed report."""
+spread over a router's replicas) and its printed report.
+
+The summary holds vLLM's result keys (`completed`, `duration`, `total_input_tokens`,
+`total_token_throughput`, `mean_/median_/std_/p99_` of `ttft`, `tpot`, `itl` and `e2el` in
+milliseconds, the per-request lists `input_lens`, `output_lens`, `ttfts`, `itls`, `latencies`),
+so that its JSON sits beside `vllm bench serve --save-result`'s, and ours beside them
+(`successful`, `duration_s`, `p50_`/`p90_` percentiles, `*_e2e_ms`, the hit rate). One key
+differs in meaning: our `errors` is the first five distinct error texts, not one per request."""
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import click
@@ -26,26 +34,43 @@ def summarise(results: list[Any], duration: float, spread: list[int] | None) -> 
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     output = sum(r.completion_tokens for r in ok)
+    per_s = 1 / duration if duration else 0.0
     summary: dict[str, Any] = {
         "requests": len(results),
         "successful": len(ok),
+        "completed": len(ok),  # vLLM's name
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],
         "duration_s": duration,
-        "request_throughput": len(ok) / duration if duration else 0.0,
-        "output_throughput": output / duration if duration else 0.0,
+        "duration": duration,  # vLLM's name
+        "request_throughput": len(ok) * per_s,
+        "output_throughput": output * per_s,
+        "total_token_throughput": (prompt + output) * per_s,
         "prompt_tokens": prompt,
+        "total_input_tokens": prompt,
         "cached_tokens": cached,
         "output_tokens": output,
+        "total_output_tokens": output,
         "hit_rate": cached / prompt if prompt else 0.0,
+        # vLLM's per-request lists (seconds), successful requests only
+        "input_lens": [r.prompt_tokens for r in ok],
+        "output_lens": [r.completion_tokens for r in ok],
+        "ttfts": [r.ttft for r in ok],
+        "itls": [r.itls for r in ok],
+        "latencies": [r.e2e for r in ok],
     }
+    e2e = [r.e2e * 1000 for r in ok]
     series = {
         "ttft_ms": [r.ttft * 1000 for r in ok if r.ttft is not None],
+        "tpot_ms": [r.tpot * 1000 for r in ok if r.tpot is not None],
         "itl_ms": [gap * 1000 for r in ok for gap in r.itls],
-        "e2e_ms": [r.e2e * 1000 for r in ok],
+        "e2e_ms": e2e,
+        "e2el_ms": e2e,  # vLLM's name of the end-to-end latency
     }
     for name, values in series.items():
-        summary[f"mean_{name}"] = sum(values) / len(values) if values else float("nan")
+        summary[f"mean_{name}"] = statistics.fmean(values) if values else float("nan")
+        summary[f"median_{name}"] = percentile(values, 50)
+        summary[f"std_{name}"] = statistics.pstdev(values) if values else float("nan")
         for p in PERCENTILES:
             summary[f"p{p}_{name}"] = percentile(values, p)
     if spread is not None:
@@ -82,11 +107,14 @@ def print_report(summary: dict[str, Any]) -> None:
         click.echo(line.format(label, value))
     for name, title in (
         ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
         ("itl", "Inter-token Latency"),
         ("e2e", "End-to-end Latency"),
     ):
         click.echo(f"{title:-^52}")
         click.echo(line.format(f"Mean {name.upper()} (ms):", f"{summary[f'mean_{name}_ms']:.2f}"))
+        median = f"{summary[f'median_{name}_ms']:.2f}"
+        click.echo(line.format(f"Median {name.upper()} (ms):", median))
         for p in PERCENTILES:
             value = f"{summary[f'p{p}_{name}_ms']:.2f}"
             click.echo(line.format(f"P{p} {name.upper()} (ms):", value))
@@ -95,12 +123,12 @@ def print_report(summary: dict[str, Any]) -> None:
         click.echo(f"error: {error}", err=True)
 
 
-def replica_counts(base_url: str) -> list[int] | None:
+def replica_counts(base_url: str, headers: dict[str, str] | None = None) -> list[int] | None:
     """Requests each replica got so far, when `base_url` is a kvcache router."""
     import httpx
 
     try:
-        resp = httpx.get(f"{base_url.rstrip('/')}/router/stats", timeout=10)
+        resp = httpx.get(f"{base_url.rstrip('/')}/router/stats", headers=headers, timeout=10)
     except httpx.HTTPError:
         return None
     if resp.status_code != 200:

@@ -20,29 +20,35 @@ class Load(NamedTuple):
     request_rate: float
     seed: int
     ignore_eos: bool
+    path: str = "/v1/chat/completions"  # or /v1/completions (runner/bench/serve/client.py)
 
 
-def run_against(base_url: str, load: Load) -> dict[str, Any]:
-    """The load run once against `base_url`: the summary, with the spread behind a router and
-    the hit-rate models of a multi-turn run."""
+def run_against(base_url: str, load: Load, api_key: str | None = None) -> dict[str, Any]:
+    """The load run once against `base_url` (every request carrying `api_key`, if any): the
+    summary, with the spread behind a router and the hit-rate models of a multi-turn run."""
     import httpx
 
-    from runner.bench.serve.client import run_benchmark
+    from runner.bench.serve.client import Endpoint, run_benchmark
     from runner.bench.serve.hit_model import (
         ceiling_hit_rate,
         conversations,
         round_robin_hit_rate,
     )
 
+    endpoint = Endpoint(base_url, load.path, api_key)
+    models_url = endpoint.url("/v1/models")
     try:
-        model = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]
-    except (ValueError, KeyError, httpx.HTTPError) as err:
-        raise click.ClickException(f"{base_url}/v1/models: {err}") from err
+        resp = httpx.get(models_url, headers=endpoint.headers, timeout=30)
+        if resp.status_code != 200:  # a 401: no --api-key, or the wrong one
+            raise click.ClickException(f"{models_url}: HTTP {resp.status_code}: {resp.text[:200]}")
+        model = resp.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, httpx.HTTPError) as err:
+        raise click.ClickException(f"{models_url}: {err}") from err
     extra = {"ignore_eos": True} if load.ignore_eos else {}
-    before = replica_counts(base_url)
+    before = replica_counts(base_url, endpoint.headers)
     results, duration = asyncio.run(
         run_benchmark(
-            base_url,
+            endpoint,
             model,
             load.sessions,
             load.max_concurrency,
@@ -51,12 +57,16 @@ def run_against(base_url: str, load: Load) -> dict[str, Any]:
             extra,
         )
     )
-    after = replica_counts(base_url)
+    after = replica_counts(base_url, endpoint.headers)
     spread = None
     if before is not None and after is not None:
         spread = [a - b for a, b in zip(after, before, strict=True)]
     summary = summarise(results, duration, spread)
-    summary["base_url"] = base_url
+    summary |= {"base_url": base_url, "endpoint": load.path, "model_id": model}
+    summary |= {"backend": "openai-chat" if endpoint.chat else "openai"}  # vLLM's names
+    summary |= {"max_concurrency": load.max_concurrency, "num_prompts": len(load.sessions)}
+    rate = load.request_rate
+    summary["request_rate"] = rate if rate != float("inf") else "inf"  # as vLLM writes it
     if any(s.turns > 1 for s in load.sessions):
         convs = conversations(results)
         summary["model_hit_rate_ceiling"] = ceiling_hit_rate(convs)

@@ -63,6 +63,16 @@ def as_messages(row: dict[str, Any]) -> list[dict[str, str]]:
     return [{"role": "user", "content": str(row["prompt"])}]
 
 
+def as_prompt(messages: list[dict[str, str]]) -> str:
+    """A conversation as one completion prompt: a lone user message is its text as it is (a
+    dataset line's prompt); more is a plain transcript, one "Role: text" paragraph a message,
+    ending where the assistant's answer starts."""
+    if len(messages) == 1 and messages[0]["role"] == "user":
+        return messages[0]["content"]
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n\n".join([*lines, "Assistant:"])
+
+
 def multi_turn_sessions(
     rows: list[dict[str, Any]],
     conversations: int,
