@@ -43,7 +43,14 @@ def main() -> None:
     help="JSONL results file; without it, results are printed as they finish.",
 )
 @click.option("--model", default=None, help="HF folder or .gguf file; default: SmolLM2-135M.")
-@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option(
+    "--max-tokens",
+    type=int,
+    default=64,
+    show_default=True,
+    help="For lines without a max_tokens of their own: a line's own wins, as each sampling "
+    "field of a line wins over its flag (data/sample.jsonl's lines ask for 24).",
+)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=-1, show_default=True)
