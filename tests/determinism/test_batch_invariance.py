@@ -85,6 +85,7 @@ def test_a_cached_prompt_and_one_chunked_small_answer_the_same(model: Path) -> N
         model, 9, 4, GREEDY, deterministic=True, block_size=8, max_num_batched_tokens=5
     )
     assert [answer_of(first), answer_of(again), chunked] == [reference] * 3
+    assert alone(model, 16) == reference  # a row's keys go 16 at a time whatever the blocks
 
 
 def test_a_sliding_window_model_answers_the_same(make_tiny_model: Callable[..., Path]) -> None:
