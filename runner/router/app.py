@@ -7,6 +7,7 @@ client's stream with an error event (a whole answer: 502, or 504 when it went si
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -16,8 +17,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from runner.router.bodies import read_body
+from runner.router.event_feed import EventFeeds
+from runner.router.event_index import EventIndex
 from runner.router.load import Work, answer_blocks
 from runner.router.policy import policy_for
+from runner.router.prefix_index import PrefixIndex
 from runner.router.prompt_hashes import PromptHasher, replica_hashes
 from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
 from runner.router.relay import Hooks, Timeouts, UpstreamSilent, relay, send
@@ -48,7 +52,8 @@ class Router:
     def __init__(self, urls: list[str], settings: RouterSettings, client: httpx.AsyncClient):
         self.settings = settings
         self.policy = policy_for(settings)
-        self.replicas = ReplicaSet(urls, client, settings.health_interval_s)
+        self.replicas = ReplicaSet(urls, client, settings.health_interval_s, settings.kv_events)
+        self.feeds = EventFeeds(self.replicas.replicas, settings.health_interval_s)
         self.client = client
         self.timeouts = Timeouts.of(settings)
         self.prompt_tokens = PromptTokens(settings.tokenizer)
@@ -156,9 +161,17 @@ class Router:
                     "load_blocks": r.load_blocks,
                     "indexed_blocks": len(r.index),
                 }
+                | _events_stats(r.index)
                 for r in self.replicas.replicas
             ],
         }
+
+
+def _events_stats(index: PrefixIndex | EventIndex) -> dict[str, Any]:
+    """A view fed by KV events: its blocks per medium and the last batch's number."""
+    if not isinstance(index, EventIndex):
+        return {}
+    return {"kv_events": {"last_seq": index.last_seq, "blocks": index.counts()}}
 
 
 def _passed_back(response: httpx.Response) -> dict[str, str]:
@@ -174,7 +187,13 @@ def build_router_app(urls: list[str], settings: RouterSettings) -> FastAPI:
         await router.replicas.check_all()
         await router.load_tokenizer()
 
-    health_loop = router.replicas.run_health_checks
+    async def health_loop() -> None:
+        """The health checks, and with --kv-events the replicas' event feeds beside them."""
+        if settings.kv_events:
+            await asyncio.gather(router.replicas.run_health_checks(), router.feeds.run())
+        else:
+            await router.replicas.run_health_checks()
+
     app = proxy_app("kvcache router", router, client, start, health_loop, settings.api_key)
 
     @app.get("/v1/models")

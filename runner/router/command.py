@@ -61,6 +61,13 @@ from runner.router.policy import POLICIES
     help="cache_aware: seconds over which a conversation started on a replica comes to weigh "
     "half as much against its prefixes (0: only the work in flight counts).",
 )
+@click.option(
+    "--kv-events",
+    is_flag=True,
+    help="cache_aware: know what each replica caches from its KV events (`kvcache serve "
+    "--kv-events-config`, the endpoints its /kvcache/info reports) instead of from what was "
+    "routed to it.",
+)
 @click.option("--health-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True)
 @click.option(
     "--upstream-connect-timeout",
@@ -114,6 +121,7 @@ def router(
     balance_rel: float,
     load_weight: float,
     recent_half_life: float,
+    kv_events: bool,
     health_interval: float,
     upstream_connect_timeout: float,
     upstream_first_output_timeout: float,
@@ -139,6 +147,7 @@ def router(
         replica_api_key=replica_api_key,
         load_weight=load_weight,
         recent_half_life_s=recent_half_life,
+        kv_events=kv_events,
         connect_timeout_s=upstream_connect_timeout,
         first_output_timeout_s=upstream_first_output_timeout,
         idle_timeout_s=upstream_idle_timeout,
@@ -147,6 +156,8 @@ def router(
 
     if bool(replicas) == bool(prefill or decode):
         raise click.UsageError("give --replica URLs, or --prefill and --decode URLs")
+    if kv_events and (policy != "cache_aware" or not replicas):
+        raise click.UsageError("--kv-events goes with --policy cache_aware and --replica URLs")
     try:
         if replicas:
             app = build_router_app(list(replicas), settings)

@@ -45,3 +45,7 @@ class PrefixIndex:
             self._hashes.move_to_end(h)
         while len(self._hashes) > self.capacity:
             self._hashes.popitem(last=False)
+
+    def emptied(self) -> PrefixIndex:
+        """A fresh index of the same capacity (a replica that went away holds nothing)."""
+        return PrefixIndex(self.capacity)

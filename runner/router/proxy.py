@@ -42,6 +42,9 @@ class RouterSettings:
     replica_api_key: str | None = None  # what the router sends the replicas, instead of theirs
     load_weight: float = 1.0  # cache_aware: a block of work in flight against a block matched
     recent_half_life_s: float = 120.0  # cache_aware: how fast conversations started are forgotten
+    # cache_aware: each replica's cache as its KV events say (runner/router/event_feed.py),
+    # instead of what was routed to it
+    kv_events: bool = False
 
 
 class Forwarder(Protocol):

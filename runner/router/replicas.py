@@ -1,6 +1,7 @@
 """The replicas behind a router: each one's URL, whether it answers its health check, how
 many requests (and blocks of work) it has in flight from this router, and how it names its
-cache blocks (its model fingerprint and block size, read from its /kvcache/info)."""
+cache blocks (its model fingerprint and block size, read from its /kvcache/info), and what it
+caches: what was routed to it, or what its KV events say (`kvcache router --kv-events`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from runner.router.event_index import EventIndex
 from runner.router.prefix_index import PrefixIndex
 
 HEALTH_TIMEOUT_S = 2.0
@@ -23,7 +25,8 @@ class Replica:
     sent: int = 0  # requests routed here, retries included
     load_blocks: int = 0  # KV blocks of work in flight from this router (runner/router/load.py)
     info: dict[str, Any] | None = None  # its /kvcache/info, once read
-    index: PrefixIndex = field(default_factory=PrefixIndex)
+    # What it caches: what was sent to it (PrefixIndex), or what its KV events say (EventIndex)
+    index: PrefixIndex | EventIndex = field(default_factory=PrefixIndex)
 
     @property
     def name(self) -> str:
@@ -34,12 +37,21 @@ class ReplicaSet:
     """The replicas, and the health loop that takes a dead one out and puts it back once it
     answers again."""
 
-    def __init__(self, urls: list[str], client: httpx.AsyncClient, interval_s: float) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        client: httpx.AsyncClient,
+        interval_s: float,
+        kv_events: bool = False,
+    ) -> None:
         if not urls:
             raise ValueError("a router needs at least one --replica")
         if len(set(urls)) != len(urls):
             raise ValueError("a --replica is given twice")
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        if kv_events:  # each one's view is built from its KV events (event_feed.py)
+            for replica in self.replicas:
+                replica.index = EventIndex()
         self.client = client
         self.interval_s = interval_s
 
@@ -53,7 +65,7 @@ class ReplicaSet:
         cache: kept, its old prefixes drew every request there (336 of 336 for a minute after
         a restart, issue 42) to compute them afresh."""
         replica.healthy = False
-        replica.index = PrefixIndex(replica.index.capacity)
+        replica.index = replica.index.emptied()
 
     def mark_silent(self, replica: Replica) -> None:
         """It kept silent past an upstream timeout: out of rotation until its health check
@@ -82,7 +94,7 @@ class ReplicaSet:
                 resp = await self.client.get(f"{url}/kvcache/info", timeout=HEALTH_TIMEOUT_S)
                 info = resp.json() if resp.is_success else None
                 if _naming(info) != _naming(replica.info):
-                    replica.index = PrefixIndex(replica.index.capacity)
+                    replica.index = replica.index.emptied()
                 replica.info = info
         except httpx.TimeoutException:
             ok = False

@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "runner.report": set(),
     "runner.serve": {"kvcache", "runner.engine", "runner.sampling", "runner.cli", "runner.disagg"},
     "runner.disagg": {"kvcache", "runner.serve", "runner.engine", "runner.bench"},
-    "runner.router": {"kvcache", "runner.engine", "runner.serve"},
+    "runner.router": {"kvcache", "runner.engine", "runner.serve", "runner.kv_events"},
     "runner.cli": {
         "kvcache",
         "runner.engine",

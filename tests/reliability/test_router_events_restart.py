@@ -1,0 +1,81 @@
+"""A replica restarted on the same KV-event endpoints: the router's feed notices that the
+publisher started over (its numbers begin again, its first batch an AllBlocksCleared), even
+when that batch went out before the SUB socket reconnected, and its view of the replica is
+emptied, then follows the new engine's cache exactly. What went out before the feed started
+(the first engine's AllBlocksCleared) comes from the replay socket."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import zmq.asyncio
+
+from kvcache import LLM, SamplingParams
+from runner.router.event_feed import EventFeed, endpoints_of
+from runner.router.event_index import EventIndex
+from runner.router.replicas import Replica
+from tests.serve.test_router_events import engine_hashes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine(model: Path, ports: tuple[int, int]) -> LLM:
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://*:{ports[0]}",  # bound on every interface, as vLLM's default
+        "replay_endpoint": f"tcp://*:{ports[1]}",
+    }
+    return LLM(str(model), num_kv_blocks=64, block_size=4, kv_events_config=events)
+
+
+async def until(check: object, timeout_s: float = 15.0) -> None:
+    assert callable(check)
+    for _ in range(int(timeout_s / 0.05)):
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def test_a_restarted_replica_empties_its_view(tiny_llama_dir: Path) -> None:
+    ports = (free_port(), free_port())
+    params = SamplingParams(max_tokens=3, temperature=0)
+
+    async def scenario() -> None:
+        first = await asyncio.to_thread(engine, tiny_llama_dir, ports)
+        assert first.kv_events is not None
+        # The replica's /kvcache/info as the router read it: `*` is reached at its URL's host.
+        replica = Replica("http://127.0.0.1:1", healthy=True, index=EventIndex())
+        replica.info = {"kv_events": first.kv_events.endpoints()}
+        endpoints = endpoints_of(replica)
+        assert endpoints is not None and endpoints.endpoint == f"tcp://127.0.0.1:{ports[0]}"
+        context = zmq.asyncio.Context()
+        feed = asyncio.create_task(EventFeed(context, replica, endpoints).run())
+        index = replica.index
+        assert isinstance(index, EventIndex)
+        try:
+            prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, i] for i in range(20, 26)]
+            await asyncio.to_thread(first.generate, prompts, params)
+            await until(lambda: index.media.get("GPU") == engine_hashes(first) != set())
+            old_seq = index.last_seq
+            first.kv_events.close()
+            second = await asyncio.to_thread(engine, tiny_llama_dir, ports)
+            assert second.kv_events is not None
+            # Its AllBlocksCleared (number 0) went out as it started, before the SUB socket
+            # reconnected: the feed's idle check finds the publisher started over.
+            await until(lambda: index.last_seq < old_seq and not index.media.get("GPU"))
+            await asyncio.to_thread(second.generate, [[40, 41, 42, 43, 44, 45]], params)
+            await until(lambda: index.media.get("GPU") == engine_hashes(second) != set())
+            second.kv_events.close()
+        finally:
+            feed.cancel()
+            await asyncio.gather(feed, return_exceptions=True)
+            context.destroy(linger=0)
+
+    asyncio.run(scenario())

@@ -1,0 +1,182 @@
+"""`kvcache router --kv-events` in front of two real replicas publishing vLLM's KV events on
+loopback: the router's view of each replica is exactly the blocks its engine caches (by the
+engine's own chained hashes), under concurrent load and through an eviction storm; requests
+follow what the replicas hold, not what was routed to them; a replica found dead has its view
+dropped; and `kvcache serve --kv-events-config` reports where it publishes."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvcache import LLM, block_hashes
+from runner.router.app import build_router_app
+from runner.router.event_index import EventIndex
+from runner.router.proxy import RouterSettings
+from runner.serve.app import ServeSettings, build_app
+from tests.serve.conftest import LiveServer
+
+EVENTS = {
+    "enable_kv_cache_events": True,
+    "endpoint": "tcp://127.0.0.1:0",
+    "replay_endpoint": "tcp://127.0.0.1:0",
+}
+PREFIX_A = "You are a helpful assistant who answers about caches. " * 3
+
+
+def publishing(model: Path, num_kv_blocks: int, endpoint: str = "tcp://127.0.0.1:0") -> LLM:
+    events = EVENTS | {"endpoint": endpoint}
+    return LLM(str(model), num_kv_blocks=num_kv_blocks, kv_events_config=events)
+
+
+@contextmanager
+def cluster(
+    llms: list[LLM], health_interval_s: float = 0.1
+) -> Iterator[tuple[LiveServer, list[LiveServer]]]:
+    replicas = [LiveServer(build_app(llm, ServeSettings("tiny"))).start() for llm in llms]
+    settings = RouterSettings(health_interval_s=health_interval_s, kv_events=True)
+    router = LiveServer(build_router_app([r.url for r in replicas], settings))
+    try:
+        yield router.start(), replicas
+    finally:
+        router.stop()
+        for replica in replicas:
+            if replica.thread.is_alive():
+                replica.stop()
+        for llm in llms:
+            if llm.kv_events is not None:
+                llm.kv_events.close()
+
+
+def engine_hashes(llm: LLM) -> set[int]:
+    """The chained hash of every full block the engine's pool caches, from its own listing."""
+    size = llm.config.block_size
+    listing = {c.block_id: c for c in llm.block_manager.cached_blocks() if len(c.token_ids) == size}
+    out = set()
+    for block in listing.values():
+        tokens: list[int] = []
+        walk = block
+        while True:
+            tokens[:0] = walk.token_ids
+            if walk.parent is None:
+                break
+            walk = listing[walk.parent]
+        out.add(block_hashes(tokens, size, block.root)[-1])
+    return out
+
+
+def view(router: LiveServer, i: int, medium: str = "GPU") -> set[int]:
+    """The router's view of replica i (copied off the router's thread: retried if it moved)."""
+    index = router.app.state.router.replicas.replicas[i].index
+    assert isinstance(index, EventIndex)
+    for _ in range(100):
+        try:
+            return set(index.media.get(medium, set()))
+        except RuntimeError:  # changed size while copied
+            time.sleep(0.01)
+    raise AssertionError("the view never held still")
+
+
+def agrees(router: LiveServer, i: int, llm: LLM) -> bool:
+    return view(router, i) == engine_hashes(llm)
+
+
+def eventually(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def complete(url: str, prompt: str) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+@pytest.mark.parametrize("pool_blocks", [512, 24])  # roomy; an eviction storm
+def test_the_routers_view_is_each_replicas_cache(
+    tiny_llama_tok_dir: Path, pool_blocks: int
+) -> None:
+    llms = [publishing(tiny_llama_tok_dir, pool_blocks) for _ in range(2)]
+    rng = random.Random(pool_blocks)
+    stems = [
+        "".join(rng.choice("abcdefgh ") for _ in range(rng.randrange(40, 90))) for _ in range(6)
+    ]
+    with cluster(llms) as (router, replicas):
+        info = httpx.get(f"{replicas[0].url}/kvcache/info").json()
+        assert info["kv_events"]["endpoint"] == llms[0].kv_events.endpoint  # type: ignore[union-attr]
+        for _ in range(2):  # a bounded load: 24 requests, 6 at a time
+            prompts = [rng.choice(stems) + f" {rng.randrange(10**6)}" for _ in range(24)]
+            with ThreadPoolExecutor(6) as pool:
+                list(pool.map(lambda p: complete(router.url, p), prompts))
+            for i, llm in enumerate(llms):
+                eventually(partial(agrees, router, i, llm))
+                assert view(router, i)
+        evicted = [llm.block_manager.stats.evicted_blocks for llm in llms]
+        assert all((e > 0) == (pool_blocks < 100) for e in evicted), evicted
+        stats = httpx.get(f"{router.url}/router/stats").json()["replicas"]
+        assert all(r["kv_events"]["last_seq"] > 0 for r in stats)
+
+
+def test_requests_follow_what_the_replicas_hold(tiny_llama_tok_dir: Path) -> None:
+    """Not what was routed: a replica whose cache was reset is no longer where a prefix goes,
+    and one that computed it outside the router is."""
+    llms = [publishing(tiny_llama_tok_dir, 256) for _ in range(2)]
+    with cluster(llms) as (router, replicas):
+        first = complete(router.url, PREFIX_A + "turn 0?")
+        assert first["choices"]
+        held = next(i for i in range(2) if llms[i].block_manager.stats.blocks_cached)
+        eventually(lambda: len(view(router, held)) >= 3)
+        assert llms[held].reset_prefix_cache()
+        eventually(lambda: view(router, held) == set())
+        other = 1 - held
+        complete(replicas[other].url, PREFIX_A + "turn 1?")  # straight to the other replica
+        eventually(lambda: view(router, other) == engine_hashes(llms[other]) != set())
+        before = [r["sent"] for r in httpx.get(f"{router.url}/router/stats").json()["replicas"]]
+        complete(router.url, PREFIX_A + "turn 2?")
+        stats = httpx.get(f"{router.url}/router/stats").json()
+        after = [r["sent"] for r in stats["replicas"]]
+        assert after[other] == before[other] + 1
+        assert stats["reasons"].get("prefix_match") == 1
+
+
+def test_a_dead_replicas_view_is_dropped(tiny_llama_tok_dir: Path) -> None:
+    llms = [publishing(tiny_llama_tok_dir, 256) for _ in range(2)]
+    with cluster(llms) as (router, replicas):
+        for turn in range(4):
+            complete(router.url, f"question {turn}: " + PREFIX_A)
+        for i, llm in enumerate(llms):
+            eventually(partial(agrees, router, i, llm))
+        busy = max(range(2), key=lambda i: len(view(router, i)))
+        assert view(router, busy)
+        replicas[busy].stop()  # its engine (and its publisher) live on: the view still goes
+        eventually(lambda: not router.app.state.router.replicas.replicas[busy].healthy)
+        assert view(router, busy) == set()
+        assert len(router.app.state.router.replicas.replicas[busy].index) == 0
+
+
+def test_the_flags_refuse_what_cannot_work(tiny_llama_tok_dir: Path) -> None:
+    """vLLM's --kv-events-config is checked before the model loads, naming the bad key; the
+    router's --kv-events needs the cache-aware policy over --replica URLs."""
+    from click.testing import CliRunner
+
+    from cli import main
+
+    bad = CliRunner().invoke(
+        main, ["serve", str(tiny_llama_tok_dir), "--kv-events-config", '{"endpont": "tcp://*:1"}']
+    )
+    assert bad.exit_code == 2 and "--kv-events-config" in bad.output and "endpont" in bad.output
+    router = ["router", "--replica", "http://127.0.0.1:1", "--kv-events"]
+    refused = CliRunner().invoke(main, [*router, "--policy", "round_robin"])
+    assert refused.exit_code == 2 and "--kv-events goes with" in refused.output
