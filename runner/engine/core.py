@@ -164,6 +164,11 @@ class Engine:
         kept = self._outputs.take({request_id})
         if kept:  # it finished already: its output is all there is, and no one else gets it
             return kept[0]
+        if self.overlap is not None:  # what it generated so far includes the step in flight's
+            self.overlap.settle_inflight()
+            kept = self._outputs.take({request_id})
+            if kept:  # that step finished it
+                return kept[0]
         result = None
         with interrupts_held():  # a half-done abort would leave blocks held by no one
             for seq in self.samples_of(request_id):

@@ -182,14 +182,16 @@ class OverlappedLoop:
         self.synchronous_steps = 0  # steps that could not overlap (see `overlappable`)
 
     def step(self) -> None:
+        """One engine step. A KeyboardInterrupt leaves the loop as the plain loop's does: the
+        step in flight stays in flight (its tokens are read by a later call), and a step
+        scheduled but not yet advanced is as if never run (the next call schedules again)."""
         t_start = time.perf_counter()
         with interrupts_held():
             out = self.scheduler.schedule()
         step = self.scheduler.step_count
-        prev, self.inflight = self.inflight, None
+        prev = self.inflight
         if out.is_empty:
-            if prev is not None:
-                self.settle(prev)
+            self.settle_inflight()
             return
         pending = None
         if overlappable(out):
@@ -198,42 +200,45 @@ class OverlappedLoop:
             except Exception:  # noqa: BLE001 - run below as the plain loop does, which isolates it
                 pending = None
         if pending is None:
-            self._run_synchronously(out, prev, t_start, step)
+            self._run_synchronously(out, t_start, step)
             return
-        if prev is not None:
-            self.settle(prev)  # the host waits for step N while the device runs step N+1
+        self.settle_inflight()  # the host waits for step N while the device runs step N+1
         with interrupts_held():
             self.inflight = self._advance(out, pending, step, t_start)
 
-    def settle(self, flight: InFlight) -> None:
-        """Read a queued step's ids and settle it: each sequence still running records its
-        token (the place it held takes the value); a finished one's is dropped."""
+    def settle_inflight(self) -> None:
+        """Read the step in flight's ids, if one is, and settle it: each of its sequences
+        still running records its token (the place it held takes the value); a finished one's
+        is dropped."""
+        flight = self.inflight
+        if flight is None:
+            return
         try:
             tokens = flight.pending.wait()
         except Exception as err:  # noqa: BLE001 - the device failed the step: its requests
             with interrupts_held():
+                self.inflight = None
                 self._fail(flight.out, err)
                 # What it and the step after it cached may hold K/V it never wrote.
                 self.scheduler.bm.drop_cached()
             return
-        live = [item for item in flight.sampling if not item.seq.is_finished]
-        emitted = [[tokens[flight.rows[id(item.seq)]]] for item in live]
-        ran = [item for item in flight.out.scheduled if not item.seq.is_finished]
-        result = StepResult(ran, live, emitted, [None] * len(live), [])
         with interrupts_held():
+            self.inflight = None
+            live = [item for item in flight.sampling if not item.seq.is_finished]
+            emitted = [[tokens[flight.rows[id(item.seq)]]] for item in live]
+            ran = [item for item in flight.out.scheduled if not item.seq.is_finished]
+            result = StepResult(ran, live, emitted, [None] * len(live), [])
             try:
                 self._settle_step(flight.out, result, flight.t_start, flight.step, False)
             except Exception as err:  # noqa: BLE001 - as a failed forward pass: the step's end
                 self._fail(flight.out, err)
 
-    def _run_synchronously(
-        self, out: SchedulerOutput, prev: InFlight | None, t_start: float, step: int
-    ) -> None:
+    def _run_synchronously(self, out: SchedulerOutput, t_start: float, step: int) -> None:
         """The plain loop's step, once the step before it is settled (which may finish some of
         this step's sequences: they leave the batch)."""
         self.synchronous_steps += 1
-        if prev is not None:
-            self.settle(prev)
+        if self.inflight is not None:
+            self.settle_inflight()
             out = out.without([item.seq for item in out.scheduled if item.seq.is_finished])
             if out.is_empty:
                 return

@@ -218,9 +218,11 @@ def test_an_abort_mid_run_ends_that_request_only(tiny_llama_dir: Path) -> None:
     for _ in range(5):
         for out in llm.step():
             finished[out.request_id] = out
-    aborted = llm.abort_request("1")  # while a step that holds it is on the device
+    assert llm.overlap is not None and llm.overlap.inflight is not None
+    aborted = llm.abort_request("1")  # settles the step on the device first: its token counts
+    assert llm.overlap.inflight is None
     assert aborted is not None and aborted.finish_reason == "abort"
-    assert 0 < len(aborted.token_ids) < 12
+    assert len(aborted.token_ids) == 5  # a prefill step, then four decodes: one a step
     assert aborted.token_ids == expected[1].token_ids[: len(aborted.token_ids)]
     for _ in range(40):
         if not llm.has_unfinished():
@@ -286,3 +288,56 @@ def test_threads_sharing_an_overlapped_engine(tiny_llama_dir: Path) -> None:
     for t in threads:
         t.join(timeout=120)
     assert results[0] + results[1] == expected
+
+
+def test_a_request_that_fails_a_step_fails_alone(tiny_llama_dir: Path) -> None:
+    """A launch that raises (on the CPU the forward runs as it is queued) is run again as the
+    plain loop runs it: each request alone, and only the one that fails alone fails."""
+    batch = prompts(3, seed=7)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = engine(tiny_llama_dir, False).generate(batch, params)
+    llm = LLM(str(tiny_llama_dir), async_scheduling=True)
+    forward = llm.runner.forward
+    calls = iter(range(10**6))
+
+    def fail_for_one(batch: Any, *args: Any) -> torch.Tensor:
+        if next(calls) >= 2 and any(
+            item.seq.prompt_token_ids == prompts(3, 7)[1] for item in batch
+        ):
+            raise RuntimeError("device fell over")
+        return forward(batch, *args)
+
+    llm.runner.forward = fail_for_one  # type: ignore[method-assign]
+    got = llm.generate(batch, params)
+    assert got[1].finish_reason == "error" and "device fell over" in (got[1].error or "")
+    assert [got[0].token_ids, got[2].token_ids] == [expected[0].token_ids, expected[2].token_ids]
+    assert llm.overlap is not None and llm.overlap.synchronous_steps > 0
+    assert_idle(llm)
+
+
+def test_a_step_the_device_fails_fails_its_requests_and_the_engine_goes_on(
+    tiny_llama_dir: Path,
+) -> None:
+    """On the device the error surfaces only when the step's ids are read: that step's
+    requests fail (a CUDA error cannot be pinned on one request), the cache it may have
+    filled is dropped, and later requests run as before."""
+    events: Events = []
+    llm = engine(tiny_llama_dir, True, events)
+    forward = llm.runner.forward
+    calls = iter(range(10**6))
+
+    def fail_once(*args: Any) -> torch.Tensor:
+        if next(calls) == 3:
+            raise RuntimeError("device fell over")
+        return forward(*args)
+
+    llm.runner.forward = fail_once  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    got = llm.generate(prompts(2, seed=8), params)
+    assert [o.finish_reason for o in got] == ["error", "error"]
+    assert all("device fell over" in (o.error or "") for o in got)
+    assert_idle(llm)
+    later = prompts(2, seed=9)
+    expected = engine(tiny_llama_dir, False).generate(later, params)
+    assert tokens(llm.generate(later, params)) == tokens(expected)
+    assert_idle(llm)
