@@ -132,8 +132,15 @@ def value(samples: dict[str, list[Sample]], name: str, **labels: str) -> float:
 def test_vllm_series_count_every_request(small_server: LiveServer) -> None:
     server, llm = small_server, small_server.state.llm
     steps_before = llm.scheduler.step_count
+    usage_seen: list[float] = []
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # at once: the pool preempts some of them
-        usages = list(pool.map(lambda p: complete(server.url, p, LONG_TOKENS), PROMPTS))
+        running = [pool.submit(complete, server.url, p, LONG_TOKENS) for p in PROMPTS]
+        for _ in range(2000):  # bounded: the four answers take a second or two
+            if all(f.done() for f in running):
+                break
+            usage_seen.append(value(scrape(server), "vllm:kv_cache_usage_perc"))
+        usages = [f.result() for f in running]
+    assert usage_seen and 0 < max(usage_seen) <= 1 and min(usage_seen) >= 0, usage_seen
     usages.append(complete(server.url, PROMPTS[0], 8, n=2))
     chunks = abort_mid_stream(server.url, PROMPTS[1])
     wait_idle(server)
