@@ -117,7 +117,14 @@ class KVEventPublisher:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
-        self.endpoint = _bind(self._pub, config.endpoint)
+        # As vLLM's: bound on a wildcard host (or a port of 0, or ipc/inproc), else connected
+        # to a subscriber that binds (llm-d's scheduler: every pod connects to it).
+        self.binds = binds(config.endpoint)
+        if self.binds:
+            self.endpoint = _bind(self._pub, config.endpoint)
+        else:
+            self._pub.connect(config.endpoint)
+            self.endpoint = config.endpoint
         self._replay: zmq.Socket[bytes] | None = None
         self.replay_endpoint: str | None = None
         if config.replay_endpoint:
@@ -151,11 +158,12 @@ class KVEventPublisher:
         else:
             self._enqueue([AllBlocksCleared()])
 
-    def endpoints(self) -> dict[str, str | None]:
+    def endpoints(self) -> dict[str, str | bool | None]:
         """Where a subscriber connects, as bound (a TCP port of 0 resolved; ``*`` stands for
         every interface of this host: a subscriber puts the host it reaches this one at)."""
         return {
             "endpoint": self.endpoint,
+            "binds": self.binds,  # False: it connects to a subscriber bound at the endpoint
             "replay_endpoint": self.replay_endpoint,
             "topic": self.config.topic,
         }
@@ -224,6 +232,15 @@ class KVEventPublisher:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
+
+
+def binds(endpoint: str) -> bool:
+    """Whether the PUB socket binds ``endpoint`` (vLLM's rule: a wildcard host, ``*``, ``::`` or
+    ``0.0.0.0``, or ipc:// / inproc://; ours adds a TCP port of 0, which nothing can connect to)
+    or connects to it (a subscriber binds there). Pure."""
+    wildcard = any(host in endpoint for host in ("*", "::", "0.0.0.0"))
+    local = endpoint.startswith(("ipc://", "inproc://"))
+    return wildcard or local or (endpoint.startswith("tcp://") and endpoint.endswith(":0"))
 
 
 def _bind(socket: zmq.Socket[bytes], endpoint: str) -> str:

@@ -51,6 +51,8 @@ def endpoints_of(replica: Replica) -> Endpoints | None:
     events = (replica.info or {}).get("kv_events")
     if not isinstance(events, dict) or not isinstance(events.get("endpoint"), str):
         return None
+    if events.get("binds") is False:
+        return None  # it connects to a subscriber of its own (llm-d's): nothing to connect to
     host = urlsplit(replica.url).hostname or "127.0.0.1"
     replay = events.get("replay_endpoint")
     return Endpoints(

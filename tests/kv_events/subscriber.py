@@ -44,12 +44,18 @@ class KVEventBatch(EventBatch):
 class Subscriber:
     """Follows one publisher: block hash -> (parent hash, the block's tokens)."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str = "") -> None:
+    def __init__(
+        self, endpoint: str, replay_endpoint: str | None, topic: str = "", bind: bool = False
+    ) -> None:
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.context = zmq.Context()
         self.sub = self.context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.connect(endpoint)
+        if bind:  # llm-d's way: one subscriber bound, every engine connecting to it
+            self.sub.bind(endpoint)
+        else:
+            self.sub.connect(endpoint)
+        self.topics: set[bytes] = set()
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.replay_endpoint = replay_endpoint
         # medium -> block hash -> (parent hash, the block's tokens)
@@ -108,7 +114,8 @@ class Subscriber:
         """Apply messages until none has come for ``quiet_s``; a gap is replayed first."""
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and self.sub.poll(int(quiet_s * 1000)):
-            _, seq_bytes, payload = self.sub.recv_multipart()
+            topic, seq_bytes, payload = self.sub.recv_multipart()
+            self.topics.add(topic)
             seq = int.from_bytes(seq_bytes, "big")
             if seq <= self.last_seq:
                 continue

@@ -4,6 +4,7 @@ engine's cached prefixes exactly, under load and through an eviction storm, live
 from __future__ import annotations
 
 import random
+import socket
 from pathlib import Path
 
 import msgspec
@@ -123,3 +124,31 @@ def test_a_full_queue_drops_the_oldest_and_says_so() -> None:
     assert queue.take() == ([second, third], True)
     assert queue.dropped == 1
     assert queue.take() == ([], False)
+
+
+def test_a_plain_endpoint_connects_to_a_subscriber_that_binds(tiny_llama_dir: Path) -> None:
+    """As vLLM's publisher (and as llm-d deploys it): an endpoint without a wildcard host is the
+    subscriber's, which binds it; the engine connects and sends under its topic."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    events = {"enable_kv_cache_events": True, "endpoint": endpoint, "topic": "kv@pod-a@tiny"}
+    events["replay_endpoint"] = "tcp://127.0.0.1:0"  # the replay socket always binds
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=4, kv_events_config=events)
+    publisher = llm.kv_events
+    assert publisher is not None and not publisher.binds
+    assert publisher.endpoints()["binds"] is False
+    scheduler = Subscriber(endpoint, publisher.replay_endpoint, bind=True)
+    rng = random.Random(3)
+    try:
+        for _ in range(20):  # until the connection is up: what went before it, a replay gives
+            llm.generate(prompts(rng, 3), SamplingParams(max_tokens=3, temperature=0))
+            scheduler.drain(quiet_s=0.1)
+            if scheduler.topics:
+                break
+        assert scheduler.topics == {b"kv@pod-a@tiny"}
+        assert scheduler.prefixes() == engine_prefixes(llm) != set()
+    finally:
+        publisher.close()
+        scheduler.close()
