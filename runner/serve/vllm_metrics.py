@@ -54,6 +54,7 @@ class RequestEnd(NamedTuple):
     finish_reason: str
     prompt_tokens: int
     generation_tokens: int  # of every sample
+    max_generation_tokens: int  # of its longest sample
     n: int
     max_tokens: int
     e2e_s: float  # arrival -> end
@@ -79,6 +80,7 @@ def request_end(seqs: Seq[Sequence], arrival: float, now: float, reason: str) ->
         finish_reason=reason,
         prompt_tokens=seqs[0].num_prompt_tokens,
         generation_tokens=sum(len(s.output_token_ids) for s in seqs),
+        max_generation_tokens=max(len(s.output_token_ids) for s in seqs),
         n=max(len(seqs), params.n),  # a sample's own params may say 1
         max_tokens=params.max_tokens or 0,
         e2e_s=now - arrival,
@@ -172,6 +174,11 @@ class VllmMetrics:
         self.request_generation = histogram(
             "vllm:request_generation_tokens", "Tokens a request generated", token_buckets
         )
+        self.max_generation = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Tokens a request's longest sample generated",
+            token_buckets,
+        )
         self.params_n = histogram("vllm:request_params_n", "The request's n", N_BUCKETS)
         self.params_max_tokens = histogram(
             "vllm:request_params_max_tokens", "The request's max_tokens", token_buckets
@@ -236,5 +243,6 @@ class VllmMetrics:
                 histogram.observe(value)
         self.request_prompt.observe(end.prompt_tokens)
         self.request_generation.observe(end.generation_tokens)
+        self.max_generation.observe(end.max_generation_tokens)
         self.params_n.observe(end.n)
         self.params_max_tokens.observe(end.max_tokens)

@@ -51,6 +51,7 @@ HISTOGRAMS = [
     "vllm:request_inference_time_seconds",
     "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens",
+    "vllm:request_max_num_generation_tokens",
     "vllm:request_params_n",
     "vllm:request_params_max_tokens",
     "vllm:iteration_tokens_total",
@@ -169,6 +170,8 @@ def test_vllm_series_count_every_request(small_server: LiveServer) -> None:
     assert generated >= completed_tokens + chunks and chunks > 0
     assert value(samples, "vllm:request_generation_tokens_sum") == generated
     assert value(samples, "vllm:request_params_n_sum") == len(PROMPTS) + 2 + 1
+    longest = value(samples, "vllm:request_max_num_generation_tokens_sum")
+    assert longest == generated - 8  # the n=2 request counts its longer sample alone
     # The pool: preempted (recomputed) requests, the engine's own count; usage a fraction.
     assert value(samples, "vllm:num_preemptions_total") == llm.scheduler.num_preemptions >= 1
     stats = llm.block_manager.stats
