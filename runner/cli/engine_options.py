@@ -78,6 +78,12 @@ _OPTIONS = [
         help="GPU: run every step eagerly, without CUDA graphs (a faster start, slower steps).",
     ),
     click.option(
+        "--async-scheduling/--no-async-scheduling",
+        default=None,
+        help="Schedule and prepare each step while the device runs the one before (vLLM's "
+        "name); default: on for CUDA, off on the CPU. Never with --speculative-tokens.",
+    ),
+    click.option(
         "--speculative-tokens",
         type=int,
         default=0,

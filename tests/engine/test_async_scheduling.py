@@ -17,10 +17,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import torch
+from click.testing import CliRunner
 
 from kvcache import LLM, RequestOutput, SamplingParams
+from runner.cli.engine_options import engine_options
+from runner.engine.config import EngineConfig
 from runner.engine.overlap import PendingTokens
 
 DEVICE_LATENCY_S = 0.004  # each step's device work: the real CPU forward, then this sleep
@@ -341,3 +345,26 @@ def test_a_step_the_device_fails_fails_its_requests_and_the_engine_goes_on(
     expected = engine(tiny_llama_dir, False).generate(later, params)
     assert tokens(llm.generate(later, params)) == tokens(expected)
     assert_idle(llm)
+
+
+def test_the_command_line_takes_vllms_flag() -> None:
+    seen: list[dict[str, Any]] = []
+
+    @click.command()
+    @engine_options
+    def command(engine_options: dict[str, Any]) -> None:
+        seen.append(engine_options)
+
+    for args, wanted in (
+        ([], None),
+        (["--async-scheduling"], True),
+        (["--no-async-scheduling"], False),
+    ):
+        result = CliRunner().invoke(command, args)
+        assert result.exit_code == 0, result.output
+        assert seen[-1]["async_scheduling"] is wanted
+    assert EngineConfig(device="cuda").overlaps_steps
+    assert not EngineConfig(device="cpu").overlaps_steps
+    assert EngineConfig(device="cpu", async_scheduling=True).overlaps_steps
+    assert not EngineConfig(device="cuda", async_scheduling=False).overlaps_steps
+    assert not EngineConfig(device="cuda", speculative_tokens=3).overlaps_steps
