@@ -170,3 +170,21 @@ def test_the_mode_is_refused_where_it_cannot_hold(model: Path) -> None:
     for options, named in refusals:
         with pytest.raises(ValueError, match=named):
             LLM(str(model), deterministic=True, **options)
+
+
+def test_the_command_line_takes_the_flag_and_names_it_when_it_cannot_hold(
+    model: Path, tmp_path: Path
+) -> None:
+    from click.testing import CliRunner
+
+    from cli import main
+
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 3}\n')
+    args = ["generate", str(source), "--model", str(model), "--deterministic"]
+    refused = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "x.jsonl"), "--device", "cuda"])
+    assert refused.exit_code == 2, refused.output
+    assert "--deterministic" in refused.output and "CPU only" in refused.output
+    ran = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "out.jsonl")])
+    assert ran.exit_code == 0, ran.output
+    assert '"token_ids"' in (tmp_path / "out.jsonl").read_text()
