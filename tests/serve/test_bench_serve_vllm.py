@@ -54,7 +54,7 @@ def bench(server: LiveServer, tmp_path: Path, *more: str) -> tuple[Any, dict[str
     out = tmp_path / "bench.json"
     args = ["bench-serve", "--base-url", server.url, "--dataset", str(DATASET)]
     args += ["--max-concurrency", "2", "--ignore-eos", "--result-json", str(out), *more]
-    result = CliRunner().invoke(main, args)
+    result = CliRunner(env={"KVCACHE_API_KEY": None}).invoke(main, args)  # only the flag's key
     return result, json.loads(out.read_text()) if out.exists() else {}
 
 
@@ -95,6 +95,18 @@ def test_chat_turns_with_a_key(keyed_server: LiveServer, tmp_path: Path) -> None
     assert result.exit_code == 0, result.output
     assert summary["completed"] == 4 and summary["failed"] == 0, summary["errors"]
     assert summary["backend"] == "openai-chat" and summary["mean_tpot_ms"] > 0
+
+
+def test_the_key_from_the_environment(keyed_server: LiveServer, tmp_path: Path) -> None:
+    """As `kvcache serve` reads its key: $KVCACHE_API_KEY, so it stays out of `ps`."""
+    out = tmp_path / "bench.json"
+    args = ["bench-serve", "--base-url", keyed_server.url, "--dataset", str(DATASET)]
+    args += ["--workload", "dataset", "--num-prompts", "2", "--max-tokens", "2"]
+    result = CliRunner(env={"KVCACHE_API_KEY": KEY}).invoke(
+        main, [*args, "--result-json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["completed"] == 2
 
 
 def test_no_key_or_an_empty_one_is_refused(keyed_server: LiveServer, tmp_path: Path) -> None:

@@ -21,7 +21,9 @@ import click
 @click.option(
     "--api-key",
     default=None,
-    help="Sent as a bearer token with every request (the server's --api-key).",
+    envvar="KVCACHE_API_KEY",
+    help="Sent as a bearer token with every request (the server's --api-key) "
+    "[default: $KVCACHE_API_KEY, as kvcache serve reads it].",
 )
 @click.option(
     "--workload",
