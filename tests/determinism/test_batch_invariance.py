@@ -106,6 +106,14 @@ def test_a_sliding_window_model_answers_the_same(make_tiny_model: Callable[..., 
         assert got == reference, f"{others} others, needle at {at}, budget {budget}"
 
 
+def test_a_float16_kv_cache_answers_the_same(model: Path) -> None:
+    """Keys and values stored as float16 (decodes then attend as one-token prompts)."""
+    half: dict[str, Any] = {"kv_cache_dtype": "float16", "deterministic": True}
+    reference, _ = run_needle(model, 0, 0, GREEDY, enable_prefix_caching=False, **half)
+    got, _ = run_needle(model, 20, 13, GREEDY, max_num_batched_tokens=48, **half)
+    assert got == reference
+
+
 def test_preemption_and_recompute_answer_the_same(model: Path) -> None:
     """A pool too small for the batch: sequences are preempted and recomputed, decoded
     positions then computed again as prompt rows."""
