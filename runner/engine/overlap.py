@@ -205,6 +205,10 @@ class OverlappedLoop:
         self.settle_inflight()  # the host waits for step N while the device runs step N+1
         with interrupts_held():
             self.inflight = self._advance(out, pending, step, t_start)
+        if all(item.seq.is_finished for item in out.scheduled):
+            # Step N finished every sequence of step N+1: nothing will come of it, and an
+            # engine left idle holds no step in flight (whose settling would be recorded late).
+            self.settle_inflight()
 
     def settle_inflight(self) -> None:
         """Read the step in flight's ids, if one is, and settle it: each of its sequences
