@@ -132,6 +132,11 @@ class BlockManager:
         """Cached path for the prompt (see BlockCache.match); nothing without caching. Pure."""
         return self._policy.match(token_ids, root)
 
+    def cached_path(self, token_ids: Sequence[int], root: int) -> list[Node]:
+        """The prompt's cached full blocks from its first, as admission would match them
+        (nothing without caching). Pure: no stats, no LRU touch."""
+        return self._match(token_ids, root)
+
     def cached_blocks(self) -> list[CachedBlock]:
         """Every block in the tree (cached or held), each after its parent, then every tail
         (fewer tokens than a block): with their K/V, what it takes to rebuild this cache

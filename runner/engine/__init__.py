@@ -1,4 +1,5 @@
-"""The engine: `LLM` (llm.py) over the loop (core.py) that schedules, runs the model, samples
+"""The engine: `LLM` (llm.py, implementing `EngineInterface`, interface.py: all that other
+packages may call) over the loop (core.py) that schedules, runs the model, samples
 and settles each step (on CUDA the next step is scheduled while the device runs this one:
 overlap.py); the scheduler and its admission rule, sequences and requests, stopping, streaming,
 outputs, speculative decoding, beam search, metrics, and building an engine's parts
