@@ -12,6 +12,7 @@ redis_transport.py: the shared Redis tier), the decode side's pull into its host
 pd_interference bench (bench.py, bench_command.py, bench_worker.py).
 
 May import: kvcache (and kvcache.tiers), serve (its app, which the roles extend), engine
-(kv_transfer.py; llm.py in the bench's worker process), bench (workloads.py). Never imports
+(interface.py: the engine is an `EngineInterface`, never its parts; sequence.py, a queued
+request's samples; llm.py in the bench's worker process), bench (workloads.py). Never imports
 runner.router: the router (runner/router/pd.py) speaks to the workers over HTTP only.
 """

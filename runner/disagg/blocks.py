@@ -1,19 +1,20 @@
 """A prompt's blocks as block values (kvcache/tiers/block_value.py), both ways: the prefill
-worker reads the full blocks its pool holds for a prompt and encodes them (header with tokens,
-parent hash, xxh3 checksum, the MAC when a cache key is set); the decode worker checks each
-value that arrives against the chain it computes itself from the prompt's tokens (its own
-namespace root, so another model's or another salt's blocks never pass) and keeps the run of
-values that pass, up to the first one missing or bad: the rest is recomputed."""
+worker hands over the values the engine encodes off its pool (`cached_block_values`,
+`block_values`: header with tokens, parent hash, xxh3 checksum, the MAC when a cache key is
+set); the decode worker checks each value that arrives against the chain it computes itself
+from the prompt's tokens (its own namespace root, so another model's or another salt's blocks
+never pass) and keeps the run of values that pass, up to the first one missing or bad: the
+rest is recomputed."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from kvcache import block_hashes, namespace_root
 from kvcache.hashing import TOKEN_BYTES, pack_tokens
-from kvcache.tiers import Miss, decode, encode
-from runner.engine.kv_transfer import read_blocks
+from kvcache.tiers import Miss, decode
+from runner.engine.interface import EngineInterface
 
 
 class PromptChain(NamedTuple):
@@ -25,7 +26,9 @@ class PromptChain(NamedTuple):
     tokens: list[bytes]
 
 
-def prompt_chain(llm: Any, token_ids: Sequence[int], cache_salt: str | None) -> PromptChain:
+def prompt_chain(
+    llm: EngineInterface, token_ids: Sequence[int], cache_salt: str | None
+) -> PromptChain:
     """The chain of ``token_ids`` as ``llm`` names its blocks. Pure."""
     block_size = llm.config.block_size
     count = max(0, (len(token_ids) - 1) // block_size)
@@ -34,27 +37,6 @@ def prompt_chain(llm: Any, token_ids: Sequence[int], cache_salt: str | None) -> 
     packed = pack_tokens(list(token_ids[: count * block_size]))
     width = block_size * TOKEN_BYTES
     return PromptChain(root, hashes, [packed[i * width : (i + 1) * width] for i in range(count)])
-
-
-def cached_values(llm: Any, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
-    """The encoded values of the prompt's blocks ``llm``'s pool holds now, in chain order (the
-    longest cached run; fewer when blocks were evicted meanwhile). Holds the engine lock while
-    it copies the K/V off the pool, then encodes without it."""
-    chain = prompt_chain(llm, token_ids, cache_salt)
-    with llm.lock:
-        # The block manager's own lookup (pure: no stats, no LRU touch), capped as admission is.
-        nodes = llm.block_manager._match(list(token_ids), chain.root)[: len(chain.hashes)]
-        payloads = read_blocks(llm.kv, [node.block_id for node in nodes])
-    values = []
-    parent = chain.root
-    for node, kv in zip(nodes, payloads, strict=True):
-        value = encode(
-            llm.block_spec, node.key, parent, node.tokens, kv, top=parent == chain.root,
-            mac_key=llm.cache_mac_key,
-        )  # fmt: skip
-        values.append(value)
-        parent = node.key
-    return values
 
 
 class Checked(NamedTuple):
@@ -66,7 +48,10 @@ class Checked(NamedTuple):
 
 
 def check_values(
-    llm: Any, chain: PromptChain, start: int, values: Sequence[bytes | memoryview | None]
+    llm: EngineInterface,
+    chain: PromptChain,
+    start: int,
+    values: Sequence[bytes | memoryview | None],
 ) -> Checked:
     """Check ``values`` as blocks ``start``, ``start + 1``, ... of ``chain``: each must decode
     (format, model identity, dtype, shape, checksum, MAC) and be exactly that block (its hash,

@@ -1,8 +1,10 @@
 """A prefill worker's handover filled while its prefill runs: each block the engine commits
 (after the forward that wrote its K/V, chunk by chunk in a chunked prefill) that an open
 handover wants is copied off the pool and encoded as a block value in that step, into the held
-handover (held.py). A decode worker pulling meanwhile gets the first blocks before the last
-are computed, and once the prefill ends only its last chunk's blocks are left to send.
+handover (held.py): the tap is one of the engine's block listeners (runner/engine/interface.py),
+beside the KV events and any other. A decode worker pulling meanwhile gets the first blocks
+before the last are computed, and once the prefill ends only its last chunk's blocks are left
+to send.
 
 The prompt's blocks the pool holds already when the handover opens (a prefix another request
 computed) are read at the open, under the engine lock, so no commit falls between the two."""
@@ -12,13 +14,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvcache.radix_tree import Node
-from kvcache.tiers import encode
-from runner.disagg.blocks import PromptChain, cached_values, prompt_chain
+from runner.disagg.blocks import PromptChain, prompt_chain
 from runner.disagg.held import HeldHandovers
-from runner.engine.kv_transfer import read_blocks
+from runner.engine.interface import EngineInterface
 
 
 @dataclass
@@ -30,11 +30,12 @@ class _Open:
 
 
 class CommitTap:
-    """Feeds ``held``'s open handovers from ``llm``'s commits."""
+    """Feeds ``held``'s open handovers from ``llm``'s commits (a block listener on it, from
+    construction until ``close``)."""
 
     def __init__(
         self,
-        llm: Any,
+        llm: EngineInterface,
         held: HeldHandovers,
         on_held: Callable[[str, int, bytes], None] | None = None,
     ) -> None:
@@ -46,11 +47,8 @@ class CommitTap:
         self._open: dict[str, _Open] = {}
         self._lock = threading.Lock()
         self.encoded_blocks = 0
-        bm = llm.block_manager
-        # The block manager has one commit callback (the tiers' write-through may hold it):
-        # chain to it rather than take its place.
-        self._previous, on_evict = bm.watchers()
-        bm.watch(self._committed, on_evict)
+        self._listening = True
+        llm.add_block_listener(self)
 
     def open(self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None) -> None:
         """Start filling ``handover_id`` with the prompt's blocks as they are committed (and
@@ -62,9 +60,10 @@ class CommitTap:
         with self.llm.lock:
             with self._lock:
                 self._open[handover_id] = entry
-            # The block manager's own lookup (pure), capped as admission is.
-            cached = self.llm.block_manager._match(tokens, chain.root)[: len(chain.hashes)]
-            self._add(handover_id, entry, cached)
+            cached = self.llm.cached_block_values(tokens, cache_salt)  # pure, in chain order
+            for block_hash, value in zip(chain.hashes, cached, strict=False):
+                self._hold(handover_id, block_hash, value)
+                self.encoded_blocks += 1
 
     def is_filling(self, handover_id: str) -> bool:
         """Whether the handover was opened here and is not finished or cancelled yet."""
@@ -86,7 +85,8 @@ class CommitTap:
         wanted = entry.chain.hashes
         have = self.held.get(handover_id, wanted)
         if any(v is None for v in have):
-            for i, value in enumerate(cached_values(self.llm, entry.token_ids, entry.cache_salt)):
+            cached = self.llm.cached_block_values(entry.token_ids, entry.cache_salt)
+            for i, value in enumerate(cached):
                 if have[i] is None:
                     self._hold(handover_id, wanted[i], value)
         self.held.finish(handover_id)
@@ -97,32 +97,25 @@ class CommitTap:
         with self._lock:
             self._open.pop(handover_id, None)
 
-    # -- the engine's side (under its lock, inside a step) -------------------------------------
-    def _committed(self, nodes: list[Node]) -> None:
-        if self._previous is not None:
-            self._previous(nodes)
+    # -- the engine's side: a block listener (under its lock, inside a step) --------------------
+    def blocks_stored(self, nodes: list[Node]) -> None:
         with self._lock:
             open_now = list(self._open.items())
         for handover_id, entry in open_now:
             wanted = [n for n in nodes if n.key in entry.index]
             if wanted:
-                self._add(handover_id, entry, wanted)
+                self._add(handover_id, wanted)
 
-    def _add(self, handover_id: str, entry: _Open, nodes: list[Node]) -> None:
+    def blocks_removed(self, nodes: list[Node]) -> None:
+        """Nothing to do: a handover holds its own copies of the values."""
+
+    def _add(self, handover_id: str, nodes: list[Node]) -> None:
         """Encode the nodes' blocks into the handover, here, in the step that committed them.
         Not on a thread of its own: the forward holds the interpreter for most of a step, so
         such a thread fell whole chunks behind, and the end of the prefill waited for it. A
         block takes a copy and a checksum, a small part of a step that computes it."""
-        llm, chain = self.llm, entry.chain
-        payloads = read_blocks(llm.kv, [n.block_id for n in nodes])
-        for node, kv in zip(nodes, payloads, strict=True):
-            at = entry.index[node.key]
-            parent = chain.hashes[at - 1] if at else chain.root
-            value = encode(
-                llm.block_spec, chain.hashes[at], parent, chain.tokens[at], kv,
-                top=at == 0, mac_key=llm.cache_mac_key,
-            )  # fmt: skip
-            self._hold(handover_id, chain.hashes[at], value)
+        for node, value in zip(nodes, self.llm.block_values(nodes), strict=True):
+            self._hold(handover_id, node.key, value)
             self.encoded_blocks += 1
 
     def _hold(self, handover_id: str, block_hash: int, value: bytes) -> None:
@@ -130,4 +123,7 @@ class CommitTap:
             self.on_held(handover_id, block_hash, value)
 
     def close(self) -> None:
-        """Nothing runs of its own: kept so a publisher closes its parts alike."""
+        """Stop listening to the engine's commits (nothing runs of its own)."""
+        if self._listening:
+            self._listening = False
+            self.llm.remove_block_listener(self)

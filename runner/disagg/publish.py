@@ -18,12 +18,13 @@ from typing import Any
 
 from kvcache.redaction import redact_url
 from kvcache.tiers import TierDown
-from runner.disagg.blocks import cached_values, prompt_chain
+from runner.disagg.blocks import prompt_chain
 from runner.disagg.commit_tap import CommitTap
 from runner.disagg.held import HeldHandovers
 from runner.disagg.redis_stream import RedisStream
 from runner.disagg.redis_transport import RedisHandover
 from runner.disagg.zmq_transport import ZmqHandoverServer
+from runner.engine.interface import EngineInterface
 
 
 @dataclass
@@ -41,7 +42,7 @@ class Publisher:
 
     def __init__(
         self,
-        llm: Any,
+        llm: EngineInterface,
         held: HeldHandovers,
         server: ZmqHandoverServer | None = None,
         redis: RedisHandover | None = None,
@@ -108,13 +109,13 @@ class Publisher:
                 values = values[: _run_in(hashes[: len(values)], written)]
                 held.release(handover_id)
         elif self.redis is None:
-            values = cached_values(self.llm, token_ids, cache_salt)
+            values = self.llm.cached_block_values(token_ids, cache_salt)
             held.hold(handover_id, hashes[: len(values)], values)
             values = _leading_run(held.get(handover_id, hashes))
         else:  # over Redis, not begun (or its copy here dropped for room): written whole
             assert self.stream is not None
             self.stream.cancel(handover_id)
-            values = cached_values(self.llm, token_ids, cache_salt)
+            values = self.llm.cached_block_values(token_ids, cache_salt)
             try:
                 self.redis.publish(hashes[: len(values)], values)
             except TierDown:  # a tier that fails is a miss: the decode worker computes them

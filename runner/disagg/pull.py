@@ -20,9 +20,10 @@ from typing import Any
 from kvcache.hashing import unpack_tokens
 from kvcache.redaction import redact_text
 from kvcache.tiers import HostTier, TierDown, storage_key
-from runner.disagg.blocks import check_values, prompt_chain
+from runner.disagg.blocks import PromptChain, check_values, prompt_chain
 from runner.disagg.redis_transport import RedisHandover
 from runner.disagg.zmq_transport import HandoverUnreachable, ZmqHandoverClient
+from runner.engine.interface import EngineInterface
 
 # Blocks per round trip. One: a handover's bytes then reach the decode worker a block (0.7 MiB
 # of the default model) at a time, spread between its steps. In bursts of 16 blocks (11.8 MiB)
@@ -52,13 +53,12 @@ class PullCounters:
     loaded_blocks: int = 0  # copied into the pool by the pull (not by a step's admission)
 
 
-def host_tier_of(llm: Any) -> HostTier:
+def host_tier_of(llm: EngineInterface) -> HostTier:
     """The host tier a decode worker pulls into (it must have one: --host-cache-bytes)."""
-    tiers = llm.tiers.store.tiers if llm.tiers is not None else []
-    for tier in tiers:
-        if isinstance(tier, HostTier):
-            return tier
-    raise ValueError("a decode worker needs a host tier (--host-cache-bytes)")
+    host = llm.host_tier()
+    if host is None:
+        raise ValueError("a decode worker needs a host tier (--host-cache-bytes)")
+    return host
 
 
 class Puller:
@@ -66,7 +66,7 @@ class Puller:
 
     def __init__(
         self,
-        llm: Any,
+        llm: EngineInterface,
         redis: RedisHandover | None = None,
         chunk_blocks: int = DEFAULT_CHUNK_BLOCKS,
         timeout_s: float = 5.0,
@@ -89,6 +89,8 @@ class Puller:
             transport, handover_id = str(params["transport"]), str(params["handover_id"])
             endpoint = str(params.get("endpoint", ""))
             salt = params.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise TypeError(f"cache_salt must be a string, got {type(salt).__name__}")
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"kv_transfer_params: {err!r}") from err
         if transport not in ("zmq", "redis"):
@@ -102,13 +104,12 @@ class Puller:
                 self.active -= 1
 
     def _pull(
-        self, tokens: list[int], transport: str, handover_id: str, endpoint: str, salt: Any
+        self, tokens: list[int], transport: str, handover_id: str, endpoint: str, salt: str | None
     ) -> dict[str, Any]:
         started = time.perf_counter()
         llm, chain = self.llm, prompt_chain(self.llm, tokens, salt)
         keys = [storage_key(llm.block_spec, h) for h in chain.hashes]
-        with llm.lock:  # pure lookup: how much of the chain the pool holds already
-            start = len(llm.block_manager._match(tokens, chain.root)[: len(keys)])
+        start = llm.cached_prefix(tokens, salt).blocks  # what the pool holds already
         for value in self.host.get_many(keys[start:]):
             if value is None:
                 break
@@ -116,7 +117,7 @@ class Puller:
         out: dict[str, Any] = {"wanted": len(keys), "skipped": start, "blocks": 0, "bytes": 0}
         out["reason"] = None
         try:
-            out |= self._fetch(transport, endpoint, handover_id, chain, start, keys)
+            out |= self._fetch(transport, endpoint, handover_id, chain, salt, start, keys)
         except (HandoverUnreachable, TierDown, OSError) as err:
             self.counters.failed_pulls += 1
             out["reason"] = self._shown(err)
@@ -130,8 +131,8 @@ class Puller:
         return out
 
     def _fetch(
-        self, transport: str, endpoint: str, handover_id: str, chain: Any, start: int,
-        keys: list[str],
+        self, transport: str, endpoint: str, handover_id: str, chain: PromptChain,
+        salt: str | None, start: int, keys: list[str],
     ) -> dict[str, Any]:  # fmt: skip
         hashes = chain.hashes[start:]
         client = None
@@ -158,7 +159,7 @@ class Puller:
                     at += checked.passed
                     del values, passed
                     if len(pending) >= LOAD_BLOCKS or checked.reason is not None:
-                        self._install(chain, keys, pending_at, pending_kvs, pending)
+                        self._install(chain, salt, keys, pending_at, pending_kvs, pending)
                         pending_at, pending_kvs, pending = at, [], []  # buffers free for the next
                     if checked.reason is not None:
                         reason = checked.reason
@@ -173,7 +174,7 @@ class Puller:
                 self.counters.failed_pulls += 1
                 reason = self._shown(err)
             if pending:
-                self._install(chain, keys, pending_at, pending_kvs, pending)
+                self._install(chain, salt, keys, pending_at, pending_kvs, pending)
         finally:
             if client is not None:
                 try:
@@ -191,7 +192,8 @@ class Puller:
 
     def _install(
         self,
-        chain: Any,
+        chain: PromptChain,
+        salt: str | None,
         keys: list[str],
         first: int,
         kvs: Sequence[memoryview],
@@ -210,12 +212,10 @@ class Puller:
             if done:
                 time.sleep(LOAD_YIELD_S)  # the decodes' next step takes the lock first
             upto = min(done + LOAD_BLOCKS, len(kvs))
-            with llm.lock:
-                before = llm.tiers.loaded_blocks
-                held = llm.tiers.install(
-                    tokens[: (first + upto) * B + 1], chain.root, first + done, kvs[done:upto]
-                )
-                self.counters.loaded_blocks += llm.tiers.loaded_blocks - before
+            held, loaded = llm.install_blocks(  # one short hold of the engine lock
+                tokens[: (first + upto) * B + 1], salt, first + done, kvs[done:upto]
+            )
+            self.counters.loaded_blocks += loaded
             if held < upto - done:  # the pool is short: the rest waits in the host tier
                 for i in range(done + held, len(kvs)):
                     self.host.put(keys[first + i], bytes(values[i]))
@@ -230,6 +230,6 @@ class Puller:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _tokens_of(chain: Any, blocks: int) -> list[int]:
+def _tokens_of(chain: PromptChain, blocks: int) -> list[int]:
     """The token ids of the chain's first ``blocks`` blocks."""
     return unpack_tokens(b"".join(chain.tokens[:blocks]))

@@ -14,6 +14,7 @@ from runner.disagg.publish import Publisher
 from runner.disagg.pull import DEFAULT_CHUNK_BLOCKS, Puller
 from runner.disagg.redis_transport import RedisHandover
 from runner.disagg.zmq_transport import ZmqHandoverServer
+from runner.engine.interface import EngineInterface
 
 ROLES = ("both", "prefill", "decode")
 DEFAULT_HANDOVER = "zmq"
@@ -68,7 +69,7 @@ class RoleParts:
     options: RoleOptions
     publisher: Publisher | None = None
     puller: Puller | None = None
-    llm: Any = None  # the worker's engine
+    llm: EngineInterface | None = None  # the worker's engine
 
     def close(self) -> None:
         if self.publisher is not None:
@@ -77,7 +78,7 @@ class RoleParts:
             self.puller.close()
 
 
-def build_role(llm: Any, options: RoleOptions) -> RoleParts:
+def build_role(llm: EngineInterface, options: RoleOptions) -> RoleParts:
     """The role's parts over ``llm``; nothing for "both"."""
     redis = RedisHandover(options.redis_url, llm.block_spec) if options.redis_url else None
     if options.role == "prefill":

@@ -33,11 +33,12 @@ from pydantic import ValidationError
 
 from kvcache.redaction import redact_url
 from runner.disagg.roles import RoleParts
+from runner.engine.interface import EngineInterface
 from runner.engine.sequence import Sequence
-from runner.serve.app import _admit  # the server's own checks: draining, model, 400, 429
+from runner.serve.app import admit  # the server's own checks: draining, model, 400, 429
 from runner.serve.auth import key_matches, unauthorized
 from runner.serve.calls import Call, CallError
-from runner.serve.engine_loop import Submission
+from runner.serve.events import Submission
 from runner.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 # Fields of the client's body a prefill does not take: it answers once, with one sample.
@@ -100,7 +101,7 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
         if publisher is None:
             raise CallError(404, "this worker is not a prefill worker", "invalid_request_error")
         body = prefill_body(kind, raw)
-        params = _admit(state, body, 1)
+        params = await admit(state, body, 1)
         salt = body.cache_salt
         opened: list[list[int]] = []  # the prompt's token ids, once its handover is open
 
@@ -186,7 +187,7 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
     @app.get("/kvcache/metrics")
     async def metrics() -> JSONResponse:
         llm = parts.llm
-        if llm is None or not llm.recorder.record:
+        if llm is None or not llm.config.record_metrics:
             raise CallError(404, "this worker records no metrics", "invalid_request_error")
         return JSONResponse(await asyncio.to_thread(worker_metrics, llm))
 
@@ -201,8 +202,8 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
         return out
 
 
-def worker_metrics(llm: Any) -> dict[str, Any]:
+def worker_metrics(llm: EngineInterface) -> dict[str, Any]:
     """``llm.metrics()`` with ``t0_unix_s``: the wall-clock time its ``t_start_s`` count from."""
-    out: dict[str, Any] = llm.metrics()
-    out["t0_unix_s"] = time.time() - (time.perf_counter() - llm.recorder.t0)
+    out = llm.metrics()
+    out["t0_unix_s"] = time.time() - (time.perf_counter() - llm.metrics_t0)
     return out

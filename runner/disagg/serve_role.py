@@ -13,15 +13,16 @@ from fastapi import FastAPI
 from runner.disagg.cpus import pin_to_cpus
 from runner.disagg.roles import RoleOptions, build_role, engine_options_for
 from runner.disagg.routes import attach_role
+from runner.engine.interface import EngineInterface
 
 
 def start_role(
     role: str,
     handover: str,
     cpus: str | None,
-    make_llm: Callable[[dict[str, Any]], Any],
+    make_llm: Callable[[dict[str, Any]], EngineInterface],
     engine_options: dict[str, Any],
-) -> tuple[Any, Callable[[FastAPI], FastAPI]]:
+) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]:
     """(the engine, app -> app with the role's routes). Raises ValueError naming a bad
     option."""
     options = RoleOptions(role=role, handover=handover)

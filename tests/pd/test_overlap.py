@@ -19,7 +19,7 @@ import redis
 
 from kvcache import LLM, SamplingParams
 from kvcache.tiers import storage_key
-from runner.disagg.blocks import cached_values, prompt_chain
+from runner.disagg.blocks import prompt_chain
 from runner.disagg.commit_tap import CommitTap
 from runner.disagg.held import HeldHandovers
 from runner.disagg.redis_stream import RedisStream
@@ -55,9 +55,31 @@ def test_an_open_handover_fills_as_the_prefill_commits(tiny_llama_tok_dir: Path)
         values, still_open = held.get_open("h", chain.hashes)
         assert not still_open
         # Byte for byte the values a handover read off the pool at the end would hold.
-        assert values == cached_values(llm, tokens, None)
+        assert values == llm.cached_block_values(tokens, None)
     finally:
         tap.close()
+
+
+def test_taps_listen_side_by_side_until_closed(tiny_llama_tok_dir: Path) -> None:
+    """Each tap is a block listener of its own: a second one does not displace the first, and
+    a closed one hears no more commits (its open handover gets nothing more)."""
+    llm = LLM(str(tiny_llama_tok_dir), max_num_batched_tokens=BUDGET, num_kv_blocks=128)
+    closed, kept = HeldHandovers(1 << 26), HeldHandovers(1 << 26)
+    first, second = CommitTap(llm, closed), CommitTap(llm, kept)
+    try:
+        seq = llm.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0))
+        tokens = list(seq.prompt_token_ids)
+        chain = prompt_chain(llm, tokens, None)
+        first.open("h", tokens, None)
+        second.open("h", tokens, None)
+        first.close()
+        while llm.has_unfinished():
+            llm.step()
+        assert closed.get_open("h", chain.hashes)[0] == [None] * len(chain.hashes)
+        values, _ = kept.get_open("h", chain.hashes)
+        assert values == llm.cached_block_values(tokens, None)
+    finally:
+        second.close()
 
 
 def _pull_waits(
@@ -125,7 +147,7 @@ def test_an_open_redis_handover_is_written_as_the_prefill_commits(
         tap.finish("h")
         assert stream.finish("h") == set(chain.hashes)
         assert client.exists("kvcache:handover:h") == 0  # closed
-        assert client.mget(keys) == cached_values(llm, tokens, None)
+        assert client.mget(keys) == llm.cached_block_values(tokens, None)
     finally:
         tap.close()
         stream.close()
@@ -154,7 +176,7 @@ def test_a_redis_handover_too_big_to_hold_is_written_whole_at_the_end(
         chain = prompt_chain(llm, tokens, None)
         keys = [storage_key(llm.block_spec, h) for h in chain.hashes]
         assert params["num_blocks"] == len(keys)
-        assert client.mget(keys) == cached_values(llm, tokens, None)
+        assert client.mget(keys) == llm.cached_block_values(tokens, None)
         assert client.exists("kvcache:handover:h") == 0
         assert publisher.stream is not None and not publisher.stream._streams
     finally:

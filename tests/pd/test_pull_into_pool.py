@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvcache import LLM, SamplingParams
 from kvcache.tiers import storage_key
-from runner.disagg.blocks import cached_values, check_values, prompt_chain
+from runner.disagg.blocks import check_values, prompt_chain
 from runner.disagg.pull import Puller
 from runner.disagg.roles import RoleOptions, engine_options_for
 from tests.pd.test_handover import PROMPT
@@ -30,7 +32,7 @@ def _prompt_values(model_dir: Path) -> tuple[list[int], list[bytes]]:
     while prefill.has_unfinished():
         prefill.step()
     tokens = list(seq.prompt_token_ids)
-    return tokens, cached_values(prefill, tokens, None)
+    return tokens, prefill.cached_block_values(tokens, None)
 
 
 def _install(llm: LLM, tokens: list[int], values: list[bytes]) -> list[str]:
@@ -39,14 +41,12 @@ def _install(llm: LLM, tokens: list[int], values: list[bytes]) -> list[str]:
     checked = check_values(llm, chain, 0, values)
     assert checked.passed == len(values) and checked.reason is None
     keys = [storage_key(llm.block_spec, h) for h in chain.hashes]
-    Puller(llm)._install(chain, keys, 0, checked.kvs, values)
+    Puller(llm)._install(chain, None, keys, 0, checked.kvs, values)
     return keys
 
 
 def _in_pool(llm: LLM, tokens: list[int]) -> int:
-    chain = prompt_chain(llm, tokens, None)
-    with llm.lock:
-        return len(llm.block_manager._match(tokens, chain.root)[: len(chain.hashes)])
+    return llm.cached_prefix(tokens, None).blocks
 
 
 def test_a_pull_puts_every_block_in_the_pool_when_it_has_room(
@@ -86,3 +86,14 @@ def test_blocks_the_pool_cannot_take_wait_in_the_host_tier(
     (got,) = llm.generate([PROMPT], GREEDY)
     assert got.text == want.text
     assert got.num_cached_tokens == len(values) * llm.config.block_size  # none computed
+
+
+def test_a_pull_with_a_salt_that_is_no_string_is_refused(tiny_llama_tok_dir: Path) -> None:
+    llm = _decode_llm(tiny_llama_tok_dir, 16)
+    params = {"prompt_token_ids": [1, 2, 3], "transport": "zmq", "handover_id": "h"}
+    puller = Puller(llm)
+    try:
+        with pytest.raises(ValueError, match="cache_salt must be a string, got int"):
+            puller.pull(params | {"cache_salt": 5})
+    finally:
+        puller.close()
