@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from runner.router.bodies import read_body
-from runner.router.event_feed import EventFeeds
+from runner.router.event_feed import Endpoints, EventFeeds
 from runner.router.event_index import EventIndex
 from runner.router.load import Work, answer_blocks
 from runner.router.policy import policy_for
@@ -53,7 +53,14 @@ class Router:
         self.settings = settings
         self.policy = policy_for(settings)
         self.replicas = ReplicaSet(urls, client, settings.health_interval_s, settings.kv_events)
-        self.feeds = EventFeeds(self.replicas.replicas, settings.health_interval_s)
+        given = {
+            url.rstrip("/"): Endpoints.parse(text)
+            for url, text in settings.kv_events_endpoints.items()
+        }
+        unknown = sorted(set(given) - {r.url for r in self.replicas.replicas})
+        if unknown:
+            raise ValueError(f"--kv-events-endpoint names no --replica: {', '.join(unknown)}")
+        self.feeds = EventFeeds(self.replicas.replicas, settings.health_interval_s, given)
         self.client = client
         self.timeouts = Timeouts.of(settings)
         self.prompt_tokens = PromptTokens(settings.tokenizer)

@@ -68,6 +68,14 @@ from runner.router.policy import POLICIES
     "--kv-events-config`, the endpoints its /kvcache/info reports) instead of from what was "
     "routed to it.",
 )
+@click.option(
+    "--kv-events-endpoint",
+    "kv_events_endpoints",
+    multiple=True,
+    metavar="URL=ENDPOINT[,REPLAY]",
+    help="--kv-events: where the replica at URL publishes (tcp://host:5557, and its replay "
+    "socket) when its /kvcache/info cannot say (repeatable; implies --kv-events).",
+)
 @click.option("--health-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True)
 @click.option(
     "--upstream-connect-timeout",
@@ -122,6 +130,7 @@ def router(
     load_weight: float,
     recent_half_life: float,
     kv_events: bool,
+    kv_events_endpoints: tuple[str, ...],
     health_interval: float,
     upstream_connect_timeout: float,
     upstream_first_output_timeout: float,
@@ -147,7 +156,8 @@ def router(
         replica_api_key=replica_api_key,
         load_weight=load_weight,
         recent_half_life_s=recent_half_life,
-        kv_events=kv_events,
+        kv_events=kv_events or bool(kv_events_endpoints),
+        kv_events_endpoints=dict(_given(text) for text in kv_events_endpoints),
         connect_timeout_s=upstream_connect_timeout,
         first_output_timeout_s=upstream_first_output_timeout,
         idle_timeout_s=upstream_idle_timeout,
@@ -156,7 +166,7 @@ def router(
 
     if bool(replicas) == bool(prefill or decode):
         raise click.UsageError("give --replica URLs, or --prefill and --decode URLs")
-    if kv_events and (policy != "cache_aware" or not replicas):
+    if settings.kv_events and (policy != "cache_aware" or not replicas):
         raise click.UsageError("--kv-events goes with --policy cache_aware and --replica URLs")
     try:
         if replicas:
@@ -168,3 +178,11 @@ def router(
         raise click.UsageError(str(err)) from err
     click.echo(f"kvcache router ({policy}) on http://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+def _given(text: str) -> tuple[str, str]:
+    """``URL=ENDPOINT[,REPLAY]`` of --kv-events-endpoint, split (checked by the router)."""
+    url, sep, endpoints = text.partition("=")
+    if not sep or not url or not endpoints:
+        raise click.BadParameter(f"want URL=ENDPOINT[,REPLAY], got {text!r}")
+    return url, endpoints

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -42,7 +43,18 @@ Batches = list[tuple[int, EventBatch]]
 class Endpoints:
     endpoint: str
     replay_endpoint: str | None
-    topic: str
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> Endpoints:
+        """``ENDPOINT[,REPLAY_ENDPOINT]`` as `--kv-events-endpoint` gives them (every topic);
+        ValueError naming what is wrong. Pure."""
+        endpoint, _, replay = text.partition(",")
+        for given in (endpoint, replay) if replay else (endpoint,):
+            scheme, sep, rest = given.strip().partition("://")
+            if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+                raise ValueError(f"not a ZeroMQ endpoint such as tcp://host:5557: {given!r}")
+        return cls(endpoint.strip(), replay.strip() or None)
 
 
 def endpoints_of(replica: Replica) -> Endpoints | None:
@@ -75,11 +87,20 @@ class EventFeed:
     """Follows one replica's events into the view it has now, until that view is replaced
     (the replica was found dead) or the replica reports other endpoints."""
 
-    def __init__(self, context: zmq.asyncio.Context, replica: Replica, endpoints: Endpoints):
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        replica: Replica,
+        locate: Callable[[Replica], Endpoints | None] = endpoints_of,
+    ) -> None:
+        endpoints = locate(replica)
+        if endpoints is None:
+            raise ValueError(f"{replica.url} reports no KV events endpoint")
         self.context, self.replica, self.endpoints = context, replica, endpoints
+        self.locate = locate
 
     def _current(self, index: EventIndex) -> bool:
-        return self.replica.index is index and endpoints_of(self.replica) == self.endpoints
+        return self.replica.index is index and self.locate(self.replica) == self.endpoints
 
     async def run(self) -> None:
         index = self.replica.index
@@ -177,10 +198,20 @@ class EventFeeds:
     """A feed per replica, from the router's start to its end: each follows its replica's
     events while the replica is up and reports endpoints, and starts over when it comes back."""
 
-    def __init__(self, replicas: list[Replica], interval_s: float) -> None:
+    def __init__(
+        self,
+        replicas: list[Replica],
+        interval_s: float,
+        given: dict[str, Endpoints] | None = None,
+    ) -> None:
         self.replicas = replicas
         self.interval_s = interval_s
+        self.given = dict(given or {})  # --kv-events-endpoint: replica URL -> its endpoints
         self._warned: set[str] = set()
+
+    def locate(self, replica: Replica) -> Endpoints | None:
+        """Its endpoints as given by flag, else as its /kvcache/info reports them."""
+        return self.given.get(replica.url) or endpoints_of(replica)
 
     async def run(self) -> None:
         context = zmq.asyncio.Context()
@@ -191,13 +222,13 @@ class EventFeeds:
 
     async def _follow(self, context: zmq.asyncio.Context, replica: Replica) -> None:
         while True:
-            endpoints = endpoints_of(replica)
+            endpoints = self.locate(replica)
             if endpoints is None and replica.info is not None and replica.url not in self._warned:
                 self._warned.add(replica.url)
                 log.warning("%s publishes no KV events: routed by load alone", replica.url)
             if replica.healthy and endpoints is not None:
                 try:
-                    await EventFeed(context, replica, endpoints).run()
+                    await EventFeed(context, replica, self.locate).run()
                 except zmq.ZMQError as err:  # a bad endpoint: tried again next interval
                     log.warning("%s: KV events: %s", replica.url, err)
             await asyncio.sleep(self.interval_s)

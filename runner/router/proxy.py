@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
@@ -45,6 +45,8 @@ class RouterSettings:
     # cache_aware: each replica's cache as its KV events say (runner/router/event_feed.py),
     # instead of what was routed to it
     kv_events: bool = False
+    # --kv-events-endpoint: replica URL -> "ENDPOINT[,REPLAY]" (else its /kvcache/info's)
+    kv_events_endpoints: dict[str, str] = field(default_factory=dict)
 
 
 class Forwarder(Protocol):

@@ -56,7 +56,7 @@ def test_a_restarted_replica_empties_its_view(tiny_llama_dir: Path) -> None:
         endpoints = endpoints_of(replica)
         assert endpoints is not None and endpoints.endpoint == f"tcp://127.0.0.1:{ports[0]}"
         context = zmq.asyncio.Context()
-        feed = asyncio.create_task(EventFeed(context, replica, endpoints).run())
+        feed = asyncio.create_task(EventFeed(context, replica).run())
         index = replica.index
         assert isinstance(index, EventIndex)
         try:

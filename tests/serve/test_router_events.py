@@ -40,10 +40,15 @@ def publishing(model: Path, num_kv_blocks: int, endpoint: str = "tcp://127.0.0.1
 
 @contextmanager
 def cluster(
-    llms: list[LLM], health_interval_s: float = 0.1
+    llms: list[LLM], health_interval_s: float = 0.1, given: bool = False
 ) -> Iterator[tuple[LiveServer, list[LiveServer]]]:
     replicas = [LiveServer(build_app(llm, ServeSettings("tiny"))).start() for llm in llms]
     settings = RouterSettings(health_interval_s=health_interval_s, kv_events=True)
+    if given:  # --kv-events-endpoint URL=ENDPOINT,REPLAY for each
+        for llm, replica in zip(llms, replicas, strict=True):
+            assert llm.kv_events is not None
+            ends = f"{llm.kv_events.endpoint},{llm.kv_events.replay_endpoint}"
+            settings.kv_events_endpoints[replica.url] = ends
     router = LiveServer(build_router_app([r.url for r in replicas], settings))
     try:
         yield router.start(), replicas
@@ -104,16 +109,21 @@ def complete(url: str, prompt: str) -> dict[str, Any]:
     return dict(resp.json())
 
 
-@pytest.mark.parametrize("pool_blocks", [512, 24])  # roomy; an eviction storm
+@pytest.mark.parametrize(
+    ("pool_blocks", "given"),
+    [(512, False), (24, False), (24, True)],  # roomy; an eviction storm; endpoints by flag
+)
 def test_the_routers_view_is_each_replicas_cache(
-    tiny_llama_tok_dir: Path, pool_blocks: int
+    tiny_llama_tok_dir: Path, pool_blocks: int, given: bool
 ) -> None:
     llms = [publishing(tiny_llama_tok_dir, pool_blocks) for _ in range(2)]
     rng = random.Random(pool_blocks)
     stems = [
         "".join(rng.choice("abcdefgh ") for _ in range(rng.randrange(40, 90))) for _ in range(6)
     ]
-    with cluster(llms) as (router, replicas):
+    with cluster(llms, given=given) as (router, replicas):
+        feeds = router.app.state.router.feeds
+        assert bool(feeds.given) == given
         info = httpx.get(f"{replicas[0].url}/kvcache/info").json()
         assert info["kv_events"]["endpoint"] == llms[0].kv_events.endpoint  # type: ignore[union-attr]
         for _ in range(2):  # a bounded load: 24 requests, 6 at a time
@@ -180,3 +190,10 @@ def test_the_flags_refuse_what_cannot_work(tiny_llama_tok_dir: Path) -> None:
     router = ["router", "--replica", "http://127.0.0.1:1", "--kv-events"]
     refused = CliRunner().invoke(main, [*router, "--policy", "round_robin"])
     assert refused.exit_code == 2 and "--kv-events goes with" in refused.output
+    for given, problem in [
+        ("http://127.0.0.1:2=tcp://127.0.0.1:5557", "names no --replica: http://127.0.0.1:2"),
+        ("http://127.0.0.1:1=http://127.0.0.1:5557", "not a ZeroMQ endpoint"),
+        ("tcp://127.0.0.1:5557", "want URL=ENDPOINT"),
+    ]:
+        bad_flag = CliRunner().invoke(main, [*router, "--kv-events-endpoint", given])
+        assert bad_flag.exit_code == 2 and problem in bad_flag.output, bad_flag.output
