@@ -26,6 +26,7 @@ from kvcache import LLM, RequestOutput, SamplingParams
 from runner.cli.engine_options import engine_options
 from runner.engine.config import EngineConfig
 from runner.engine.overlap import PendingTokens
+from runner.engine.scheduler import SchedulerOutput
 
 DEVICE_LATENCY_S = 0.004  # each step's device work: the real CPU forward, then this sleep
 HOST_COST_S = 0.002  # each step's host preparation: the real one, then this sleep
@@ -367,3 +368,30 @@ def test_the_command_line_takes_vllms_flag() -> None:
     assert EngineConfig(device="cpu", async_scheduling=True).overlaps_steps
     assert not EngineConfig(device="cuda", async_scheduling=False).overlaps_steps
     assert not EngineConfig(device="cuda", speculative_tokens=3).overlaps_steps
+
+
+def test_a_sequence_preempted_with_its_token_in_flight_is_readmitted_right(
+    tiny_llama_dir: Path,
+) -> None:
+    """A sequence preempted while its newest token is still on the device, and re-admitted at
+    once, recomputes its whole context with that token's input read on the device (the
+    scheduler's own preemptions rarely re-admit in the same step, so this one is forced)."""
+    batch = prompts(3, seed=10)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    expected = engine(tiny_llama_dir, False).generate(batch, params)
+    llm = engine(tiny_llama_dir, True)
+    for i, prompt in enumerate(batch):
+        llm.add_request(prompt, params, request_id=str(i))
+    finished: dict[str, RequestOutput] = {}
+    for step in range(40):
+        if not llm.has_unfinished():
+            break
+        if step in (3, 6):
+            victim = llm.samples_of("1")[0]
+            assert victim.pending_token  # its token of the step in flight: not read yet
+            llm.scheduler._preempt(victim, SchedulerOutput())
+        for out in llm.step():
+            finished[out.request_id] = out
+    assert [finished[str(i)].token_ids for i in range(3)] == tokens(expected)
+    assert llm.scheduler.num_preemptions == 2
+    assert_idle(llm)
