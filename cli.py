@@ -22,7 +22,9 @@ from runner.router.command import router
 from runner.serve.command import serve
 
 if TYPE_CHECKING:
+    from runner.cli.batch_run import BatchRun
     from runner.cli.output_lock import LockedOutput
+    from runner.sampling.structured_outputs import StructuredOutputsParams
 
 
 @click.group(cls=Commands)
@@ -246,7 +248,7 @@ def _locked_output(path: str | None) -> Iterator[LockedOutput | None]:
         yield held
 
 
-def _json_schema(path: str | None) -> Any:
+def _json_schema(path: str | None) -> StructuredOutputsParams | None:
     """--json-schema's file as StructuredOutputsParams (None without one)."""
     if path is None:
         return None
@@ -263,7 +265,7 @@ def _start_batch_run(
     engine_options: dict[str, Any],
     defaults: dict[str, Any],
     beam_width: int | None,
-) -> Any:
+) -> BatchRun:
     from runner.cli.batch_run import BatchRun
     from runner.engine.beam_search import BeamSearchParams
     from runner.sampling.params import SamplingParams
@@ -274,7 +276,7 @@ def _start_batch_run(
         raise click.UsageError(str(err)) from err
     try:
         run = BatchRun(model, engine_options, defaults, beam_width)
-        run.llm.grammars.check(defaults.get("structured_outputs"))  # compiles, or fails once
+        run.llm.check_structured_outputs(defaults.get("structured_outputs"))  # or fails once
         if beam_width:  # too wide for the log-probabilities a step gives: say so once
             run.llm.beam_search([], BeamSearchParams(beam_width=beam_width))
         return run

@@ -8,14 +8,14 @@ from typing import Any
 
 from runner.cli.batch_file import BatchLine
 from runner.engine.beam_search import BeamSearchOutput, BeamSearchParams
-from runner.engine.llm import LLM
+from runner.engine.interface import EngineInterface
 from runner.engine.requests import Prompt, prompt_token_ids
 from runner.sampling.params import SamplingParams
 
 BEAM_CHUNK = 16  # lines searched together: their beams share the engine's steps
 
 
-def line_prompt(llm: LLM, line: BatchLine) -> tuple[Prompt, bool]:
+def line_prompt(llm: EngineInterface, line: BatchLine) -> tuple[Prompt, bool]:
     """A line's prompt (a conversation through the chat template) and whether its tokenizing
     adds special tokens (not to chat text: the template has put them in)."""
     if line.messages is not None:
@@ -24,7 +24,7 @@ def line_prompt(llm: LLM, line: BatchLine) -> tuple[Prompt, bool]:
 
 
 def search_lines(
-    llm: LLM,
+    llm: EngineInterface,
     lines: list[BatchLine],
     width: int,
     done: Callable[[BatchLine, dict[str, Any]], None],
@@ -39,12 +39,12 @@ def search_lines(
         try:
             prompt, special = line_prompt(llm, line)
             ids = prompt_token_ids(prompt, llm.tokenizer, special)
-            llm.validator.check(ids, SamplingParams(max_tokens=params.max_tokens))
+            llm.check_request(ids, SamplingParams(max_tokens=params.max_tokens))
         except ValueError as err:
             line.error = f"line {line.line_no}: {err}"
             fail(line)
             continue
-        max_tokens = llm.validator.room(ids, params.max_tokens)
+        max_tokens = llm.room_for(ids, params.max_tokens)
         groups.setdefault((max_tokens, params.ignore_eos), []).append((line, ids))
     for (max_tokens, ignore_eos), group in groups.items():
         beams = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=ignore_eos)

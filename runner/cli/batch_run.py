@@ -21,6 +21,7 @@ from runner.cli.batch_file import (
 from runner.cli.batch_records import RecordsNotWritten
 from runner.cli.output_lock import LockedOutput
 from runner.cli.stdout import StdoutFailed, silence_stdout
+from runner.engine.interface import EngineInterface
 from runner.engine.llm import LLM
 from runner.engine.outputs import RequestOutput
 
@@ -35,7 +36,7 @@ class BatchRun:
         defaults: dict[str, Any],
         beam_width: int | None = None,
     ) -> None:
-        self.llm = LLM(model, **engine_options)
+        self.llm: EngineInterface = LLM(model, **engine_options)
         self.defaults = defaults
         self.beam_width = beam_width  # beam search instead of sampling (runner/cli/batch_beams.py)
         self.beam_lines: list[BatchLine] = []
@@ -193,7 +194,7 @@ class BatchRun:
         bar.update(1)
         bar.set_postfix(
             tok_s=f"{self.output_tokens / elapsed:.1f}",
-            hit=f"{self.llm.block_manager.stats.hit_rate:.1%}",
+            hit=f"{self.llm.cache_stats().hit_rate:.1%}",
             refresh=False,
         )
 
@@ -209,7 +210,7 @@ class BatchRun:
         bar.set_postfix(tok_s=f"{self.output_tokens / elapsed:.1f}", refresh=False)
 
     def _summary(self, output: Path | None, elapsed: float) -> None:
-        s = self.llm.stats()
+        s, pool = self.llm.stats(), self.llm.kv_pool()
         lines = [
             f"done: {self.num_done} requests, {self.num_errors} errors"
             + (f", {self.num_skipped} skipped (already in output)" if self.num_skipped else "")
@@ -220,8 +221,8 @@ class BatchRun:
             f"({s['hit_rate']:.1%}; {s['copied_tokens']} copied from partial blocks), "
             f"{s['evicted_blocks']} blocks evicted, "
             f"{s['num_preemptions']} preemptions",
-            f"KV pool: {self.llm.kv.num_blocks} blocks of {self.llm.kv.block_size} tokens "
-            f"({self.llm.kv.num_slots:,} tokens of {self.llm.kv.dtype_name} keys and values)",
+            f"KV pool: {pool.num_blocks} blocks of {pool.block_size} tokens "
+            f"({pool.num_slots:,} tokens of {pool.dtype_name} keys and values)",
         ]
         if s["num_draft_tokens"]:
             lines.append(
