@@ -1,0 +1,75 @@
+"""The engine's boundary, checked on the source: no module imports another package's private
+name (a leading underscore), and the packages moved onto the engine interface
+(runner/engine/interface.py) reach none of the engine's parts through it (its scheduler,
+block manager, recorder, tiers, KV pool...). serve and the bench join MIGRATED as they move."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from import_graph import ROOT, project_modules
+
+# The engine's parts: what `Engine.__init__` builds, which only runner/engine may touch.
+ENGINE_PARTS = {
+    "attention", "block_manager", "clock", "cpu_layers", "eos_ids", "grammars", "hf_config",
+    "intake", "kv", "kv_events", "model", "overlap", "recorder", "runner", "scheduler",
+    "spec_stats", "stopper", "tiers", "token_texts", "validator",
+}  # fmt: skip
+ENGINE_NAMES = {"llm", "engine", "_llm"}  # what the engine is called where it is held
+MIGRATED = ("runner/disagg", "runner/cli", "cli.py")
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return "kvcache" if parts[0] == "kvcache" else ".".join(parts[:2])
+
+
+def _sources() -> dict[str, Path]:
+    return project_modules() | {"cli": ROOT / "cli.py"}
+
+
+def test_no_private_name_is_imported_from_another_package() -> None:
+    crossing = []
+    for name, path in _sources().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or node.level or node.module is None:
+                continue
+            if node.module.split(".")[0] not in ("kvcache", "runner"):
+                continue
+            if _package(node.module) == _package(name):
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    crossing.append(f"{name} imports {node.module}.{alias.name}")
+    assert crossing == []
+
+
+def _held_engine(node: ast.expr) -> bool:
+    """Whether ``node`` names an engine: ``llm``, ``self.llm``, ``state.llm``, ``run.llm``."""
+    if isinstance(node, ast.Name):
+        return node.id in ENGINE_NAMES
+    return isinstance(node, ast.Attribute) and node.attr in ENGINE_NAMES
+
+
+def reaches(path: Path) -> list[str]:
+    """Each ``<engine>.<part>`` in a file, as "path:line: part"."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS:
+            if _held_engine(node.value):
+                found.append(f"{path}:{node.lineno}: {node.attr}")
+    return found
+
+
+def test_the_migrated_packages_use_the_engine_only_through_its_interface() -> None:
+    files = [ROOT / "cli.py"]
+    for folder in MIGRATED[:-1]:
+        files += sorted((ROOT / folder).glob("*.py"))
+    assert [hit for path in files for hit in reaches(path)] == []
+
+
+def test_the_reach_finder_sees_a_reach(tmp_path: Path) -> None:
+    source = tmp_path / "probe.py"
+    source.write_text("def f(state, llm):\n    state.llm.scheduler\n    return llm.kv.tensor\n")
+    assert sorted(hit.split(": ")[-1] for hit in reaches(source)) == ["kv", "scheduler"]
