@@ -27,9 +27,16 @@ def _non_empty_key(_ctx: click.Context, _param: click.Parameter, value: str | No
     return value
 
 
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) other names
+
 _OPTIONS = [
     click.option("--block-size", type=int, default=16, show_default=True),
     click.option("--no-prefix-cache", is_flag=True, help="Turn the prefix cache off."),
+    click.option(
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        default=None,
+        help="vLLM's names: the prefix cache on (the default) or off.",
+    ),
     click.option(
         "--batching",
         type=click.Choice(["continuous", "static"]),
@@ -59,10 +66,11 @@ _OPTIONS = [
     click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
     click.option(
         "--dtype",
-        type=click.Choice(["auto", *MODEL_DTYPES]),
+        type=click.Choice(["auto", *MODEL_DTYPES, *_DTYPE_ALIASES]),
         default="auto",
         show_default=True,
-        help="The weights' dtype; auto: float32 on the CPU, bfloat16 on a GPU.",
+        help="The weights' dtype; auto: float32 on the CPU, bfloat16 on a GPU (vLLM's half "
+        "and float mean float16 and float32).",
     ),
     click.option(
         "--gpu-memory-utilization",
@@ -179,7 +187,14 @@ def engine_config_kwargs(values: dict[str, Any]) -> dict[str, Any]:
     """The options' values as EngineConfig's keyword arguments, checked by EngineConfig itself;
     a bad one is a usage error naming the option."""
     kwargs = dict(values)
-    kwargs["enable_prefix_caching"] = not kwargs.pop("no_prefix_cache")
+    enable, off = kwargs.pop("enable_prefix_caching", None), kwargs.pop("no_prefix_cache")
+    if enable and off:
+        raise click.BadParameter(
+            "contradicts --no-prefix-cache", param_hint="--enable-prefix-caching"
+        )
+    kwargs["enable_prefix_caching"] = not off if enable is None else enable
+    if kwargs.get("dtype") in _DTYPE_ALIASES:
+        kwargs["dtype"] = _DTYPE_ALIASES[kwargs["dtype"]]
     try:
         EngineConfig(**kwargs)
     except ValueError as err:

@@ -112,6 +112,8 @@ class RequestValidator:
             if not isinstance(message, dict):
                 raise ValueError(f"messages[{i}] must be an object, got {type(message).__name__}")
             for key in ("role", "content"):
+                if message.get(key) is None and key == "content" and message.get("tool_calls"):
+                    continue  # an assistant's tool calls come without content (OpenAI's null)
                 if not isinstance(message.get(key), str):
                     raise ValueError(f"messages[{i}] needs a string {key!r}")
                 check_text(f"messages[{i}].{key}", message[key])
@@ -191,6 +193,26 @@ def params_per_prompt(params: Any, num_prompts: int) -> list[SamplingParams]:
     return param_list
 
 
+def joined_text_parts(messages: Any) -> Any:
+    """`messages` with OpenAI's list content (`[{"type": "text", "text": ...}, ...]`) joined
+    into one string by newlines, as vLLM gives it to text-only templates; other messages as
+    they are."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and all(
+            isinstance(p, dict)
+            and p.get("type") in ("text", "input_text")
+            and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            message = {**message, "content": "\n".join(p["text"] for p in content)}
+        out.append(message)
+    return out
+
+
 def render_chat(
     tokenizer: Any, messages: Messages, template_kwargs: Mapping[str, Any] | None = None
 ) -> str:
@@ -202,6 +224,7 @@ def render_chat(
     options = check_template_kwargs(template_kwargs)
     if not getattr(tokenizer, "chat_template", None) and not options.get("chat_template"):
         raise ValueError("this model has no chat template: pass prompt text instead")
+    messages = joined_text_parts(messages)
     RequestValidator.check_messages(messages)
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, **options)

@@ -9,20 +9,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from runner.serve.auth import ALL_BUT_HEALTH, require_api_key
 from runner.serve.body_deadline import BodyDeadline
-from runner.serve.calls import Call, CallError
+from runner.serve.calls import CallError
+from runner.serve.chat_route import chat
+from runner.serve.completion_route import complete
 from runner.serve.engine_loop import EngineLoop
-from runner.serve.events import Delta, Submission
-from runner.serve.masking import Masker
 from runner.serve.metrics import ServeMetrics
 from runner.serve.protocol import (
     ChatCompletionRequest,
@@ -31,43 +30,12 @@ from runner.serve.protocol import (
     field_named,
     samples_per_prompt,
 )
-from runner.serve.responses import (
-    LogprobFormat,
-    chat_chunk,
-    chat_response,
-    completion_chunk,
-    completion_response,
-    error_body,
-)
-from runner.serve.templates import ChatRenderer, RenderBounds
+from runner.serve.responses import LogprobFormat, error_body
+from runner.serve.state import ServerState, ServeSettings
+from runner.serve.templates import ChatRenderer
+from runner.serve.utility_routes import add_utility_routes
 
-
-@dataclass
-class ServeSettings:
-    model_name: str
-    api_key: str | None = None
-    max_queued_requests: int = 1024  # samples (prompts x n) waiting to start
-    retry_after_s: int = 1
-    trust_request_chat_template: bool = False  # vLLM's flag: a client's own chat_template
-    template_bounds: RenderBounds = RenderBounds()
-    body_timeout_s: float = 30.0  # from the request's head to the last byte of its body
-    secret_urls: tuple[str, ...] = ()  # shown masked wherever they appear (tiers, handover)
-
-    def masker(self) -> Masker:
-        keys = (self.api_key,) if self.api_key else ()
-        return Masker(self.secret_urls, keys)
-
-
-@dataclass
-class ServerState:
-    """What the routes share: the engine loop, its metrics, and whether the server drains."""
-
-    llm: Any
-    settings: ServeSettings
-    engine: EngineLoop
-    metrics: ServeMetrics
-    fmt: LogprobFormat
-    draining: bool = False
+__all__ = ["ServeSettings", "ServerState", "build_app"]
 
 
 def build_app(llm: Any, settings: ServeSettings) -> FastAPI:
@@ -108,79 +76,17 @@ def build_app(llm: Any, settings: ServeSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        state.warn_unknown(body)
         params = await admit(state, body, len(body.prompts()))
-        subs = [
-            Submission("", i, params, prompt=p, cache_salt=body.cache_salt)
-            for i, p in enumerate(body.prompts())
-        ]
-        call = await _start(state, request, subs, "prompt")
-        model, n = settings.model_name, body.n
-        if not body.stream:
-            outputs = await call.outputs()
-            return JSONResponse(
-                completion_response(call.id, model, call.created, outputs, state.fmt)
-            )
-        offsets: dict[int, int] = {}
-
-        def chunk_of(delta: Delta) -> dict[str, Any]:
-            choice = delta.index * n + delta.sample_index
-            logprobs = None
-            if delta.logprobs is not None:
-                at = offsets.get(choice, 0)
-                logprobs = state.fmt.completion(delta.token_ids, delta.logprobs, at)
-                offsets[choice] = at + sum(len(t) for t in logprobs["tokens"])
-            entry = {"index": choice, "text": delta.text, "logprobs": logprobs}
-            entry["finish_reason"] = delta.finish_reason
-            return completion_chunk(call.id, model, call.created, [entry])
-
-        def usage_chunk(usage: dict[str, Any]) -> dict[str, Any]:
-            return completion_chunk(call.id, model, call.created, [], usage)
-
-        body_iter = call.stream(chunk_of, [], usage_chunk if body.include_usage else None)
-        return StreamingResponse(body_iter, media_type="text/event-stream")
+        return await complete(state, body, request, params)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        state.warn_unknown(body)
         params = await admit(state, body, 1)
-        sub = Submission(
-            "",
-            0,
-            params,
-            messages=body.template_messages(),
-            template_kwargs=body.chat_template_kwargs,
-            cache_salt=body.cache_salt,
-        )
-        call = await _start(state, request, [sub], "messages")
-        model = settings.model_name
-        if not body.stream:
-            (output,) = await call.outputs()
-            return JSONResponse(chat_response(call.id, model, call.created, output, state.fmt))
+        return await chat(state, body, request, params)
 
-        def chunk_of(delta: Delta) -> dict[str, Any]:
-            logprobs = None
-            if delta.logprobs is not None:
-                logprobs = state.fmt.chat(delta.token_ids, delta.logprobs)
-            entry = {"index": delta.sample_index, "delta": {"content": delta.text}}
-            entry |= {"logprobs": logprobs, "finish_reason": delta.finish_reason}
-            return chat_chunk(call.id, model, call.created, [entry])
-
-        role = [
-            {
-                "index": j,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            for j in range(body.n)
-        ]
-        first = [chat_chunk(call.id, model, call.created, role)]
-
-        def usage_chunk(usage: dict[str, Any]) -> dict[str, Any]:
-            return chat_chunk(call.id, model, call.created, [], usage)
-
-        body_iter = call.stream(chunk_of, first, usage_chunk if body.include_usage else None)
-        return StreamingResponse(body_iter, media_type="text/event-stream")
-
+    add_utility_routes(app, state)
     return app
 
 
@@ -225,13 +131,16 @@ def _check_admission(state: ServerState, body: SamplingFields, prompts: int) -> 
     if body.model is not None and body.model != state.settings.model_name:
         message = f"model {body.model!r} is not served here (this is {state.settings.model_name!r})"
         raise CallError(404, message, "invalid_request_error", "model")
-    template_kwargs = getattr(body, "chat_template_kwargs", None) or {}
-    if "chat_template" in template_kwargs and not state.settings.trust_request_chat_template:
+    if (
+        isinstance(body, ChatCompletionRequest)
+        and body.sends_template()
+        and not state.settings.trust_request_chat_template
+    ):
+        param = "chat_template" if body.chat_template else "chat_template_kwargs.chat_template"
         message = (
-            "chat_template_kwargs.chat_template: this server renders only its own chat "
-            "template (start it with --trust-request-chat-template to take a client's)"
+            f"{param}: this server renders only its own chat template (start it with "
+            "--trust-request-chat-template to take a client's)"
         )
-        param = "chat_template_kwargs.chat_template"
         raise CallError(400, message, "invalid_request_error", param)
     samples = prompts * samples_per_prompt(body)
     limit = state.settings.max_queued_requests
@@ -255,14 +164,6 @@ def _check_queue(state: ServerState, body: SamplingFields, prompts: int) -> None
     if state.engine.queued() + samples > state.settings.max_queued_requests:
         state.metrics.rejected.labels(status="429").inc()
         raise CallError(429, "too many requests queued; retry later", "rate_limit_exceeded")
-
-
-async def _start(state: ServerState, request: Request, subs: list[Submission], param: str) -> Call:
-    call = Call(state.engine, request, subs, param)
-    for sub in subs:
-        sub.request_id = f"{call.id}-{sub.index}"
-    await call.start()
-    return call
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:

@@ -69,7 +69,7 @@ class Call:
             if sub.messages is not None and sub.prompt is None:
                 try:
                     sub.prompt = await self.engine.renderer.render_async(
-                        sub.messages, sub.template_kwargs
+                        sub.messages, sub.template_kwargs, sub.tools
                     )
                 except ValueError as err:
                     param = field_named(str(err), self.prompt_param)
@@ -146,11 +146,11 @@ class Call:
 
     async def stream(
         self,
-        chunk_of: Callable[[Delta], dict[str, Any]],
+        chunks_of: Callable[[Delta], list[dict[str, Any]]],
         first_chunks: list[dict[str, Any]],
         usage_chunk: Callable[[dict[str, Any]], dict[str, Any]] | None,
     ) -> AsyncIterator[str]:
-        """The SSE body: `first_chunks`, one chunk per delta, a request's failure as an error
+        """The SSE body: `first_chunks`, the chunks of each delta, a request's failure as an error
         event, the usage chunk when asked for, then [DONE]. Closed early (the client went
         away), it aborts what still runs."""
         done: list[RequestOutput] = []
@@ -163,7 +163,8 @@ class Call:
                 except ClientLeft:
                     return  # nobody to send the rest to
                 if isinstance(event, Delta):
-                    yield sse(chunk_of(event))
+                    for chunk in chunks_of(event):
+                        yield sse(chunk)
                 elif isinstance(event, Done):
                     self.open.discard(event.index)
                     done.append(event.output)
@@ -175,3 +176,14 @@ class Call:
             yield sse("[DONE]")
         finally:
             self.abort()
+
+
+async def start_call(
+    engine: EngineLoop, request: Request, subs: list[Submission], param: str
+) -> Call:
+    """A call of `subs`, each named after it, started: queued on the engine, or CallError."""
+    call = Call(engine, request, subs, param)
+    for sub in subs:
+        sub.request_id = f"{call.id}-{sub.index}"
+    await call.start()
+    return call

@@ -9,12 +9,19 @@ from typing import Any
 import click
 
 from runner.cli.engine_options import engine_options
+from runner.serve.tool_calls import TOOL_PARSERS
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @click.command()
-@click.option("--model", default=None, help="HF folder or .gguf file; default: SmolLM2-135M.")
+@click.argument("model_arg", metavar="[MODEL]", required=False, default=None)
+@click.option(
+    "--model",
+    default=None,
+    help="HF folder, .gguf file or a Hub id in the local cache (or the MODEL argument, as "
+    "`vllm serve MODEL`); default: SmolLM2-135M.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option(
@@ -38,8 +45,43 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 @click.option(
     "--trust-request-chat-template",
     is_flag=True,
-    help="Render a client's own chat_template (in chat_template_kwargs); refused otherwise.",
+    help="Render a client's own chat_template (top-level or in chat_template_kwargs); "
+    "refused otherwise.",
 )
+@click.option(
+    "--chat-template",
+    default=None,
+    help="The chat template to render conversations with instead of the model's: a file's "
+    "path, or the Jinja text itself.",
+)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option(
+    "--tool-call-parser",
+    type=click.Choice(sorted(TOOL_PARSERS)),
+    default=None,
+    help="How tool calls are read out of answers (tool_choice auto) [default: the format the "
+    "chat template teaches, else hermes].",
+)
+@click.option(
+    "--enable-auto-tool-choice",
+    is_flag=True,
+    help="vLLM's flag, accepted: tool_choice auto is always on here.",
+)
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="vLLM's flag, accepted: no repository code is ever run here.",
+)
+@click.option(
+    "--tensor-parallel-size",
+    "-tp",
+    type=click.IntRange(1, 1),
+    default=1,
+    help="vLLM's flag: one device is all this engine runs on.",
+)
+@click.option("--disable-log-requests", is_flag=True, help="vLLM's flag, accepted: none logged.")
+@click.option("--disable-log-stats", is_flag=True, help="vLLM's flag, accepted: none logged.")
+@click.version_option(package_name="kvcache", message="%(version)s")
 @click.option(
     "--body-timeout",
     type=click.FloatRange(min=0, min_open=True),
@@ -70,6 +112,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 @click.option("--cpus", default=None, help="Pin this worker to these CPUs (0 or 0-3,6).")
 @engine_options
 def serve(
+    model_arg: str | None,
     model: str | None,
     host: str,
     port: int,
@@ -77,6 +120,14 @@ def serve(
     served_model_name: str | None,
     max_queued_requests: int,
     trust_request_chat_template: bool,
+    chat_template: str | None,
+    seed: int,
+    tool_call_parser: str | None,
+    enable_auto_tool_choice: bool,
+    trust_remote_code: bool,
+    tensor_parallel_size: int,
+    disable_log_requests: bool,
+    disable_log_stats: bool,
     body_timeout: float,
     drain_timeout: float,
     role: str,
@@ -84,10 +135,17 @@ def serve(
     cpus: str | None,
     engine_options: dict[str, Any],
 ) -> None:
-    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with /health
-    and Prometheus /metrics, over one engine that batches every request continuously."""
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) and vLLM's
+    routes (/tokenize, /detokenize, /version, /ping) with /health and Prometheus /metrics,
+    over one engine that batches every request continuously. vLLM's flag names work."""
     if api_key is not None and not api_key.strip():  # an unset $SECRET: not "no key"
         raise click.BadParameter("the key is empty", param_hint="--api-key")
+    if model_arg is not None and model is not None and model_arg != model:
+        raise click.BadParameter(
+            f"names {model!r} but the MODEL argument is {model_arg!r}", param_hint="--model"
+        )
+    model = model or model_arg
+    template = read_chat_template(chat_template) if chat_template is not None else None
     from runner.cli.startup import start_up_without_gc
     from runner.disagg.serve_role import start_role
     from runner.engine.frozen_heap import freeze_server_heap
@@ -101,7 +159,7 @@ def serve(
     engine_options["prefault_kv_cache"] = True  # its pool's page faults at start, not in steps
     with start_up_without_gc():
         try:
-            make = lambda options: LLM(model, **options)  # noqa: E731
+            make = lambda options: LLM(model, seed=seed, **options)  # noqa: E731
             llm, attach = start_role(role, handover, cpus, make, engine_options)
         except ValueError as err:  # its text may quote a URL it was given
             urls = [u for u in (engine_options.get("remote_cache_url"), handover) if u]
@@ -115,7 +173,29 @@ def serve(
         trust_request_chat_template=trust_request_chat_template,
         body_timeout_s=body_timeout,
         secret_urls=secret_urls,
+        chat_template=template,
+        tool_call_parser=tool_call_parser,
     )
     banner = f"kvcache serve ({role}): {name} on http://{host}:{port}/v1"
     click.echo(settings.masker().mask(banner), err=True)
     run_server(attach(build_app(llm, settings)), host, port, drain_timeout)
+
+
+def read_chat_template(given: str) -> str:
+    """--chat-template's value: a file's text when it names a file, else the template itself
+    (as vLLM reads it); a usage error for an empty one or a path that cannot be read."""
+    looks_like_path = not any(mark in given for mark in ("{{", "{%", "\n"))
+    path = Path(given)
+    if looks_like_path:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise click.BadParameter(
+                f"{given!r} is no readable file ({err.strerror}) and no Jinja template",
+                param_hint="--chat-template",
+            ) from err
+    else:
+        text = given
+    if not text.strip():
+        raise click.BadParameter("the template is empty", param_hint="--chat-template")
+    return text

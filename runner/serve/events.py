@@ -60,8 +60,9 @@ class Submission:
     index: int
     params: SamplingParams
     prompt: str | list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # what the chat template shows the model
     cache_salt: str | None = None
     # Called on the engine's thread with the request's sequences once it is queued, before a
     # step computes any of it (a prefill worker opens its handover there: from a handler it

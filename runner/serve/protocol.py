@@ -1,61 +1,35 @@
-"""The OpenAI request bodies the server takes, with OpenAI's field names (and vLLM's extra
-sampling fields), and how each maps onto SamplingParams. Unknown fields are refused
-(`extra="forbid"`): a misspelt option is a 400 naming it, never silently ignored."""
+"""The OpenAI request bodies the server takes, with OpenAI's field names and vLLM's extra ones
+(sampling, structured outputs, echo, prompt_logprobs, the chat template's options, tools), and
+how each maps onto SamplingParams. A field the server does not know is ignored, as vLLM's
+server ignores it (the app logs it once: runner/serve/messages.py's Lenient); a known field
+with a bad value is a 400 naming it."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams
+from runner.serve.messages import ChatMessage, JsonObject, Lenient, template_messages
+from runner.serve.structured import StructureFields
+from runner.serve.tool_calls import (
+    chosen_function,
+    compact_json_grammar,
+    forced_schema,
+    tool_names,
+)
 
 TokenIds = list[int]
 
 
-class Strict(BaseModel):
-    # Python's json (which reads the body) takes NaN and Infinity: refused as not finite,
-    # never compared with a range (NaN "should be <= 2" named the wrong problem).
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class StreamOptions(Strict):
+class StreamOptions(Lenient):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class JsonSchema(Strict):
-    name: str = "schema"
-    description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchema | None = None
-
-
-class ContentPart(Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
-    name: str | None = None
-
-    def as_template_message(self) -> dict[str, str]:
-        """The {role, content} dict chat templates read (text parts joined; "developer" is
-        OpenAI's newer name for "system")."""
-        content = self.content
-        text = content if isinstance(content, str) else "".join(p.text for p in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
-
-
-class SamplingFields(Strict):
+class SamplingFields(StructureFields):
     """The fields both endpoints share. Ranges are checked here where OpenAI states them;
     SamplingParams.validate checks the rest, and its message names the field too."""
 
@@ -70,7 +44,6 @@ class SamplingFields(Strict):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    response_format: ResponseFormat | None = None
     user: str | None = None
     # vLLM's extra sampling fields
     top_k: int | None = Field(None, ge=-1)
@@ -83,8 +56,15 @@ class SamplingFields(Strict):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     cache_salt: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structure: StructuredOutputsParams | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
         """SamplingParams of this request; ValueError (naming the field) when out of range."""
         return SamplingParams(
             max_tokens=max_tokens,
@@ -100,26 +80,15 @@ class SamplingFields(Strict):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             n=self.n,
             min_tokens=self.min_tokens,
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,  # type: ignore[arg-type]
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self._structure(),
+            structured_outputs=structure,
         )
-
-    def _structure(self) -> StructuredOutputsParams | None:
-        """response_format as structured outputs: json_schema holds the answer to the schema,
-        json_object to any JSON object; "text" (or none) leaves it free."""
-        fmt = self.response_format
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if fmt.json_schema is None:
-            raise ValueError("response_format: type json_schema needs a json_schema object")
-        return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
     def sampling_params(self) -> SamplingParams:
         """The request's SamplingParams; ValueError naming the field when one is bad."""
@@ -157,31 +126,99 @@ class CompletionRequest(SamplingFields):
         return list(prompt)  # type: ignore[arg-type]
 
     def sampling_params(self) -> SamplingParams:
-        unsupported(echo=self.echo, suffix=self.suffix is not None)
+        unsupported(suffix=self.suffix is not None)
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: only best_of equal to n (or none) is supported")
-        return self._sampling(self.max_tokens, self.logprobs)
+        # echo with logprobs: the prompt's tokens get theirs too (as vLLM's server gives them)
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        if prompt_logprobs is not None and self.prompt_logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs, self.prompt_logprobs)
+        return self._sampling(self.max_tokens, self.logprobs, self.structure(), prompt_logprobs)
 
 
 class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions: one conversation."""
+    """POST /v1/chat/completions: one conversation, with the tools it may call."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[JsonObject] | None = None
+    tool_choice: Literal["none", "auto", "required"] | JsonObject | None = None
+    parallel_tool_calls: bool | None = None  # false: a required choice makes one call
+    echo: bool = False  # vLLM's: the answer begins with the last message when it is the model's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _well_formed_tools(cls, tools: list[JsonObject] | None) -> list[JsonObject] | None:
+        if tools is not None:
+            tool_names(tools)  # ValueError naming the malformed tool
+        return tools
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens or self.max_tokens  # None: the context's room
-        return self._sampling(max_tokens, logprobs)
+        return self._sampling(max_tokens, logprobs, self._structure_with_tools())
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [m.as_template_message() for m in self.messages]
+    def tool_mode(self) -> str | None:
+        """None without tools (or with tool_choice "none"); else "auto", "required" or
+        "named"; ValueError for a choice that names no offered function."""
+        tools = self.tools or []
+        named = chosen_function(self.tool_choice, tool_names(tools))
+        if self.tool_choice == "required" or named is not None:
+            return "named" if named is not None else "required"
+        if not tools or self.tool_choice == "none":
+            return None
+        return "auto"
+
+    def _structure_with_tools(self) -> StructuredOutputsParams | None:
+        """The request's structure, or for a required or named tool choice the schema of its
+        calls (so their arguments always parse), which no other structure may join."""
+        structure = self.structure()
+        if self.tool_mode() not in ("required", "named"):
+            return structure
+        if structure is not None:
+            raise ValueError(
+                "tool_choice: a required or named tool choice shapes the answer itself; "
+                "drop response_format / structured_outputs"
+            )
+        parallel = self.parallel_tool_calls is not False
+        schema = forced_schema(self.tools or [], self.tool_choice, parallel)
+        return StructuredOutputsParams(grammar=compact_json_grammar(schema or {}))
+
+    def template_messages(self) -> list[JsonObject]:
+        """The messages as the chat template gets them; ValueError naming a bad one."""
+        return template_messages(self.messages)
+
+    def template_options(self) -> dict[str, Any]:
+        """The chat template's keyword arguments, as vLLM builds them: the request's own
+        options, then chat_template_kwargs over them (the tools are added by the renderer)."""
+        options: dict[str, Any] = {"add_generation_prompt": self.add_generation_prompt}
+        if self.continue_final_message:
+            options["continue_final_message"] = True
+        if self.chat_template is not None:
+            options["chat_template"] = self.chat_template
+        options.update(self.chat_template_kwargs or {})
+        if options.get("continue_final_message") and options.get("add_generation_prompt"):
+            raise ValueError(
+                "continue_final_message: it goes on with the last message, so it needs "
+                "add_generation_prompt set to false"
+            )
+        return options
+
+    def sends_template(self) -> bool:
+        """Whether the client sent a template of its own (chat_template, top-level or in
+        chat_template_kwargs)."""
+        return self.chat_template is not None or "chat_template" in (
+            self.chat_template_kwargs or {}
+        )
 
 
 def samples_per_prompt(body: SamplingFields) -> int:

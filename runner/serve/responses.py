@@ -10,6 +10,7 @@ from typing import Any
 
 from runner.engine.outputs import RequestOutput
 from runner.sampling.logprobs import TokenLogprobs
+from runner.serve.tool_answers import ToolPlan, finish_reason
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: Any = None) -> dict:
@@ -48,15 +49,24 @@ class LogprobFormat:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
+    def prompt_text(self, output: RequestOutput) -> str:
+        """The text of `output`'s prompt (decoded when it came as token ids)."""
+        if output.prompt is not None:
+            return output.prompt
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(list(output.prompt_token_ids)))
+
     def token(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return str(self.tokenizer.decode([token_id]))
 
     def completion(
-        self, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int
+        self, token_ids: list[int], logprobs: Sequence[TokenLogprobs | None], offset: int
     ) -> dict[str, Any]:
-        """The completions shape: parallel lists, `text_offset` from `offset` characters."""
+        """The completions shape: parallel lists, `text_offset` from `offset` characters (an
+        echoed prompt's first token has no log-probability: None, as vLLM's)."""
         tokens = [self.token(t) for t in token_ids]
         offsets, at = [], offset
         for text in tokens:
@@ -64,10 +74,33 @@ class LogprobFormat:
             at += len(text)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{self.token(t): v for t, v in lp.top} for lp in logprobs],
+            "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+            "top_logprobs": [
+                None if lp is None else {self.token(t): v for t, v in lp.top} for lp in logprobs
+            ],
             "text_offset": offsets,
         }
+
+    def prompt(
+        self, token_ids: list[int], logprobs: Sequence[TokenLogprobs | None] | None
+    ) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token (None for the first) {token id:
+        {logprob, rank, decoded_token}} for the token and the likeliest of its position."""
+        if logprobs is None:
+            return None
+        out: list[dict[str, Any] | None] = []
+        for token_id, entry in zip(token_ids, logprobs, strict=True):
+            if entry is None:
+                out.append(None)
+                continue
+            position = {str(token_id): self._vllm(entry.logprob, entry.rank, token_id)}
+            for rank, (top_id, value) in enumerate(entry.top, start=1):
+                position.setdefault(str(top_id), self._vllm(value, rank, top_id))
+            out.append(position)
+        return out
+
+    def _vllm(self, logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.token(token_id)}
 
     def chat(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict[str, Any]:
         """The chat shape: one entry per token, with its bytes and its top alternatives."""
@@ -92,20 +125,30 @@ def completion_response(
     created: int,
     outputs: list[RequestOutput],
     fmt: LogprobFormat,
+    echo: bool = False,
 ) -> dict[str, Any]:
-    """The whole answer of POST /v1/completions: choice i * n + j is prompt i's sample j."""
+    """The whole answer of POST /v1/completions: choice i * n + j is prompt i's sample j; with
+    `echo` each text (and its log-probabilities) begins with its prompt's."""
     choices: list[dict[str, Any]] = []
     for output in outputs:
+        prompt_ids = list(output.prompt_token_ids)
+        prompt_text = fmt.prompt_text(output) if echo else ""
         for sample in output.outputs:
             logprobs = None
             if sample.token_logprobs is not None:
-                logprobs = fmt.completion(sample.token_ids, sample.token_logprobs, 0)
+                ids = list(sample.token_ids)
+                entries: list[TokenLogprobs | None] = list(sample.token_logprobs)
+                if echo and output.prompt_token_logprobs is not None:
+                    ids = prompt_ids + ids
+                    entries = [*output.prompt_token_logprobs, *entries]
+                logprobs = fmt.completion(ids, entries, 0)
             choices.append(
                 {
                     "index": len(choices),
-                    "text": sample.text,
+                    "text": prompt_text + sample.text,
                     "logprobs": logprobs,
                     "finish_reason": sample.finish_reason,
+                    "prompt_logprobs": fmt.prompt(prompt_ids, output.prompt_token_logprobs),
                 }
             )
     return {
@@ -119,23 +162,40 @@ def completion_response(
 
 
 def chat_response(
-    call_id: str, model: str, created: int, output: RequestOutput, fmt: LogprobFormat
+    call_id: str,
+    model: str,
+    created: int,
+    output: RequestOutput,
+    fmt: LogprobFormat,
+    tools: ToolPlan | None = None,
+    echo: str = "",
 ) -> dict[str, Any]:
-    """The whole answer of POST /v1/chat/completions: one choice per sample."""
+    """The whole answer of POST /v1/chat/completions: one choice per sample, its tool calls
+    read out of its text when the request offered `tools` (content None when the answer is
+    only calls); `echo`, the text the answer goes on from, begins each content."""
     choices: list[dict[str, Any]] = []
     for sample in output.outputs:
         logprobs = None
         if sample.token_logprobs is not None:
             logprobs = fmt.chat(sample.token_ids, sample.token_logprobs)
+        message: dict[str, Any] = {"role": "assistant", "content": sample.text}
+        reason = sample.finish_reason
+        if tools is not None:
+            parsed = tools.answer(sample.text)
+            message["content"] = parsed.content
+            message["tool_calls"] = [call.as_openai() for call in parsed.calls]
+            reason = finish_reason(reason, len(parsed.calls))
+        if echo:
+            message["content"] = echo + (message["content"] or "")
         choices.append(
             {
                 "index": sample.index,
-                "message": {"role": "assistant", "content": sample.text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": sample.finish_reason,
+                "finish_reason": reason,
             }
         )
-    return {
+    answer = {
         "id": call_id,
         "object": "chat.completion",
         "created": created,
@@ -143,6 +203,11 @@ def chat_response(
         "choices": choices,
         "usage": usage_of([output]),
     }
+    if output.prompt_token_logprobs is not None:
+        answer["prompt_logprobs"] = fmt.prompt(
+            list(output.prompt_token_ids), output.prompt_token_logprobs
+        )
+    return answer
 
 
 def completion_chunk(

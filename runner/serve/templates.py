@@ -27,11 +27,14 @@ from typing import Any
 
 from jinja2.utils import Namespace
 
+from runner.serve.tool_calls import with_tool_prompt
+
 TEMPLATE_FILENAME = "<template>"  # jinja's name for the code of a template made from a string
 RENDER_THREADS = 2
 YIELD_EVERY = 64  # template lines between two hand-overs of the interpreter's lock
 
-Render = Callable[[list[dict[str, str]], Mapping[str, Any] | None], str]
+Messages = list[dict[str, Any]]
+Render = Callable[[Messages, Mapping[str, Any] | None], str]
 
 
 @dataclass(frozen=True)
@@ -58,18 +61,37 @@ class ChatRenderer:
         self._pool = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="kvcache-template")
 
     async def render_async(
-        self, messages: list[dict[str, str]], template_kwargs: Mapping[str, Any] | None
+        self,
+        messages: Messages,
+        template_kwargs: Mapping[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text; ValueError naming the bound a render went past, or what the
         template rejected."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._pool, self.render_bounded, messages, template_kwargs
+            self._pool, self.render_with_tools, messages, template_kwargs, tools
         )
 
-    def render_bounded(
-        self, messages: list[dict[str, str]], template_kwargs: Mapping[str, Any] | None
+    def render_with_tools(
+        self,
+        messages: Messages,
+        template_kwargs: Mapping[str, Any] | None,
+        tools: list[dict[str, Any]] | None,
     ) -> str:
+        """The prompt with the `tools` a request offers: a template that shows tools gets
+        them as `tools` (as vLLM passes them); one that ignores them (the same text with and
+        without) gets a system message teaching the Hermes format instead, or the model would
+        never learn they exist."""
+        if not tools:
+            return self.render_bounded(messages, template_kwargs)
+        options = dict(template_kwargs or {})
+        shown = self.render_bounded(messages, {**options, "tools": tools})
+        if shown != self.render_bounded(messages, options):
+            return shown
+        return self.render_bounded(with_tool_prompt(messages, tools), options)
+
+    def render_bounded(self, messages: Messages, template_kwargs: Mapping[str, Any] | None) -> str:
         """Render on the calling thread, within the bounds (what the pool's threads run)."""
         bounds = self.bounds
         previous = sys.gettrace()

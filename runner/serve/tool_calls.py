@@ -104,11 +104,12 @@ def _parameters(tools: list[JsonObject], name: str) -> JsonObject:
 
 
 def forced_schema(
-    tools: list[JsonObject], tool_choice: str | JsonObject | None
+    tools: list[JsonObject], tool_choice: str | JsonObject | None, parallel: bool = True
 ) -> JsonObject | None:
     """The JSON schema the answer is held to: the named function's arguments object, or for
-    ``required`` a non-empty array of ``{"name", "parameters"}`` calls of offered functions;
-    None when the model is free (none, auto)."""
+    ``required`` a non-empty array of ``{"name", "parameters"}`` calls of offered functions
+    (one call only without ``parallel``: OpenAI's parallel_tool_calls=false); None when the
+    model is free (none, auto)."""
     names = tool_names(tools)
     named = chosen_function(tool_choice, names)
     if named is not None:
@@ -123,7 +124,28 @@ def forced_schema(
         }
         for name in names
     ]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    schema: JsonObject = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def compact_json_grammar(schema: JsonObject) -> str:
+    """An EBNF grammar (xgrammar's) of the JSON texts `schema` holds, written compactly: one
+    space after each separator and no other whitespace. Tool calls are held to it rather than
+    to the schema itself, whose grammar takes any whitespace anywhere: a model unsure of the
+    next token (a small or untrained one) can pad an argument with tabs until max_tokens, and
+    the call is then never complete. (xgrammar is imported here, only when a request forces a
+    call: it takes over a second to import.)"""
+    import xgrammar
+
+    try:
+        grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    except (RuntimeError, ValueError, TypeError) as err:  # what xgrammar raises for a schema
+        raise ValueError(
+            f"tools: a function's parameters are no usable JSON schema: {err}"
+        ) from err
+    return str(grammar)
 
 
 def forced_calls(
@@ -252,3 +274,14 @@ def hermes_tool_prompt(tools: list[JsonObject]) -> str:
         "<tool_call></tool_call> XML tags:\n"
         '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
+
+
+def with_tool_prompt(messages: list[JsonObject], tools: list[JsonObject]) -> list[JsonObject]:
+    """`messages` with `hermes_tool_prompt` as their system message: added after the text of
+    one already there, or as a first message of its own."""
+    prompt = hermes_tool_prompt(tools)
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0])
+        first["content"] = f"{first.get('content') or ''}\n\n{prompt}".lstrip()
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]

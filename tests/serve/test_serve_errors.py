@@ -31,14 +31,16 @@ def error_of(resp: httpx.Response, status: int) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"prompt": "hi", "max_tokenz": 3}, "max_tokenz", "not permitted"),
+        ({"prompt": "hi", "echo": "maybe"}, "echo", "valid boolean"),
         ({"prompt": "hi", "temperature": 3}, "temperature", "less than or equal to 2"),
         ({"prompt": "hi", "top_p": 0}, "top_p", "greater than 0"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
         ({"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias", "outside the vocabulary"),
         ({"prompt": "hi", "min_tokens": 9, "max_tokens": 2}, "min_tokens", "max_tokens"),
         ({"prompt": "x" * 600}, "prompt", "context"),
-        ({"prompt": "hi", "echo": True}, "echo", "not supported"),
+        ({"prompt": "hi", "suffix": "!"}, "suffix", "not supported"),
+        ({"prompt": "hi", "guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one"),
         ({}, "prompt", "required"),
     ],
 )

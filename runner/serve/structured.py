@@ -1,0 +1,106 @@
+"""The request fields that hold an answer to a shape, as OpenAI's API and vLLM's server name
+them, read into one StructuredOutputsParams: OpenAI's `response_format` (json_schema,
+json_object), vLLM's `structured_outputs` object (json, json_object, regex, choice, grammar)
+and its older `guided_json` / `guided_choice` / `guided_regex` / `guided_grammar`. A request
+may give one of them; two that disagree are a 400 naming both."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from runner.sampling.structured_outputs import StructuredOutputsParams
+from runner.serve.messages import Lenient
+
+GUIDED = ("guided_json", "guided_choice", "guided_regex", "guided_grammar")
+
+
+class JsonSchema(Lenient):
+    name: str = "schema"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(Lenient):
+    """vLLM's `structured_outputs` request object (what the `openai` client sends in
+    `extra_body`); its other keys (backend options) are ignored with a warning."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class StructureFields(Lenient):
+    """The structure fields a request may carry (both endpoints)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_choice: list[str] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # vLLM's; one backend here (xgrammar)
+    guided_whitespace_pattern: str | None = None  # vLLM's; accepted, changes nothing
+
+    def structure(self) -> StructuredOutputsParams | None:
+        """The one structure the request asks for, None for none; ValueError naming the
+        field when one is malformed or two are given."""
+        given = {
+            name: spec
+            for name, spec in (
+                ("response_format", self._response_format()),
+                ("structured_outputs", self._structured_outputs()),
+                *((name, self._guided(name)) for name in GUIDED),
+            )
+            if spec is not None
+        }
+        if len(given) > 1:
+            names = " and ".join(given)
+            raise ValueError(f"{next(iter(given))}: give one structure, not {names}")
+        return next(iter(given.values()), None)
+
+    def _response_format(self) -> StructuredOutputsParams | None:
+        """json_schema holds the answer to the schema, json_object to any JSON object; "text"
+        (or none) leaves it free."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a json_schema object")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        spec = self.structured_outputs
+        if spec is None:
+            return None
+        try:
+            return StructuredOutputsParams(
+                json=spec.json_,
+                json_object=bool(spec.json_object),
+                regex=spec.regex,
+                choice=spec.choice,
+                grammar=spec.grammar,
+            )
+        except ValueError as err:
+            raise ValueError(f"structured_outputs: {err}") from err
+
+    def _guided(self, name: str) -> StructuredOutputsParams | None:
+        value = getattr(self, name)
+        if value is None:
+            return None
+        kind = name.removeprefix("guided_")
+        try:
+            return StructuredOutputsParams(**{kind: value})
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from err
