@@ -77,7 +77,7 @@ def decode_step_profile(
     finished: list[Any] = []
     for _ in range(64):  # prefill, until a step only decodes
         finished += llm.step()
-        if not llm.recorder.steps[-1]["num_prefill_tokens"]:
+        if llm.recorder.steps and not llm.recorder.steps[-1]["num_prefill_tokens"]:
             break
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
