@@ -163,6 +163,7 @@ class DiskTier:
             old = self._index.pop(name, None)
             self._bytes -= old or 0
             if len(value) > self.capacity_bytes:
+                self._removed([name] if old is not None else [])  # its old file is unindexed
                 return False
             self._shrink(len(value) + 4096)  # the file's blocks may exceed its length
             tmp = self.root / f"{_TMP}{os.getpid()}-{threading.get_ident()}-{name}"
