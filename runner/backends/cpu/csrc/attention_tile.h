@@ -73,6 +73,13 @@ static inline void soft_cap_scores(float *scores, long n, float softcap)
     }
 }
 
+/* a * b, rounded on its own: a builtin with a rounding mode, which GCC never contracts with a
+ * following add into an FMA (it may contract _mm512_mul_ps, a plain vector multiply). */
+static inline __m512 mul_unfused(__m512 a, __m512 b)
+{
+    return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 /* A tile's state before its first key: no max, no sum, out^T zero. */
 static inline void tile_start(struct tile_state *state, long d)
 {
@@ -149,7 +156,9 @@ static inline __attribute__((always_inline)) void tile_attend_body(
         __m512 shrink = _mm512_maskz_mov_ps(
             seen, exp_nonpositive(_mm512_sub_ps(state->running_max, chunk_max)));
         state->running_max = chunk_max;
-        __m512 sum = _mm512_mul_ps(state->running_sum, shrink);
+        /* A multiply the compiler may not fuse with the first add below into one FMA (it may
+         * fuse a plain one): tiled_decode.c repeats this sum operation for operation. */
+        __m512 sum = mul_unfused(state->running_sum, shrink);
         for (int t = 0; t < TILE; t++) {
             __m512 p = _mm512_maskz_mov_ps(visible[t],
                                            exp_nonpositive(_mm512_sub_ps(s[t], chunk_max)));
