@@ -5,9 +5,10 @@ what the router sent it. The hashes are the replica's own chained block hashes, 
 hashed as the engine hashes it (prompt_hashes.py) matches them as it matches a PrefixIndex.
 
 A block in any medium counts as held: the engine loads a prompt's blocks from its tiers at
-admission, past what its pool holds, along the same chain. The feed that applies the events
-(event_feed.py) keeps the sequence numbers here, so a view and its place in the stream are
-replaced together when a replica goes away.
+admission, past what its pool holds, along the same chain. Between replicas that hold as much,
+the one holding more of it in its pool goes first (policy.py): a tier's block costs a copy.
+The feed that applies the events (event_feed.py) keeps the sequence numbers here, so a view
+and its place in the stream are replaced together when a replica goes away.
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ class EventIndex:
         """Blocks held in at least one medium."""
         return len(self._held)
 
-    def match(self, hashes: Sequence[int]) -> int:
-        """How many leading ``hashes`` the replica holds, in any medium. Pure."""
+    def match(self, hashes: Sequence[int], medium: str | None = None) -> int:
+        """How many leading ``hashes`` the replica holds, in any medium (or in ``medium``
+        alone). Pure."""
+        held: set[int] | dict[int, int] = (
+            self._held if medium is None else self.media.get(medium, set())
+        )
         count = 0
         for h in hashes:
-            if h not in self._held:
+            if h not in held:
                 break
             count += 1
         return count

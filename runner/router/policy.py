@@ -15,11 +15,12 @@
   still running; recent(r) is the conversations started on r lately (requests whose prompt
   continues no earlier prompt but for shared prefixes), each counting RECENT_BLOCKS
   and half as much every `recent_half_life_s` (runner/router/load.py RecentWork). Ties go
-  to the longer match, then the fewer requests in flight. SGLang's imbalance rule stays as a
-  guard: when the busiest replica has more than `balance_abs` requests in flight over the
-  idlest and more than `balance_rel` times as many, the least loaded gets the request
-  whatever the prefixes say. A match shorter than `threshold` of the
-  prompt's blocks counts as none (SGLang's cache threshold; 0 by default).
+  to the longer match, then (with --kv-events) the more of it in the replica's device pool
+  rather than its host or disk tier, then the fewer requests in flight. SGLang's imbalance
+  rule stays as a guard: when the busiest replica has more than `balance_abs` requests in
+  flight over the idlest and more than `balance_rel` times as many, the least loaded gets
+  the request whatever the prefixes say. A match shorter than `threshold` of the prompt's
+  blocks counts as none (SGLang's cache threshold; 0 by default).
 
 Why a cost and not SGLang's rule (the longest match once it covers `threshold` of the prompt,
 else the least loaded, unless loads are unbalanced): a system prompt every conversation opens
@@ -55,6 +56,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from runner.kv_events.schema import MEDIUM_POOL
+from runner.router.event_index import EventIndex
 from runner.router.load import RecentWork
 from runner.router.proxy import RouterSettings
 from runner.router.replicas import Replica
@@ -136,10 +139,10 @@ class CacheAware:
         now = self.clock()
         recent = [RECENT_BLOCKS * self._recent(r).value(now) for r in candidates]
 
-        def cost(i: int) -> tuple[float, int, int, int]:
+        def cost(i: int) -> tuple[float, int, int, int, int]:
             r = candidates[i]
             work = missing[i] + self.load_weight * (r.load_blocks + recent[i])
-            return (work, -matches[i], r.in_flight, r.sent)
+            return (work, -matches[i], -_in_pool(r, prompts[i]), r.in_flight, r.sent)
 
         i = min(range(len(candidates)), key=cost)
         # Only a new conversation adds: a conversation's next turn is the work its first turn
@@ -161,6 +164,15 @@ class CacheAware:
         """The prompt's leading blocks `replica` was sent, or 0 below the threshold's share."""
         matched = replica.index.match(hashes)
         return matched if hashes and matched >= self.threshold * len(hashes) else 0
+
+
+def _in_pool(replica: Replica, hashes: list[int]) -> int:
+    """The prompt's leading blocks the replica's device pool holds, as its KV events say
+    (--kv-events); without events, every block it was sent counts as in its pool. Pure."""
+    index = replica.index
+    if isinstance(index, EventIndex):
+        return index.match(hashes, MEDIUM_POOL)
+    return index.match(hashes)
 
 
 def make_policy(

@@ -19,9 +19,12 @@ import httpx
 import pytest
 
 from kvcache import LLM, block_hashes
+from runner.kv_events.schema import BlockStored, EventBatch
 from runner.router.app import build_router_app
 from runner.router.event_index import EventIndex
+from runner.router.policy import CacheAware
 from runner.router.proxy import RouterSettings
+from runner.router.replicas import Replica
 from runner.serve.app import ServeSettings, build_app
 from tests.serve.conftest import LiveServer
 
@@ -197,3 +200,25 @@ def test_the_flags_refuse_what_cannot_work(tiny_llama_tok_dir: Path) -> None:
     ]:
         bad_flag = CliRunner().invoke(main, [*router, "--kv-events-endpoint", given])
         assert bad_flag.exit_code == 2 and problem in bad_flag.output, bad_flag.output
+
+
+def stored(hashes: list[int], medium: str) -> EventBatch:
+    """One batch storing a chain of 16-token blocks in ``medium``."""
+    tokens = list(range(16 * len(hashes)))
+    event = BlockStored(hashes, None, tokens, 16, None, medium)
+    return EventBatch(ts=1.0, events=[event])
+
+
+def test_a_prefix_in_the_pool_goes_before_one_in_a_tier() -> None:
+    """Two replicas hold a prompt's blocks, one in its host tier (CPU), the other in its pool
+    (GPU): at equal loads the pool wins (a tier's block costs a copy up); a replica holding
+    more of the prompt in any medium still wins over both."""
+    hashes = [11, 12, 13, 14]
+    views = [EventIndex() for _ in range(3)]
+    reps = [Replica(f"http://r{i}", healthy=True, index=view) for i, view in enumerate(views)]
+    views[0].apply(0, stored(hashes, "CPU"))
+    views[1].apply(0, stored(hashes, "GPU"))
+    route = CacheAware().choose(reps[:2], lambda r: hashes)
+    assert route.replica is reps[1] and route.reason == "prefix_match"
+    views[2].apply(0, stored([*hashes, 15], "DISK"))
+    assert CacheAware().choose(reps, lambda r: [*hashes, 15, 16]).replica is reps[2]
