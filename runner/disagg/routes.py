@@ -30,6 +30,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.middleware.base import RequestResponseEndpoint
 
 from kvcache.redaction import redact_url
 from runner.disagg.roles import RoleParts
@@ -85,7 +86,7 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
     publisher, puller = parts.publisher, parts.puller
 
     @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Any:
+    async def guard(request: Request, call_next: RequestResponseEndpoint) -> Response:
         """The API key on the role's routes; /health says 503 when the handover's thread is
         gone (a router then sends the worker nothing: its handovers would all be computed)."""
         key, path = state.settings.api_key, request.url.path
