@@ -231,4 +231,6 @@ class EventFeeds:
                     await EventFeed(context, replica, self.locate).run()
                 except zmq.ZMQError as err:  # a bad endpoint: tried again next interval
                     log.warning("%s: KV events: %s", replica.url, err)
+                except Exception:  # noqa: BLE001 - one replica's feed must not stop the others
+                    log.exception("%s: KV events: the feed failed; following it again", replica.url)
             await asyncio.sleep(self.interval_s)
