@@ -197,6 +197,10 @@ class EngineInterface(Protocol):
 
     def kv_pool(self) -> KVPool: ...
 
+    def kv_event_endpoints(self) -> dict[str, str | bool | None] | None:
+        """Where the engine publishes vLLM's KV events (endpoint, binds, replay_endpoint,
+        topic); None when it publishes none."""
+
     def check_integrity(self) -> None:
         """Raise AssertionError when the cache's structures disagree (tests, soaks)."""
 

@@ -409,6 +409,9 @@ class LLM(Engine):
     def kv_pool(self) -> KVPool:
         return KVPool(self.kv.num_blocks, self.kv.block_size, self.kv.dtype_name, self.kv.nbytes)
 
+    def kv_event_endpoints(self) -> dict[str, str | bool | None] | None:
+        return self.kv_events.endpoints() if self.kv_events is not None else None
+
     @locked
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()

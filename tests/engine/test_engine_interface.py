@@ -114,6 +114,20 @@ def test_reports_read_the_engine_without_its_parts(llm: LLM) -> None:
     assert llm.queue_depth().last_step_tokens > 0
     while llm.has_unfinished():
         llm.step()
+    assert llm.kv_event_endpoints() is None  # it publishes no KV events
     stats = llm.cache_stats()
     assert stats.blocks_in_use == 0 and stats.query_tokens > 0
     assert llm.stats()["query_tokens"] == stats.query_tokens
+
+
+def test_kv_event_endpoints_say_where_the_engine_publishes(tiny_llama_tok_dir: Path) -> None:
+    events = {"enable_kv_cache_events": True, "topic": "kv"}
+    events |= {"endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}
+    llm = LLM(str(tiny_llama_tok_dir), block_size=4, num_kv_blocks=16, kv_events_config=events)
+    assert llm.kv_events is not None
+    try:
+        shown = llm.kv_event_endpoints()
+        assert shown is not None and shown == llm.kv_events.endpoints()
+        assert shown["topic"] == "kv" and str(shown["replay_endpoint"]).startswith("tcp://")
+    finally:
+        llm.kv_events.close()
