@@ -13,13 +13,8 @@ from pydantic import Field, field_validator
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams
 from runner.serve.messages import ChatMessage, JsonObject, Lenient, template_messages
-from runner.serve.structured import StructureFields
-from runner.serve.tool_calls import (
-    chosen_function,
-    compact_json_grammar,
-    forced_schema,
-    tool_names,
-)
+from runner.serve.structured import StructureFields, compact_json_grammar
+from runner.serve.tool_calls import chosen_function, forced_schema, tool_names
 
 TokenIds = list[int]
 
@@ -191,7 +186,7 @@ class ChatCompletionRequest(SamplingFields):
             )
         parallel = self.parallel_tool_calls is not False
         schema = forced_schema(self.tools or [], self.tool_choice, parallel)
-        return StructuredOutputsParams(grammar=compact_json_grammar(schema or {}))
+        return StructuredOutputsParams(grammar=compact_json_grammar(schema or {}, "tools"))
 
     def template_messages(self) -> list[JsonObject]:
         """The messages as the chat template gets them; ValueError naming a bad one."""

@@ -6,6 +6,7 @@ may give one of them; two that disagree are a 400 naming both."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field
@@ -37,6 +38,7 @@ class StructuredOutputs(Lenient):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False  # JSON with no whitespace but one space per separator
 
 
 class StructureFields(Lenient):
@@ -84,6 +86,10 @@ class StructureFields(Lenient):
         spec = self.structured_outputs
         if spec is None:
             return None
+        if spec.disable_any_whitespace and (spec.json_ is not None or spec.json_object):
+            schema = spec.json_ if spec.json_ is not None else {"type": "object"}
+            grammar = compact_json_grammar(schema, "structured_outputs.json")
+            return StructuredOutputsParams(grammar=grammar)
         try:
             return StructuredOutputsParams(
                 json=spec.json_,
@@ -104,3 +110,21 @@ class StructureFields(Lenient):
             return StructuredOutputsParams(**{kind: value})
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from err
+
+
+def compact_json_grammar(schema: dict[str, Any] | str, field: str) -> str:
+    """An EBNF grammar (xgrammar's) of the JSON texts `schema` holds, written compactly: one
+    space after each separator and no other whitespace. Tool calls are held to it rather than
+    to the schema itself, whose grammar takes any whitespace anywhere: a model unsure of the
+    next token (a small or untrained one) can pad an argument with tabs until max_tokens, and
+    the call is then never complete; vLLM's `disable_any_whitespace` asks for the same.
+    ValueError naming `field` for a schema xgrammar cannot read. (xgrammar is imported here,
+    only when a request asks for this: it takes over a second to import.)"""
+    import xgrammar
+
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    try:
+        grammar = xgrammar.Grammar.from_json_schema(text, any_whitespace=False)
+    except (RuntimeError, ValueError, TypeError) as err:  # what xgrammar raises for a schema
+        raise ValueError(f"{field}: no usable JSON schema: {err}") from err
+    return str(grammar)

@@ -130,24 +130,6 @@ def forced_schema(
     return schema
 
 
-def compact_json_grammar(schema: JsonObject) -> str:
-    """An EBNF grammar (xgrammar's) of the JSON texts `schema` holds, written compactly: one
-    space after each separator and no other whitespace. Tool calls are held to it rather than
-    to the schema itself, whose grammar takes any whitespace anywhere: a model unsure of the
-    next token (a small or untrained one) can pad an argument with tabs until max_tokens, and
-    the call is then never complete. (xgrammar is imported here, only when a request forces a
-    call: it takes over a second to import.)"""
-    import xgrammar
-
-    try:
-        grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    except (RuntimeError, ValueError, TypeError) as err:  # what xgrammar raises for a schema
-        raise ValueError(
-            f"tools: a function's parameters are no usable JSON schema: {err}"
-        ) from err
-    return str(grammar)
-
-
 def forced_calls(
     text: str, tools: list[JsonObject], tool_choice: str | JsonObject
 ) -> list[ToolCall]:
