@@ -20,6 +20,7 @@ from runner.sampling.logprobs import logprobs_of
 if TYPE_CHECKING:
     from runner.model.cuda_graphs import DecodeGraphs
 
+ALIGN = 256  # bytes: where each of a step's packed inputs starts (see `upload`)
 PROMPT_ROWS = 256  # prompt positions put through the LM head at once for prompt_logprobs
 # Per-item fields read over a whole batch each step, by C-level scans.
 _PROMPT_LOGPROBS = operator.attrgetter("seq.prompt_logprobs")  # a list while it is wanted
@@ -87,20 +88,29 @@ class ModelRunner:
         query_start_loc = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
 
-        dev = self.device
+        slots, starts_t, contexts, tables, ids, positions_t = upload(
+            [
+                slot_mapping,
+                query_start_loc,
+                np.array(context_lens, dtype=np.int32),
+                block_tables,
+                np.array(input_ids, dtype=np.int64),
+                positions,
+            ],
+            self.device,
+        )
         meta = AttentionMetadata(
-            slot_mapping=_to(slot_mapping, dev),
-            query_start_loc=_to(query_start_loc, dev),
-            context_lens=_to(np.array(context_lens, dtype=np.int32), dev),
-            block_tables=_to(block_tables, dev),
+            slot_mapping=slots,
+            query_start_loc=starts_t,
+            context_lens=contexts,
+            block_tables=tables,
             query_lens=query_lens,
             context_lens_host=context_lens,
             max_query_len=max(query_lens),
             max_context_len=max(context_lens),
             decode_only=decode_only,
         )
-        ids = _to(np.array(input_ids, dtype=np.int64), dev)
-        return ids, _to(positions, dev), meta
+        return ids, positions_t, meta
 
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """One forward pass; returns float32 logits [N, vocab], one row per item that samples
@@ -190,6 +200,32 @@ class ModelRunner:
                 item.seq.prompt_logprobs[position] = value
 
 
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """The host array as a tensor on `device` (shares memory on the CPU)."""
-    return torch.from_numpy(array).to(device, non_blocking=True)
+def upload(
+    arrays: list[np.ndarray], device: torch.device, pack: bool | None = None
+) -> list[torch.Tensor]:
+    """The host arrays as tensors on `device`. On the CPU they share the arrays' memory. On a
+    GPU (`pack`) they go over in one host-to-device copy from pinned memory: their bytes packed
+    into one staging buffer (each at a 256-byte boundary, as a fresh device allocation is:
+    kernels compiled for aligned pointers get them), copied without blocking, and each tensor
+    a view of the device copy. A copy from pageable memory may wait for the kernels
+    queued before it, which would undo asynchronous scheduling (runner/engine/overlap.py);
+    torch's pinned allocator keeps the buffer until its copy has run."""
+    if pack is None:
+        pack = device.type == "cuda"
+    if not pack:
+        return [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    offsets = []
+    total = 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // ALIGN) * ALIGN
+    staging = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    host = staging.numpy()
+    for a, at in zip(arrays, offsets, strict=True):
+        host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+    on_device = staging.to(device, non_blocking=True)
+    return [
+        on_device[at : at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
+        for a, at in zip(arrays, offsets, strict=True)
+    ]

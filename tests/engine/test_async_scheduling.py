@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -25,6 +26,7 @@ from click.testing import CliRunner
 from kvcache import LLM, RequestOutput, SamplingParams
 from runner.cli.engine_options import engine_options
 from runner.engine.config import EngineConfig
+from runner.engine.model_runner import ALIGN, upload
 from runner.engine.overlap import PendingTokens
 from runner.engine.scheduler import SchedulerOutput
 
@@ -395,3 +397,26 @@ def test_a_sequence_preempted_with_its_token_in_flight_is_readmitted_right(
     assert [finished[str(i)].token_ids for i in range(3)] == tokens(expected)
     assert llm.scheduler.num_preemptions == 2
     assert_idle(llm)
+
+
+def test_a_steps_inputs_go_over_in_one_packed_copy() -> None:
+    """On a GPU a step's input arrays are packed into one pinned staging buffer and copied
+    once (a pageable copy may wait for the step in flight); the packing, run here on the CPU,
+    gives back every array with its dtype, shape and values, empty ones too."""
+    rng = np.random.default_rng(0)
+    arrays: list[np.ndarray] = [
+        rng.integers(-(2**40), 2**40, size=5, dtype=np.int64),
+        rng.integers(0, 2**31 - 1, size=3, dtype=np.int32),  # 12 bytes: the next starts aligned
+        rng.integers(0, 2**31 - 1, size=(2, 3), dtype=np.int32),
+        np.zeros(0, dtype=np.int64),
+        np.array([7], dtype=np.int64),
+        rng.integers(0, 2**31 - 1, size=(3, 1), dtype=np.int32)[::2],  # not contiguous
+    ]
+    packed = upload(arrays, torch.device("cpu"), pack=True)
+    plain = upload(arrays, torch.device("cpu"), pack=False)
+    for a, got, ref in zip(arrays, packed, plain, strict=True):
+        assert got.dtype == ref.dtype and tuple(got.shape) == a.shape
+        assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(a)))
+    filled = [t for t in packed if t.numel()]  # an empty tensor has no address to check
+    assert len({t.untyped_storage().data_ptr() for t in filled}) == 1  # one buffer: one copy
+    assert all((t.data_ptr() - filled[0].data_ptr()) % ALIGN == 0 for t in filled)
