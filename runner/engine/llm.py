@@ -10,21 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from kvcache.block_cache import BlockListener
-from kvcache.radix_tree import Node
-from kvcache.stats import CacheStats
-from kvcache.tiers import HostTier, Link, encode_chunk
 from runner.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from runner.engine.core import Engine
+from runner.engine.engine_calls import EngineCalls
 from runner.engine.frozen_heap import frozen_heap
-from runner.engine.interface import (
-    CachedPrefix,
-    InstalledBlocks,
-    KVPool,
-    PromptArg,
-    QueueDepth,
-)
-from runner.engine.kv_transfer import read_blocks
+from runner.engine.interface import PromptArg
 from runner.engine.lock import locked
 from runner.engine.outputs import RequestOutput
 from runner.engine.prefix_cache_file import cache_identity, load_prefix_cache, save_prefix_cache
@@ -43,9 +32,8 @@ from runner.engine.requests import (
     render_chat,
 )
 from runner.engine.sequence import Sequence, request_id_of
-from runner.engine.streaming import StreamDelta, TextStream, stream_requests
+from runner.engine.streaming import StreamDelta, stream_requests
 from runner.sampling.params import SamplingParams
-from runner.sampling.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from runner.engine.interface import EngineInterface
@@ -53,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class LLM(Engine):
+class LLM(EngineCalls):
     """Generation with a prefix cache that persists across calls of one instance.
 
     The calls take vLLM's names and forms beside ours (runner/engine/prompt_inputs.py):
@@ -379,99 +367,6 @@ class LLM(Engine):
     def _cache_identity(self) -> dict[str, str]:
         return cache_identity(self.kv, self.fingerprint, self.config.cpu_weight_dtype)
 
-    # ------------------------------------------------------------------ the engine interface
-    # (runner/engine/interface.py: what the other packages may ask; each delegates to a part)
-    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        self.validator.check(token_ids, params)
-
-    def room_for(self, token_ids: list[int], max_tokens: int | None) -> int:
-        return self.validator.room(token_ids, max_tokens)
-
-    def check_structured_outputs(self, spec: StructuredOutputsParams | None) -> None:
-        self.grammars.check(spec)
-
-    def text_stream(self, skip_special_tokens: bool = True) -> TextStream:
-        return TextStream(self.stopper, skip_special_tokens)
-
-    @property
-    def metrics_t0(self) -> float:
-        return self.recorder.t0
-
-    @locked
-    def queue_depth(self) -> QueueDepth:
-        s = self.scheduler
-        return QueueDepth(len(s.running), len(s.waiting), s.num_preemptions, s.last_step_tokens)
-
-    @locked
-    def cache_stats(self) -> CacheStats:
-        return self.block_manager.stats
-
-    def kv_pool(self) -> KVPool:
-        return KVPool(self.kv.num_blocks, self.kv.block_size, self.kv.dtype_name, self.kv.nbytes)
-
-    def kv_event_endpoints(self) -> dict[str, str | bool | None] | None:
-        return self.kv_events.endpoints() if self.kv_events is not None else None
-
-    @locked
-    def check_integrity(self) -> None:
-        self.block_manager.check_integrity()
-
-    @locked
-    def cached_prefix(self, token_ids: Seq[int], cache_salt: str | None) -> CachedPrefix:
-        return CachedPrefix(len(self._cached_nodes(token_ids, cache_salt)), self.config.block_size)
-
-    def cached_block_values(self, token_ids: Seq[int], cache_salt: str | None) -> list[bytes]:
-        with self.lock:  # found and copied while no step can evict them; encoded after
-            links, payloads = self._read_nodes(self._cached_nodes(token_ids, cache_salt))
-        return self._encode(links, payloads)
-
-    def block_values(self, nodes: Seq[Node]) -> list[bytes]:
-        with self.lock:
-            links, payloads = self._read_nodes(nodes)
-        return self._encode(links, payloads)
-
-    def add_block_listener(self, listener: BlockListener) -> None:
-        with self.lock:
-            self.block_manager.add_listener(listener)
-
-    def remove_block_listener(self, listener: BlockListener) -> None:
-        with self.lock:
-            self.block_manager.remove_listener(listener)
-
-    def host_tier(self) -> HostTier | None:
-        return self.tiers.host if self.tiers is not None else None
-
-    @locked
-    def install_blocks(
-        self,
-        token_ids: Seq[int],
-        cache_salt: str | None,
-        first: int,
-        kvs: Seq[bytes | memoryview],
-    ) -> InstalledBlocks:
-        if self.tiers is None:
-            raise ValueError("this engine has no tiers: it takes no handed-over blocks")
-        before = self.tiers.loaded_blocks
-        held = self.tiers.install(token_ids, self._root(cache_salt), first, kvs)
-        return InstalledBlocks(held, self.tiers.loaded_blocks - before)
-
-    def _read_nodes(self, nodes: Seq[Node]) -> tuple[list[tuple[Link, bool]], list[bytes]]:
-        """Each node's place in its chain and its K/V copied off the pool (under the lock)."""
-        return [_link_of(n) for n in nodes], read_blocks(self.kv, [n.block_id for n in nodes])
-
-    def _encode(self, links: list[tuple[Link, bool]], payloads: list[bytes]) -> list[bytes]:
-        spec, key = self.block_spec, self.cache_mac_key
-        return [
-            encode_chunk(spec, [link], kv, top=top, mac_key=key)
-            for (link, top), kv in zip(links, payloads, strict=True)
-        ]
-
-    def _cached_nodes(self, token_ids: Seq[int], cache_salt: str | None) -> list[Node]:
-        """The prompt's cached full blocks, capped as admission caps them: never the block of
-        its last token."""
-        usable = max(0, (len(token_ids) - 1) // self.config.block_size)
-        return self.block_manager.cached_path(list(token_ids), self._root(cache_salt))[:usable]
-
 
 def same_model(tokenizer: str, model: str | None) -> bool:
     """Whether vLLM's `tokenizer` argument names `model` (the same id, or the same folder)."""
@@ -481,13 +376,6 @@ def same_model(tokenizer: str, model: str | None) -> bool:
         return True
     tok, mod = Path(tokenizer).expanduser(), Path(model).expanduser()
     return tok.exists() and mod.exists() and tok.resolve() == mod.resolve()
-
-
-def _link_of(node: Node) -> tuple[Link, bool]:
-    """A cached block's place in its chain for its block value, and whether it is the top."""
-    top = node.parent is None
-    parent = node.namespace if node.parent is None else node.parent.key
-    return Link(node.key, parent, node.tokens), top
 
 
 if TYPE_CHECKING:  # mypy checks here that LLM offers the whole interface
