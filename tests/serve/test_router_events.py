@@ -6,7 +6,9 @@ dropped; and `kvcache serve --kv-events-config` reports where it publishes."""
 
 from __future__ import annotations
 
+import json
 import random
+import socket
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -222,3 +224,61 @@ def test_a_prefix_in_the_pool_goes_before_one_in_a_tier() -> None:
     assert route.replica is reps[1] and route.reason == "prefix_match"
     views[2].apply(0, stored([*hashes, 15], "DISK"))
     assert CacheAware().choose(reps, lambda r: [*hashes, 15, 16]).replica is reps[2]
+
+
+def test_the_commands_end_to_end(tiny_llama_tok_dir: Path) -> None:
+    """`kvcache serve --kv-events-config` (bound on every interface, as vLLM's default) and
+    `kvcache router --kv-events` as processes: the serve reports its endpoints, and the
+    router's view of it holds as many blocks as a subscriber of the test's own sees."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.kv_events.subscriber import Subscriber
+
+    repo = Path(__file__).resolve().parents[2]
+    ports = []
+    for _ in range(4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(int(s.getsockname()[1]))
+    serve_port, router_port, pub_port, replay_port = ports
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub_port}"}
+    config["replay_endpoint"] = f"tcp://*:{replay_port}"
+    cli = [sys.executable, str(repo / "cli.py")]
+    serve = [*cli, "serve", "--model", str(tiny_llama_tok_dir), "--port", str(serve_port)]
+    serve += ["--served-model-name", "tiny", "--num-kv-blocks", "64"]
+    serve += ["--kv-events-config", json.dumps(config)]
+    router = [*cli, "router", "--replica", f"http://127.0.0.1:{serve_port}", "--kv-events"]
+    router += ["--port", str(router_port), "--health-interval", "0.1"]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    procs = [subprocess.Popen(command, env=env) for command in (serve, router)]
+    watcher = Subscriber(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")
+    try:
+        for port in (serve_port, router_port):
+            eventually(partial(healthy, f"http://127.0.0.1:{port}"), 60.0)
+        info = httpx.get(f"http://127.0.0.1:{serve_port}/kvcache/info").json()
+        assert info["kv_events"]["endpoint"] == f"tcp://*:{pub_port}"
+        for turn in range(3):
+            complete(f"http://127.0.0.1:{router_port}", f"{PREFIX_A} turn {turn}?")
+        watcher.drain()
+        assert watcher.blocks
+
+        def agreed() -> bool:
+            stats = httpx.get(f"http://127.0.0.1:{router_port}/router/stats").json()
+            return bool(stats["replicas"][0]["kv_events"]["blocks"] == {"GPU": len(watcher.blocks)})
+
+        eventually(agreed)
+    finally:
+        watcher.close()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
