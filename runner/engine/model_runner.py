@@ -139,7 +139,7 @@ class ModelRunner:
                 return logits
             # A one-token prefill chunk that does not sample can share a decode step.
             keep = [i for i, item in enumerate(batch) if item.sample]
-            return logits.index_select(0, torch.tensor(keep, device=logits.device))
+            return logits.index_select(0, index_on(keep, logits.device))
         hidden = self.model(input_ids, positions, meta, self.kv, self.attention)  # [T, H]
         self._record_prompt_logprobs(batch, meta.query_lens, hidden=hidden)
         if len(batch) == hidden.shape[0] and all(map(_SAMPLES, batch)):
@@ -154,8 +154,7 @@ class ModelRunner:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         if len(rows) == hidden.shape[0]:  # every token samples (a decode step): all rows
             return self.model.compute_logits(hidden)
-        index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, index))
+        return self.model.compute_logits(hidden.index_select(0, index_on(rows, hidden.device)))
 
     def _record_prompt_logprobs(
         self,
@@ -198,6 +197,16 @@ class ModelRunner:
             for (item, position), value in zip(wanted, found, strict=True):
                 assert item.seq.prompt_logprobs is not None
                 item.seq.prompt_logprobs[position] = value
+
+
+def index_on(values: list[int], device: torch.device) -> torch.Tensor:
+    """`values` as an int64 tensor on `device`. On a GPU it goes over from pinned memory
+    without blocking: `torch.tensor(values, device=...)` waits for every kernel queued before
+    it, which would stall an overlapped step (runner/engine/overlap.py) on the one in flight."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def upload(

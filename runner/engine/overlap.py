@@ -41,7 +41,7 @@ from typing import Protocol
 import torch
 
 from runner.engine.interrupts import interrupts_held
-from runner.engine.model_runner import ModelRunner
+from runner.engine.model_runner import ModelRunner, index_on
 from runner.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from runner.engine.step_result import StepResult
 from runner.sampling.sampler import sample_on_device
@@ -262,11 +262,7 @@ class OverlappedLoop:
         params = [item.seq.params for item in sampling]
         generators = [item.seq.generator for item in sampling]
         device = input_ids.device
-        fill = (
-            (torch.tensor(dst, device=device), torch.tensor(src, device=device))
-            if dst and prev is not None
-            else None
-        )
+        fill = (index_on(dst, device), index_on(src, device)) if dst and prev is not None else None
         previous = prev.pending if prev is not None else None
 
         def work() -> torch.Tensor:

@@ -61,6 +61,8 @@ def sample_on_device(
 ) -> torch.Tensor:
     """`sample`'s tokens [N] int64, left on the logits' device: an overlapped step
     (runner/engine/overlap.py) reads them back later, and feeds them to the next step there."""
+    if all(p.greedy for p in params):  # the usual step: no index to send (which would block)
+        return logits.argmax(dim=-1) if params else logits.new_empty(0, dtype=torch.int64)
     tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
