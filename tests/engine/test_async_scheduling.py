@@ -23,7 +23,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvcache import LLM, RequestOutput, SamplingParams
+from kvcache import LLM, RequestOutput, SamplingParams, StructuredOutputsParams
 from runner.cli.engine_options import engine_options
 from runner.engine.config import EngineConfig
 from runner.engine.model_runner import ALIGN, upload
@@ -420,3 +420,22 @@ def test_a_steps_inputs_go_over_in_one_packed_copy() -> None:
     filled = [t for t in packed if t.numel()]  # an empty tensor has no address to check
     assert len({t.untyped_storage().data_ptr() for t in filled}) == 1  # one buffer: one copy
     assert all((t.data_ptr() - filled[0].data_ptr()) % ALIGN == 0 for t in filled)
+
+
+def test_structured_outputs_beside_plain_requests(tiny_llama_tok_dir: Path) -> None:
+    """A grammar's next mask needs the token on the host: each step holding a request with a
+    grammar runs synchronously, the same tokens as the plain loop for every request."""
+    pytest.importorskip("xgrammar")
+    structure = StructuredOutputsParams(regex=r"(ab|c[de])+!")
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.9, seed=2, structured_outputs=structure),
+        SamplingParams(max_tokens=12, temperature=0),
+        SamplingParams(max_tokens=12, temperature=0, structured_outputs=structure),
+    ]
+    text_prompts = ["Hello there", "The tea is", "One two three"]
+    expected = engine(tiny_llama_tok_dir, False).generate(text_prompts, params)
+    llm = engine(tiny_llama_tok_dir, True)
+    got = llm.generate(text_prompts, params)
+    assert [(o.token_ids, o.text) for o in got] == [(o.token_ids, o.text) for o in expected]
+    assert llm.overlap is not None and llm.overlap.synchronous_steps > 0
+    assert_idle(llm)
