@@ -21,7 +21,7 @@ import os
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcache import BlockManager, Purpose, block_hashes
 from kvcache.hashing import pack_tokens
@@ -32,8 +32,9 @@ from kvcache.tiers.prefetch import Prefetcher
 from kvcache.tiers.write_backlog import WriteBacklog
 from runner.engine.config import EngineConfig
 from runner.engine.kv_transfer import read_blocks, write_blocks
-from runner.kv_events.publisher import KVEventPublisher
-from runner.kv_events.tier_events import TierEvents
+
+if TYPE_CHECKING:  # ZeroMQ and msgspec are imported only by an engine that publishes
+    from runner.kv_events.publisher import KVEventPublisher
 
 KEY_ENV = "KVCACHE_CACHE_KEY"
 # The request id the block manager knows a load by: engine sequence ids are never negative.
@@ -259,6 +260,8 @@ class TierLoader:
     def publish_events(self, publisher: KVEventPublisher) -> None:
         """Publish the blocks the host and disk tiers store and let go, each under its medium,
         with the pool's events (runner/kv_events/tier_events.py; Redis publishes none)."""
+        from runner.kv_events.tier_events import TierEvents
+
         events = TierEvents(publisher.publish, self.block_size)
         publisher.on_cleared = events.cleared
         for tier in self.store.tiers:

@@ -27,12 +27,12 @@ from runner.kv_events.schema import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Event,
     EventBatch,
     encode_batch,
 )
 
 log = logging.getLogger(__name__)
-Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 FLUSH_S = 0.005  # the longest an event waits in the queue while the thread is idle
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last frame's number

@@ -52,6 +52,10 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+# Any one event, as a batch lists them.
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
 def encode_batch(batch: EventBatch) -> bytes:
     """The batch's msgpack bytes. Pure."""
     return msgspec.msgpack.encode(batch)

@@ -16,8 +16,7 @@ from collections.abc import Callable, Sequence
 
 from kvcache.hashing import TOKEN_BYTES, unpack_tokens
 from kvcache.tiers.block_value import Link, value_links
-from runner.kv_events.publisher import Event
-from runner.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored
+from runner.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 # Each tier's medium, as a subscriber reads it.
 MEDIA = {"host": "CPU", "disk": "DISK"}
