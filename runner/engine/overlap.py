@@ -33,6 +33,7 @@ a device that runs each step on a worker thread, to show the overlap without a G
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from runner.engine.model_runner import ModelRunner, index_on
 from runner.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from runner.engine.step_result import StepResult
 from runner.sampling.sampler import sample_on_device
+
+log = logging.getLogger(__name__)
 
 
 class PendingTokens(Protocol):
@@ -197,7 +200,12 @@ class OverlappedLoop:
         if overlappable(out):
             try:
                 pending = self._launch(out, prev)
-            except Exception:  # noqa: BLE001 - run below as the plain loop does, which isolates it
+            except Exception as err:  # noqa: BLE001 - run below by the plain step, which isolates it
+                log.warning(
+                    "overlapped step failed to launch (%s: %s): run synchronously",
+                    type(err).__name__,
+                    err,
+                )
                 pending = None
         if pending is None:
             self._run_synchronously(out, t_start, step)
