@@ -200,7 +200,7 @@ class OverlappedLoop:
         if overlappable(out):
             try:
                 pending = self._launch(out, prev)
-            except Exception as err:  # noqa: BLE001 - run below by the plain step, which isolates it
+            except Exception as err:  # noqa: BLE001 - the plain step below isolates it
                 log.warning(
                     "overlapped step failed to launch (%s: %s): run synchronously",
                     type(err).__name__,
