@@ -79,3 +79,49 @@ def test_a_restarted_replica_empties_its_view(tiny_llama_dir: Path) -> None:
             context.destroy(linger=0)
 
     asyncio.run(scenario())
+
+
+def test_a_gap_in_the_numbers_is_replayed() -> None:
+    """Batches the feed missed (a SUB socket past its high-water mark drops them) are asked of
+    the replay socket before the batch that showed the gap is applied."""
+    from runner.kv_events.config import KVEventsConfig
+    from runner.kv_events.publisher import KVEventPublisher
+    from runner.kv_events.schema import BlockStored
+
+    config = KVEventsConfig(True, endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+    publisher = KVEventPublisher(config, block_size=1)
+
+    def store(h: int) -> list[BlockStored]:
+        return [BlockStored([h], None, [h], 1, None, "GPU")]
+
+    async def scenario() -> None:
+        context = zmq.asyncio.Context()
+        replica = Replica("http://127.0.0.1:1", healthy=True, index=EventIndex())
+        replica.info = {"kv_events": publisher.endpoints()}
+        feed = EventFeed(context, replica)
+        index = replica.index
+        assert isinstance(index, EventIndex)
+        try:
+            await until(lambda: publisher.next_seq == 1)  # the start's AllBlocksCleared: 0
+            for h in (101, 102, 103, 104):  # four batches, one at a time: numbers 1..4
+                publisher.publish(store(h))
+                await until(lambda h=h: publisher.next_seq == h - 99)
+            await feed._catch_up(index, 0)
+            assert index.last_seq == 4 and index.media["GPU"] == {101, 102, 103, 104}
+            index.restart()
+            await feed._catch_up(index, 0)  # up to number 1 only, as if the rest were missed
+            for seq in range(2, 5):
+                index.media["GPU"].discard(100 + seq)
+            index.last_seq = 1
+            publisher.publish(store(105))  # number 5: numbers 2..4 are a gap
+            await until(lambda: publisher.next_seq == 6)
+            replayed = await feed._replay(5)
+            assert replayed is not None and [seq for seq, _ in replayed] == [5]
+            await feed._receive(index, 5, replayed[0][1])
+            assert index.last_seq == 5
+            assert index.media["GPU"] == {101, 102, 103, 104, 105}
+        finally:
+            context.destroy(linger=0)
+            publisher.close()
+
+    asyncio.run(scenario())
