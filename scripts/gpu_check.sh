@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # GPU check of the CUDA runner, one command for a session that has the GPU (issue 39):
 #   1. the CUDA tests (the CUDA, GPU bench, Triton and engine ones);
-#   2. the shared-prefix decode against the plain one (runner.bench.gpu_cascade: the data the
+#   2. asynchronous scheduling on CUDA (tests/engine/test_async_scheduling_cuda.py);
+#   2b. (reserved: deterministic mode on CUDA, another stage to come; see "more stages" below);
+#   3. the shared-prefix decode against the plain one (runner.bench.gpu_cascade: the data the
 #      cost model is fitted to and checked by, with its verdict);
-#   3. the shared-prefix workload four ways (prefix cache off, on, on eagerly, on with
+#   4. the shared-prefix workload four ways (prefix cache off, on, on eagerly, on with
 #      shared-prefix attention), with the bytes a decode step reads both ways;
-#   4. nano-vllm's benchmark against transformers' continuous batching (runner.bench.gpu_bench),
+#   5. nano-vllm's benchmark against transformers' continuous batching (runner.bench.gpu_bench),
 #      decode time beside its memory floor;
-#   5. the host's time per engine step, if time is left.
+#   6. the host's time per engine step, if time is left.
 # Every stage runs under `timeout` (SIGINT first, so pytest still prints its summary and Python a
-# traceback of where it stuck): about 7 minutes in all, under 10 whatever hangs (the last,
-# optional stage only starts before 520 s). Each stage's JSON lands beside the result file, and
+# traceback of where it stuck), and no stage's limit reaches past GPU_CHECK_TOTAL_S (570 s) from
+# the start: about 7 minutes in all, under 10 whatever hangs (a stage with under 20 s left is
+# skipped; the last, optional one only starts before 520 s). Each stage's JSON lands beside the result file, and
 # everything goes to stdout too (the device tool returns the output's tail).
 #
 # usage: scripts/gpu_check.sh [RESULT_FILE]   default: $OUT/gpu_check.txt (else /tmp/...)
@@ -20,9 +23,9 @@
 #            x86-64) of what the engine imports and the H200 image lacks (redis, pyzmq, msgspec)
 #            into .whl/ (add /.whl/ to .git/info/exclude); carry ".whl" in the device run, and
 #            the check installs them into /tmp/site when the engine's imports fail without them.
-# knobs: GPU_CHECK_TESTS_S (150), GPU_CHECK_CASCADE_S (60), GPU_CHECK_SHARED_S (150),
-#        GPU_CHECK_BENCH_S (190), GPU_CHECK_TESTS (the test files),
-#        GPU_CHECK_BENCH_ARGS (extra gpu_bench flags; default "--hf-deadline-s 100"),
+# knobs: GPU_CHECK_TESTS_S (110), GPU_CHECK_ASYNC_S (240), GPU_CHECK_CASCADE_S (45),
+#        GPU_CHECK_SHARED_S (90), GPU_CHECK_BENCH_S (170), GPU_CHECK_TOTAL_S (570), GPU_CHECK_TESTS (the test files),
+#        GPU_CHECK_BENCH_ARGS (extra gpu_bench flags; default "--hf-deadline-s 90"),
 #        PYTHON (default: python3, else python)
 set -u
 cd "$(dirname "$0")/.."
@@ -45,16 +48,18 @@ fi
 RESULT="${1:-${OUT:-/tmp}/gpu_check.txt}"
 mkdir -p "$(dirname "$RESULT")"
 DIR="$(dirname "$RESULT")"
-TESTS_S="${GPU_CHECK_TESTS_S:-150}"
-CASCADE_S="${GPU_CHECK_CASCADE_S:-60}"
-SHARED_S="${GPU_CHECK_SHARED_S:-150}"
-BENCH_S="${GPU_CHECK_BENCH_S:-190}"
+TESTS_S="${GPU_CHECK_TESTS_S:-110}"
+ASYNC_S="${GPU_CHECK_ASYNC_S:-240}"
+CASCADE_S="${GPU_CHECK_CASCADE_S:-45}"
+SHARED_S="${GPU_CHECK_SHARED_S:-90}"
+BENCH_S="${GPU_CHECK_BENCH_S:-170}"
+TOTAL_S="${GPU_CHECK_TOTAL_S:-570}"
 DEFAULT_TESTS="tests/model/test_cuda.py tests/bench/test_gpu_bench.py tests/backends/triton/test_triton_attention.py"
 DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_rms_norm.py"
 DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_shared_prefix.py"
 DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_fused_elementwise.py"
 TESTS="${GPU_CHECK_TESTS:-$DEFAULT_TESTS tests/engine/test_engine_equivalence.py}"
-BENCH_ARGS="${GPU_CHECK_BENCH_ARGS:---hf-deadline-s 100}"
+BENCH_ARGS="${GPU_CHECK_BENCH_ARGS:---hf-deadline-s 90}"
 TOY=""  # the dry run's flags: CPU, toy sizes
 HOST_ARGS="--skip-forward"
 if [ "$DRY" = 1 ]; then
@@ -73,6 +78,11 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PAR
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 START=$(date +%s)
 
+# clip LIMIT_S: the limit cut to what is left of TOTAL_S (0: too little left to start)
+clip() {
+  local left=$((TOTAL_S - ($(date +%s) - START)))
+  if [ "$left" -lt 20 ]; then echo 0; elif [ "$1" -lt "$left" ]; then echo "$1"; else echo "$left"; fi
+}
 section() { printf '\n== %s  (t=%ss)\n' "$1" "$(($(date +%s) - START))"; }
 verdict() { # name, exit code
   case "$2" in
@@ -83,9 +93,14 @@ verdict() { # name, exit code
 }
 # stage NAME LIMIT_S JSON ARGS...: one python -m run under its limit, its JSON shown after it
 stage() {
-  local name="$1" limit="$2" json="$3"
+  local name="$1" limit json="$3"
+  limit=$(clip "$2")
   shift 3
   section "$name (limit ${limit}s)"
+  if [ "$limit" = 0 ]; then
+    echo "-- $name: skipped (under 20 s left of ${TOTAL_S}s)"
+    return
+  fi
   rm -f "$json"
   timeout -s INT -k 15 "$limit" "$PY" "$@" --out "$json"
   verdict "$name" $?
@@ -119,9 +134,24 @@ print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "
 
   section "tests (limit ${TESTS_S}s)"
   # shellcheck disable=SC2086  # TESTS is a list of paths on purpose
-  timeout -s INT -k 15 "$TESTS_S" "$PY" -m pytest -v --tb=short -rs -p no:cacheprovider \
+  timeout -s INT -k 15 "$(clip "$TESTS_S")" "$PY" -m pytest -v --tb=short -rs -p no:cacheprovider \
     --durations=10 $TESTS
   verdict "tests" $?
+
+  # Asynchronous scheduling on CUDA: greedy tokens as the plain loop's, no host sync in an
+  # overlapped step (skipped without CUDA, so the dry run only checks that it starts).
+  limit=$(clip "$ASYNC_S")
+  section "asynchronous scheduling (limit ${limit}s)"
+  if [ "$limit" = 0 ]; then
+    echo "-- async scheduling: skipped (under 20 s left of ${TOTAL_S}s)"
+  else
+    OUT="${OUT:-$DIR}" timeout -s INT -k 15 "$limit" "$PY" -m pytest -q -s -p no:cacheprovider \
+      tests/engine/test_async_scheduling_cuda.py
+    verdict "async scheduling" $?
+  fi
+
+  # More stages (deterministic mode on CUDA, to come) go here, each under `clip` as above, and
+  # GPU_CHECK_TOTAL_S keeps the whole check inside the device tool's 10 minutes.
 
   # shellcheck disable=SC2086  # TOY and BENCH_ARGS are lists of flags on purpose
   stage "cascade cost model" "$CASCADE_S" "$DIR/gpu_cascade.json" -m runner.bench.gpu_cascade $TOY
