@@ -75,10 +75,9 @@ _OPTIONS = [
     click.option(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
-        show_default=True,
+        default=None,  # unset unless given: the engine warns when it is given for the CPU
         help="GPU: the share of the device's memory that the weights, activations and KV pool "
-        "may take; the pool gets what the others leave.",
+        "may take; the pool gets what the others leave [default: 0.9].",
     ),
     click.option(
         "--enforce-eager",
@@ -193,6 +192,8 @@ def engine_config_kwargs(values: dict[str, Any]) -> dict[str, Any]:
             "contradicts --no-prefix-cache", param_hint="--enable-prefix-caching"
         )
     kwargs["enable_prefix_caching"] = not off if enable is None else enable
+    if kwargs.get("gpu_memory_utilization") is None:
+        kwargs.pop("gpu_memory_utilization", None)  # EngineConfig's default
     if kwargs.get("dtype") in _DTYPE_ALIASES:
         kwargs["dtype"] = _DTYPE_ALIASES[kwargs["dtype"]]
     try:

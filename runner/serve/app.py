@@ -1,8 +1,10 @@
-"""The FastAPI app: OpenAI's routes over one engine loop, its error shape for every failure
-(400 naming the field, 401, 404, 408 for a body too slow, 429 with Retry-After, 500, 503 while
-draining), /health, /metrics and /kvcache/info (what the router needs to hash prompts as the
-engine does). With an API key every route but /health needs it; every error text passes
-through the server's Masker."""
+"""The FastAPI app: OpenAI's routes over one engine loop (their bodies in completion_route.py and
+chat_route.py; vLLM's /tokenize, /detokenize, /version and /ping in utility_routes.py; a field
+a request carries that the server does not know logged once and ignored), its error shape for
+every failure (400 naming the field, 401, 404, 408 for a body too slow, 429 with Retry-After,
+500, 503 while draining), /health, /metrics and /kvcache/info (what the router needs to hash
+prompts as the engine does). With an API key every route but /health needs it; every error text
+passes through the server's Masker."""
 
 from __future__ import annotations
 

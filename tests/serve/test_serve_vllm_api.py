@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import click
 import httpx
 import openai
 import pytest
 from click.testing import CliRunner
 
 from kvcache import LLM, SamplingParams
+from runner.cli.engine_options import engine_options
 from runner.serve.command import serve as serve_command
 from tests.serve.conftest import LiveServer, ServeFactory
 
@@ -266,3 +268,29 @@ def wait_until_up(proc: subprocess.Popen[str], url: str) -> None:
                 return
         except httpx.TransportError:
             time.sleep(0.2)
+
+
+def test_the_engine_options_take_vllms_names() -> None:
+    seen: list[dict[str, Any]] = []
+
+    @click.command()
+    @engine_options
+    def command(engine_options: dict[str, Any]) -> None:
+        seen.append(engine_options)
+
+    runner = CliRunner()
+    for args, prefix, dtype in [
+        ([], True, "auto"),
+        (["--no-enable-prefix-caching", "--dtype", "half"], False, "float16"),
+        (["--enable-prefix-caching", "--dtype", "float"], True, "float32"),
+        (["--no-prefix-cache"], False, "auto"),
+    ]:
+        assert runner.invoke(command, args).exit_code == 0
+        assert (seen[-1]["enable_prefix_caching"], seen[-1]["dtype"]) == (prefix, dtype)
+    # Not given, --gpu-memory-utilization is left to the engine (which warns when it is given
+    # on the CPU, where it sizes nothing).
+    assert "gpu_memory_utilization" not in seen[0]
+    assert runner.invoke(command, ["--gpu-memory-utilization", "0.5"]).exit_code == 0
+    assert seen[-1]["gpu_memory_utilization"] == 0.5
+    both = runner.invoke(command, ["--enable-prefix-caching", "--no-prefix-cache"])
+    assert both.exit_code == 2 and "--enable-prefix-caching" in both.output
