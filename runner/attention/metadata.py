@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -23,6 +24,10 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     decode_only: bool  # every query_len == 1
+    # The block tables' host copy [S, max_blocks] int32 (what `block_tables` was uploaded
+    # from), when the runner has one: a backend that plans from the tables (the Triton decode's
+    # shared prefix) reads them here instead of copying them back from the device (a sync).
+    block_tables_host: np.ndarray | None = None
     # Built by the torch path / the CPU kernels on first use, reused by every layer of the step.
     _torch_plan: Any = field(default=None, init=False, repr=False, compare=False)
     # The torch path's plans for sliding windows, by window: its layers may mix several.
@@ -64,16 +69,16 @@ class AttentionMetadata:
         starts = [0]
         for q_len in query_lens:
             starts.append(starts[-1] + q_len)
+        host = np.array(padded, dtype=np.int32).reshape(len(block_tables), width)
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(
-                len(block_tables), width
-            ),
+            block_tables=torch.from_numpy(host.copy()).to(device),
             query_lens=list(query_lens),
             context_lens_host=list(context_lens),
             max_query_len=max(query_lens, default=0),
             max_context_len=max(context_lens, default=0),
             decode_only=all(q == 1 for q in query_lens),
+            block_tables_host=host,
         )

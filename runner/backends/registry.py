@@ -20,26 +20,11 @@ def _cpu() -> AttentionBackend:
 
 
 def _triton() -> AttentionBackend:
-    # Imported on demand: Triton's import is slow, and most CPU runs never need it.
-    from runner.backends.triton.attention import triton_paged_attention
+    # Imported on demand: Triton's import is slow, and most CPU runs never need it. Its decodes
+    # read a shared prefix once where the cost model (cascade_cost.py) says that wins.
+    from runner.backends.triton.attention import triton_backend
 
-    def attend(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-    ) -> torch.Tensor:
-        out: torch.Tensor = triton_paged_attention(
-            q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap
-        )
-        return out
-
-    return AttentionBackend("triton", attend)
+    return triton_backend()
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {

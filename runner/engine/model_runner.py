@@ -109,6 +109,7 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_context_len=max(context_lens),
             decode_only=decode_only,
+            block_tables_host=block_tables,
         )
         return ids, positions_t, meta
 

@@ -17,6 +17,16 @@ once and replays them with one call. A graph replays fixed pointers and fixed la
   one key of a valid block id, left over from an earlier step or 0, so their output is finite
   and is never looked at).
 
+Shared-prefix attention (issue 39) is captured too. Each size that a group can fill (at least
+the cost model's smallest group) gets a second graph whose decode reads its groups' prefixes
+once, over fixed-shape plan buffers (runner/backends/triton/shared_prefix.py: PlanBuffers)
+sized for the most chunks that many rows can form and prefixes as long as max_model_len.
+`run()` plans on the host from the step's own host tables (meta.block_tables_host, never a
+read from the device), and only where the cost model keeps a group does it fill the buffers (one
+non-blocking copy from pinned memory) and replay that graph; any other step replays the plain
+graph, the same kernels as before. The warm-up and capture run with an empty plan (no group:
+every row reads its whole context), so the padding rows' made-up contexts never plan anything.
+
 Only the Triton attention path can be captured (the torch path builds its plan from host lists),
 so the graphs always use it, whatever backend the engine chose for eager steps.
 Without CUDA (tests) `capture()` records nothing and `run()` executes the same padded, fixed-grid
@@ -28,8 +38,15 @@ from __future__ import annotations
 import torch
 
 from kvcache.store import KVStore
+from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
-from runner.backends.registry import attention_backend
+from runner.backends.triton.cascade_cost import DEFAULT_THRESHOLDS, NEVER, CascadeThresholds
+from runner.backends.triton.shared_prefix import (
+    PlanBuffers,
+    SharedPrefixPlan,
+    members_per_chunk,
+    plan_decode_step,
+)
 from runner.model.decoder import CausalLM
 
 # Beyond this many rows a decode step is long enough that launch overhead no longer matters,
@@ -45,6 +62,12 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     if sizes[-1] != top:
         sizes.append(top)
     return sizes
+
+
+def prefix_chunk_capacity(batch_size: int, members: int, min_group: int) -> int:
+    """The most prefix chunks `batch_size` rows can form in groups of at least `min_group`
+    members cut into chunks of `members`: sum ceil(n / members) <= rows / members + groups."""
+    return max(1, min(batch_size, batch_size // members + batch_size // min_group))
 
 
 def greedy_on_device(logits: torch.Tensor) -> torch.Tensor:
@@ -65,9 +88,13 @@ class DecodeGraphs:
         max_model_len: int,
         device: torch.device | str,
         batch_sizes: list[int] | None = None,
+        cascade: CascadeThresholds = DEFAULT_THRESHOLDS,
     ) -> None:
+        # Imported here: Triton's import is slow, and a CPU engine builds no graphs.
+        from runner.backends.triton.attention import triton_backend
+
         self.model = model
-        self.attention = attention_backend("triton")
+        self.attention = triton_backend(NEVER)  # the plain graphs: no shared prefix
         self.kv = kv
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -92,9 +119,34 @@ class DecodeGraphs:
         # first bs rows): one vocab-sized buffer instead of one per captured size.
         self.logits = torch.zeros((self.max_bs, model.vocab_size), dtype=torch.float32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Shared-prefix graphs, at each size a group the cost model keeps can fill.
+        self.cascade = cascade
+        self.num_q_heads = int(model.config.num_attention_heads)
+        self.members = members_per_chunk(self.num_q_heads // kv.num_kv_heads, kv.dtype)
+        min_group = max(2, cascade.min_group_size)
+        planning = cascade.min_prefix_tokens < max_model_len and self.max_bs >= min_group
+        self.plans: dict[int, PlanBuffers] = {
+            bs: PlanBuffers(
+                bs,
+                self.members,
+                prefix_chunk_capacity(bs, self.members, min_group),
+                self.max_blocks_per_seq,
+                block_size,
+                dev,
+            )
+            for bs in self.batch_sizes
+            if planning and bs >= min_group
+        }
+        self.prefix_attention: dict[int, AttentionBackend] = {
+            bs: triton_backend(NEVER, shared_prefix=buffers.plan)
+            for bs, buffers in self.plans.items()
+        }
+        self.prefix_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.captured = False
         # Steps run through run(): lets tests and the bench tell "captured" from "used".
         self.num_replays = 0
+        self.num_prefix_replays = 0  # of those, steps that read shared prefixes once
+        self.last_plan: SharedPrefixPlan | None = None  # the last step's plan (None: plain)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         """Metadata over the first bs static rows, with the fixed (max_model_len) decode grid."""
@@ -110,10 +162,12 @@ class DecodeGraphs:
             decode_only=True,
         )
 
-    def _step(self, bs: int) -> None:
-        """The decode step over the first bs static rows; writes self.logits[:bs]."""
+    def _step(self, bs: int, prefix: bool = False) -> None:
+        """The decode step over the first bs static rows, reading shared prefixes by the size's
+        plan buffers when `prefix`; writes self.logits[:bs]."""
+        attention = self.prefix_attention[bs] if prefix else self.attention
         hidden = self.model(
-            self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv, self.attention
+            self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv, attention
         )
         self.logits[:bs].copy_(self.model.compute_logits(hidden))  # [bs, vocab]
 
@@ -129,12 +183,17 @@ class DecodeGraphs:
         self.context_lens.fill_(1)
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.batch_sizes):
-            self._step(bs)  # warm-up: compiles the Triton kernels, sets up cuBLAS, off-graph
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._step(bs)
-            self.graphs[bs] = graph
+            # The plain graph, then (where a group fits) the shared-prefix one over its empty
+            # plan buffers: each warm-up compiles the kernels and sets up cuBLAS off-graph.
+            for prefix, graphs in ((False, self.graphs), (True, self.prefix_graphs)):
+                if prefix and bs not in self.plans:
+                    continue
+                self._step(bs, prefix)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._step(bs, prefix)
+                graphs[bs] = graph
         torch.cuda.synchronize(self.device)
         self.captured = True
 
@@ -174,9 +233,32 @@ class DecodeGraphs:
         if size > bs:  # padding rows: write no K/V, attend to one key
             self.slot_mapping[bs:size].fill_(-1)
             self.context_lens[bs:size].fill_(1)
+        plan = self._plan(size, meta)
+        self.last_plan = None if plan is None else self.plans[size].fill(plan)
+        prefix = plan is not None
         if self.use_graphs:
-            self.graphs[size].replay()
+            (self.prefix_graphs if prefix else self.graphs)[size].replay()
         else:
-            self._step(size)
+            self._step(size, prefix)
         self.num_replays += 1
+        self.num_prefix_replays += prefix
         return self.logits[:bs]
+
+    def _plan(self, size: int, meta: AttentionMetadata) -> SharedPrefixPlan | None:
+        """The step's shared-prefix plan on the host, from its host block tables, where the
+        cost model keeps a group and the plan fits the size's buffers; else None (plain)."""
+        buffers = self.plans.get(size)
+        if buffers is None or meta.block_tables_host is None:
+            return None
+        plan = plan_decode_step(
+            torch.from_numpy(meta.block_tables_host),
+            meta.context_lens_host,
+            self.block_size,
+            self.num_q_heads,
+            self.kv.num_kv_heads,
+            self.kv.head_dim,
+            self.kv.dtype,
+            "cpu",
+            self.cascade,
+        )
+        return plan if plan is not None and buffers.fits(plan) else None

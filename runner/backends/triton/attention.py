@@ -11,8 +11,10 @@ optional sliding window (and then load only the keys inside it) and an optional 
 A decode-only step whose sequences share leading blocks can read each group's prefix once
 (shared-prefix attention: runner/backends/triton/shared_prefix.py), where the cost model
 (cascade_cost.py) says it saves enough; the plan is built once a step, on its first layer, from
-a host copy of the block tables. It is opt-in (triton_backend(thresholds)) for eager steps; a
-step being captured in a CUDA graph never plans (a graph holds no host sync).
+the host copy of the block tables the runner uploaded them from (meta.block_tables_host: no
+device read). The registry's "triton" backend plans by the default thresholds; a step without
+host tables (a decode graph's static metadata) or being captured never plans, and a decode graph
+gets its plan from runner/model/cuda_graphs.py instead (`shared_prefix=`, its static tensors).
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors
 (runner/backends/triton/common.py).
@@ -139,6 +141,7 @@ def triton_paged_attention(
     softcap: float | None = None,
     partition_size: int | None = None,
     cascade: CascadeThresholds = NEVER,
+    shared_prefix: SharedPrefixPlan | None = None,
 ) -> torch.Tensor:
     """Same contract as `paged_attention(..., backend="triton")`.
 
@@ -167,10 +170,11 @@ def triton_paged_attention(
     same way (a runtime float plus a constexpr flag), so softcap=None costs nothing either.
 
     `partition_size` overrides the decode split-K partition length (keys per program).
-    `cascade` holds the cost model's thresholds for reading a shared prefix once: NEVER (the
-    default, and the registry's "triton" backend) until the decode graphs capture the plan,
-    since their warm-up step runs eagerly over padding rows whose host contexts are not real;
-    triton_backend() gives an engine the cost model's choice for its eager decodes.
+    `cascade` holds the cost model's thresholds for reading a shared prefix once (NEVER, the
+    default here: never; the registry's "triton" backend passes DEFAULT_THRESHOLDS); a decode
+    plans only from `meta.block_tables_host`. `shared_prefix` is a plan given as it is (a
+    decode graph's static one, refilled before each replay): it replaces the planning, and
+    a step with no group in it reads every context whole, as the plain kernel does.
     """
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window} must be at least 1")
@@ -178,7 +182,7 @@ def triton_paged_attention(
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.decode_only:
         kwargs = {} if partition_size is None else {"partition_size": partition_size}
-        plan = step_shared_prefix(meta, q, k_cache, cascade)
+        plan = shared_prefix or step_shared_prefix(meta, q, k_cache, cascade)
         uncut = window is None or window >= meta.max_context_len  # a window could hide it all
         return decode_attention(
             q,
@@ -218,9 +222,10 @@ def step_shared_prefix(
     meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, thresholds: CascadeThresholds
 ) -> SharedPrefixPlan | None:
     """The decode step's shared-prefix plan, built on its first layer and kept on `meta` for the
-    others; None while a CUDA graph is being captured (no host copy may happen there) or when
-    the cost model keeps no group."""
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+    others; None without the host's block tables (they are never read back from the device),
+    while a CUDA graph is being captured (its plan comes from the graph's buffers), or when the
+    cost model keeps no group."""
+    if meta.block_tables_host is None or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     key = (thresholds, block_size, q.shape[1], num_kv_heads, head_dim, k_cache.dtype)
@@ -231,9 +236,9 @@ def step_shared_prefix(
     plan = None
     if meta.num_seqs >= max(2, thresholds.min_group_size) and (
         meta.max_context_len > thresholds.min_prefix_tokens
-    ):  # only then is the host copy of the tables (a sync on a GPU) worth making
+    ):  # only then can a group pass the cost model: skip the grouping's host work
         plan = plan_decode_step(
-            meta.block_tables.cpu(),
+            torch.from_numpy(meta.block_tables_host),
             meta.context_lens_host,
             block_size,
             q.shape[1],
@@ -247,9 +252,12 @@ def step_shared_prefix(
     return plan
 
 
-def triton_backend(cascade: CascadeThresholds = DEFAULT_THRESHOLDS) -> AttentionBackend:
+def triton_backend(
+    cascade: CascadeThresholds = DEFAULT_THRESHOLDS, shared_prefix: SharedPrefixPlan | None = None
+) -> AttentionBackend:
     """The Triton attention as a backend whose decodes read shared prefixes by `cascade`'s
-    thresholds (NEVER: a baseline without, ALWAYS: every group found)."""
+    thresholds (NEVER: a baseline without, ALWAYS: every group found), or by the fixed plan
+    `shared_prefix` (a decode graph's static tensors, filled before each replay)."""
 
     def attend(
         q: torch.Tensor,
@@ -263,7 +271,8 @@ def triton_backend(cascade: CascadeThresholds = DEFAULT_THRESHOLDS) -> Attention
         softcap: float | None,
     ) -> torch.Tensor:
         return triton_paged_attention(
-            q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap, cascade=cascade
-        )
+            q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
+            cascade=cascade, shared_prefix=shared_prefix,
+        )  # fmt: skip
 
     return AttentionBackend("triton", attend)

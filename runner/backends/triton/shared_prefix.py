@@ -74,6 +74,83 @@ class SharedPrefixPlan:
         other.chunk_tables[:c, :p].copy_(self.chunk_tables, non_blocking=True)
 
 
+class PlanBuffers:
+    """A decode graph's fixed-shape plan: the four plan tensors as views of one flat int32
+    device buffer, so that a step's plan (built on the host) goes over in one non-blocking copy
+    from pinned memory before the replay. A pageable copy could wait for the step in flight
+    (asynchronous scheduling, runner/engine/overlap.py); torch's pinned allocator keeps each
+    step's staging buffer until its copy has run, so a later step never overwrites it early."""
+
+    ALIGN = 64  # int32 elements (256 bytes) between the views: aligned as fresh allocations
+
+    def __init__(
+        self,
+        num_seqs: int,
+        members: int,
+        chunks: int,
+        blocks: int,
+        block_size: int,
+        device: torch.device | str,
+    ) -> None:
+        self.shape = (num_seqs, members, chunks, blocks)
+        sizes = [num_seqs, chunks, chunks * members, chunks * blocks]
+        self.offsets: list[int] = []
+        total = 0
+        for n in sizes:
+            self.offsets.append(total)
+            total += -(-n // self.ALIGN) * self.ALIGN
+        self.device = torch.device(device)
+        self.flat = torch.zeros(total, dtype=torch.int32, device=self.device)
+        self.plan = self._views(self.flat, block_size)
+        self.plan.chunk_seqs.fill_(-1)
+
+    def _views(self, flat: torch.Tensor, block_size: int) -> SharedPrefixPlan:
+        s, m, c, p = self.shape
+        o = self.offsets
+        return SharedPrefixPlan(
+            seq_prefix_lens=flat[o[0] : o[0] + s],
+            chunk_prefix_lens=flat[o[1] : o[1] + c],
+            chunk_seqs=flat[o[2] : o[2] + c * m].view(c, m),
+            chunk_tables=flat[o[3] : o[3] + c * p].view(c, p),
+            max_prefix_len=p * block_size,  # the prefix pass's grid covers the widest prefix
+            groups=[],
+            chunks_per_group=[],
+            prefix_lens=[],
+        )
+
+    def fits(self, plan: SharedPrefixPlan) -> bool:
+        """Whether a host-built plan fits these buffers (rows, members, chunks, blocks)."""
+        s, m, c, p = self.shape
+        rows, width = plan.chunk_tables.shape
+        return (
+            plan.seq_prefix_lens.shape[0] <= s
+            and plan.members_per_chunk == m
+            and rows <= c
+            and width <= p
+        )
+
+    def fill(self, plan: SharedPrefixPlan) -> SharedPrefixPlan:
+        """Queue `plan` (CPU tensors, `fits`) into the device buffers; every row, chunk and
+        block past it becomes empty (prefix length 0, no member). Returns the device plan, with
+        `plan`'s host copies (groups, prefix lengths) for byte counts."""
+        if not self.fits(plan):
+            raise ValueError(f"plan {tuple(plan.chunk_tables.shape)} does not fit {self.shape}")
+        pinned = self.device.type == "cuda"
+        host = torch.zeros(self.flat.shape[0], dtype=torch.int32, pin_memory=pinned)
+        view = self._views(host, 1)
+        view.chunk_seqs.fill_(-1)
+        rows, width = plan.chunk_tables.shape
+        view.seq_prefix_lens[: plan.seq_prefix_lens.shape[0]] = plan.seq_prefix_lens
+        view.chunk_prefix_lens[:rows] = plan.chunk_prefix_lens
+        view.chunk_seqs[:rows] = plan.chunk_seqs
+        view.chunk_tables[:rows, :width] = plan.chunk_tables
+        self.flat.copy_(host, non_blocking=True)
+        self.plan.groups = plan.groups
+        self.plan.chunks_per_group = plan.chunks_per_group
+        self.plan.prefix_lens = plan.prefix_lens
+        return self.plan
+
+
 def build_shared_prefix_plan(
     groups: list[PrefixGroup],
     num_seqs: int,
