@@ -135,11 +135,14 @@ class CausalLM(nn.Module):
         if stack is not None and stack.takes(kv):
             h = stack.run(h, cos, sin, meta, kv, by_type)
         else:
+            # On a GPU the Triton backend's steps also fuse the layers' elementwise work
+            # (runner/backends/triton/fused_elementwise.py): fewer kernels a step.
+            fused = attention.name == "triton" and h.is_cuda
             for i, layer in enumerate(self.layers):
                 k_cache, v_cache = kv.layer(i)
                 kind = self.layer_rope_types[i]
                 c, s = (cos, sin) if kind is None else by_type[kind]
-                h = layer(h, c, s, meta, k_cache, v_cache, attention.attend)
+                h = layer(h, c, s, meta, k_cache, v_cache, attention.attend, fused)
         out: torch.Tensor = self.norm(h)
         return out
 

@@ -125,11 +125,16 @@ class MLP(nn.Module):
         # for bit).
         self.kernels: CpuKernels | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """`fused`: SiLU(gate) * up in one Triton kernel (a GPU step with Triton attention)."""
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         silu = self.activation == "silu"
         kernels = self.kernels
-        if kernels is not None and kernels.rowwise_supported(gate_up, self.intermediate):
+        if fused and silu and gate_up.dim() == 2:
+            from runner.backends.triton.fused_elementwise import silu_mul
+
+            act = silu_mul(gate_up)  # one kernel for the split, the SiLU and the product
+        elif kernels is not None and kernels.rowwise_supported(gate_up, self.intermediate):
             act = kernels.silu_and_mul(gate_up) if silu else kernels.gelu_tanh_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
@@ -157,11 +162,20 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attend: Attend,
+        fused: bool = False,
     ) -> torch.Tensor:
+        """`fused` (a GPU step with Triton attention): the residual add and the norm after
+        it in one Triton kernel, SiLU(gate) * up in another; the same roundings as torch's."""
         m = self.residual_multiplier
         x = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, attend)
-        h = (x if m == 1.0 else x.mul_(m)).add_(h)  # x is a fresh tensor: in place is safe
-        x = self.mlp(self.post_attention_layernorm(h))
+        x = x if m == 1.0 else x.mul_(m)  # x is a fresh tensor: in place is safe
+        norm = self.post_attention_layernorm
+        if fused and norm.fusable(x):
+            normed, h = norm.add_forward(x, h)
+        else:
+            h = x.add_(h)
+            normed = norm(h)
+        x = self.mlp(normed, fused)
         return (x if m == 1.0 else x.mul_(m)).add_(h)
 
 
@@ -185,10 +199,11 @@ class PostNormLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attend: Attend,
+        fused: bool = False,
     ) -> torch.Tensor:
         x = self.self_attn(h, cos, sin, meta, k_cache, v_cache, attend)
         h = self.post_attention_layernorm(x).add_(h)  # a norm's output is fresh: in place
-        return self.post_feedforward_layernorm(self.mlp(h)).add_(h)
+        return self.post_feedforward_layernorm(self.mlp(h, fused)).add_(h)
 
 
 class SandwichNormLayer(nn.Module):
@@ -214,8 +229,9 @@ class SandwichNormLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attend: Attend,
+        fused: bool = False,
     ) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, attend)
         h = self.post_attention_layernorm(x).add_(h)  # a norm's output is fresh: in place
-        x = self.mlp(self.pre_feedforward_layernorm(h))
+        x = self.mlp(self.pre_feedforward_layernorm(h), fused)
         return self.post_feedforward_layernorm(x).add_(h)

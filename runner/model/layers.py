@@ -56,6 +56,29 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), self.scale(), self.eps)
         return self.torch_path(x)
 
+    def fusable(self, x: torch.Tensor) -> bool:
+        """Whether `add_forward` can take x: one dtype throughout (or a float32 scale applied
+        before rounding, as OLMo 2 and Gemma do) and no CPU kernels in charge."""
+        return self.kernels is None and (self.scale_in_float32 or self.weight.dtype == x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual) in one Triton kernel (`fusable` first): the
+        residual add folded into this norm, with the sum rounded to x's dtype as torch's add
+        rounds it (runner/backends/triton/fused_elementwise.py). Triton is needed on GPUs only."""
+        from runner.backends.triton.fused_elementwise import add_rms_norm
+
+        shape = x.shape
+        out, total = add_rms_norm(
+            x.reshape(-1, shape[-1]),
+            residual.reshape(-1, shape[-1]),
+            self.scale(),
+            self.eps,
+            self.scale_in_float32,
+        )
+        return out.view(shape), total.view(shape)
+
     def torch_path(self, x: torch.Tensor) -> torch.Tensor:
         """transformers' order of operations, in torch: normalise in float32, then round to
         the input dtype and scale (or scale in float32, then round). The reference of the

@@ -11,8 +11,10 @@ activations on a GPU:
 
 Both keep torch's order of operations and roundings (the norm's through rms_norm.py's rounding
 helper), so they equal the torch path within one unit in the last place (the sum of squares is
-added in another order). The model's layers do not call them yet: wiring them into
-runner/model/decoder_layers.py, then measuring the graph's kernel count, is the next step.
+added in another order). The model's layers call them in a GPU step with Triton attention
+(CausalLM.forward passes `fused`): DecoderLayer folds its residual add into the MLP's norm
+(RMSNorm.add_forward) and the MLP runs silu_mul; the post-norm and sandwich layers only the
+latter. The add before the next layer's input norm stays unfused (it crosses layers).
 """
 
 from __future__ import annotations

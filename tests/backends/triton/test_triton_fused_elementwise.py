@@ -4,14 +4,22 @@ last place, nearly all values equal. In Triton's interpreter on the CPU; on a GP
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from kvcache.store import KVStore
+from runner.attention.backend import TORCH_ATTENTION
+from runner.attention.metadata import AttentionMetadata
+from runner.backends.triton.common import interpreting
 from runner.backends.triton.fused_elementwise import add_rms_norm, silu_mul
 from runner.model.layers import RMSNorm
+from runner.model.loader import load_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -69,3 +77,42 @@ def test_bad_shapes_and_no_rows() -> None:
     empty = x[:0]
     assert add_rms_norm(empty, empty, scale, 1e-6, False)[0].shape == (0, 16)
     assert silu_mul(empty).shape == (0, 8)
+
+
+@pytest.mark.skipif(
+    DEVICE == "cpu" and not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1"
+)
+@pytest.mark.parametrize(("arch", "dtype"), [("qwen3", torch.float32), ("llama", torch.bfloat16)])
+def test_decoder_layer_fused_equals_unfused(
+    make_tiny_model: Callable[..., Path], arch: str, dtype: torch.dtype
+) -> None:
+    """A decoder layer's forward with `fused` (the residual add folded into the MLP's norm,
+    SiLU * up in one kernel: what a GPU step with Triton attention runs) against the same layer
+    unfused, over a prefill of 5 tokens then a decode of 2 sequences."""
+    model = load_model(make_tiny_model(arch), device=DEVICE, dtype=dtype).model
+    layer = model.layers[0]
+    kv = KVStore(1, 8, 4, model.num_kv_heads, model.head_dim, dtype, DEVICE)
+    gen = torch.Generator().manual_seed(1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for query_lens, ctxs, tables in (([5], [5], [[1, 2]]), ([1, 1], [6, 3], [[1, 2], [3]])):
+        meta = AttentionMetadata.build(query_lens, ctxs, tables, 4, DEVICE)
+        t = sum(query_lens)
+        h = torch.randn(t, model.hidden_size, generator=gen).to(dtype).to(DEVICE)
+        pos = torch.tensor(
+            [c - q + i for q, c in zip(query_lens, ctxs, strict=True) for i in range(q)],
+            device=DEVICE,
+        )
+        cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+        outs = []
+        for fused in (False, True):
+            k_cache, v_cache = (c.clone() for c in kv.layer(0))
+            with torch.inference_mode():
+                outs.append(
+                    layer(
+                        h.clone(), cos, sin, meta, k_cache, v_cache, TORCH_ATTENTION.attend, fused
+                    )
+                )
+        kv.layer(0)[0].copy_(k_cache)
+        kv.layer(0)[1].copy_(v_cache)
+        torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+        assert not torch.equal(outs[0], h)  # the layer did change the stream
