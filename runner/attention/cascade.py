@@ -84,9 +84,12 @@ def find_prefix_groups(
     at least `min_tokens` tokens. A bucket whose common run is too short forms no group; the
     backends read those members' contexts whole, as any other sequence's."""
     buckets: dict[int, list[int]] = {}
-    for s, (q_len, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
+    # One host list of first blocks: indexing the tensor row by row costs ~1 us a row, and this
+    # runs every decode step (256 rows: ~0.8 ms against ~0.05 ms).
+    firsts = tables[:, 0].tolist() if tables.shape[1] else [0] * len(context_lens)
+    for s, (q_len, ctx, first) in enumerate(zip(query_lens, context_lens, firsts, strict=True)):
         if q_len and ctx - q_len >= block_size:  # a whole block before its first query
-            buckets.setdefault(int(tables[s, 0]), []).append(s)
+            buckets.setdefault(first, []).append(s)
     groups: list[PrefixGroup] = []
     for members in buckets.values():
         if len(members) < 2:
