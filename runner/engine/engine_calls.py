@@ -16,6 +16,7 @@ from runner.engine.core import Engine
 from runner.engine.interface import CachedPrefix, InstalledBlocks, KVPool, QueueDepth
 from runner.engine.kv_transfer import read_blocks
 from runner.engine.lock import locked
+from runner.engine.sequence import Sequence
 from runner.engine.streaming import TextStream
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams
@@ -35,6 +36,9 @@ class EngineCalls(Engine):
 
     def text_stream(self, skip_special_tokens: bool = True) -> TextStream:
         return TextStream(self.stopper, skip_special_tokens)
+
+    def output_text(self, seq: Sequence) -> str:
+        return self.stopper.output_text(seq)
 
     @property
     def metrics_t0(self) -> float:

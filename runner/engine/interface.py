@@ -179,6 +179,10 @@ class EngineInterface(Protocol):
     def text_stream(self, skip_special_tokens: bool = True) -> TextStream:
         """A fresh incremental detokenizer for one sample's streamed text."""
 
+    def output_text(self, seq: Seq) -> str:
+        """A sample's text as its output carries it: decoded, cut before a stop string (what a
+        stream's last delta completes). Pure."""
+
     # -- reports (pure) ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """The cache's counters, the pool's state, hit rate, preemptions, speculation."""

@@ -18,6 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from runner.engine.interface import EngineInterface
+from runner.sampling.params import SamplingParams
 from runner.serve.auth import ALL_BUT_HEALTH, require_api_key
 from runner.serve.body_deadline import BodyDeadline
 from runner.serve.calls import CallError
@@ -40,7 +42,7 @@ from runner.serve.utility_routes import add_utility_routes
 __all__ = ["ServeSettings", "ServerState", "build_app"]
 
 
-def build_app(llm: Any, settings: ServeSettings) -> FastAPI:
+def build_app(llm: EngineInterface, settings: ServeSettings) -> FastAPI:
     """The app over `llm`, whose engine loop runs from the app's startup to its shutdown."""
     metrics = ServeMetrics(settings.model_name, llm.max_model_len)
     renderer = ChatRenderer(llm.apply_chat_template, settings.template_bounds)
@@ -103,26 +105,18 @@ def _info(state: ServerState) -> dict[str, Any]:
         "max_model_len": llm.max_model_len,
         "enable_prefix_caching": llm.config.enable_prefix_caching,
         # Where it publishes its KV events (None: it does not), for `kvcache router --kv-events`
-        "kv_events": (pub := getattr(llm, "kv_events", None)) and pub.endpoints(),
+        "kv_events": llm.kv_event_endpoints(),
     }
 
 
-async def admit(state: ServerState, body: SamplingFields, prompts: int) -> Any:
-    """`_admit`, with the fields checked on a worker thread: a request at the fields' bounds
-    (thousands of logit_bias keys, hundreds of stop strings) does not hold up the event
-    loop, and with it every stream and /health."""
-    _check_admission(state, body, prompts)
-    params = await asyncio.to_thread(_sampling_params, body)
-    _check_queue(state, body, prompts)
-    return params
-
-
-def _admit(state: ServerState, body: SamplingFields, prompts: int) -> Any:
+async def admit(state: ServerState, body: SamplingFields, prompts: int) -> SamplingParams:
     """The call's SamplingParams, if the server takes it now: 503 while draining, 404 for
     another model, 400 for a bad value or for more samples than the queue could ever hold,
-    429 past the queue's bound (checked on the calling thread; `admit` is the async one)."""
+    429 past the queue's bound. The fields are checked on a worker thread: a request at the
+    fields' bounds (thousands of logit_bias keys, hundreds of stop strings) does not hold up
+    the event loop, and with it every stream and /health."""
     _check_admission(state, body, prompts)
-    params = _sampling_params(body)
+    params = await asyncio.to_thread(_sampling_params, body)
     _check_queue(state, body, prompts)
     return params
 
@@ -154,7 +148,7 @@ def _check_admission(state: ServerState, body: SamplingFields, prompts: int) -> 
         raise CallError(400, message, "invalid_request_error", "n" if prompts == 1 else "prompt")
 
 
-def _sampling_params(body: SamplingFields) -> Any:
+def _sampling_params(body: SamplingFields) -> SamplingParams:
     try:
         return body.sampling_params()
     except ValueError as err:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.middleware.base import RequestResponseEndpoint
 
 from runner.serve.responses import error_body
 
@@ -67,7 +67,7 @@ def require_api_key(app: FastAPI, key: str | None, guarded: Guarded = V1_ROUTES)
         raise ValueError("api_key is empty: give a key, or None for no key")
 
     @app.middleware("http")
-    async def api_key(request: Request, call_next: Any) -> Response:
+    async def api_key(request: Request, call_next: RequestResponseEndpoint) -> Response:
         if guarded.needs_key(request.url.path):
             if not key_matches(request.headers.get("authorization"), key):
                 return unauthorized()

@@ -20,8 +20,8 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
 
+from runner.engine.interface import EngineInterface
 from runner.engine.outputs import RequestOutput
 from runner.engine.sequence import Sequence
 from runner.engine.streaming import TextStream
@@ -49,6 +49,19 @@ class _Tracked:
     last_token: dict[int, float] = field(default_factory=dict)  # per sequence: its latest
 
 
+@dataclass(frozen=True)
+class _Add:
+    """A submission in the inbox, with its handler's sink and its arrival."""
+
+    sub: Submission
+    sink: Sink
+    arrival: float  # time.perf_counter
+
+
+# What the inbox carries: a submission, request ids to abort, or None to wake the loop (stop).
+_Command = _Add | list[str] | None
+
+
 class EngineLoop:
     """Owns `llm` from `start` to `stop`: nothing else may call it meanwhile. Its chat
     templates are rendered by `renderer`, on threads of its own (runner/serve/templates.py),
@@ -57,7 +70,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        llm: Any,
+        llm: EngineInterface,
         metrics: ServeMetrics,
         renderer: ChatRenderer | None = None,
         masker: Masker | None = None,
@@ -66,7 +79,7 @@ class EngineLoop:
         self._metrics = metrics
         self.renderer = renderer or ChatRenderer(llm.apply_chat_template)
         self._masker = masker or Masker()
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._live: dict[str, _Tracked] = {}  # the loop thread's own
         self._pending_lock = threading.Lock()
         self._pending = 0  # submissions in the inbox
@@ -75,12 +88,13 @@ class EngineLoop:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._outbox: list[tuple[Sink, Event]] = []  # the loop thread's, until _flush
         self._thread = threading.Thread(target=self._run, name="kvcache-engine-loop", daemon=True)
+        self._pool = llm.kv_pool()
         metrics.describe_cache(
             CacheConfig(
-                llm.config.block_size,
-                llm.block_manager.num_blocks,
+                self._pool.block_size,
+                self._pool.num_blocks,
                 llm.config.enable_prefix_caching,
-                llm.kv.dtype_name,
+                self._pool.dtype_name,
             )
         )
 
@@ -94,7 +108,7 @@ class EngineLoop:
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what still runs (each request's sink gets its Done, "abort") and end."""
         self._stop.set()
-        self._inbox.put(("wake", None))
+        self._inbox.put(None)
         self._thread.join(timeout)
         self.renderer.close()
 
@@ -104,11 +118,11 @@ class EngineLoop:
             self._pending += sum(_samples(sub) for sub in submissions)
         now = time.perf_counter()  # the requests' arrival, as their latencies count it
         for sub in submissions:
-            self._inbox.put(("add", (sub, sink, now)))
+            self._inbox.put(_Add(sub, sink, now))
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests and free their blocks; their sinks hear nothing more."""
-        self._inbox.put(("abort", list(request_ids)))
+        self._inbox.put(list(request_ids))
 
     def queued(self) -> int:
         """Samples not yet admitted to the batch (a request of n samples counts n): in the
@@ -163,11 +177,10 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            kind, value = command
-            if kind == "add":
-                self._add(*value)
-            elif kind == "abort":
-                for request_id in value:
+            if isinstance(command, _Add):
+                self._add(command.sub, command.sink, command.arrival)
+            elif command is not None:  # request ids to abort
+                for request_id in command:
                     tracked = self._live.pop(request_id, None)
                     if tracked is not None:
                         self._llm.abort_request(request_id)
@@ -183,13 +196,14 @@ class EngineLoop:
         """The gauges as the engine is now: its batch, its queue and its pool."""
         llm = self._llm
         with llm.lock:
-            self._waiting = len(llm.scheduler.waiting)
+            depth = llm.queue_depth()
+            self._waiting = depth.waiting
             self._metrics.on_step(
-                len(llm.scheduler.running),
+                depth.running,
                 self.queued(),
-                llm.block_manager.stats,
-                llm.block_manager.num_blocks,
-                llm.scheduler.num_preemptions,
+                llm.cache_stats(),
+                self._pool.num_blocks,
+                depth.preemptions,
             )
 
     def _add(self, sub: Submission, sink: Sink, arrival: float) -> None:
@@ -218,10 +232,10 @@ class EngineLoop:
                 log.error("request %s: its on_queued hook failed\n%s", sub.request_id, trace)
         tracked = _Tracked(sub.index, sink, seqs, arrival)
         for s in seqs:
-            tracked.texts[s.seq_id] = TextStream(llm.stopper, s.params.skip_special_tokens)
+            tracked.texts[s.seq_id] = llm.text_stream(s.params.skip_special_tokens)
             tracked.sent[s.seq_id] = 0
         self._live[sub.request_id] = tracked
-        self._waiting = len(llm.scheduler.waiting)
+        self._waiting = llm.queue_depth().waiting
         self._deliver(sink, Accepted(sub.index))
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
@@ -231,7 +245,7 @@ class EngineLoop:
             for live in self._live.values():
                 self._deltas(live, now)
             self._update_gauges()
-            self._metrics.on_iteration(llm.scheduler.last_step_tokens)
+            self._metrics.on_iteration(llm.queue_depth().last_step_tokens)
         for output in outputs:
             tracked = self._live.pop(output.request_id, None)
             if tracked is None:
@@ -254,7 +268,6 @@ class EngineLoop:
         self._metrics.on_end(end)
 
     def _deltas(self, tracked: _Tracked, now: float) -> None:
-        stopper = self._llm.stopper
         for seq in tracked.seqs:
             sent = tracked.sent[seq.seq_id]
             new_tokens = seq.output_token_ids[sent:]
@@ -263,7 +276,7 @@ class EngineLoop:
             stream = tracked.texts[seq.seq_id]
             tracked.sent[seq.seq_id] = sent + len(new_tokens)
             if seq.is_finished:
-                text = stream.final_delta(stopper.output_text(seq))
+                text = stream.final_delta(self._llm.output_text(seq))
                 tracked.ended.add(seq.seq_id)
             else:
                 text = stream.settled_delta(seq)

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.engine.outputs import RequestOutput
 from runner.sampling.logprobs import TokenLogprobs
 from runner.serve.tool_answers import ToolPlan, finish_reason
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def error_body(message: str, kind: str, param: str | None = None, code: Any = None) -> dict:
+
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error object: {"error": {message, type, param, code}}."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -46,7 +51,7 @@ def usage_of(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
 class LogprobFormat:
     """Token strings for log-probabilities, decoded one token at a time."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
 
     def prompt_text(self, output: RequestOutput) -> str:
@@ -211,13 +216,21 @@ def chat_response(
 
 
 def completion_chunk(
-    call_id: str, model: str, created: int, choices: list[dict[str, Any]], usage: Any = None
+    call_id: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return _chunk("text_completion", call_id, model, created, choices, usage)
 
 
 def chat_chunk(
-    call_id: str, model: str, created: int, choices: list[dict[str, Any]], usage: Any = None
+    call_id: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return _chunk("chat.completion.chunk", call_id, model, created, choices, usage)
 
@@ -228,10 +241,16 @@ def _chunk(
     model: str,
     created: int,
     choices: list[dict[str, Any]],
-    usage: Any,
+    usage: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """One streamed chunk in OpenAI's shape; the usage only where it is sent (the last)."""
-    chunk = {"id": call_id, "object": kind, "created": created, "model": model, "choices": choices}
+    chunk: dict[str, Any] = {
+        "id": call_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
     if usage is not None:
         chunk["usage"] = usage
     return chunk

@@ -8,9 +8,9 @@ import signal
 import threading
 import time
 from types import FrameType
-from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
 from runner.serve.app import ServerState
 
@@ -41,7 +41,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(app: Any, host: str, port: int, drain_timeout_s: float) -> None:
+def run_server(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> None:
     """Serve `app` (from build_app) on host:port until SIGTERM (drained) or Ctrl-C."""
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from runner.engine.interface import EngineInterface
 from runner.serve.engine_loop import EngineLoop
 from runner.serve.masking import Masker
 from runner.serve.messages import unknown_fields
@@ -44,7 +45,7 @@ class ServeSettings:
 class ServerState:
     """What the routes share: the engine loop, its metrics, and whether the server drains."""
 
-    llm: Any
+    llm: EngineInterface
     settings: ServeSettings
     engine: EngineLoop
     metrics: ServeMetrics

@@ -34,7 +34,7 @@ RENDER_THREADS = 2
 YIELD_EVERY = 64  # template lines between two hand-overs of the interpreter's lock
 
 Messages = list[dict[str, Any]]
-Render = Callable[[Messages, Mapping[str, Any] | None], str]
+Render = Callable[[Messages, dict[str, Any] | None], str]  # the engine's apply_chat_template
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class ChatRenderer:
         previous = sys.gettrace()
         sys.settrace(_tracer(time.monotonic() + bounds.time_s, bounds))
         try:
-            text = self.render(messages, template_kwargs)
+            text = self.render(messages, None if template_kwargs is None else dict(template_kwargs))
         except _OverBound as over:
             raise ValueError(str(over)) from None
         finally:

@@ -6,7 +6,7 @@ requests, 503 while it drains)."""
 from __future__ import annotations
 
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -15,6 +15,9 @@ from pydantic import Field
 from runner.serve.calls import CallError
 from runner.serve.messages import ChatMessage, JsonObject, Lenient, template_messages
 from runner.serve.state import ServerState
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class TokenizeRequest(Lenient):
@@ -76,15 +79,16 @@ def add_utility_routes(app: FastAPI, state: ServerState) -> None:
         return {"prompt": str(tokenizer.decode(body.tokens))}
 
 
-def _tokenizer(state: ServerState, model: str | None) -> Any:
+def _tokenizer(state: ServerState, model: str | None) -> PreTrainedTokenizerBase:
     """The model's tokenizer, after the checks every route makes (the model's name)."""
     name = state.settings.model_name
     if model is not None and model != name:
         message = f"model {model!r} is not served here (this is {name!r})"
         raise CallError(404, message, "invalid_request_error", "model")
-    if state.llm.tokenizer is None:
+    tokenizer = state.llm.tokenizer
+    if tokenizer is None:
         raise CallError(400, "this model has no tokenizer", "invalid_request_error")
-    return state.llm.tokenizer
+    return tokenizer
 
 
 async def _text_of(state: ServerState, body: TokenizeRequest) -> tuple[str, bool]:

@@ -1,7 +1,8 @@
 """The engine's boundary, checked on the source: no module imports another package's private
 name (a leading underscore), and the packages moved onto the engine interface
 (runner/engine/interface.py) reach none of the engine's parts through it (its scheduler,
-block manager, recorder, tiers, KV pool...). serve and the bench join MIGRATED as they move."""
+block manager, recorder, tiers, KV pool...), not even through getattr. The bench joins MIGRATED
+as it moves."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ ENGINE_PARTS = {
     "spec_stats", "stopper", "tiers", "token_texts", "validator",
 }  # fmt: skip
 ENGINE_NAMES = {"llm", "engine", "_llm"}  # what the engine is called where it is held
-MIGRATED = ("runner/disagg", "runner/cli", "cli.py")
+MIGRATED = ("runner/serve", "runner/disagg", "runner/cli", "cli.py")
 
 
 def _package(module: str) -> str:
@@ -52,13 +53,26 @@ def _held_engine(node: ast.expr) -> bool:
     return isinstance(node, ast.Attribute) and node.attr in ENGINE_NAMES
 
 
+def _got_part(call: ast.Call) -> str | None:
+    """The part ``getattr(<engine>, "<part>", ...)`` names, if ``call`` is such a call."""
+    if not isinstance(call.func, ast.Name) or call.func.id != "getattr" or len(call.args) < 2:
+        return None
+    name = call.args[1]
+    if not _held_engine(call.args[0]) or not isinstance(name, ast.Constant):
+        return None
+    return name.value if name.value in ENGINE_PARTS else None
+
+
 def reaches(path: Path) -> list[str]:
-    """Each ``<engine>.<part>`` in a file, as "path:line: part"."""
+    """Each ``<engine>.<part>`` (or ``getattr(<engine>, "<part>")``) in a file, as
+    "path:line: part"."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS:
             if _held_engine(node.value):
                 found.append(f"{path}:{node.lineno}: {node.attr}")
+        elif isinstance(node, ast.Call) and (part := _got_part(node)) is not None:
+            found.append(f"{path}:{node.lineno}: {part}")
     return found
 
 
@@ -71,5 +85,9 @@ def test_the_migrated_packages_use_the_engine_only_through_its_interface() -> No
 
 def test_the_reach_finder_sees_a_reach(tmp_path: Path) -> None:
     source = tmp_path / "probe.py"
-    source.write_text("def f(state, llm):\n    state.llm.scheduler\n    return llm.kv.tensor\n")
-    assert sorted(hit.split(": ")[-1] for hit in reaches(source)) == ["kv", "scheduler"]
+    source.write_text(
+        "def f(state, llm):\n    state.llm.scheduler\n    getattr(llm, 'kv_events', None)\n"
+        "    getattr(llm, 'config')\n    return llm.kv.tensor\n"
+    )
+    found = sorted(hit.split(": ")[-1] for hit in reaches(source))
+    assert found == ["kv", "kv_events", "scheduler"]
