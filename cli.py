@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from runner.bench.serve.command import bench_serve
+from bench.command import bench
+from bench.serve.command import bench_serve
 from runner.cli.batch_paths import OutputFile
-from runner.cli.bench import bench
 from runner.cli.engine_options import engine_options
 from runner.cli.report import report
 from runner.cli.startup import start_up_without_gc
@@ -289,9 +289,6 @@ main.add_command(bench)
 main.add_command(serve)
 main.add_command(router)
 main.add_command(bench_serve)
-# bench-serve's command lives in runner.bench, which may not import runner.cli: the file it
-# writes gets the command line's one check on written paths here, where the commands meet.
-next(param for param in bench_serve.params if param.name == "result_json").type = OutputFile()
 
 
 if __name__ == "__main__":

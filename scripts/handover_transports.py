@@ -89,9 +89,9 @@ def _redis_rows(blocks: int, size: int, chunks: tuple[int, ...], repeats: int) -
 ]:  # fmt: skip
     import shutil
 
+    from bench.local_redis import AUTO
+    from bench.local_redis import redis_url as local_redis
     from kvcache.tiers import BlockSpec
-    from runner.bench.local_redis import AUTO
-    from runner.bench.local_redis import redis_url as local_redis
     from runner.disagg.cpus import thread_on_cpus
     from runner.disagg.redis_transport import RedisHandover
 

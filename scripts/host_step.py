@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from bench.gpu_workload import build_random_model
 from kvcache import LLM, SamplingParams
-from runner.bench.gpu_workload import build_random_model
 
 
 def main(argv: list[str] | None = None) -> None:

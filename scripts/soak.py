@@ -32,8 +32,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Run as a file (`python scripts/soak.py`): make the checkout's packages importable. This file
-# is only the command line; the soak is runner/bench/soak.py (driver),
-# runner/bench/soak_workload.py (model and requests) and runner/bench/soak_checks.py (checks and
+# is only the command line; the soak is bench/soak.py (driver),
+# bench/soak_workload.py (model and requests) and bench/soak_checks.py (checks and
 # report).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from runner.bench.soak import run_soak
-    from runner.bench.soak_workload import build_tiny_llama
+    from bench.soak import run_soak
+    from bench.soak_workload import build_tiny_llama
 
     with tempfile.TemporaryDirectory(prefix="kvcache-soak-") as tmp:
         model = args.model or str(build_tiny_llama(Path(tmp) / "tiny-llama"))

@@ -8,11 +8,11 @@ storage keys and its checks), the handovers a prefill worker holds until pulled,
 expired (held.py), filling an open handover as the prefill commits its blocks (commit_tap.py),
 publishing them (publish.py), the transports (zmq_transport.py: direct;
 redis_transport.py: the shared Redis tier), the decode side's pull into its host tier
-(pull.py), the workers' extra routes (routes.py), CPU pinning (cpus.py), and the
-pd_interference bench (bench.py, bench_command.py, bench_worker.py).
+(pull.py), the workers' extra routes (routes.py) and CPU pinning (cpus.py). The
+pd_interference bench that drives these workers lives in bench/ (pd_interference*.py).
 
 May import: kvcache (and kvcache.tiers), serve (its app, which the roles extend), engine
 (interface.py: the engine is an `EngineInterface`, never its parts; sequence.py, a queued
-request's samples; llm.py in the bench's worker process), bench (workloads.py). Never imports
+request's samples). Never imports bench (it measures disagg from outside), nor
 runner.router: the router (runner/router/pd.py) speaks to the workers over HTTP only.
 """

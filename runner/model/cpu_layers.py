@@ -113,7 +113,7 @@ class CpuLayers:
         self._weights = (ctypes.c_void_p * len(pointers))(*pointers)
         self._scratch = torch.empty(0)
         # Wall time spent so far in the products and in the attention kernels, layers.c's
-        # seconds[0] and [1] (runner/bench/matmul_timer.py and the step metrics read them).
+        # seconds[0] and [1] (bench/matmul_timer.py and the step metrics read them).
         self._seconds = (ctypes.c_double * 2)(0.0, 0.0)
 
     @property

@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from runner.bench.background_load import background_load
-from runner.bench.harness import run_bench
+from bench.background_load import background_load
+from bench.harness import run_bench
 
 
 def _gone(pid: int, within_s: float = 10.0) -> bool:
@@ -45,7 +45,7 @@ def test_a_spinner_stops_when_the_bench_is_killed_outright() -> None:
     """SIGKILL runs no cleanup: the orphaned spinner sees its parent gone and ends itself."""
     code = (
         "import time\n"
-        "from runner.bench.background_load import background_load\n"
+        "from bench.background_load import background_load\n"
         "with background_load(1) as s:\n"
         "    print(s[0].pid, flush=True)\n"
         "    time.sleep(60)\n"

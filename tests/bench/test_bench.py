@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness import run_bench
+from bench.matmul_timer import MatmulTimer
+from bench.peers import Sampling
 from runner.backends.cpu.loader import load_cpu_kernels
-from runner.bench.harness import run_bench
-from runner.bench.matmul_timer import MatmulTimer
-from runner.bench.peers import Sampling
 
 
 @pytest.mark.parametrize("prepack", [True, False], ids=["packed", "unpacked"])
@@ -130,10 +130,10 @@ def test_bench_can_sample_in_every_system(tiny_llama_tok_dir: Path) -> None:
     """With a temperature the engine samples (seeded per request: a rerun repeats itself, and it
     differs from greedy), the transformers peers sample with their top-k off, and nothing is
     checked against the greedy reference (hf-cb takes the same options as hf-static)."""
+    from bench.harness import run_engine
+    from bench.peers import Sampling, hf_sampling
+    from bench.workloads import load_workload
     from kvcache import LLM
-    from runner.bench.harness import run_engine
-    from runner.bench.peers import Sampling, hf_sampling
-    from runner.bench.workloads import load_workload
 
     sampling = Sampling(1.5, 0.95)
     assert hf_sampling(sampling) == {
@@ -169,7 +169,7 @@ def test_bench_can_sample_in_every_system(tiny_llama_tok_dir: Path) -> None:
 def test_bench_with_several_samples_a_prompt(tiny_llama_tok_dir: Path) -> None:
     """--n: every system produces n samples of each prompt; the engine computes each prompt's
     full blocks once, transformers' static batch runs every copy of the prompt."""
-    from runner.bench.peers import Sampling
+    from bench.peers import Sampling
 
     result = run_bench(
         "mixed_lengths",

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.bench.external import PeerPaths, matching_tokens
-from runner.bench.harness import run_bench
-from runner.bench.llama_cpp import find_llama_server
-from runner.bench.vllm_cpu import find_vllm_python
+from bench.external import PeerPaths, matching_tokens
+from bench.harness import run_bench
+from bench.llama_cpp import find_llama_server
+from bench.vllm_cpu import find_vllm_python
 
 
 def test_absent_peers_are_skipped_with_one_line_each(
@@ -45,7 +45,7 @@ def test_llama_cpp_needs_a_gguf(tiny_llama_tok_dir: Path) -> None:
 
 
 def test_the_peers_refuse_sampling(tiny_llama_tok_dir: Path) -> None:
-    from runner.bench.peers import Sampling
+    from bench.peers import Sampling
 
     with pytest.raises(ValueError, match="greedy only"):
         run_bench(

@@ -1,4 +1,4 @@
-"""The soak (runner/bench/soak.py; command line scripts/soak.py): a mixed stream of requests through
+"""The soak (bench/soak.py; command line scripts/soak.py): a mixed stream of requests through
 one LLM with a small pool.
 
 The default run does 300 requests in-process (~2 s); `pytest -m soak` runs the script itself
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from bench.soak import run_soak
 from kvcache import BlockManager
-from runner.bench.soak import run_soak
 from runner.engine import speculative
 from runner.engine.scheduler import Scheduler
 

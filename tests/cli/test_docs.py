@@ -98,8 +98,8 @@ def check_example(line: str) -> None:
 
 
 def check_systems(line: str, systems: object) -> None:
-    from runner.bench.systems import ENGINE_SYSTEMS, PEER_SYSTEMS
-    from runner.disagg.bench import SYSTEMS as SERVED_SYSTEMS
+    from bench.pd_interference import SYSTEMS as SERVED_SYSTEMS
+    from bench.systems import ENGINE_SYSTEMS, PEER_SYSTEMS
 
     named = systems.split(",") if isinstance(systems, str) else []
     known = (*ENGINE_SYSTEMS, *PEER_SYSTEMS, *SERVED_SYSTEMS)

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("kvcache", "runner")
+PACKAGES = ("kvcache", "runner", "bench")
 
 
 def module_name(path: Path) -> str:

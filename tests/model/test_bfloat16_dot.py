@@ -2,7 +2,7 @@
 bfloat16 too, multiplied in pairs by AVX512-BF16's dot-product instruction (panel_gemm.c).
 
 The reference is transformers' float32 model with its weight matrices rounded to bfloat16 and
-every nn.Linear's input rounded to bfloat16 (runner/bench/weight_quality.py round_product_inputs):
+every nn.Linear's input rounded to bfloat16 (bench/weight_quality.py round_product_inputs):
 each product is then a float32 sum of the same exact products, in another order, so greedy
 tokens match and logits agree closely (see test_logits_are_the_rounded_products for how closely).
 """
@@ -24,10 +24,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_rounded_weights import rounded_hf
 
+from bench.weight_quality import float16_kv, round_product_inputs
 from kvcache import LLM, SamplingParams
 from runner.backends.cpu.linear import PackedLinear
 from runner.backends.cpu.loader import load_cpu_kernels
-from runner.bench.weight_quality import float16_kv, round_product_inputs
 
 KERNELS = load_cpu_kernels()
 needs_pairs = pytest.mark.skipif(
@@ -140,7 +140,7 @@ def test_it_is_refused_where_its_products_cannot_run(tiny_llama_dir: Path) -> No
 
 
 def test_weight_quality_scores_it(tiny_llama_dir: Path) -> None:
-    from runner.bench.weight_quality import perplexity
+    from bench.weight_quality import perplexity
 
     ids = torch.tensor(make_prompts(320, seed=9)[0] * 3)
     plain = perplexity(tiny_llama_dir, ids, "bfloat16")

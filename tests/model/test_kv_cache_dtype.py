@@ -22,8 +22,8 @@ from greedy_reference import (
 )
 from transformers import AutoModelForCausalLM
 
+from bench.weight_quality import float16_kv
 from kvcache import LLM, SamplingParams
-from runner.bench.weight_quality import float16_kv
 from runner.engine.setup import kv_cache_dtype_of
 from tests.conftest import load_hf_reference
 

@@ -191,7 +191,7 @@ def test_int8_quantization_is_symmetric_per_group(
 
 
 def test_weight_quality_scores_each_rounding(tiny_llama_dir: Path) -> None:
-    from runner.bench.weight_quality import perplexity
+    from bench.weight_quality import perplexity
 
     ids = torch.tensor(make_prompts(320, seed=9)[0] * 3)
     scores = {dtype: perplexity(tiny_llama_dir, ids, dtype) for dtype in ("float32", "int8")}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.disagg.bench import decode_gaps_ms, first_long_arrival_s, same_outputs
+from bench.pd_interference import decode_gaps_ms, first_long_arrival_s, same_outputs
 
 
 def test_gaps_start_once_every_decode_streams() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from bench.serve.report import percentile
 from cli import main
-from runner.bench.serve.report import percentile
 from tests.serve.conftest import LiveServer
 
 REPO = Path(__file__).resolve().parents[2]

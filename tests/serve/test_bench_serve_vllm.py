@@ -15,8 +15,8 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from bench.serve.workload import as_messages, as_prompt, read_lines
 from cli import main
-from runner.bench.serve.workload import as_messages, as_prompt, read_lines
 from tests.serve.conftest import LiveServer, ServeFactory
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli import main
-from runner.bench.serve.hit_model import Turn, ceiling_hit_rate, round_robin_hit_rate
-from runner.bench.serve.llama_server import find_llama_server, server_command
-from runner.bench.serve.system_prompt import SYSTEM_PROMPT
-from runner.bench.serve.workload import (
+from bench.serve.hit_model import Turn, ceiling_hit_rate, round_robin_hit_rate
+from bench.serve.llama_server import find_llama_server, server_command
+from bench.serve.system_prompt import SYSTEM_PROMPT
+from bench.serve.workload import (
     FOLLOW_UPS,
     PASSAGE_QUESTIONS,
     multi_turn_sessions,
     read_lines,
 )
+from cli import main
 from tests.serve.conftest import LiveServer
 
 REPO = Path(__file__).resolve().parents[2]

