@@ -3,11 +3,11 @@
 #   1. the CUDA tests (the CUDA, GPU bench, Triton and engine ones);
 #   2. asynchronous scheduling on CUDA (tests/engine/test_async_scheduling_cuda.py);
 #   2b. (reserved: deterministic mode on CUDA, another stage to come; see "more stages" below);
-#   3. the shared-prefix decode against the plain one (runner.bench.gpu_cascade: the data the
+#   3. the shared-prefix decode against the plain one (bench.gpu_cascade: the data the
 #      cost model is fitted to and checked by, with its verdict);
 #   4. the shared-prefix workload four ways (prefix cache off, on, on eagerly, on with
 #      shared-prefix attention), with the bytes a decode step reads both ways;
-#   5. nano-vllm's benchmark against transformers' continuous batching (runner.bench.gpu_bench),
+#   5. nano-vllm's benchmark against transformers' continuous batching (bench.gpu_bench),
 #      decode time beside its memory floor;
 #   6. the host's time per engine step, if time is left.
 # Every stage runs under `timeout` (SIGINT first, so pytest still prints its summary and Python a
@@ -79,6 +79,9 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PAR
 # missing there or be another interpreter.
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 START=$(date +%s)
+# The benchmarks' package: bench/ at the top (runner/bench/ before it moved there).
+BENCH=bench
+[ -f bench/gpu_bench.py ] || BENCH=runner.bench
 
 # clip LIMIT_S: the limit cut to what is left of TOTAL_S (0: too little left to start)
 clip() {
@@ -119,7 +122,7 @@ stage() {
     --format=csv 2>&1 || echo "nvidia-smi unavailable"
   # The engine imports redis, pyzmq and msgspec, which the H200 image lacks: carried wheels
   # (--fetch-wheels above) go into /tmp/site when the imports fail without them.
-  imports='import runner.bench.gpu_bench, runner.bench.gpu_cascade; from kvcache import LLM'
+  imports="import $BENCH.gpu_bench, $BENCH.gpu_cascade; from kvcache import LLM"
   if ! timeout 60 "$PY" -c "$imports" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
@@ -156,12 +159,12 @@ print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "
   # GPU_CHECK_TOTAL_S keeps the whole check inside the device tool's 10 minutes.
 
   # shellcheck disable=SC2086  # TOY and BENCH_ARGS are lists of flags on purpose
-  stage "cascade cost model" "$CASCADE_S" "$DIR/gpu_cascade.json" -m runner.bench.gpu_cascade $TOY
+  stage "cascade cost model" "$CASCADE_S" "$DIR/gpu_cascade.json" -m "$BENCH.gpu_cascade" $TOY
   # shellcheck disable=SC2086
   stage "shared-prefix workload" "$SHARED_S" "$DIR/gpu_shared_prefix.json" \
-    -m runner.bench.gpu_bench --workload shared-prefix --skip-hf --skip-check $TOY
+    -m "$BENCH.gpu_bench" --workload shared-prefix --skip-hf --skip-check $TOY
   # shellcheck disable=SC2086
-  stage "bench" "$BENCH_S" "$DIR/gpu_bench.json" -m runner.bench.gpu_bench $TOY $BENCH_ARGS
+  stage "bench" "$BENCH_S" "$DIR/gpu_bench.json" -m "$BENCH.gpu_bench" $TOY $BENCH_ARGS
 
   # This host's Python between steps, on its own CPU (tiny model, ~10 s): set against the
   # bench's decode_step_ms_median, it says whether the GPU waits on the host. Only with time
