@@ -182,7 +182,9 @@ def triton_paged_attention(
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.decode_only:
         kwargs = {} if partition_size is None else {"partition_size": partition_size}
-        plan = shared_prefix or step_shared_prefix(meta, q, k_cache, cascade)
+        plan = shared_prefix
+        if plan is None:  # no fixed plan given: the cost model's, from the host tables
+            plan = step_shared_prefix(meta, q, k_cache, cascade)
         uncut = window is None or window >= meta.max_context_len  # a window could hide it all
         return decode_attention(
             q,
