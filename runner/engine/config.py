@@ -218,15 +218,27 @@ class EngineConfig:
             )
 
     def _check_deterministic(self) -> None:
-        """deterministic=True where its sums can be fixed: the CPU's C kernels on float32
-        activations and panels whose products are per-row (the loader refuses a machine
-        without the kernels: runner/backends/cpu/attention.py batch_invariant_backend)."""
-        if not str(self.device).startswith("cpu"):
-            raise ValueError(
-                "deterministic=True runs on the CPU only: on CUDA this engine's matrix products "
-                "and attention kernels are not batch-invariant yet (docs/DETERMINISM.md); "
-                "use device='cpu' or leave deterministic off"
-            )
+        """deterministic=True where its sums can be fixed. On CUDA, and on the CPU with
+        attention_backend="triton" (the same kernels in Triton's interpreter): the Triton path's
+        batch-invariant products and attention (runner/backends/triton/batch_invariant*.py).
+        Elsewhere on the CPU: the C kernels on float32 activations and panels whose products
+        are per-row (the loader refuses a machine without the kernels:
+        runner/backends/cpu/attention.py batch_invariant_backend)."""
+        on_cuda = not str(self.device).startswith("cpu")
+        if on_cuda or self.attention_backend == "triton":
+            if self.attention_backend not in (None, "triton"):
+                raise ValueError(
+                    f"deterministic=True on CUDA runs the batch-invariant Triton kernels: "
+                    f"attention_backend={self.attention_backend!r} cannot be combined with it "
+                    f"(docs/DETERMINISM.md)"
+                )
+            if self.cpu_weight_dtype != "float32":
+                raise ValueError(
+                    f"deterministic=True with the Triton kernels multiplies the model's own "
+                    f"weights: cpu_weight_dtype={self.cpu_weight_dtype!r} cannot be combined "
+                    f"with it (docs/DETERMINISM.md)"
+                )
+            return
         fits = {
             "cpu_kernels": self.cpu_kernels,
             "prepack_weights": self.prepack_weights,

@@ -68,9 +68,21 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     loaded = load_model(config.model, device=str(device), dtype=dtype)
     model, hf = loaded.model, loaded.config
     attention = attention_backend(attention_backend_name(config, device))
-    if config.deterministic:  # EngineConfig checked the rest: the CPU, the kernels, float32
+    triton_deterministic = config.deterministic and attention_backend_name(config, device) == (
+        "triton"
+    )
+    if triton_deterministic:  # products and attention through the batch-invariant kernels
+        # Triton is needed on GPUs (and for this path) only: imported here.
+        from runner.backends.triton.batch_invariant_attention import (
+            batch_invariant_triton_backend,
+        )
+        from runner.model.batch_invariant import route_linears
+
+        attention = batch_invariant_triton_backend()
+        route_linears(model, model.embed_tokens.weight if model.lm_head is None else None)
+    elif config.deterministic:  # EngineConfig checked the rest: the CPU, the kernels, float32
         attention = batch_invariant_backend()
-    if device.type == "cpu" and config.prepack_weights:
+    if device.type == "cpu" and config.prepack_weights and not triton_deterministic:
         packing = prepack_for_cpu(
             model, config.cpu_kernels, config.cpu_weight_dtype, config.deterministic
         )

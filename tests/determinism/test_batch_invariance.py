@@ -170,7 +170,7 @@ def test_the_default_mode_differs_in_these_batches(model: Path) -> None:
 
 def test_the_mode_is_refused_where_it_cannot_hold(model: Path) -> None:
     refusals: tuple[tuple[dict[str, Any], str], ...] = (
-        ({"device": "cuda"}, "CPU only"),
+        ({"attention_backend": "triton", "cpu_weight_dtype": "int8-dot"}, "cpu_weight_dtype"),
         ({"attention_backend": "torch"}, "attention_backend"),
         ({"cpu_weight_dtype": "int8-dot"}, "cpu_weight_dtype"),
         ({"dtype": "bfloat16"}, "dtype"),
@@ -190,9 +190,10 @@ def test_the_command_line_takes_the_flag_and_names_it_when_it_cannot_hold(
     source = tmp_path / "in.jsonl"
     source.write_text('{"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 3}\n')
     args = ["generate", str(source), "--model", str(model), "--deterministic"]
-    refused = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "x.jsonl"), "--device", "cuda"])
+    bad = ["-o", str(tmp_path / "x.jsonl"), "--cpu-weight-dtype", "int8-dot"]
+    refused = CliRunner().invoke(main, [*args, *bad])
     assert refused.exit_code == 2, refused.output
-    assert "--deterministic" in refused.output and "CPU only" in refused.output
+    assert "--deterministic" in refused.output and "cpu_weight_dtype" in refused.output
     ran = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "out.jsonl")])
     assert ran.exit_code == 0, ran.output
     assert '"token_ids"' in (tmp_path / "out.jsonl").read_text()
