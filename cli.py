@@ -18,8 +18,9 @@ from runner.cli.engine_options import engine_options
 from runner.cli.report import report
 from runner.cli.startup import start_up_without_gc
 from runner.cli.stdout import Commands
+from runner.disagg.serve_role import start_role
 from runner.router.command import router
-from runner.serve.command import serve
+from runner.serve.command import serve_command
 
 if TYPE_CHECKING:
     from runner.cli.batch_run import BatchRun
@@ -286,7 +287,7 @@ def _start_batch_run(
 
 main.add_command(report)
 main.add_command(bench)
-main.add_command(serve)
+main.add_command(serve_command(start_role))  # serve's workers in their roles: disagg's
 main.add_command(router)
 main.add_command(bench_serve)
 

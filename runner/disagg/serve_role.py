@@ -1,19 +1,19 @@
-"""The one hook `kvcache serve` calls (runner/serve/command.py): pin the worker's CPUs, build
-its engine with the role's options, and give back the step that adds the role's routes to
-the app."""
+"""The hook `kvcache serve` starts its worker through (a `RoleStarter`, runner/serve/command.py):
+pin the worker's CPUs, build its engine with the role's options, and give back the step that
+adds the role's routes to the app. cli.py hands it to the serve command, so the server never
+imports this package; it imports its parts (the transports, the routes and with them the web
+stack) only when a worker starts, so that `kvcache --help` stays fast."""
 
 from __future__ import annotations
 
 import atexit
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
-
-from runner.disagg.cpus import pin_to_cpus
-from runner.disagg.roles import RoleOptions, build_role, engine_options_for
-from runner.disagg.routes import attach_role
 from runner.engine.interface import EngineInterface
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 def start_role(
@@ -25,6 +25,10 @@ def start_role(
 ) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]:
     """(the engine, app -> app with the role's routes). Raises ValueError naming a bad
     option."""
+    from runner.disagg.cpus import pin_to_cpus
+    from runner.disagg.roles import RoleOptions, build_role, engine_options_for
+    from runner.disagg.routes import attach_role
+
     options = RoleOptions(role=role, handover=handover)
     if cpus is not None:
         pin_to_cpus(cpus)  # before the engine starts its threads

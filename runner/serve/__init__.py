@@ -11,8 +11,10 @@ the API key check it shares with the routers (auth.py), secrets masked in what i
 (masking.py), the bound on a request body's arrival (body_deadline.py), uvicorn with its
 SIGTERM drain (server.py), Prometheus metrics (metrics.py; vLLM's names: vllm_metrics.py) and
 the click command (command.py).
-May import: kvcache (its redaction of URLs, CacheStats), engine (the LLM, streaming, outputs),
-sampling (SamplingParams), cli (the engine's options), disagg (only command.py, which starts a
-worker in its role); nothing in the engine imports this package. Importing it imports nothing
+May import: kvcache (its redaction of URLs, CacheStats), engine (the engine as an
+`EngineInterface`, never its parts; the LLM it builds, streaming, outputs), sampling
+(SamplingParams), cli (the engine's options). Never imports runner.disagg, which extends it: the
+serve command starts its worker through a `RoleStarter` (command.py) that cli.py hands it, disagg's
+serve_role.start_role. Nothing in the engine imports this package. Importing it imports nothing
 heavy.
 """

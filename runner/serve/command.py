@@ -3,182 +3,236 @@ so `kvcache --help` stays fast."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import click
 
 from runner.cli.engine_options import engine_options
 from runner.serve.tool_calls import TOOL_PARSERS
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from runner.engine.interface import EngineInterface
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-@click.command()
-@click.argument("model_arg", metavar="[MODEL]", required=False, default=None)
-@click.option(
-    "--model",
-    default=None,
-    help="HF folder, .gguf file or a Hub id in the local cache (or the MODEL argument, as "
-    "`vllm serve MODEL`); default: SmolLM2-135M.",
-)
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
-@click.option(
-    "--api-key",
-    default=None,
-    envvar="KVCACHE_API_KEY",
-    help="Clients must send 'Authorization: Bearer KEY' to every route but /health "
-    "(or $KVCACHE_API_KEY).",
-)
-@click.option(
-    "--served-model-name", default=None, help="The model's name in the API [default: its folder]."
-)
-@click.option(
-    "--max-queued-requests",
-    type=click.IntRange(min=1),
-    default=1024,
-    show_default=True,
-    help="Past this many samples (prompts x n) waiting to start, new requests get 429 with "
-    "Retry-After; one request holding more gets 400.",
-)
-@click.option(
-    "--trust-request-chat-template",
-    is_flag=True,
-    help="Render a client's own chat_template (top-level or in chat_template_kwargs); "
-    "refused otherwise.",
-)
-@click.option(
-    "--chat-template",
-    default=None,
-    help="The chat template to render conversations with instead of the model's: a file's "
-    "path, or the Jinja text itself.",
-)
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option(
-    "--tool-call-parser",
-    type=click.Choice(sorted(TOOL_PARSERS)),
-    default=None,
-    help="How tool calls are read out of answers (tool_choice auto) [default: the format the "
-    "chat template teaches, else hermes].",
-)
-@click.option(
-    "--enable-auto-tool-choice",
-    is_flag=True,
-    help="vLLM's flag, accepted: tool_choice auto is always on here.",
-)
-@click.option(
-    "--trust-remote-code",
-    is_flag=True,
-    help="vLLM's flag, accepted: no repository code is ever run here.",
-)
-@click.option(
-    "--tensor-parallel-size",
-    "-tp",
-    type=click.IntRange(1, 1),
-    default=1,
-    help="vLLM's flag: one device is all this engine runs on.",
-)
-@click.option("--disable-log-requests", is_flag=True, help="vLLM's flag, accepted: none logged.")
-@click.option("--disable-log-stats", is_flag=True, help="vLLM's flag, accepted: none logged.")
-@click.version_option(package_name="kvcache", message="%(version)s")
-@click.option(
-    "--body-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=30.0,
-    show_default=True,
-    help="Seconds a request's body may take to arrive; a slower one gets 408.",
-)
-@click.option(
-    "--drain-timeout",
-    type=click.FloatRange(min=0),
-    default=30.0,
-    show_default=True,
-    help="On SIGTERM, seconds running requests get to finish before they are aborted.",
-)
-@click.option(
-    "--role",
-    type=click.Choice(["both", "prefill", "decode"]),
-    default="both",
-    show_default=True,
-    help="prefill/decode: one half of a disaggregated pair (docs/DISAGGREGATION.md).",
-)
-@click.option(
-    "--handover",
-    default="zmq",
-    show_default=True,
-    help="How prefill hands KV to decode: zmq, zmq://HOST:PORT (direct) or redis://HOST:PORT/DB.",
-)
-@click.option("--cpus", default=None, help="Pin this worker to these CPUs (0 or 0-3,6).")
-@engine_options
-def serve(
-    model_arg: str | None,
-    model: str | None,
-    host: str,
-    port: int,
-    api_key: str | None,
-    served_model_name: str | None,
-    max_queued_requests: int,
-    trust_request_chat_template: bool,
-    chat_template: str | None,
-    seed: int,
-    tool_call_parser: str | None,
-    enable_auto_tool_choice: bool,
-    trust_remote_code: bool,
-    tensor_parallel_size: int,
-    disable_log_requests: bool,
-    disable_log_stats: bool,
-    body_timeout: float,
-    drain_timeout: float,
+# What a role's engine is built by: its options (the role may add some) -> the engine.
+MakeEngine = Callable[[dict[str, Any]], "EngineInterface"]
+
+
+class RoleStarter(Protocol):
+    """Starts a worker in its role (--role, --handover, --cpus): builds the engine through
+    `make_llm` and gives it back with the step that adds the role's routes to the app; a
+    ValueError names a bad option. runner/disagg/serve_role.py has the roles; cli.py, where
+    the commands are put together, hands its `start_role` to `serve_command`, so the server
+    never imports the package that extends it."""
+
+    def __call__(
+        self,
+        role: str,
+        handover: str,
+        cpus: str | None,
+        make_llm: MakeEngine,
+        engine_options: dict[str, Any],
+    ) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]: ...
+
+
+def colocated(
     role: str,
     handover: str,
     cpus: str | None,
+    make_llm: MakeEngine,
     engine_options: dict[str, Any],
-) -> None:
-    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) and vLLM's
-    routes (/tokenize, /detokenize, /version, /ping) with /health and Prometheus /metrics,
-    over one engine that batches every request continuously. vLLM's flag names work."""
-    if api_key is not None and not api_key.strip():  # an unset $SECRET: not "no key"
-        raise click.BadParameter("the key is empty", param_hint="--api-key")
-    if model_arg is not None and model is not None and model_arg != model:
-        raise click.BadParameter(
-            f"names {model!r} but the MODEL argument is {model_arg!r}", param_hint="--model"
-        )
-    model = model or model_arg
-    template = read_chat_template(chat_template) if chat_template is not None else None
-    from runner.cli.startup import start_up_without_gc
-    from runner.disagg.serve_role import start_role
-    from runner.engine.frozen_heap import freeze_server_heap
-    from runner.engine.llm import LLM
-    from runner.serve.app import ServeSettings, build_app
-    from runner.serve.masking import Masker
-    from runner.serve.server import run_server
+) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]:
+    """The one role a serve command without the disaggregation roles has: both, unpinned."""
+    if role != "both" or cpus is not None:
+        given = f"--role {role}" if role != "both" else "--cpus"
+        raise ValueError(f"{given}: this serve command has no worker roles (cli.py adds them)")
+    return make_llm(engine_options), _unchanged
 
-    name = served_model_name or (Path(model).stem if model else DEFAULT_MODEL_NAME)
-    engine_options["record_metrics"] = False  # a server's memory must not grow per token
-    engine_options["prefault_kv_cache"] = True  # its pool's page faults at start, not in steps
-    with start_up_without_gc():
-        try:
-            make = lambda options: LLM(model, seed=seed, **options)  # noqa: E731
-            llm, attach = start_role(role, handover, cpus, make, engine_options)
-        except ValueError as err:  # its text may quote a URL it was given
-            urls = [u for u in (engine_options.get("remote_cache_url"), handover) if u]
-            raise click.ClickException(Masker(tuple(urls)).mask(str(err))) from err
-        freeze_server_heap()  # inside: its collection is the start-up's one, not a second
-    secret_urls = tuple(u for u in (engine_options.get("remote_cache_url"), handover) if u)
-    settings = ServeSettings(
-        name,
-        api_key=api_key,
-        max_queued_requests=max_queued_requests,
-        trust_request_chat_template=trust_request_chat_template,
-        body_timeout_s=body_timeout,
-        secret_urls=secret_urls,
-        chat_template=template,
-        tool_call_parser=tool_call_parser,
+
+def _unchanged(app: FastAPI) -> FastAPI:
+    return app
+
+
+def serve_command(start_role: RoleStarter) -> click.Command:
+    """`kvcache serve`, whose worker `start_role` starts in the role --role names (cli.py
+    hands it runner/disagg's; `serve` below has the colocated engine only)."""
+
+    @click.command("serve")
+    @click.argument("model_arg", metavar="[MODEL]", required=False, default=None)
+    @click.option(
+        "--model",
+        default=None,
+        help="HF folder, .gguf file or a Hub id in the local cache (or the MODEL argument, as "
+        "`vllm serve MODEL`); default: SmolLM2-135M.",
     )
-    banner = f"kvcache serve ({role}): {name} on http://{host}:{port}/v1"
-    click.echo(settings.masker().mask(banner), err=True)
-    run_server(attach(build_app(llm, settings)), host, port, drain_timeout)
+    @click.option("--host", default="127.0.0.1", show_default=True)
+    @click.option("--port", type=int, default=8000, show_default=True)
+    @click.option(
+        "--api-key",
+        default=None,
+        envvar="KVCACHE_API_KEY",
+        help="Clients must send 'Authorization: Bearer KEY' to every route but /health "
+        "(or $KVCACHE_API_KEY).",
+    )
+    @click.option(
+        "--served-model-name",
+        default=None,
+        help="The model's name in the API [default: its folder].",
+    )
+    @click.option(
+        "--max-queued-requests",
+        type=click.IntRange(min=1),
+        default=1024,
+        show_default=True,
+        help="Past this many samples (prompts x n) waiting to start, new requests get 429 with "
+        "Retry-After; one request holding more gets 400.",
+    )
+    @click.option(
+        "--trust-request-chat-template",
+        is_flag=True,
+        help="Render a client's own chat_template (top-level or in chat_template_kwargs); "
+        "refused otherwise.",
+    )
+    @click.option(
+        "--chat-template",
+        default=None,
+        help="The chat template to render conversations with instead of the model's: a file's "
+        "path, or the Jinja text itself.",
+    )
+    @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+    @click.option(
+        "--tool-call-parser",
+        type=click.Choice(sorted(TOOL_PARSERS)),
+        default=None,
+        help="How tool calls are read out of answers (tool_choice auto) [default: the format the "
+        "chat template teaches, else hermes].",
+    )
+    @click.option(
+        "--enable-auto-tool-choice",
+        is_flag=True,
+        help="vLLM's flag, accepted: tool_choice auto is always on here.",
+    )
+    @click.option(
+        "--trust-remote-code",
+        is_flag=True,
+        help="vLLM's flag, accepted: no repository code is ever run here.",
+    )
+    @click.option(
+        "--tensor-parallel-size",
+        "-tp",
+        type=click.IntRange(1, 1),
+        default=1,
+        help="vLLM's flag: one device is all this engine runs on.",
+    )
+    @click.option(
+        "--disable-log-requests", is_flag=True, help="vLLM's flag, accepted: none logged."
+    )
+    @click.option("--disable-log-stats", is_flag=True, help="vLLM's flag, accepted: none logged.")
+    @click.version_option(package_name="kvcache", message="%(version)s")
+    @click.option(
+        "--body-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=30.0,
+        show_default=True,
+        help="Seconds a request's body may take to arrive; a slower one gets 408.",
+    )
+    @click.option(
+        "--drain-timeout",
+        type=click.FloatRange(min=0),
+        default=30.0,
+        show_default=True,
+        help="On SIGTERM, seconds running requests get to finish before they are aborted.",
+    )
+    @click.option(
+        "--role",
+        type=click.Choice(["both", "prefill", "decode"]),
+        default="both",
+        show_default=True,
+        help="prefill/decode: one half of a disaggregated pair (docs/DISAGGREGATION.md).",
+    )
+    @click.option(
+        "--handover",
+        default="zmq",
+        show_default=True,
+        help="How prefill hands KV to decode: zmq, zmq://HOST:PORT (direct) or redis://HOST:PORT/DB.",
+    )
+    @click.option("--cpus", default=None, help="Pin this worker to these CPUs (0 or 0-3,6).")
+    @engine_options
+    def serve(
+        model_arg: str | None,
+        model: str | None,
+        host: str,
+        port: int,
+        api_key: str | None,
+        served_model_name: str | None,
+        max_queued_requests: int,
+        trust_request_chat_template: bool,
+        chat_template: str | None,
+        seed: int,
+        tool_call_parser: str | None,
+        enable_auto_tool_choice: bool,
+        trust_remote_code: bool,
+        tensor_parallel_size: int,
+        disable_log_requests: bool,
+        disable_log_stats: bool,
+        body_timeout: float,
+        drain_timeout: float,
+        role: str,
+        handover: str,
+        cpus: str | None,
+        engine_options: dict[str, Any],
+    ) -> None:
+        """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) and vLLM's
+        routes (/tokenize, /detokenize, /version, /ping) with /health and Prometheus /metrics,
+        over one engine that batches every request continuously. vLLM's flag names work."""
+        if api_key is not None and not api_key.strip():  # an unset $SECRET: not "no key"
+            raise click.BadParameter("the key is empty", param_hint="--api-key")
+        if model_arg is not None and model is not None and model_arg != model:
+            raise click.BadParameter(
+                f"names {model!r} but the MODEL argument is {model_arg!r}", param_hint="--model"
+            )
+        model = model or model_arg
+        template = read_chat_template(chat_template) if chat_template is not None else None
+        from runner.cli.startup import start_up_without_gc
+        from runner.engine.frozen_heap import freeze_server_heap
+        from runner.engine.llm import LLM
+        from runner.serve.app import ServeSettings, build_app
+        from runner.serve.masking import Masker
+        from runner.serve.server import run_server
+
+        name = served_model_name or (Path(model).stem if model else DEFAULT_MODEL_NAME)
+        engine_options["record_metrics"] = False  # a server's memory must not grow per token
+        engine_options["prefault_kv_cache"] = True  # its pool's page faults at start, not in steps
+        with start_up_without_gc():
+            try:
+                make = lambda options: LLM(model, seed=seed, **options)  # noqa: E731
+                llm, attach = start_role(role, handover, cpus, make, engine_options)
+            except ValueError as err:  # its text may quote a URL it was given
+                urls = [u for u in (engine_options.get("remote_cache_url"), handover) if u]
+                raise click.ClickException(Masker(tuple(urls)).mask(str(err))) from err
+            freeze_server_heap()  # inside: its collection is the start-up's one, not a second
+        secret_urls = tuple(u for u in (engine_options.get("remote_cache_url"), handover) if u)
+        settings = ServeSettings(
+            name,
+            api_key=api_key,
+            max_queued_requests=max_queued_requests,
+            trust_request_chat_template=trust_request_chat_template,
+            body_timeout_s=body_timeout,
+            secret_urls=secret_urls,
+            chat_template=template,
+            tool_call_parser=tool_call_parser,
+        )
+        banner = f"kvcache serve ({role}): {name} on http://{host}:{port}/v1"
+        click.echo(settings.masker().mask(banner), err=True)
+        run_server(attach(build_app(llm, settings)), host, port, drain_timeout)
+
+    return serve
 
 
 def read_chat_template(given: str) -> str:
@@ -199,3 +253,6 @@ def read_chat_template(given: str) -> str:
     if not text.strip():
         raise click.BadParameter("the template is empty", param_hint="--chat-template")
     return text
+
+
+serve = serve_command(colocated)  # the colocated server alone; `kvcache serve` is cli.py's

@@ -27,7 +27,8 @@ ALLOWED: dict[str, set[str]] = {
         "runner.sampling",
     },
     "runner.report": set(),
-    "runner.serve": {"kvcache", "runner.engine", "runner.sampling", "runner.cli", "runner.disagg"},
+    # serve never imports disagg, which extends it: cli.py hands serve disagg's role starter.
+    "runner.serve": {"kvcache", "runner.engine", "runner.sampling", "runner.cli"},
     "runner.disagg": {"kvcache", "runner.serve", "runner.engine"},
     "runner.router": {"kvcache", "runner.engine", "runner.serve", "runner.kv_events"},
     "runner.cli": {
@@ -107,6 +108,24 @@ def test_no_product_package_imports_the_bench() -> None:
     ]
     assert reaching == []
     assert "bench.command" in import_graph()  # the graph reads bench/: a reach would show
+
+
+def test_serve_gets_its_worker_roles_from_the_composition_root() -> None:
+    """serve may not import disagg (ALLOWED), so its roles come in through cli.py: the serve
+    command built alone refuses a role, naming the flag; `kvcache serve` has disagg's (which
+    checks --handover)."""
+    from click.testing import CliRunner
+
+    from cli import main
+    from runner.serve.command import serve
+
+    bad = ["--role", "prefill", "--handover", "bogus"]  # fails before a model loads, either way
+    alone = CliRunner().invoke(serve, bad)
+    assert alone.exit_code != 0 and "--role prefill: this serve command has no worker roles" in (
+        alone.output
+    )
+    wired = CliRunner().invoke(main, ["serve", *bad])
+    assert wired.exit_code != 0 and "handover must be" in wired.output
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
