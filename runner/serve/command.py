@@ -1,5 +1,7 @@
-"""`kvcache serve`: the click command. The web stack and the engine are imported when it runs,
-so `kvcache --help` stays fast."""
+"""`kvcache serve`: the click command, built by `serve_command` around the `RoleStarter` that
+starts its worker (cli.py hands it disagg's roles; this package never imports disagg, which
+extends it). The web stack and the engine are imported when it runs, so `kvcache --help` stays
+fast."""
 
 from __future__ import annotations
 
