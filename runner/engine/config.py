@@ -111,7 +111,8 @@ class EngineConfig:
     # Batch-invariant inference (docs/DETERMINISM.md): a request's tokens and log-probabilities
     # are bitwise the same whatever else runs beside it, however its prompt is chunked or
     # cached, and a sampled request without a seed gets one from the engine's seed and its
-    # prompt. CPU only, through the C kernels (every attention row summed in one fixed order).
+    # prompt. On the CPU through the C kernels (every attention row summed in one fixed order);
+    # on CUDA (or attention_backend="triton") through batch-invariant Triton kernels, eagerly.
     deterministic: bool = False
     # Asynchronous scheduling (vLLM's --async-scheduling; runner/engine/overlap.py): the host
     # schedules and prepares step N+1 while the device runs step N. None: on for CUDA, off on
