@@ -22,7 +22,7 @@ from bench.workloads import BenchRequest
 
 # Where the build in docs/BENCHMARKS.md puts the binary: tools/ beside the checkout.
 DEFAULT_SERVER = (
-    Path(__file__).resolve().parents[3] / "tools" / "llama.cpp" / "build" / "bin" / "llama-server"
+    Path(__file__).resolve().parents[2] / "tools" / "llama.cpp" / "build" / "bin" / "llama-server"
 )
 START_TIMEOUT_S = 120.0
 

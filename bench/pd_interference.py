@@ -41,7 +41,7 @@ from bench.local_redis import redis_url as local_redis
 from bench.workloads import workload_path
 from runner.disagg.cpus import thread_on_cpus
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS: dict[str, dict[str, Any]] = {
     "engine": {},
     "engine-nochunk": {"enable_chunked_prefill": False},

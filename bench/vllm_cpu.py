@@ -17,7 +17,7 @@ from bench.workloads import BenchRequest
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 # Where docs/BENCHMARKS.md installs it: tools/ beside the checkout.
-DEFAULT_PYTHON = Path(__file__).resolve().parents[3] / "tools" / "vllm-venv" / "bin" / "python"
+DEFAULT_PYTHON = Path(__file__).resolve().parents[2] / "tools" / "vllm-venv" / "bin" / "python"
 # KV cache vLLM may hold, GiB: the bench's workloads need well under one.
 KV_SPACE_GIB = 2
 # Its start-up compiles kernels: minutes on a busy machine.

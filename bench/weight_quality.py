@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from runner.backends.cpu.quant import quantize_rows, round_matrices
 from runner.engine.config import CPU_WEIGHT_DTYPES
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 WINDOW = 1024  # tokens scored per forward pass; each window starts fresh
 
 
