@@ -37,6 +37,7 @@ from runner.backends.triton.common import (
 
 SPLIT = 256  # keys a split holds: a multiple of every block size the engine takes up to 256
 BLOCK_N = 16  # keys a program scores at a time within its split
+PARTIALS_BYTES = 256 << 20  # the most a launch's per-split partials take
 LOG2E = 1.4426950408889634
 
 
@@ -61,6 +62,7 @@ def _split_kernel(
     stride_ch: int,
     stride_bt: int,
     NUM_SPLITS: int,  # reserved by the launch (the step's longest context), not the row's own
+    row0: int,  # the launch's first row: the partials hold rows row0 .. row0 + grid rows - 1
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -70,7 +72,8 @@ def _split_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
 ) -> None:
-    row = tl.program_id(0).to(tl.int64)
+    local = tl.program_id(0).to(tl.int64)
+    row = row0 + local
     head = tl.program_id(1)
     split = tl.program_id(2)
     seq = tl.load(seq_of_ptr + row).to(tl.int64)
@@ -84,7 +87,7 @@ def _split_kernel(
     split_hi = tl.minimum(split_lo + SPLIT_KEYS, pos + 1)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
-    out = (row * tl.num_programs(1) + head) * NUM_SPLITS + split
+    out = (local * tl.num_programs(1) + head) * NUM_SPLITS + split
     q = tl.load(q_ptr + row * stride_qt + head * stride_qh + offs_d, mask=d_mask, other=0.0)
     q = q.to(tl.float32)
     kv_head = head // GROUP
@@ -129,15 +132,16 @@ def _merge_kernel(
     stride_ot: int,
     stride_oh: int,
     NUM_SPLITS: int,
+    row0: int,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
 ) -> None:
     """A row's splits merged in index order 0 .. NUM_SPLITS - 1: first their maximum (exact in
     any order), then the rescaled sums one split after the other. An empty split adds nothing:
     it is skipped, not added as 0 (which could turn a -0 into +0)."""
-    row = tl.program_id(0).to(tl.int64)
+    local = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    base = (row * tl.num_programs(1) + head) * NUM_SPLITS
+    base = (local * tl.num_programs(1) + head) * NUM_SPLITS
     offs_d = tl.arange(0, D_PAD)
     top = tl.full((), float("-inf"), tl.float32)
     for i in range(NUM_SPLITS):
@@ -151,7 +155,7 @@ def _merge_kernel(
             total += tl.load(part_ml_ptr + (base + i) * 2 + 1) * weight
             acc += tl.load(part_acc_ptr + (base + i) * D_PAD + offs_d) * weight
     out = acc / total
-    dst = out_ptr + row * stride_ot + head * stride_oh + offs_d
+    dst = out_ptr + (row0 + local) * stride_ot + head * stride_oh + offs_d
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
@@ -191,47 +195,58 @@ def batch_invariant_attention(
     seq_of = torch.repeat_interleave(seqs, query_lens, output_size=num_tokens)
     splits = max(1, triton.cdiv(meta.max_context_len, split_keys))
     d_pad = pow2_at_least(head_dim, floor=1)
-    part_acc = torch.empty(num_tokens, num_heads, splits, d_pad, device=q.device)
-    part_ml = torch.empty(num_tokens, num_heads, splits, 2, device=q.device)
-    _split_kernel[(num_tokens, num_heads, splits)](
-        q,
-        k_cache,
-        v_cache,
-        seq_of,
-        meta.query_start_loc,
-        meta.context_lens,
-        meta.block_tables,
-        part_acc,
-        part_ml,
-        scale * LOG2E,
-        window or 0,
-        log2_softcap(softcap),
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        meta.block_tables.stride(0),
-        splits,
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        D_PAD=d_pad,
-        BLOCK_SIZE=block_size,
-        SPLIT_KEYS=split_keys,
-        BN=BLOCK_N,
-        USE_WINDOW=window is not None,
-        USE_SOFTCAP=softcap is not None,
-    )
-    _merge_kernel[(num_tokens, num_heads)](
-        part_acc,
-        part_ml,
-        out,
-        out.stride(0),
-        out.stride(1),
-        splits,
-        HEAD_DIM=head_dim,
-        D_PAD=d_pad,
-    )
+    # Rows in launches of at most PARTIALS_BYTES of partials (a long context's splits times a
+    # whole prompt's rows would not fit); a row's result does not depend on its launch.
+    per_row = num_heads * splits * (d_pad + 2) * 4
+    rows = max(1, min(num_tokens, PARTIALS_BYTES // per_row))
+    part_acc = torch.empty(rows, num_heads, splits, d_pad, device=q.device)
+    part_ml = torch.empty(rows, num_heads, splits, 2, device=q.device)
+
+    def launch(row0: int, n: int) -> None:
+        _split_kernel[(n, num_heads, splits)](
+            q,
+            k_cache,
+            v_cache,
+            seq_of,
+            meta.query_start_loc,
+            meta.context_lens,
+            meta.block_tables,
+            part_acc,
+            part_ml,
+            scale * LOG2E,
+            window or 0,
+            log2_softcap(softcap),
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            meta.block_tables.stride(0),
+            splits,
+            row0,
+            GROUP=num_heads // num_kv_heads,
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            BLOCK_SIZE=block_size,
+            SPLIT_KEYS=split_keys,
+            BN=BLOCK_N,
+            USE_WINDOW=window is not None,
+            USE_SOFTCAP=softcap is not None,
+        )
+        _merge_kernel[(n, num_heads)](
+            part_acc,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            row0,
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+        )
+
+    for row0 in range(0, num_tokens, rows):
+        launch(row0, min(rows, num_tokens - row0))
     return out
 
 

@@ -137,3 +137,15 @@ def test_the_default_triton_path_differs_in_these_steps() -> None:
     decoded = case.run([(0, 60)] + [(p, 1) for p in range(60, PROMPT)], True, attend=default)
     cached = case.run([(0, 40), (40, 30)], True, attend=default)
     assert not torch.equal(decoded, whole) and not torch.equal(cached, whole)
+
+
+def test_rows_in_several_launches_are_bitwise_equal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose partials would pass PARTIALS_BYTES runs its rows in several launches (here
+    of 9 rows): the same bits as one launch."""
+    import runner.backends.triton.batch_invariant_attention as bia
+
+    case = Case(torch.float32)
+    whole = case.run([(0, PROMPT)], False)
+    per_row = HQ * (PROMPT // SPLIT + 1) * (D + 2) * 4
+    monkeypatch.setattr(bia, "PARTIALS_BYTES", 9 * per_row)
+    assert torch.equal(case.run([(0, PROMPT)], False), whole)
