@@ -2,7 +2,8 @@
 # GPU check of the CUDA runner, one command for a session that has the GPU (issue 39):
 #   1. the CUDA tests (the CUDA, GPU bench, Triton and engine ones);
 #   2. asynchronous scheduling on CUDA (tests/engine/test_async_scheduling_cuda.py);
-#   2b. (reserved: deterministic mode on CUDA, another stage to come; see "more stages" below);
+#   2b. deterministic mode on CUDA (scripts/gpu_determinism.py), only when
+#       GPU_CHECK_DETERMINISM_S is set: it needs a run of its own (see DETERMINISM_S below);
 #   3. the shared-prefix decode against the plain one (bench.gpu_cascade: the data the
 #      cost model is fitted to and checked by, with its verdict);
 #   4. the shared-prefix workload four ways (prefix cache off, on, on eagerly, on with
@@ -54,6 +55,11 @@ CASCADE_S="${GPU_CHECK_CASCADE_S:-45}"
 SHARED_S="${GPU_CHECK_SHARED_S:-90}"
 BENCH_S="${GPU_CHECK_BENCH_S:-170}"
 TOTAL_S="${GPU_CHECK_TOTAL_S:-570}"
+# Deterministic mode on CUDA (scripts/gpu_determinism.py, 3-5 minutes) does not fit beside the
+# rest: off by default; a second run gives it the time of the others, e.g.
+# GPU_CHECK_DETERMINISM_S=330 GPU_CHECK_ASYNC_S=0 GPU_CHECK_CASCADE_S=0 GPU_CHECK_SHARED_S=0 \
+#   GPU_CHECK_BENCH_S=0 scripts/gpu_check.sh
+DETERMINISM_S="${GPU_CHECK_DETERMINISM_S:-0}"
 DEFAULT_TESTS="tests/model/test_cuda.py tests/bench/test_gpu_bench.py tests/backends/triton/test_triton_attention.py"
 DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_rms_norm.py"
 DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_shared_prefix.py"
@@ -155,8 +161,13 @@ print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "
     verdict "async scheduling" $?
   fi
 
-  # More stages (deterministic mode on CUDA, to come) go here, each under `clip` as above, and
-  # GPU_CHECK_TOTAL_S keeps the whole check inside the device tool's 10 minutes.
+  # Deterministic mode on CUDA: answers bitwise equal cache on, off and alone, and its cost
+  # (GPU_CHECK_TOTAL_S keeps the whole check inside the device tool's 10 minutes).
+  if [ "$DETERMINISM_S" != 0 ]; then
+    # shellcheck disable=SC2086
+    stage "deterministic mode" "$DETERMINISM_S" "$DIR/gpu_determinism.json" \
+      scripts/gpu_determinism.py $TOY
+  fi
 
   # shellcheck disable=SC2086  # TOY and BENCH_ARGS are lists of flags on purpose
   stage "cascade cost model" "$CASCADE_S" "$DIR/gpu_cascade.json" -m "$BENCH.gpu_cascade" $TOY
