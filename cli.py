@@ -268,7 +268,7 @@ def _start_batch_run(
     beam_width: int | None,
 ) -> BatchRun:
     from runner.cli.batch_run import BatchRun
-    from runner.engine.beam_search import BeamSearchParams
+    from runner.engine.api.beam_search import BeamSearchParams
     from runner.sampling.params import SamplingParams
 
     try:  # a bad default would fail every line: say so once, before loading the model

@@ -9,8 +9,8 @@ from typing import Any
 
 from bench.peers import PeerResult
 from bench.workloads import BenchRequest
-from runner.engine.beam_search import BeamSearchParams
-from runner.engine.llm import LLM
+from runner.engine.api.beam_search import BeamSearchParams
+from runner.engine.api.llm import LLM
 
 # Systems that cannot search beams: continuous batching and prompt lookup take none.
 NO_BEAMS = ("hf-cb", "hf-lookup")

@@ -29,8 +29,8 @@ from bench.table import format_table
 from bench.workloads import BenchRequest, load_workload
 from runner.backends.cpu.linear import PackedLinear, onednn_available
 from runner.backends.cpu.loader import load_cpu_kernels
-from runner.engine.llm import LLM
-from runner.engine.outputs import RequestOutput
+from runner.engine.api.llm import LLM
+from runner.engine.io.outputs import RequestOutput
 from runner.sampling.params import SamplingParams
 
 

@@ -21,8 +21,8 @@ def main() -> None:
     parser.add_argument("--options", default="{}")
     args = parser.parse_args()
 
-    from runner.engine.frozen_heap import freeze_server_heap
-    from runner.engine.llm import LLM
+    from runner.engine.api.frozen_heap import freeze_server_heap
+    from runner.engine.api.llm import LLM
     from runner.serve.app import ServeSettings, build_app
     from runner.serve.server import run_server
 

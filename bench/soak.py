@@ -19,7 +19,7 @@ from bench.soak_checks import (
     final_checks,
 )
 from bench.soak_workload import Request, Workload
-from runner.engine.llm import LLM
+from runner.engine.api.llm import LLM
 
 
 def _rss_mb() -> float:

@@ -184,7 +184,7 @@ def final_checks(llm: Any, rep: SoakReport, tally: dict[str, int], fail: Fail) -
 class ReferenceCheck:
     """With speculative decoding on, every greedy or seeded answer is kept and, 64 at a time,
     compared with what an engine that guesses nothing answers to the same request (a seeded
-    request samples the same with guesses or without: runner/engine/speculative.py)."""
+    request samples the same with guesses or without: runner/engine/step/speculative.py)."""
 
     def __init__(self, reference: Any) -> None:
         self.reference = reference

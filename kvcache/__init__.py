@@ -16,16 +16,16 @@ from kvcache.hashing import block_hashes, hash_block, namespace_root
 from kvcache.stats import CacheStats
 
 _ENGINE_NAMES = {
-    "LLM": "runner.engine.llm",
+    "LLM": "runner.engine.api.llm",
     "SamplingParams": "runner.sampling.params",
-    "RequestOutput": "runner.engine.outputs",
+    "RequestOutput": "runner.engine.io.outputs",
     "StructuredOutputsParams": "runner.sampling.structured_outputs",
-    "BeamSearchParams": "runner.engine.beam_search",
+    "BeamSearchParams": "runner.engine.api.beam_search",
     # vLLM's names for its prompt dicts and output parts.
-    "TextPrompt": "runner.engine.prompt_inputs",
-    "TokensPrompt": "runner.engine.prompt_inputs",
-    "CompletionOutput": "runner.engine.outputs",
-    "Logprob": "runner.engine.outputs",
+    "TextPrompt": "runner.engine.io.prompt_inputs",
+    "TokensPrompt": "runner.engine.io.prompt_inputs",
+    "CompletionOutput": "runner.engine.io.outputs",
+    "Logprob": "runner.engine.io.outputs",
 }
 
 __all__ = [

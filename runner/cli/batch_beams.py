@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 from runner.cli.batch_file import BatchLine
-from runner.engine.beam_search import BeamSearchOutput, BeamSearchParams
-from runner.engine.interface import EngineInterface
-from runner.engine.requests import Prompt, prompt_token_ids
+from runner.engine.api.beam_search import BeamSearchOutput, BeamSearchParams
+from runner.engine.api.interface import EngineInterface
+from runner.engine.io.validation import Prompt, prompt_token_ids
 from runner.sampling.params import SamplingParams
 
 BEAM_CHUNK = 16  # lines searched together: their beams share the engine's steps

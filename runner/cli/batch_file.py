@@ -12,7 +12,7 @@ from typing import IO, Any
 
 from runner.cli.batch_records import RecordsNotWritten, drop_stale, recover, request_hash
 from runner.cli.output_lock import LockedOutput, OutputInUse
-from runner.engine.requests import check_template_kwargs
+from runner.engine.io.validation import check_template_kwargs
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams
 from runner.sampling.text_checks import first_bad_text, may_hold_surrogates

@@ -15,7 +15,7 @@ from runner.cli.batch_paths import check_output_file
 if TYPE_CHECKING:
     from runner.cli.batch_run import BatchRun
     from runner.cli.output_lock import LockedOutput
-    from runner.engine.interface import EngineInterface
+    from runner.engine.api.interface import EngineInterface
 
 
 def _say(message: str) -> None:

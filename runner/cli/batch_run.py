@@ -21,9 +21,9 @@ from runner.cli.batch_file import (
 from runner.cli.batch_records import RecordsNotWritten
 from runner.cli.output_lock import LockedOutput
 from runner.cli.stdout import StdoutFailed, silence_stdout
-from runner.engine.interface import EngineInterface
-from runner.engine.llm import LLM
-from runner.engine.outputs import RequestOutput
+from runner.engine.api.interface import EngineInterface
+from runner.engine.api.llm import LLM
+from runner.engine.io.outputs import RequestOutput
 
 
 class BatchRun:

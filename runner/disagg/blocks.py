@@ -14,7 +14,7 @@ from typing import NamedTuple
 from kvcache import block_hashes, namespace_root
 from kvcache.hashing import TOKEN_BYTES, pack_tokens
 from kvcache.tiers import Miss, decode
-from runner.engine.interface import EngineInterface
+from runner.engine.api.interface import EngineInterface
 
 
 class PromptChain(NamedTuple):

@@ -1,7 +1,7 @@
 """A prefill worker's handover filled while its prefill runs: each block the engine commits
 (after the forward that wrote its K/V, chunk by chunk in a chunked prefill) that an open
 handover wants is copied off the pool and encoded as a block value in that step, into the held
-handover (held.py): the tap is one of the engine's block listeners (runner/engine/interface.py),
+handover (held.py): the tap is one of the engine's block listeners (runner/engine/api/interface.py),
 beside the KV events and any other. A decode worker pulling meanwhile gets the first blocks
 before the last are computed, and once the prefill ends only its last chunk's blocks are left
 to send.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from kvcache.radix_tree import Node
 from runner.disagg.blocks import PromptChain, prompt_chain
 from runner.disagg.held import HeldHandovers
-from runner.engine.interface import EngineInterface
+from runner.engine.api.interface import EngineInterface
 
 
 @dataclass

@@ -24,7 +24,7 @@ from runner.disagg.held import HeldHandovers
 from runner.disagg.redis_stream import RedisStream
 from runner.disagg.redis_transport import RedisHandover
 from runner.disagg.zmq_transport import ZmqHandoverServer
-from runner.engine.interface import EngineInterface
+from runner.engine.api.interface import EngineInterface
 
 
 @dataclass

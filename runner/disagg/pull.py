@@ -2,7 +2,7 @@
 its pool and host tier lack from the prefill worker (directly or through Redis; directly, while
 the prefill still runs), check each one as it arrives (blocks.py), and copy the run that
 passes straight from the transport's buffers into the pool, a few blocks per short hold of the
-engine lock (runner/engine/kv_tiers.py, TierLoader.install); what the pool cannot take now
+engine lock (runner/engine/kv/kv_tiers.py, TierLoader.install); what the pool cannot take now
 waits in the host tier. So the request's admission finds them cached on the device: a step
 never stops to copy a long prompt's blocks in (a stall the running decodes would see), and the
 pull's CPU on the decode worker's core is one copy a block. Whatever did not arrive, or arrived
@@ -23,7 +23,7 @@ from kvcache.tiers import HostTier, TierDown, storage_key
 from runner.disagg.blocks import PromptChain, check_values, prompt_chain
 from runner.disagg.redis_transport import RedisHandover
 from runner.disagg.zmq_transport import HandoverUnreachable, ZmqHandoverClient
-from runner.engine.interface import EngineInterface
+from runner.engine.api.interface import EngineInterface
 
 # Blocks per round trip. One: a handover's bytes then reach the decode worker a block (0.7 MiB
 # of the default model) at a time, spread between its steps. In bursts of 16 blocks (11.8 MiB)

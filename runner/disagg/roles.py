@@ -14,7 +14,7 @@ from runner.disagg.publish import Publisher
 from runner.disagg.pull import DEFAULT_CHUNK_BLOCKS, Puller
 from runner.disagg.redis_transport import RedisHandover
 from runner.disagg.zmq_transport import ZmqHandoverServer
-from runner.engine.interface import EngineInterface
+from runner.engine.api.interface import EngineInterface
 
 ROLES = ("both", "prefill", "decode")
 DEFAULT_HANDOVER = "zmq"

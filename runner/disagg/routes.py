@@ -34,7 +34,7 @@ from starlette.middleware.base import RequestResponseEndpoint
 
 from kvcache.redaction import redact_url
 from runner.disagg.roles import RoleParts
-from runner.engine.interface import EngineInterface
+from runner.engine.api.interface import EngineInterface
 from runner.engine.sequence import Sequence
 from runner.serve.app import admit  # the server's own checks: draining, model, 400, 429
 from runner.serve.auth import key_matches, unauthorized

@@ -10,7 +10,7 @@ import atexit
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from runner.engine.interface import EngineInterface
+from runner.engine.api.interface import EngineInterface
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

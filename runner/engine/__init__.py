@@ -1,11 +1,22 @@
-"""The engine: `LLM` (llm.py, the batch calls; `EngineInterface`, interface.py, is all that
-other packages may call, and engine_calls.py its reports and block calls) over the loop
-(core.py) that schedules, runs the model, samples and settles each step (on CUDA the next step
-is scheduled while the device runs this one: overlap.py); the scheduler and its admission
-rule, sequences and requests, stopping, streaming, outputs, speculative decoding, beam search,
-metrics, and building an engine's parts (setup.py) with its model runner (model_runner.py) and
-KV pool sizing (memory.py).
+"""The engine, in four subpackages by concern, each importing only those below it:
 
-May import: kvcache (the block manager) and kvcache.store, attention, backends (the registry
-and the CPU kernels), model, sampling, kv_events (the publisher a config turns on).
+- engine.api: what callers hold. `LLM` (api/llm.py, the batch calls), `EngineInterface`
+  (api/interface.py, all that other packages may call; api/engine_calls.py its reports and
+  block calls), streaming, beam search.
+- engine.step: one engine step. The loop (step/core.py) that schedules, runs the model, samples
+  and settles each step (on CUDA the next step is scheduled while the device runs this one:
+  step/overlap.py); the scheduler and its admission rule, the model runner, speculative
+  decoding, metrics, and building an engine's parts (step/setup.py).
+- engine.io: a request's way in and out. Checking and tokenizing it (io/validation.py,
+  io/intake.py), the table of live requests and whose output is whose, stopping, text,
+  outputs in vLLM's shape.
+- engine.kv: the KV plumbing. Host and disk tiers, block transfers, the prefix-cache file, KV
+  pool sizing.
+
+This top level holds what all four share: `EngineConfig` (config.py) and `Sequence`
+(sequence.py, one request as the scheduler sees it). api may import step, io and kv; step may
+import io and kv; io and kv import only this top level.
+
+May import: kvcache (the block manager), backends (the CPU weight dtypes), kv_events (the
+publisher's config), sampling.
 """

@@ -86,7 +86,7 @@ class EngineConfig:
     # Write the whole CPU pool once at start-up instead of mapping its pages on first touch
     # (kvcache/store.py): a server's choice, so no step or handover copy takes page faults.
     prefault_kv_cache: bool = False
-    # Speculative decoding by n-gram lookup (runner/engine/speculative.py): up to this many guessed
+    # Speculative decoding by n-gram lookup (step/speculative.py): up to this many guessed
     # tokens checked after a plain greedy request's newest one each step; 0 turns it off.
     speculative_tokens: int = 0
     # Tiers below the device pool (kvcache/tiers, docs/TIERS.md), each off when None: blocks
@@ -114,7 +114,7 @@ class EngineConfig:
     # prompt. On the CPU through the C kernels (every attention row summed in one fixed order);
     # on CUDA (or attention_backend="triton") through batch-invariant Triton kernels, eagerly.
     deterministic: bool = False
-    # Asynchronous scheduling (vLLM's --async-scheduling; runner/engine/overlap.py): the host
+    # Asynchronous scheduling (vLLM's --async-scheduling; runner/engine/step/overlap.py): the host
     # schedules and prepares step N+1 while the device runs step N. None: on for CUDA, off on
     # the CPU (where the device is the host: nothing to overlap). Never with speculative tokens.
     async_scheduling: bool | None = None

@@ -79,7 +79,7 @@ class Sequence:
     _tokens: list[int] = field(init=False, repr=False, compare=False)
     _plain_logits: bool | None = field(default=None, init=False, repr=False, compare=False)
     # Whether the last of token_ids holds the place of a token a step still running on the
-    # device sampled (runner/engine/overlap.py): the next step is scheduled around it, its
+    # device sampled (runner/engine/step/overlap.py): the next step is scheduled around it, its
     # input read on the device; never part of the output. At most one at a time.
     pending_token: bool = field(default=False, init=False, repr=False, compare=False)
 

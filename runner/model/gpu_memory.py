@@ -1,6 +1,6 @@
 """GPU memory sizing: how much a step's activations peak at, measured once at start-up.
 
-runner/engine/memory.py sizes the KV pool as `total * gpu_memory_utilization - used -
+runner/engine/kv/memory.py sizes the KV pool as `total * gpu_memory_utilization - used -
 activation_bytes`. The activations of a step are not known in advance (they depend on the attention
 path, the allocator, cuBLAS workspaces), so, like vLLM's profile run, we run one forward of the
 largest step the scheduler can form and read the allocator's peak.

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcache import block_hashes, namespace_root
-from runner.engine.requests import render_chat
+from runner.engine.io.validation import render_chat
 from runner.router.replicas import Replica
 from runner.serve.protocol import ChatMessage
 

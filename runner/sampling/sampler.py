@@ -3,7 +3,7 @@
 `filtered_probs` filters rows on their likeliest candidates (runner/sampling/candidates.py) and
 falls back, row by row, to `dense_probs`: the filters over the whole vocabulary, which define
 what is kept. `draw` picks one token a row by inverse CDF in token-id order. Speculative decoding
-(runner/engine/speculative.py) checks its guesses with these same two functions."""
+(runner/engine/step/speculative.py) checks its guesses with these same two functions."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def sample_on_device(
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
     """`sample`'s tokens [N] int64, left on the logits' device: an overlapped step
-    (runner/engine/overlap.py) reads them back later, and feeds them to the next step there."""
+    (runner/engine/step/overlap.py) reads them back later, and feeds them to the next step there."""
     if all(p.greedy for p in params):  # the usual step: no index to send (which would block)
         return logits.argmax(dim=-1) if params else logits.new_empty(0, dtype=torch.int64)
     tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)

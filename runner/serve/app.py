@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from runner.engine.interface import EngineInterface
+from runner.engine.api.interface import EngineInterface
 from runner.sampling.params import SamplingParams
 from runner.serve.auth import ALL_BUT_HEALTH, require_api_key
 from runner.serve.body_deadline import BodyDeadline

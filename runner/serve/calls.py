@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from runner.engine.outputs import RequestOutput
+from runner.engine.io.outputs import RequestOutput
 from runner.serve.engine_loop import EngineLoop
 from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Submission
 from runner.serve.protocol import field_named

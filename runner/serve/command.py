@@ -17,7 +17,7 @@ from runner.serve.tool_calls import TOOL_PARSERS
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from runner.engine.interface import EngineInterface
+    from runner.engine.api.interface import EngineInterface
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -202,8 +202,8 @@ def serve_command(start_role: RoleStarter) -> click.Command:
         model = model or model_arg
         template = read_chat_template(chat_template) if chat_template is not None else None
         from runner.cli.startup import start_up_without_gc
-        from runner.engine.frozen_heap import freeze_server_heap
-        from runner.engine.llm import LLM
+        from runner.engine.api.frozen_heap import freeze_server_heap
+        from runner.engine.api.llm import LLM
         from runner.serve.app import ServeSettings, build_app
         from runner.serve.masking import Masker
         from runner.serve.server import run_server

@@ -4,11 +4,12 @@ continuous batching over HTTP), and hands each request's new tokens and text to 
 HTTP handler gave (which puts them on the handler's asyncio queue).
 
 Every engine call happens on this thread, so the HTTP event loop never waits for a step; the
-handlers only put commands in the inbox. Text deltas are made as runner/engine/streaming.py makes
-them (TextStream): they add up to the request's final text exactly. The events of one step
-(or one batch of commands) go to the event loop in one call, so a step of 64 streams costs
-the HTTP thread one wake-up, not 64: with the GIL shared, a loop that woke the HTTP thread per
-token starved it (chunks then left in bursts, and first tokens late).
+handlers only put commands in the inbox. Text deltas are made as
+runner/engine/api/streaming.py makes them (TextStream): they add up to the request's final
+text exactly. The events of one step (or one batch of commands) go to the event loop in one
+call, so a step of 64 streams costs the HTTP thread one wake-up, not 64: with the GIL shared, a
+loop that woke the HTTP thread per token starved it (chunks then left in bursts, and first
+tokens late).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from runner.engine.interface import EngineInterface
-from runner.engine.outputs import RequestOutput
+from runner.engine.api.interface import EngineInterface
+from runner.engine.api.streaming import TextStream
+from runner.engine.io.outputs import RequestOutput
 from runner.engine.sequence import Sequence
-from runner.engine.streaming import TextStream
 from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Sink, Submission
 from runner.serve.masking import Masker
 from runner.serve.metrics import ServeMetrics

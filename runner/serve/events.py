@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from runner.engine.outputs import RequestOutput
+from runner.engine.io.outputs import RequestOutput
 from runner.engine.sequence import Sequence
 from runner.sampling.logprobs import TokenLogprobs
 from runner.sampling.params import SamplingParams

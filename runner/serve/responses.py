@@ -8,7 +8,7 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from runner.engine.outputs import RequestOutput
+from runner.engine.io.outputs import RequestOutput
 from runner.sampling.logprobs import TokenLogprobs
 from runner.serve.tool_answers import ToolPlan, finish_reason
 

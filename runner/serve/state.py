@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from runner.engine.interface import EngineInterface
+from runner.engine.api.interface import EngineInterface
 from runner.serve.engine_loop import EngineLoop
 from runner.serve.masking import Masker
 from runner.serve.messages import unknown_fields

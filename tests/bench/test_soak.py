@@ -17,8 +17,8 @@ import torch
 
 from bench.soak import run_soak
 from kvcache import BlockManager
-from runner.engine import speculative
-from runner.engine.scheduler import Scheduler
+from runner.engine.step import speculative
+from runner.engine.step.scheduler import Scheduler
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 

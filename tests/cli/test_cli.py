@@ -220,7 +220,7 @@ def test_utf8_bom_is_ignored(tiny_llama_dir: Path, tmp_path: Path) -> None:
 def test_failed_engine_step_sets_exit_code(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: Any
 ) -> None:
-    from runner.engine.model_runner import ModelRunner
+    from runner.engine.step.model_runner import ModelRunner
 
     def boom(self: ModelRunner, batch: Any) -> Any:
         raise RuntimeError("simulated step failure")

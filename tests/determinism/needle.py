@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.engine.llm import LLM
+from runner.engine.api.llm import LLM
 from runner.sampling.params import SamplingParams
 
 VOCAB = 2048

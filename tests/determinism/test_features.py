@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from runner.backends.cpu.loader import load_cpu_kernels
-from runner.engine.llm import LLM
+from runner.engine.api.llm import LLM
 from runner.sampling.params import SamplingParams
 from tests.determinism.needle import MODEL_SHAPE, NEEDLE, Answer, answer_of, run_needle
 from tests.pd.conftest import start_worker, stop_worker

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from runner.engine.llm import LLM
+from runner.engine.api.llm import LLM
 from runner.model.batch_invariant import RowsLinear
 from runner.sampling.params import SamplingParams
 from tests.determinism.needle import Answer, answer_of

@@ -1,4 +1,4 @@
-"""Asynchronous scheduling (runner/engine/overlap.py) on a fake device whose steps run on a
+"""Asynchronous scheduling (runner/engine/step/overlap.py) on a fake device whose steps run on a
 worker thread with a set latency, beside host preparation with a set cost of its own.
 
 Two claims: the host prepares step N+1 before it reads step N's tokens (so a step costs about
@@ -26,9 +26,9 @@ from click.testing import CliRunner
 from kvcache import LLM, RequestOutput, SamplingParams, StructuredOutputsParams
 from runner.cli.engine_options import engine_options
 from runner.engine.config import EngineConfig
-from runner.engine.model_runner import ALIGN, upload
-from runner.engine.overlap import PendingTokens
-from runner.engine.scheduler import SchedulerOutput
+from runner.engine.step.model_runner import ALIGN, upload
+from runner.engine.step.overlap import PendingTokens
+from runner.engine.step.scheduler import SchedulerOutput
 
 DEVICE_LATENCY_S = 0.004  # each step's device work: the real CPU forward, then this sleep
 HOST_COST_S = 0.002  # each step's host preparation: the real one, then this sleep

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvcache import LLM, BeamSearchParams
-from runner.engine.beam_search import _advance, _Search
+from runner.engine.api.beam_search import _advance, _Search
 
 MAX_NEW = 10
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -1,4 +1,4 @@
-"""The engine interface (runner/engine/interface.py) as `LLM` implements it: the cached prefix
+"""The engine interface (runner/engine/api/interface.py) as `LLM` implements it: the cached prefix
 of a prompt and its block values, block listeners told of commits and removals, handed-over
 blocks installed into another engine's pool, and the reports (queue depth, pool, cache
 counters) the other packages read instead of the engine's parts."""
@@ -12,7 +12,7 @@ import pytest
 from kvcache import LLM, SamplingParams
 from kvcache.radix_tree import Node
 from runner.disagg.blocks import check_values, prompt_chain
-from runner.engine.interface import EngineInterface
+from runner.engine.api.interface import EngineInterface
 
 PROMPT = "A prompt long enough for several blocks of four tokens each, and then some more."
 ONE = SamplingParams(max_tokens=1, temperature=0)

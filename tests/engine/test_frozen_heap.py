@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvcache import LLM, SamplingParams
-from runner.engine.frozen_heap import frozen_heap
+from runner.engine.api.frozen_heap import frozen_heap
 
 
 class Node:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
-from runner.engine.speculative import NGRAM_MAX, NGRAM_MIN, accepted, draftable, propose
+from runner.engine.step.speculative import NGRAM_MAX, NGRAM_MIN, accepted, draftable, propose
 from tests.conftest import load_hf_reference
 
 MAX_NEW = 24

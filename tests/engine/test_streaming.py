@@ -18,11 +18,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
-from runner.engine import intake as engine_intake
-from runner.engine.incremental_text import OutputText
+from runner.engine.api.streaming import TextStream
+from runner.engine.io import intake as engine_intake
+from runner.engine.io.incremental_text import OutputText
+from runner.engine.io.stopping import StopChecker
 from runner.engine.sequence import Sequence
-from runner.engine.stopping import StopChecker
-from runner.engine.streaming import TextStream
 from tests.conftest import tiny_tokenizer
 
 # Byte tokens of the tiny tokenizer are id = 3 + position in ByteLevel's alphabet; these texts

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvcache import LLM, SamplingParams
-from runner.engine.outputs import Logprob, PositionLogprobs
+from runner.engine.io.outputs import Logprob, PositionLogprobs
 from runner.model.loader import resolve_model_dir
 from tests.conftest import CHAT_TEMPLATE, load_hf_reference
 
@@ -365,7 +365,7 @@ def test_reset_prefix_cache(tiny_llama_tok_dir: Path) -> None:
 
 
 def test_get_tokenizer_and_beam_search_take_vllms_forms(llm: LLM) -> None:
-    from runner.engine.beam_search import BeamSearchParams
+    from runner.engine.api.beam_search import BeamSearchParams
 
     assert llm.get_tokenizer() is llm.tokenizer
     ids = llm.get_tokenizer()(PROMPTS[0]).input_ids
@@ -387,7 +387,7 @@ def test_vllms_constructor_names(
 ) -> None:
     """tokenizer may name the model (another is refused by name); gpu_memory_utilization on
     the CPU is accepted with a warning that says it changes nothing there."""
-    with caplog.at_level("WARNING", logger="runner.engine.llm"):
+    with caplog.at_level("WARNING", logger="runner.engine.api.llm"):
         engine = LLM(
             str(tiny_llama_tok_dir), tokenizer=str(tiny_llama_tok_dir), gpu_memory_utilization=0.5
         )

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from subscriber import Subscriber
 
-from runner.engine.llm import LLM
+from runner.engine.api.llm import LLM
 from runner.kv_events.config import KVEventsConfig
 from runner.kv_events.publisher import EventQueue
 from runner.kv_events.schema import BlockRemoved, BlockStored, EventBatch, encode_batch

@@ -12,7 +12,7 @@ from subscriber import Subscriber
 
 from kvcache.hashing import unpack_tokens
 from kvcache.tiers.block_value import value_links
-from runner.engine.llm import LLM
+from runner.engine.api.llm import LLM
 from runner.kv_events.tier_events import MEDIA
 from runner.sampling.params import SamplingParams
 

@@ -1,6 +1,6 @@
 """The engine's boundary, checked on the source: no module imports another package's private
 name (a leading underscore), and the packages moved onto the engine interface
-(runner/engine/interface.py) reach none of the engine's parts through it (its scheduler,
+(runner/engine/api/interface.py) reach none of the engine's parts through it (its scheduler,
 block manager, recorder, tiers, KV pool...), not even through getattr. The bench joins MIGRATED
 as it moves."""
 

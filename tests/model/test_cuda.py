@@ -24,7 +24,7 @@ from runner.attention.metadata import AttentionMetadata
 from runner.backends.registry import attention_backend
 from runner.backends.triton.common import interpreting
 from runner.engine.config import EngineConfig
-from runner.engine.memory import kv_pool_blocks
+from runner.engine.kv.memory import kv_pool_blocks
 from runner.model.cuda_graphs import DecodeGraphs, graph_batch_sizes, greedy_on_device
 from runner.model.gpu_memory import profile_activation_bytes, profile_sequence_lengths
 from runner.model.loader import load_model

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvcache import LLM, SamplingParams
 from kvcache.hashing import hash_packed_block, pack_tokens, unpack_tokens
 from kvcache.tiers import BlockValue, decode, encode
-from runner.engine.prefix_cache_file import _LEN, MAGIC
+from runner.engine.kv.prefix_cache_file import _LEN, MAGIC
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]  # two blocks of 4

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from runner.engine.interrupts import interrupts_held
+from runner.engine.step.interrupts import interrupts_held
 
 
 def batch(path: Path, n: int) -> Path:
@@ -69,7 +69,7 @@ def test_sigterm_saves_the_cache_and_says_so(tiny_llama_dir: Path, tmp_path: Pat
 def test_a_second_ctrl_c_while_saving_has_no_traceback(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: Any
 ) -> None:
-    from runner.engine.llm import LLM
+    from runner.engine.api.llm import LLM
 
     def first(self: LLM, on_finish: Any = None) -> Any:
         raise KeyboardInterrupt  # Ctrl-C in the run

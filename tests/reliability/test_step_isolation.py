@@ -1,5 +1,5 @@
 """One request's failure fails that request only, never the others of its step: a step whose
-model or sampler raises runs again one request at a time (runner/engine/step_isolation.py), a
+model or sampler raises runs again one request at a time (runner/engine/step/step_isolation.py), a
 request whose speculative guesses raise runs again without them, and only a request that raises
 alone too comes back with finish_reason "error" (issue 24, item 7)."""
 
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-import runner.engine.prefix_cache_file
+import runner.engine.kv.prefix_cache_file
 from kvcache import LLM
-from runner.engine.scheduler import ScheduledSeq
+from runner.engine.step.scheduler import ScheduledSeq
 from tests.reliability.cache_poison import GREEDY, PROMPT, poisoned_cache
 
 OTHERS = [[20, 21, 22, 23, 24], [30, 31, 32, 33, 34, 35, 36]]
@@ -33,7 +33,7 @@ def test_a_guess_that_raises_fails_no_one(
     path = tmp_path / "poisoned.safetensors"
     poisoned_cache(tiny_llama_dir, path)
     monkeypatch.setattr(
-        runner.engine.prefix_cache_file, "check_token_ids", lambda *args: None, raising=False
+        runner.engine.kv.prefix_cache_file, "check_token_ids", lambda *args: None, raising=False
     )
     llm = LLM(str(tiny_llama_dir), block_size=4, speculative_tokens=4)
     assert llm.load_prefix_cache(path) > 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvcache.store import KVStore
-from runner.engine.kv_transfer import read_blocks, to_device, to_host, write_blocks
+from runner.engine.kv.kv_transfer import read_blocks, to_device, to_host, write_blocks
 
 
 def round_trip(device: str) -> None:

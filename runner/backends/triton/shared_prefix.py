@@ -78,7 +78,7 @@ class PlanBuffers:
     """A decode graph's fixed-shape plan: the four plan tensors as views of one flat int32
     device buffer, so that a step's plan (built on the host) goes over in one non-blocking copy
     from pinned memory before the replay. A pageable copy could wait for the step in flight
-    (asynchronous scheduling, runner/engine/overlap.py); torch's pinned allocator keeps each
+    (asynchronous scheduling, runner/engine/step/overlap.py); torch's pinned allocator keeps each
     step's staging buffer until its copy has run, so a later step never overwrites it early."""
 
     ALIGN = 64  # int32 elements (256 bytes) between the views: aligned as fresh allocations

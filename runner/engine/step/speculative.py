@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from kvcache import BlockManager
-from runner.engine.next_tokens import next_tokens
 from runner.engine.sequence import Sequence
+from runner.engine.step.next_tokens import next_tokens
 from runner.sampling.logprobs import TokenLogprobs
 from runner.sampling.params import SamplingParams
 from runner.sampling.sampler import draw, filtered_probs

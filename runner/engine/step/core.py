@@ -1,7 +1,7 @@
 """The engine loop: add and abort requests, step the scheduler, model and sampler, report.
 
-A request's intake (its prompt fitted, its id, its sequences built) is runner/engine/intake.py;
-`LLM` (runner/engine/llm.py) adds the batch calls on top: generate, chat, stream."""
+A request's intake (its prompt fitted, its id, its sequences built) is runner/engine/io/intake.py;
+`LLM` (runner/engine/api/llm.py) adds the batch calls on top: generate, chat, stream."""
 
 from __future__ import annotations
 
@@ -10,23 +10,23 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from runner.engine.config import EngineConfig
-from runner.engine.intake import RequestIntake
-from runner.engine.interrupts import interrupts_held
-from runner.engine.live_requests import LiveRequests
-from runner.engine.lock import locked
-from runner.engine.metrics import MetricsRecorder
-from runner.engine.output_routing import OutputRouter
-from runner.engine.outputs import RequestOutput, TokenTexts
-from runner.engine.overlap import OverlappedLoop, default_device
-from runner.engine.requests import Prompt, RequestValidator
-from runner.engine.scheduler import Scheduler, SchedulerOutput
+from runner.engine.io.intake import RequestIntake
+from runner.engine.io.output_routing import OutputRouter
+from runner.engine.io.outputs import RequestOutput, TokenTexts
+from runner.engine.io.request_table import LiveRequests
+from runner.engine.io.stopping import StopChecker
+from runner.engine.io.validation import Prompt, RequestValidator
 from runner.engine.sequence import Sequence
-from runner.engine.setup import build_engine_parts
-from runner.engine.speculative import SpecStats
-from runner.engine.step_clock import StepClock
-from runner.engine.step_isolation import run_each_alone
-from runner.engine.step_result import StepResult, sample_step
-from runner.engine.stopping import StopChecker
+from runner.engine.step.interrupts import interrupts_held
+from runner.engine.step.lock import locked
+from runner.engine.step.metrics import MetricsRecorder
+from runner.engine.step.overlap import OverlappedLoop, default_device
+from runner.engine.step.scheduler import Scheduler, SchedulerOutput
+from runner.engine.step.setup import build_engine_parts
+from runner.engine.step.speculative import SpecStats
+from runner.engine.step.step_clock import StepClock
+from runner.engine.step.step_isolation import run_each_alone
+from runner.engine.step.step_result import StepResult, sample_step
 from runner.model.cpu_layers import CpuLayers
 from runner.model.loader import generation_eos_ids
 from runner.sampling.params import SamplingParams
@@ -100,10 +100,10 @@ class Engine:
         )
         self._requests = LiveRequests()  # queued or running requests by id, and sample groups
         self._outputs = OutputRouter()  # finished outputs waiting for the caller they belong to
-        self.spec_stats = SpecStats()  # drafted and accepted tokens (runner/engine/speculative.py)
-        # Held by every add, abort and step (runner/engine/lock.py): threads may share an engine.
+        self.spec_stats = SpecStats()  # drafted and accepted tokens (speculative.py)
+        # Held by every add, abort and step (lock.py): threads may share an engine.
         self.lock = threading.RLock()
-        # Asynchronous scheduling (runner/engine/overlap.py): None runs the plain loop.
+        # Asynchronous scheduling (runner/engine/step/overlap.py): None runs the plain loop.
         self.overlap: OverlappedLoop | None = None
         if self.config.overlaps_steps:
             self.overlap = OverlappedLoop(
@@ -226,7 +226,7 @@ class Engine:
 
     def _step(self) -> None:
         """One engine step: schedule, run the model and sample, then update the requests and
-        the cache. The bookkeeping runs with Ctrl-C held (runner/engine/interrupts.py): an
+        the cache. The bookkeeping runs with Ctrl-C held (runner/engine/step/interrupts.py): an
         interrupt lands before the step's requests are scheduled, during the model's forward
         pass (which nothing has counted on yet), or once every request that finished in the
         step has its output with the router, never between."""
@@ -255,7 +255,7 @@ class Engine:
 
     def _run(self, out: SchedulerOutput) -> StepResult:
         """The forward pass over the step's batch and the sampler over its rows. When either
-        raises, each request runs again alone (runner/engine/step_isolation.py), so that only
+        raises, each request runs again alone (runner/engine/step/step_isolation.py), so that only
         a request that fails alone too fails."""
         try:
             self.clock.start()

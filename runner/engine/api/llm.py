@@ -10,33 +10,33 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from runner.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from runner.engine.engine_calls import EngineCalls
-from runner.engine.frozen_heap import frozen_heap
-from runner.engine.interface import PromptArg
-from runner.engine.lock import locked
-from runner.engine.outputs import RequestOutput
-from runner.engine.prefix_cache_file import cache_identity, load_prefix_cache, save_prefix_cache
-from runner.engine.prompt_inputs import (
+from runner.engine.api.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from runner.engine.api.engine_calls import EngineCalls
+from runner.engine.api.frozen_heap import frozen_heap
+from runner.engine.api.interface import PromptArg
+from runner.engine.api.streaming import StreamDelta, stream_requests
+from runner.engine.io.outputs import RequestOutput
+from runner.engine.io.prompt_inputs import (
     Params,
     PromptInput,
     chat_template_options,
     prompt_inputs,
     sampling_params_arg,
 )
-from runner.engine.requests import (
+from runner.engine.io.validation import (
     Messages,
     conversation_batch,
     params_per_prompt,
     prompt_token_ids,
     render_chat,
 )
+from runner.engine.kv.prefix_cache_file import cache_identity, load_prefix_cache, save_prefix_cache
 from runner.engine.sequence import Sequence, request_id_of
-from runner.engine.streaming import StreamDelta, stream_requests
+from runner.engine.step.lock import locked
 from runner.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from runner.engine.interface import EngineInterface
+    from runner.engine.api.interface import EngineInterface
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 class LLM(EngineCalls):
     """Generation with a prefix cache that persists across calls of one instance.
 
-    The calls take vLLM's names and forms beside ours (runner/engine/prompt_inputs.py):
+    The calls take vLLM's names and forms beside ours (runner/engine/io/prompt_inputs.py):
     `generate(prompts, sampling_params)` or `params=`, prompt dicts, `chat`'s template
     keywords; `LLM(model=...)` takes a local folder, a .gguf file or a Hugging Face Hub id."""
 
@@ -132,7 +132,7 @@ class LLM(EngineCalls):
         params: Params = None,
     ) -> Iterator[StreamDelta]:
         """Like `generate`, but yield each request's new tokens and text after every step
-        (runner/engine/streaming.py); a sample's deltas add up to its final text exactly, and a
+        (runner/engine/api/streaming.py); a sample's deltas add up to its final text exactly, and a
         request's last delta carries its RequestOutput. The requests are queued when the
         iteration starts (a bad prompt raises there); leaving the loop early aborts the rest."""
         batch = prompt_inputs(prompts)
@@ -169,7 +169,7 @@ class LLM(EngineCalls):
     ) -> list[BeamSearchOutput]:
         """The `params.beam_width` best answers to each prompt (text, token ids or a prompt
         dict) by beam search, as transformers' `generate(num_beams=...)` finds them
-        (runner/engine/beam_search.py); outputs come back in input order, each with its answers
+        (runner/engine/api/beam_search.py); outputs come back in input order, each with its answers
         best first."""
         params = params if params is not None else BeamSearchParams()
         if not isinstance(params, BeamSearchParams):

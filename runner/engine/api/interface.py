@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
-from runner.engine.requests import Prompt
+from runner.engine.io.validation import Prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -27,13 +27,13 @@ if TYPE_CHECKING:
     from kvcache.radix_tree import Node
     from kvcache.stats import CacheStats
     from kvcache.tiers import BlockSpec, HostTier
-    from runner.engine.beam_search import BeamSearchOutput, BeamSearchParams
+    from runner.engine.api.beam_search import BeamSearchOutput, BeamSearchParams
+    from runner.engine.api.streaming import TextStream
     from runner.engine.config import EngineConfig
-    from runner.engine.outputs import RequestOutput
-    from runner.engine.prompt_inputs import Params
-    from runner.engine.requests import Messages
+    from runner.engine.io.outputs import RequestOutput
+    from runner.engine.io.prompt_inputs import Params
+    from runner.engine.io.validation import Messages
     from runner.engine.sequence import Sequence as Seq
-    from runner.engine.streaming import TextStream
     from runner.sampling.params import SamplingParams
     from runner.sampling.structured_outputs import StructuredOutputsParams
 

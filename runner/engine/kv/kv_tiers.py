@@ -31,7 +31,7 @@ from kvcache.tiers import BlockSpec, DiskTier, HostTier, Pending, RemoteTier, Ti
 from kvcache.tiers.prefetch import Prefetcher
 from kvcache.tiers.write_backlog import WriteBacklog
 from runner.engine.config import EngineConfig
-from runner.engine.kv_transfer import read_blocks, write_blocks
+from runner.engine.kv.kv_transfer import read_blocks, write_blocks
 
 if TYPE_CHECKING:  # ZeroMQ and msgspec are imported only by an engine that publishes
     from runner.kv_events.publisher import KVEventPublisher

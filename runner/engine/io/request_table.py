@@ -1,10 +1,10 @@
 """The engine's live requests by id: the sequence of each queued or running one, and the sample
-group (runner/engine/sample_groups.py) of each request of several samples still running."""
+group (runner/engine/io/sample_groups.py) of each request of several samples still running."""
 
 from __future__ import annotations
 
-from runner.engine.outputs import RequestOutput
-from runner.engine.sample_groups import SampleGroup, sample_request_id
+from runner.engine.io.outputs import RequestOutput
+from runner.engine.io.sample_groups import SampleGroup, sample_request_id
 from runner.engine.sequence import Sequence
 
 

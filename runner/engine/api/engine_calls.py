@@ -1,4 +1,4 @@
-"""The engine interface's calls that are no batch call (runner/engine/interface.py): checks
+"""The engine interface's calls that are no batch call (runner/engine/api/interface.py): checks
 before a request is queued, reports, and the cache's blocks (the cached prefix of a prompt, its
 block values, handed-over blocks installed, block listeners). Each delegates to one of the
 engine's parts, so that no other package needs to know them. `LLM` (llm.py) adds the batch
@@ -12,12 +12,12 @@ from kvcache.block_cache import BlockListener
 from kvcache.radix_tree import Node
 from kvcache.stats import CacheStats
 from kvcache.tiers import HostTier, Link, encode_chunk
-from runner.engine.core import Engine
-from runner.engine.interface import CachedPrefix, InstalledBlocks, KVPool, QueueDepth
-from runner.engine.kv_transfer import read_blocks
-from runner.engine.lock import locked
+from runner.engine.api.interface import CachedPrefix, InstalledBlocks, KVPool, QueueDepth
+from runner.engine.api.streaming import TextStream
+from runner.engine.kv.kv_transfer import read_blocks
 from runner.engine.sequence import Sequence
-from runner.engine.streaming import TextStream
+from runner.engine.step.core import Engine
+from runner.engine.step.lock import locked
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams
 

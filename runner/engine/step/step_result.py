@@ -3,7 +3,7 @@
 The scheduler's output says what a step computes and is never changed after; this says what
 came of it: the items that ran, the tokens each sampling item emitted (a drafted item's
 newest token and the guesses the model agreed with), and the items that failed even when run
-alone (runner/engine/step_isolation.py), each with its error."""
+alone (runner/engine/step/step_isolation.py), each with its error."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 import torch
 
-from runner.engine.scheduler import ScheduledSeq
-from runner.engine.speculative import step_tokens
-from runner.engine.step_clock import StepTiming
+from runner.engine.step.scheduler import ScheduledSeq
+from runner.engine.step.speculative import step_tokens
+from runner.engine.step.step_clock import StepTiming
 from runner.sampling.logprobs import TokenLogprobs
 
 
@@ -45,7 +45,7 @@ def sample_step(
     eos_ids: Collection[int],
     timing: StepTiming | None = None,
 ) -> StepResult:
-    """Sample the rows of one forward pass over `batch` (runner/engine/speculative.py checks a
+    """Sample the rows of one forward pass over `batch` (runner/engine/step/speculative.py checks a
     drafted item's guesses against its rows)."""
     sampling = [item for item in batch if item.sample]
     seqs, drafts = [item.seq for item in sampling], [item.draft for item in sampling]

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple, Required, TypedDict
 
-from runner.engine.requests import Prompt, check_template_kwargs, prompt_batch
+from runner.engine.io.validation import Prompt, check_template_kwargs, prompt_batch
 from runner.sampling.params import SamplingParams
 
 # The keys of a prompt dict this engine reads: vLLM's TextPrompt and TokensPrompt (a

@@ -8,7 +8,7 @@ A `generate` or a stream reserves its requests' ids: their outputs wait here for
 
 from __future__ import annotations
 
-from runner.engine.outputs import RequestOutput
+from runner.engine.io.outputs import RequestOutput
 
 
 class OutputRouter:

@@ -1,9 +1,9 @@
 """Request intake: what ``Engine.add_request`` does before anything is queued.
 
-A call becomes its sequences here: the prompt tokenized and fitted (runner/engine/requests.py),
+A call becomes its sequences here: the prompt tokenized and fitted (runner/engine/io/validation.py),
 its structure compiled, its id picked or checked, its namespace root (one per ``cache_salt``)
 and prefix key found, and one ``Sequence`` built a sample. Nothing is queued: the engine queues
-the sequences whole, or none of them (runner/engine/core.py)."""
+the sequences whole, or none of them (runner/engine/step/core.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 import torch
 
 from kvcache import block_hashes, namespace_root
-from runner.engine.requests import Prompt, RequestValidator, prompt_token_ids
-from runner.engine.sample_groups import SEED_RANGE, sample_params, sample_request_id
+from runner.engine.io.sample_groups import SEED_RANGE, sample_params, sample_request_id
+from runner.engine.io.validation import Prompt, RequestValidator, prompt_token_ids
 from runner.engine.sequence import Sequence
 from runner.sampling.logit_rules import bad_word_ids
 from runner.sampling.params import SamplingParams
@@ -54,7 +54,7 @@ class RequestIntake:
         self.block_size = block_size
         self.validator = validator
         self.grammars = grammars
-        self.seq_ids = itertools.count()  # also numbers beam searches (runner/engine/llm.py)
+        self.seq_ids = itertools.count()  # also numbers beam searches (runner/engine/api/llm.py)
         self.rng = torch.Generator().manual_seed(seed)  # seeds requests' streams (CPU)
         # EngineConfig.deterministic: an unseeded sampled request's seed comes from the engine's
         # seed and its prompt (request_seed), not from how many requests came before it.

@@ -1,6 +1,6 @@
 """Continuous (and static) batching over a per-step token budget, with chunked prefill,
-preemption by recompute, cache-aware admission (runner/engine/admission.py) and speculative drafts
-for decoding sequences (runner/engine/speculative.py)."""
+preemption by recompute, cache-aware admission (admission.py) and speculative drafts
+for decoding sequences (runner/engine/step/speculative.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvcache import BlockManager, Purpose
-from runner.engine.admission import Admission
 from runner.engine.config import EngineConfig
-from runner.engine.kv_tiers import TierLoader
+from runner.engine.kv.kv_tiers import TierLoader
 from runner.engine.sequence import SeqStatus, Sequence
-from runner.engine.speculative import draft_for
+from runner.engine.step.admission import Admission
+from runner.engine.step.speculative import draft_for
 
 
 @dataclass
@@ -27,7 +27,7 @@ class ScheduledSeq:
     # item's, `commit` caches only those whose tokens were output (the newest token and the
     # accepted guesses: StepResult.computed).
     start: int = 0
-    # Guessed tokens fed after a decoding sequence's newest one (runner/engine/speculative.py): the
+    # Guessed tokens fed after a decoding sequence's newest one (speculative.py): the
     # step computes 1 + len(draft) positions, and the engine keeps those the model agrees with.
     draft: list[int] = field(default_factory=list)
     # The sequence's block table as the block manager holds it (read only), set once the step
@@ -90,7 +90,7 @@ class Scheduler:
         # Runs an Allocation's SlotCopy (src, dst, tokens) on the KV store, at once: the source
         # block may be handed out again by a later admission of the same step.
         self.copy_slots = copy_slots
-        self.tiers = tiers  # the KV tiers below the pool (runner/engine/kv_tiers.py), if any
+        self.tiers = tiers  # the KV tiers below the pool (runner/engine/kv/kv_tiers.py), if any
         self.admission = Admission(config, block_manager)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -182,7 +182,7 @@ class Scheduler:
 
     def commit(self, computed: list[tuple[ScheduledSeq, int]]) -> None:
         """After the model ran: advance each item's progress by the positions its step kept
-        (runner/engine/step_result.py) and cache every block that just filled."""
+        (runner/engine/step/step_result.py) and cache every block that just filled."""
         for item, kept in computed:
             seq = item.seq
             seq.num_computed_tokens = item.start + kept
@@ -250,7 +250,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- helpers
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
-        """Give the step's decoding sequences guessed tokens (runner/engine/speculative.py) out of
+        """Give the step's decoding sequences guessed tokens (speculative.py) out of
         what the budget and the pool leave once every decode, prefill chunk and admission has
         its share: a guess never delays or preempts another request (its blocks may evict
         least recently used cached ones, like any growth)."""

@@ -16,10 +16,10 @@ from runner.backends.cpu.attention import batch_invariant_backend
 from runner.backends.cpu.quant import round_matrices
 from runner.backends.registry import attention_backend
 from runner.engine.config import EngineConfig
-from runner.engine.kv_tiers import TierLoader, cache_identity_string, cache_mac_key
-from runner.engine.kv_transfer import block_spec
-from runner.engine.memory import kv_pool_blocks
-from runner.engine.model_runner import ModelRunner
+from runner.engine.kv.kv_tiers import TierLoader, cache_identity_string, cache_mac_key
+from runner.engine.kv.kv_transfer import block_spec
+from runner.engine.kv.memory import kv_pool_blocks
+from runner.engine.step.model_runner import ModelRunner
 from runner.model.cpu_prepack import prepack_for_cpu
 from runner.model.decoder import CausalLM
 from runner.model.layers import rope_context_limit
@@ -37,7 +37,7 @@ class EngineParts(NamedTuple):
     runner: ModelRunner
     attention: AttentionBackend
     block_spec: BlockSpec  # what a block stored outside the pool must agree with
-    cache_mac_key: bytes | None  # the MAC key of stored blocks (runner/engine/kv_tiers.py)
+    cache_mac_key: bytes | None  # the MAC key of stored blocks (runner/engine/kv/kv_tiers.py)
     tiers: TierLoader | None  # the tiers below the pool, where any is configured
 
 

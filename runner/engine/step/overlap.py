@@ -41,10 +41,10 @@ from typing import Protocol
 
 import torch
 
-from runner.engine.interrupts import interrupts_held
-from runner.engine.model_runner import ModelRunner, index_on
-from runner.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from runner.engine.step_result import StepResult
+from runner.engine.step.interrupts import interrupts_held
+from runner.engine.step.model_runner import ModelRunner, index_on
+from runner.engine.step.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from runner.engine.step.step_result import StepResult
 from runner.sampling.sampler import sample_on_device
 
 log = logging.getLogger(__name__)

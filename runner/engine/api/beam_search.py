@@ -18,7 +18,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from runner.engine.outputs import RequestOutput
+from runner.engine.io.outputs import RequestOutput
 from runner.sampling.params import MAX_LOGPROBS, SamplingParams
 
 
@@ -27,7 +27,7 @@ class TokenDecoder(Protocol):
 
 
 class BeamEngine(Protocol):
-    """What the search needs of the engine (runner/engine/llm.py's LLM): a Protocol, so that
+    """What the search needs of the engine (runner/engine/api/llm.py's LLM): a Protocol, so that
     the LLM may import this module."""
 
     eos_ids: Any
@@ -118,7 +118,7 @@ class _Search:
 def beam_search(
     llm: BeamEngine, prompts: list[list[int]], params: BeamSearchParams
 ) -> list[BeamSearchOutput]:
-    """Search every prompt (token ids) at once; `llm` is the engine (runner/engine/llm.py)."""
+    """Search every prompt (token ids) at once; `llm` is the engine (runner/engine/api/llm.py)."""
     eos = set() if params.ignore_eos else set(llm.eos_ids)
     width = params.beam_width
     k = max(2, 1 + len(eos)) * width  # continuations looked at a step, as transformers does

@@ -12,7 +12,7 @@ import torch
 from kvcache.store import KVStore
 from runner.attention.backend import TORCH_ATTENTION, AttentionBackend
 from runner.attention.metadata import AttentionMetadata
-from runner.engine.scheduler import ScheduledSeq
+from runner.engine.step.scheduler import ScheduledSeq
 from runner.model.block_tables import BlockTableRows
 from runner.model.decoder import CausalLM
 from runner.sampling.logprobs import logprobs_of
@@ -128,7 +128,7 @@ class ModelRunner:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """`run`'s device half, over the inputs `prepare` made for `batch` (an overlapped step,
-        runner/engine/overlap.py, prepares on the host and queues this as the device's work)."""
+        overlap.py, prepares on the host and queues this as the device's work)."""
         if (
             self.graphs is not None
             and meta.decode_only
@@ -203,7 +203,7 @@ class ModelRunner:
 def index_on(values: list[int], device: torch.device) -> torch.Tensor:
     """`values` as an int64 tensor on `device`. On a GPU it goes over from pinned memory
     without blocking: `torch.tensor(values, device=...)` waits for every kernel queued before
-    it, which would stall an overlapped step (runner/engine/overlap.py) on the one in flight."""
+    it, which would stall an overlapped step (overlap.py) on the one in flight."""
     host = torch.tensor(values, dtype=torch.int64)
     if device.type != "cuda":
         return host.to(device)
@@ -218,7 +218,7 @@ def upload(
     into one staging buffer (each at a 256-byte boundary, as a fresh device allocation is:
     kernels compiled for aligned pointers get them), copied without blocking, and each tensor
     a view of the device copy. A copy from pageable memory may wait for the kernels
-    queued before it, which would undo asynchronous scheduling (runner/engine/overlap.py);
+    queued before it, which would undo asynchronous scheduling (runner/engine/step/overlap.py);
     torch's pinned allocator keeps the buffer until its copy has run."""
     if pack is None:
         pack = device.type == "cuda"

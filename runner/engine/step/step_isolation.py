@@ -23,8 +23,8 @@ from typing import Protocol
 
 import torch
 
-from runner.engine.scheduler import ScheduledSeq
-from runner.engine.step_result import StepResult, sample_step
+from runner.engine.step.scheduler import ScheduledSeq
+from runner.engine.step.step_result import StepResult, sample_step
 from runner.sampling.logprobs import TokenLogprobs
 
 log = logging.getLogger(__name__)
