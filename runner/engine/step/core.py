@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from runner.engine.config import EngineConfig
 from runner.engine.io.intake import RequestIntake
-from runner.engine.io.output_routing import OutputRouter
 from runner.engine.io.outputs import RequestOutput, TokenTexts
-from runner.engine.io.request_table import LiveRequests
+from runner.engine.io.request_table import LiveRequests, OutputRouter
 from runner.engine.io.stopping import StopChecker
 from runner.engine.io.validation import Prompt, RequestValidator
 from runner.engine.sequence import Sequence
