@@ -30,9 +30,11 @@ class Sequence:
     """A request's state. Invariant: tokens [0, num_computed_tokens) have K/V in the store.
 
     `token_ids` is prompt + generated so far; the newest sampled token is not computed yet, so a
-    decoding sequence always has exactly one token to feed.
+    decoding sequence always has exactly one token to feed. The fields are grouped by who
+    writes them: the intake, the scheduler, the step's settling, the model and sampler.
     """
 
+    # Set when the request is queued (runner/engine/io/intake.py), never changed after.
     seq_id: int
     request_id: str
     prompt_token_ids: list[int]
@@ -42,46 +44,56 @@ class Sequence:
     prompt_text: str | None = None
     group: str | None = None  # the request id of its SampleGroup, when SamplingParams.n > 1
     sample_index: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs
-    # When params.prompt_logprobs: per prompt position (None for the first), set by the runner
-    # as each chunk is computed (a recomputed chunk sets the same values again).
-    prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
+    # params.bad_words as token sequences (runner/sampling/logit_rules.py), tokenized once.
+    bad_words: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+    # Written by the scheduler (runner/engine/step/scheduler.py; its two memos by
+    # admission.py): where the request is, and its progress through the KV cache.
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # cached tokens found at first admission
     num_preemptions: int = 0
     finish_reason: str | None = None
-    stop_text_cut: int | None = None  # chars of the text kept when a stop string matched
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-    arrival_time: float = field(default_factory=time.perf_counter)
     arrival_step: int = 0
     wait_since_step: int = 0
     first_scheduled_time: float | None = None  # its first admission to the batch
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finish_time: float | None = None
     admitted: bool = False  # admitted at least once (later admissions are re-admissions)
     # (num_tokens, full-block hashes of token_ids) as of that count; the scheduler's memo.
     block_hash_cache: tuple[int, list[int]] | None = field(default=None, repr=False)
     # (cache version, num_tokens, cached prefix length) as of that version and count.
     cached_prefix_memo: tuple[int, int, int] | None = field(default=None, repr=False)
-    # Its token ids as tensors, made on the first step that penalizes it
-    # (runner/sampling/penalties.py).
-    token_history: TokenHistory | None = field(default=None, repr=False)
-    # Its place in params.structured_outputs' grammar, fed each token as it is recorded.
+
+    # Written as a step is settled (runner/engine/step/settle.py): `record_token` appends each
+    # token (called by runner/engine/io/stopping.py, which also sets the stop fields), and
+    # the settler stamps the finish time.
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs
+    # Its place in params.structured_outputs' grammar (made by the intake), fed each token.
     grammar: GrammarState | None = field(default=None, repr=False)
-    # params.bad_words as token sequences (runner/sampling/logit_rules.py), tokenized once when
-    # added.
-    bad_words: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    stop_text_cut: int | None = None  # chars of the text kept when a stop string matched
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    finish_time: float | None = None
     # prompt + output, kept in step by record_token: every step reads a decoding sequence's
     # tokens a few times, and joining the two lists each time cost ~1 ms a step at 256 of them.
     _tokens: list[int] = field(init=False, repr=False, compare=False)
-    _plain_logits: bool | None = field(default=None, init=False, repr=False, compare=False)
     # Whether the last of token_ids holds the place of a token a step still running on the
-    # device sampled (runner/engine/step/overlap.py): the next step is scheduled around it, its
-    # input read on the device; never part of the output. At most one at a time.
+    # device sampled (runner/engine/step/overlap.py, by `hold_pending_token`): the next step is
+    # scheduled around it, its input read on the device; never part of the output. At most one
+    # at a time.
     pending_token: bool = field(default=False, init=False, repr=False, compare=False)
+
+    # Written by the model and the sampler as a step runs.
+    # When params.prompt_logprobs: per prompt position (None for the first), set by the runner
+    # (runner/engine/step/model_runner.py) as each chunk is computed (a recomputed chunk sets
+    # the same values again).
+    prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
+    # Its token ids as tensors, made on the first step that penalizes it (next_tokens.py,
+    # runner/sampling/penalties.py).
+    token_history: TokenHistory | None = field(default=None, repr=False)
+    _plain_logits: bool | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._tokens = self.prompt_token_ids + self.output_token_ids

@@ -21,11 +21,11 @@ from runner.engine.step.lock import locked
 from runner.engine.step.metrics import MetricsRecorder
 from runner.engine.step.overlap import OverlappedLoop, default_device
 from runner.engine.step.scheduler import Scheduler, SchedulerOutput
+from runner.engine.step.settle import StepResult, StepSettler, sample_step
 from runner.engine.step.setup import build_engine_parts
 from runner.engine.step.speculative import SpecStats
 from runner.engine.step.step_clock import StepClock
 from runner.engine.step.step_isolation import run_each_alone
-from runner.engine.step.step_result import StepResult, sample_step
 from runner.model.cpu_layers import CpuLayers
 from runner.model.loader import generation_eos_ids
 from runner.sampling.params import SamplingParams
@@ -100,6 +100,16 @@ class Engine:
         self._requests = LiveRequests()  # queued or running requests by id, and sample groups
         self._outputs = OutputRouter()  # finished outputs waiting for the caller they belong to
         self.spec_stats = SpecStats()  # drafted and accepted tokens (speculative.py)
+        # Ends each step's requests and books its tokens (settle.py: the step's finishing path).
+        self.settler = StepSettler(
+            self.scheduler,
+            self.stopper,
+            self.recorder,
+            self.spec_stats,
+            self._requests,
+            self._outputs,
+            self.token_texts,
+        )
         # Held by every add, abort and step (lock.py): threads may share an engine.
         self.lock = threading.RLock()
         # Asynchronous scheduling (runner/engine/step/overlap.py): None runs the plain loop.
@@ -109,9 +119,9 @@ class Engine:
                 self.scheduler,
                 self.runner,
                 default_device(self.device),
-                self._update,
+                self.settler.settle,
                 self._run,
-                self._fail_unfinished,
+                self.settler.fail_unfinished,
             )
 
     # ------------------------------------------------------------------ requests
@@ -171,7 +181,7 @@ class Engine:
         result = None
         with interrupts_held():  # a half-done abort would leave blocks held by no one
             for seq in self.samples_of(request_id):
-                result = self._finish(seq, "abort")  # the last one's is the whole request's
+                result = self.settler.finish(seq, "abort")  # the last one's is the whole request's
         return result
 
     def _root(self, cache_salt: str | None) -> int:
@@ -238,9 +248,9 @@ class Engine:
         result = StepResult.nothing() if out.is_empty else self._run(out)
         with interrupts_held():
             try:
-                self._update(out, result, t_start, self.scheduler.step_count)
+                self.settler.settle(out, result, t_start, self.scheduler.step_count)
             except Exception as err:  # noqa: BLE001 - as a failed forward pass: the step's end
-                self._fail_unfinished(out, err)
+                self.settler.fail_unfinished(out, err)
 
     def _copy_slots(self, src_block: int, dst_block: int, num_tokens: int) -> None:
         """The scheduler's slot copy, after the device work queued so far (a step in flight
@@ -262,76 +272,3 @@ class Engine:
             return sample_step(logits, out.scheduled, self.eos_ids, self.clock.stop())
         except Exception as err:  # noqa: BLE001 - one request's failure fails it alone
             return run_each_alone(self.runner, out.scheduled, self.eos_ids, err)
-
-    def _update(
-        self,
-        out: SchedulerOutput,
-        result: StepResult,
-        t_start: float,
-        step: int,
-        commit: bool = True,
-    ) -> None:
-        """After the model ran: fail the requests that failed alone, record the others' new
-        tokens (a drafted sequence's one at a time, up to the first that ends it), cache the
-        blocks they filled (unless `commit` is False: an overlapped step's were cached when it
-        was queued), finish the requests they end (each output to the router as its request is
-        forgotten), and record the step as step number `step`."""
-        for item, error in result.failed:
-            self._outputs.keep(self._finish(item.seq, "error", error))
-        now = time.perf_counter()
-        seqs = [item.seq for item in result.sampling]
-        finishing = self.stopper.record_tokens(seqs, result.emitted, result.logprobs, now)
-        for item, tokens in zip(result.sampling, result.emitted, strict=True):
-            if item.draft:  # computed and kept: the newest token, then the accepted guesses
-                self.spec_stats.update(drafted=len(item.draft), accepted=len(tokens) - 1)
-        if commit:
-            self.scheduler.commit(result.computed())
-        done = [seq for seq, _ in finishing]
-        for seq, reason in finishing:
-            self._outputs.keep(self._finish(seq, reason, now=now, record=False))
-        ran = out if not result.failed else out.without([item.seq for item, _ in result.failed])
-        self.recorder.on_step(
-            step,
-            ran,
-            self.scheduler.held,
-            t_start,
-            time.perf_counter() - t_start,
-            self.block_manager.stats,
-            result.timing,
-        )
-        for seq in done:  # after on_step, which still shows them in this step's states
-            self.recorder.on_finish(seq)
-
-    def _finish(
-        self,
-        seq: Sequence,
-        reason: str,
-        error: str | None = None,
-        now: float | None = None,
-        record: bool = True,
-    ) -> RequestOutput | None:
-        """The one place a sequence ends, whatever ends it (a stop, its length, an abort, an
-        error): out of the scheduler (its blocks freed or, in a static batch, held), its output
-        made, the request forgotten. Returns the request's output once its last sample ends;
-        `record`: report its finish now (a step's own finishes are reported after the step)."""
-        seq.finish_time = now if now is not None else time.perf_counter()
-        self.scheduler.finish(seq, reason)
-        output = self._output(seq)
-        output.error = error
-        if record:
-            self.recorder.on_finish(seq)  # its report row says why, like its output
-        return self._requests.finish(seq, output)
-
-    def _fail_unfinished(self, out: SchedulerOutput, err: Exception) -> None:
-        """The step's bookkeeping raised: end its requests that are not finished yet as errors
-        (freeing their blocks: nothing they computed in the step is cached), so the rest of
-        the queue goes on."""
-        self.recorder.note_preempted(out.preempted)  # they wait, and show as preempted
-        error = f"{type(err).__name__}: {err}"
-        for item in out.scheduled:
-            if not item.seq.is_finished:  # one that _update finished has its output already
-                self._outputs.keep(self._finish(item.seq, "error", error))
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        text, record = self.stopper.output_text(seq), self.recorder.request_record(seq)
-        return RequestOutput.of(seq, text, record, self.token_texts)

@@ -44,7 +44,7 @@ import torch
 from runner.engine.step.interrupts import interrupts_held
 from runner.engine.step.model_runner import ModelRunner, index_on
 from runner.engine.step.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from runner.engine.step.step_result import StepResult
+from runner.engine.step.settle import StepResult
 from runner.sampling.sampler import sample_on_device
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class InFlight:
     rows: dict[int, int] = field(default_factory=dict)  # id(seq) -> its row of the ids
 
 
-# How the loop settles a step and runs one synchronously: the engine's own (core.py).
+# How the loop settles a step (settle.py's StepSettler) and runs one synchronously (core.py).
 Settle = Callable[[SchedulerOutput, StepResult, float, int, bool], None]
 RunNow = Callable[[SchedulerOutput], StepResult]
 Fail = Callable[[SchedulerOutput, Exception], None]

@@ -182,7 +182,7 @@ class Scheduler:
 
     def commit(self, computed: list[tuple[ScheduledSeq, int]]) -> None:
         """After the model ran: advance each item's progress by the positions its step kept
-        (runner/engine/step/step_result.py) and cache every block that just filled."""
+        (runner/engine/step/settle.py) and cache every block that just filled."""
         for item, kept in computed:
             seq = item.seq
             seq.num_computed_tokens = item.start + kept

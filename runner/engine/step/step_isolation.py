@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from runner.engine.step.scheduler import ScheduledSeq
-from runner.engine.step.step_result import StepResult, sample_step
+from runner.engine.step.settle import StepResult, sample_step
 from runner.sampling.logprobs import TokenLogprobs
 
 log = logging.getLogger(__name__)
