@@ -60,6 +60,9 @@ class AttentionBackend:
     name: str  # "torch", "cpu" or "triton"
     attend: Attend
     layers: LayerStack | None = None  # runs the whole stack where it `takes` the cache
+    # The same attention over K/V the caller already wrote at the slots (a fused RoPE + store,
+    # runner/backends/triton/rope_store.py); None: the backend has no such entry.
+    attend_stored: Attend | None = None
 
     def with_layers(self, layers: LayerStack | None) -> AttentionBackend:
         return replace(self, layers=layers)

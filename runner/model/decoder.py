@@ -137,12 +137,15 @@ class CausalLM(nn.Module):
         else:
             # On a GPU the Triton backend's steps also fuse the layers' elementwise work
             # (runner/backends/triton/fused_elementwise.py): fewer kernels a step.
+            # RoPE and the K/V store run in one kernel too (rope_store.py), then the attention
+            # without its store.
             fused = attention.name == "triton" and h.is_cuda
+            stored = attention.attend_stored if fused else None
             for i, layer in enumerate(self.layers):
                 k_cache, v_cache = kv.layer(i)
                 kind = self.layer_rope_types[i]
                 c, s = (cos, sin) if kind is None else by_type[kind]
-                h = layer(h, c, s, meta, k_cache, v_cache, attention.attend, fused)
+                h = layer(h, c, s, meta, k_cache, v_cache, attention.attend, fused, stored)
         out: torch.Tensor = self.norm(h)
         return out
 

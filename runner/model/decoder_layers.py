@@ -77,23 +77,39 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,  # [blocks, B, Hkv, D]
         v_cache: torch.Tensor,
         attend: Attend,
+        attend_stored: Attend | None = None,
     ) -> torch.Tensor:
+        """`attend_stored` (a GPU step with Triton attention): RoPE and the K/V store in one
+        Triton kernel (runner/backends/triton/rope_store.py), then this attention, which
+        stores nothing; layers without RoPE, or tensors the kernel does not take, run as
+        before."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if self.qk_norm_per_head:  # Qwen3: norm per head, before RoPE
                 q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
                 k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
             else:  # OLMo 2: norm across all heads, before RoPE
                 q = self.q_norm(q).view(t, self.num_heads, self.head_dim)
                 k = self.k_norm(k).view(t, self.num_kv_heads, self.head_dim)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         else:
-            # q and k heads side by side rotate in one pass: [T, Hq + Hkv, D], then split.
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
-            q, k = self._rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+        if attend_stored is not None and self.use_rope:
+            from runner.backends.triton.rope_store import rope_store, rope_store_fits
+
+            if rope_store_fits(q, k, v, cos, k_cache):
+                q = rope_store(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+                attend = attend_stored  # K/V are in the cache now
+        if attend is not attend_stored:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            else:
+                # q and k heads side by side rotate in one pass: [T, Hq + Hkv, D], then split.
+                qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+                q, k = self._rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         o = attend(  # [T, Hq, D]
             q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap
         )
@@ -163,11 +179,15 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         attend: Attend,
         fused: bool = False,
+        attend_stored: Attend | None = None,
     ) -> torch.Tensor:
         """`fused` (a GPU step with Triton attention): the residual add and the norm after
-        it in one Triton kernel, SiLU(gate) * up in another; the same roundings as torch's."""
+        it in one Triton kernel, SiLU(gate) * up in another; the same roundings as torch's.
+        `attend_stored`: RoPE and the K/V store fused too (Attention.forward)."""
         m = self.residual_multiplier
-        x = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, attend)
+        x = self.self_attn(
+            self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, attend, attend_stored
+        )
         x = x if m == 1.0 else x.mul_(m)  # x is a fresh tensor: in place is safe
         norm = self.post_attention_layernorm
         if fused and norm.fusable(x):
@@ -200,8 +220,9 @@ class PostNormLayer(nn.Module):
         v_cache: torch.Tensor,
         attend: Attend,
         fused: bool = False,
+        attend_stored: Attend | None = None,
     ) -> torch.Tensor:
-        x = self.self_attn(h, cos, sin, meta, k_cache, v_cache, attend)
+        x = self.self_attn(h, cos, sin, meta, k_cache, v_cache, attend, attend_stored)
         h = self.post_attention_layernorm(x).add_(h)  # a norm's output is fresh: in place
         return self.post_feedforward_layernorm(self.mlp(h, fused)).add_(h)
 
@@ -230,8 +251,11 @@ class SandwichNormLayer(nn.Module):
         v_cache: torch.Tensor,
         attend: Attend,
         fused: bool = False,
+        attend_stored: Attend | None = None,
     ) -> torch.Tensor:
-        x = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, attend)
+        x = self.self_attn(
+            self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, attend, attend_stored
+        )
         h = self.post_attention_layernorm(x).add_(h)  # a norm's output is fresh: in place
         x = self.mlp(self.pre_feedforward_layernorm(h), fused)
         return self.post_feedforward_layernorm(x).add_(h)

@@ -142,6 +142,7 @@ def triton_paged_attention(
     partition_size: int | None = None,
     cascade: CascadeThresholds = NEVER,
     shared_prefix: SharedPrefixPlan | None = None,
+    store: bool = True,
 ) -> torch.Tensor:
     """Same contract as `paged_attention(..., backend="triton")`.
 
@@ -175,11 +176,13 @@ def triton_paged_attention(
     plans only from `meta.block_tables_host`. `shared_prefix` is a plan given as it is (a
     decode graph's static one, refilled before each replay): it replaces the planning, and
     a step with no group in it reads every context whole, as the plain kernel does.
+    `store` False: k / v are already in the caches (rope_store.py wrote them); no store_kv.
     """
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window} must be at least 1")
     check_softcap(softcap)  # before store_kv: a refused call leaves the caches as they were
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if store:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.decode_only:
         kwargs = {} if partition_size is None else {"partition_size": partition_size}
         plan = shared_prefix
@@ -277,4 +280,20 @@ def triton_backend(
             cascade=cascade, shared_prefix=shared_prefix,
         )  # fmt: skip
 
-    return AttentionBackend("triton", attend)
+    def attend_stored(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        return triton_paged_attention(
+            q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
+            cascade=cascade, shared_prefix=shared_prefix, store=False,
+        )  # fmt: skip
+
+    return AttentionBackend("triton", attend, attend_stored=attend_stored)
