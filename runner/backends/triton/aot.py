@@ -6,7 +6,7 @@ that would not compile there, or that asks for more shared memory than the chip 
 instead of in the first minutes of a GPU lease; registers and local (spilled) memory per thread
 come out of the cubin too.
 
-The launches are the real ones: the kernel wrappers (store_kv, prefill_attention,
+The launches are the real ones: the kernel wrappers (store_kv, rope_store, prefill_attention,
 decode_attention, rms_norm) run on CPU tensors with each kernel's launch recorded instead of
 executed, and each recorded launch is specialised exactly as Triton's JIT would specialise it
 (ints equal to 1 become constants, pointers and multiples of 16 get divisibility hints) before
@@ -95,9 +95,11 @@ def recorded_launches() -> Iterator[list[Launch]]:
     import runner.backends.triton.fused_elementwise as fused_mod
     import runner.backends.triton.prefill as prefill_mod
     import runner.backends.triton.rms_norm as norm_mod
+    import runner.backends.triton.rope_store as rope_mod
 
     targets = [
         (store_mod, "_store_kv_kernel"),
+        (rope_mod, "_rope_store_kernel"),
         (prefill_mod, "_prefill_kernel"),
         (decode_mod, "_decode_partition_kernel"),
         (reduce_mod, "_decode_reduce_kernel"),
@@ -125,18 +127,20 @@ def step_launches(
     softcap: float | None = None,
 ) -> list[Launch]:
     """The launches of the runner's attention steps for one model shape and cache dtype: K/V
-    store, prefill over a cached prefix, decode in one partition and split into several, and a
-    decode that reads a shared prefix once (its prefix pass, its query tile the widest). With a
-    sliding `window` and / or a logit `softcap` the attention launches are those variants (a
-    window shorter than DEFAULT_PARTITION_SIZE leaves the long decode in one partition). In 16
-    bits, the RMSNorms too: over whole rows, over the query heads, and scaling in float32; and
-    the fused residual-add norm and SiLU-times-up (fused_elementwise.py)."""
+    store (alone, and with RoPE: rope_store.py), prefill over a cached prefix, decode in one
+    partition and split into several, and a decode that reads a shared prefix once (its prefix
+    pass, its query tile the widest). With a sliding `window` and / or a logit `softcap` the
+    attention launches are those variants (a window shorter than DEFAULT_PARTITION_SIZE leaves
+    the long decode in one partition). In 16 bits, the RMSNorms too: over whole rows, over the
+    query heads, and scaling in float32; and the fused residual-add norm and SiLU-times-up
+    (fused_elementwise.py)."""
     from runner.attention.cascade import PrefixGroup
     from runner.backends.triton.attention import store_kv
     from runner.backends.triton.decode import DEFAULT_PARTITION_SIZE, decode_attention
     from runner.backends.triton.fused_elementwise import add_rms_norm, silu_mul
     from runner.backends.triton.prefill import prefill_attention
     from runner.backends.triton.rms_norm import rms_norm
+    from runner.backends.triton.rope_store import rope_store
     from runner.backends.triton.shared_prefix import build_shared_prefix_plan, members_per_chunk
 
     num_q, num_kv, head_dim = MODEL_SHAPES[shape]
@@ -149,6 +153,8 @@ def step_launches(
         kv = torch.zeros(40, num_kv, head_dim, dtype=dtype)
         store_kv(kv, kv, k_cache, v_cache, torch.zeros(40, dtype=torch.int64))
         q = torch.zeros(40, num_q, head_dim, dtype=dtype)
+        table = torch.zeros(40, head_dim, dtype=dtype)
+        rope_store(q, kv, kv, table, table, k_cache, v_cache, torch.zeros(40, dtype=torch.int64))
         starts, contexts = torch.tensor([0, 30, 40], dtype=i32), torch.tensor([90, 10], dtype=i32)
         variant: dict[str, Any] = {"window": window, "softcap": softcap}
         prefill_attention(q, k_cache, v_cache, starts, contexts, tables, 0.1, 30, **variant)
@@ -217,7 +223,11 @@ def compile_launch(launch: Launch, arch: int, case: str) -> Compiled:
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     start = time.perf_counter()
     # Launch options (num_warps) are keyword arguments of the launch, beside the constexprs.
-    options = {k: v for k, v in launch.kwargs.items() if k in ("num_warps", "num_stages")}
+    options = {
+        k: v
+        for k, v in launch.kwargs.items()
+        if k in ("num_warps", "num_stages", "enable_fp_fusion")
+    }
     binary = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     seconds = time.perf_counter() - start
     registers, local = _cubin_resources(binary.asm["cubin"])

@@ -34,6 +34,7 @@ CASES = {
 }
 KERNELS = {
     "store_kv_kernel",
+    "rope_store_kernel",
     "prefill_kernel",
     "decode_partition_kernel",
     "decode_reduce_kernel",
