@@ -1,8 +1,9 @@
 """The fused elementwise kernels in the model's layers on CUDA (runner/backends/triton/
-fused_elementwise.py: the residual add folded into the RMSNorm after it, SiLU(gate) * up): a
-GPU step with Triton attention runs them, and float32 greedy output still equals transformers'.
-Skipped without CUDA (the layer-level call is tested in the interpreter in
-tests/backends/triton/test_triton_fused_elementwise.py)."""
+fused_elementwise.py: the residual add folded into the RMSNorm after it, SiLU(gate) * up;
+runner/backends/triton/rope_store.py: RoPE with the K/V store): a GPU step with Triton attention
+runs them, and float32 greedy output still equals transformers'. Skipped without CUDA (the
+layer-level calls are tested in the interpreter in tests/backends/triton/
+test_triton_fused_elementwise.py and test_triton_rope_store.py)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ PROMPTS = [list(range(3, 3 + n)) for n in (1, 9, 33)] + [[7, 300, 11] * 20]
 
 @cuda
 def test_triton_step_runs_the_fused_kernels(make_tiny_model: Callable[..., Path]) -> None:
-    """A float32 prefill through the Triton backend launches both fused kernels and gives the
-    torch path's logits (which fuses nothing)."""
+    """A float32 prefill through the Triton backend launches the fused kernels (RoPE with the
+    K/V store instead of store_kv) and gives the torch path's logits (which fuses nothing)."""
     model = load_model(make_tiny_model("qwen3"), device="cuda", dtype=torch.float32).model
     kv = KVStore(
         model.num_layers, 16, 16, model.num_kv_heads, model.head_dim, torch.float32, "cuda"
@@ -45,17 +46,29 @@ def test_triton_step_runs_the_fused_kernels(make_tiny_model: Callable[..., Path]
     names = {e.name for e in prof.events()}
     assert any("_add_rms_norm_kernel" in n for n in names), sorted(names)
     assert any("_silu_mul_kernel" in n for n in names), sorted(names)
+    assert any("_rope_store_kernel" in n for n in names), sorted(names)
+    assert not any("_store_kv_kernel" in n for n in names), sorted(names)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+# Phi-3 with half of each head rotated: the fused RoPE's partial rotary.
+PARTIAL = {
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+}
+
+
 @cuda
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [("llama", {}), ("qwen3", {}), ("phi3", PARTIAL)],
+    ids=["llama", "qwen3", "phi3-partial-rotary"],
+)
 def test_fused_layers_float32_greedy_equals_hf(
-    make_tiny_model: Callable[..., Path], arch: str
+    make_tiny_model: Callable[..., Path], arch: str, overrides: dict[str, Any]
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    path = make_tiny_model(arch)
+    path = make_tiny_model(arch, **overrides)
     hf: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf = hf.to("cuda").eval()
     refs = []
