@@ -90,7 +90,7 @@ class Sequence:
     # (runner/engine/step/model_runner.py) as each chunk is computed (a recomputed chunk sets
     # the same values again).
     prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
-    # Its token ids as tensors, made on the first step that penalizes it (next_tokens.py,
+    # Its token ids as tensors, made on the first step that penalizes it (tokens.py,
     # runner/sampling/penalties.py).
     token_history: TokenHistory | None = field(default=None, repr=False)
     _plain_logits: bool | None = field(default=None, init=False, repr=False, compare=False)

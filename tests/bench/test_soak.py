@@ -17,7 +17,7 @@ import torch
 
 from bench.soak import run_soak
 from kvcache import BlockManager
-from runner.engine.step import speculative
+from runner.engine.step import tokens
 from runner.engine.step.scheduler import Scheduler
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
@@ -58,7 +58,7 @@ def test_speculative_soak_answers_as_an_engine_without_guesses(
             kept += 1
         return draft[: kept + 1] if kept < len(draft) else targets
 
-    monkeypatch.setattr(speculative, "accepted", one_too_many)
+    monkeypatch.setattr(tokens, "accepted", one_too_many)
     broken = run_soak(
         str(tiny_llama_dir), 300, chunk=100, max_rss_growth=None, speculative_tokens=4
     )

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
-from runner.engine.step.speculative import NGRAM_MAX, NGRAM_MIN, accepted, draftable, propose
+from runner.engine.step.speculative import NGRAM_MAX, NGRAM_MIN, draftable, propose
+from runner.engine.step.tokens import accepted
 from tests.conftest import load_hf_reference
 
 MAX_NEW = 24

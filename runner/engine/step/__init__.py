@@ -1,8 +1,8 @@
 """One engine step: the loop (core.py) that schedules a batch (scheduler.py, admission.py),
-runs the model (model_runner.py), picks the next tokens (next_tokens.py, speculative.py) and
-settles the step (settle.py, the whole finishing path; overlap.py on CUDA; a failing batch is
-retried item by item: step_isolation.py); the engine's lock, held interrupts, step timing and
-metrics, and building an engine's parts (setup.py).
+runs the model (model_runner.py), picks the step's tokens from its logits (tokens.py; guessed
+tokens: speculative.py) and settles the step (settle.py, the whole finishing path; overlap.py
+on CUDA; a failing batch is retried item by item: step_isolation.py); the engine's lock, held
+interrupts, step timing and metrics, and building an engine's parts (setup.py).
 
 May import: engine (config, sequence), engine.io (intake, the request table, stopping,
 outputs), engine.kv (tiers, transfers, pool sizing), kvcache and kvcache.store, attention,

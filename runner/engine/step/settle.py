@@ -2,7 +2,7 @@
 A step's finishing path reads top to bottom here:
 
 1. `sample_step`: the step's logits become each sampling item's new tokens (`step_tokens`,
-   runner/engine/step/speculative.py: the plain next token by next_tokens.py, or a drafted
+   runner/engine/step/tokens.py: the plain next token by `next_tokens`, or a drafted
    item's accepted guesses plus the model's own token), as a `StepResult`.
 2. `StepSettler.settle`: the items that failed even when run alone (step_isolation.py) end as
    errors; the others' tokens are recorded and the requests they end found
@@ -32,8 +32,9 @@ from runner.engine.io.stopping import StopChecker
 from runner.engine.sequence import Sequence
 from runner.engine.step.metrics import MetricsRecorder
 from runner.engine.step.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from runner.engine.step.speculative import SpecStats, step_tokens
+from runner.engine.step.speculative import SpecStats
 from runner.engine.step.step_clock import StepTiming
+from runner.engine.step.tokens import step_tokens
 from runner.sampling.logprobs import TokenLogprobs
 
 
