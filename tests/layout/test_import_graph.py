@@ -42,6 +42,8 @@ ALLOWED: dict[str, set[str]] = {
         "runner.engine.io",
         "runner.engine.kv",
         "kvcache",
+        "runner.attention",  # the interface's ForwardParts, for profilers: types only
+        "runner.model",
         "runner.sampling",
     },
     "runner.report": set(),

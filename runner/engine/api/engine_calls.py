@@ -1,25 +1,38 @@
 """The engine interface's calls that are no batch call (runner/engine/api/interface.py): checks
-before a request is queued, reports, and the cache's blocks (the cached prefix of a prompt, its
-block values, handed-over blocks installed, block listeners). Each delegates to one of the
-engine's parts, so that no other package needs to know them. `LLM` (llm.py) adds the batch
-calls on top."""
+before a request is queued, reports, the cache's blocks (the cached prefix of a prompt, its
+block values, handed-over blocks installed, block listeners), and what the measuring code reads
+(recorded steps, schedules, the forward's parts). Each delegates to one of the engine's parts,
+so that no other package needs to know them. `LLM` (llm.py) adds the batch calls on top."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from kvcache.block_cache import BlockListener
 from kvcache.radix_tree import Node
 from kvcache.stats import CacheStats
 from kvcache.tiers import HostTier, Link, encode_chunk
-from runner.engine.api.interface import CachedPrefix, InstalledBlocks, KVPool, QueueDepth
+from runner.engine.api.interface import (
+    CachedPrefix,
+    ForwardParts,
+    InstalledBlocks,
+    KVPool,
+    QueueDepth,
+    StepRecord,
+)
 from runner.engine.api.streaming import TextStream
 from runner.engine.kv.kv_transfer import read_blocks
 from runner.engine.sequence import Sequence
 from runner.engine.step.core import Engine
 from runner.engine.step.lock import locked
+from runner.engine.step.scheduler import SchedulerOutput
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from runner.attention.backend import AttentionBackend
 
 
 class EngineCalls(Engine):
@@ -48,6 +61,22 @@ class EngineCalls(Engine):
     def queue_depth(self) -> QueueDepth:
         s = self.scheduler
         return QueueDepth(len(s.running), len(s.waiting), s.num_preemptions, s.last_step_tokens)
+
+    @locked
+    def has_live_requests(self) -> bool:
+        return not self._requests.is_empty()
+
+    @locked
+    def recorded_steps(self, first: int = 0) -> list[StepRecord]:
+        return [
+            StepRecord(
+                row["t_start_s"],
+                row["duration_s"],
+                row["num_prefill_tokens"],
+                row["num_decode_tokens"],
+            )
+            for row in self.recorder.steps[first:]
+        ]
 
     @locked
     def cache_stats(self) -> CacheStats:
@@ -84,6 +113,27 @@ class EngineCalls(Engine):
     def remove_block_listener(self, listener: BlockListener) -> None:
         with self.lock:
             self.block_manager.remove_listener(listener)
+
+    def add_schedule_listener(self, listener: Callable[[SchedulerOutput], None]) -> None:
+        # The scheduler has no listener list of its own: its `schedule` is wrapped, on this
+        # instance only, so the plain loop and the overlapped one (which both call it) tell.
+        with self.lock:
+            schedule = self.scheduler.schedule
+
+            def schedule_and_tell() -> SchedulerOutput:
+                out = schedule()
+                listener(out)
+                return out
+
+            self.scheduler.schedule = schedule_and_tell  # type: ignore[method-assign]
+
+    def forward_parts(self) -> ForwardParts:
+        graphs = self.runner.graphs
+        return ForwardParts(self.model, self.cpu_layers, graphs, self.runner.attention)
+
+    def attend_through(self, backend: AttentionBackend) -> None:
+        with self.lock:  # never between two layers of one forward
+            self.runner.attention = backend
 
     def host_tier(self) -> HostTier | None:
         return self.tiers.host if self.tiers is not None else None

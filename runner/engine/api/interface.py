@@ -7,14 +7,18 @@ What it offers: what the engine serves (config, tokenizer, identity, the block f
 requests and the loop, reports (stats, metrics, queue depth, the cache's counters, the pool),
 warm starts, the cached prefix of a prompt and its blocks as block values, putting handed-over
 blocks into the pool, and listeners told of every block committed to the cache and removed
-from it (KV events and the handover's commit tap are such listeners). Each call says whether it
-mutates; all take the engine's lock themselves (`lock` is for a caller that must make several
-calls one view)."""
+from it (KV events and the handover's commit tap are such listeners). For the measuring code
+(bench/) it also offers the recorded steps, a listener told of each step's schedule, whether
+any request is still held, and, for profilers only, what runs a step's forward (the model,
+its C layers, its decode graphs, the attention backend). Each call says whether it mutates;
+all take the engine's lock themselves (`lock` is for a caller that must make several calls
+one view)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -27,6 +31,7 @@ if TYPE_CHECKING:
     from kvcache.radix_tree import Node
     from kvcache.stats import CacheStats
     from kvcache.tiers import BlockSpec, HostTier
+    from runner.attention.backend import AttentionBackend
     from runner.engine.api.beam_search import BeamSearchOutput, BeamSearchParams
     from runner.engine.api.streaming import TextStream
     from runner.engine.config import EngineConfig
@@ -34,6 +39,10 @@ if TYPE_CHECKING:
     from runner.engine.io.prompt_inputs import Params
     from runner.engine.io.validation import Messages
     from runner.engine.sequence import Sequence as Seq
+    from runner.engine.step.scheduler import SchedulerOutput
+    from runner.model.cpu_layers import CpuLayers
+    from runner.model.cuda_graphs import DecodeGraphs
+    from runner.model.decoder import CausalLM
     from runner.sampling.params import SamplingParams
     from runner.sampling.structured_outputs import StructuredOutputsParams
 
@@ -84,6 +93,25 @@ class InstalledBlocks(NamedTuple):
     loaded: int
 
 
+class StepRecord(NamedTuple):
+    """One recorded engine step (config.record_metrics): what it computed and when."""
+
+    t_start_s: float  # from `metrics_t0`
+    duration_s: float
+    num_prefill_tokens: int  # prompt positions computed (chunks included)
+    num_decode_tokens: int  # decode positions computed, guessed tokens included
+
+
+class ForwardParts(NamedTuple):
+    """What runs a step's forward, for a profiler (bench/) to read and time, never to change
+    (`attend_through` is the one change a profiler makes)."""
+
+    model: CausalLM
+    cpu_layers: CpuLayers | None  # the C layer stack, when the CPU backend runs steps there
+    decode_graphs: DecodeGraphs | None  # decode steps' CUDA graphs, when captured
+    attention: AttentionBackend  # the backend every eager forward attends through
+
+
 @runtime_checkable
 class EngineInterface(Protocol):
     """The engine as the other packages see it (see the module's docstring)."""
@@ -105,6 +133,10 @@ class EngineInterface(Protocol):
 
     @property
     def model_path(self) -> Path: ...
+
+    @property
+    def eos_ids(self) -> AbstractSet[int]:
+        """The token ids that end a request (unless it ignores EOS)."""
 
     @property
     def block_spec(self) -> BlockSpec:
@@ -139,6 +171,10 @@ class EngineInterface(Protocol):
 
     def has_unfinished(self) -> bool:
         """Whether anything is queued, running or waiting for `step` (pure)."""
+
+    def has_live_requests(self) -> bool:
+        """Whether the engine still holds any request by id (queued, running, or a sample
+        group not all finished); False once every request has finished, else a leak (pure)."""
 
     def step(self) -> list[RequestOutput]:
         """One engine step; the requests that finished."""
@@ -193,6 +229,10 @@ class EngineInterface(Protocol):
     @property
     def metrics_t0(self) -> float:
         """The `time.perf_counter()` the recorded steps' times count from."""
+
+    def recorded_steps(self, first: int = 0) -> list[StepRecord]:
+        """The recorded steps from the ``first``-th on (counted from the end when negative, as
+        a slice is); none when config.record_metrics is off. Pure."""
 
     def queue_depth(self) -> QueueDepth: ...
 
@@ -252,3 +292,16 @@ class EngineInterface(Protocol):
         handover) into the pool as cached blocks, as many as it can spare now; the pool must
         hold the blocks before ``first`` (else none is put). ``token_ids``: the blocks' tokens
         and at least one more. Mutates the pool."""
+
+    # -- for the measuring code (bench/) -------------------------------------------------------
+    def add_schedule_listener(self, listener: Callable[[SchedulerOutput], None]) -> None:
+        """Tell ``listener`` each step's schedule (what it computes, for which sequences) before
+        its forward runs, on the engine's thread inside its lock, for the engine's life (a
+        soak's count of what the model is really fed). Mutates only the listener chain."""
+
+    def forward_parts(self) -> ForwardParts:
+        """What runs a step's forward, for profilers (pure)."""
+
+    def attend_through(self, backend: AttentionBackend) -> None:
+        """Attend through ``backend`` in every eager forward from now on (decode graphs keep
+        their own): a profiler's instrumented backend. Mutates."""
