@@ -10,6 +10,7 @@ from typing import Any
 from bench.peers import PeerResult
 from bench.workloads import BenchRequest
 from runner.engine.api.beam_search import BeamSearchParams
+from runner.engine.api.interface import EngineInterface
 from runner.engine.api.llm import LLM
 
 # Systems that cannot search beams: continuous batching and prompt lookup take none.
@@ -31,9 +32,9 @@ def run_engine_beams(
     """Every request searched at once (those alike in max_tokens and ignore_eos together);
     the prefill column counts what the beams' steps computed again (each beam's last partial
     block)."""
-    llm = LLM(model, device=device, **options)
+    llm: EngineInterface = LLM(model, device=device, **options)
     llm.beam_search([[1, 2, 3, 4, 5]], BeamSearchParams(beam_width=width, max_tokens=2))
-    first_step = len(llm.recorder.steps)
+    first_step = len(llm.recorded_steps())
     groups: dict[tuple[int, bool], list[int]] = {}
     for i, req in enumerate(requests):
         groups.setdefault((req.max_tokens, req.ignore_eos), []).append(i)
@@ -45,5 +46,5 @@ def run_engine_beams(
         for i, out in zip(indices, llm.beam_search(prompts, params), strict=True):
             answers[i] = out.sequences[0].token_ids
     wall = time.perf_counter() - start
-    prefill = sum(s["num_prefill_tokens"] for s in llm.recorder.steps[first_step:])
+    prefill = sum(s.num_prefill_tokens for s in llm.recorded_steps(first_step))
     return PeerResult([answers[i] for i in range(len(requests))], wall, prefill, [])

@@ -48,6 +48,7 @@ from bench.gpu_workload import (
 from bench.hf_continuous import run_hf_continuous, sync_device
 from bench.peers import load_hf_model, run_reference
 from bench.workloads import BenchRequest
+from runner.engine.api.interface import EngineInterface, StepRecord
 
 # Everything is built locally; the GPU machine has no network, where a hub look-up only hangs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,7 +65,7 @@ def run_kvcache(
     requests: list[BenchRequest],
     device: str,
     options: dict[str, Any],
-    prepare: Callable[[Any], None] | None = None,
+    prepare: Callable[[EngineInterface], None] | None = None,
     keep_tokens: bool = False,
     profile: bool = True,
 ) -> dict[str, Any]:
@@ -74,7 +75,7 @@ def run_kvcache(
     from kvcache import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(str(path), device=device, **options)
+    llm: EngineInterface = LLM(str(path), device=device, **options)
     startup = time.perf_counter() - start
     if prepare is not None:
         prepare(llm)
@@ -90,7 +91,8 @@ def run_kvcache(
     params = [
         SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests
     ]
-    graphs = getattr(llm.runner, "graphs", None)
+    parts = llm.forward_parts()
+    graphs = parts.decode_graphs
     replays_before = graphs.num_replays if graphs is not None else 0
     sync_device(device)
     start = time.perf_counter()
@@ -99,7 +101,7 @@ def run_kvcache(
     wall = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     errors = [o.error for o in outs if o.error is not None]  # failed steps end requests early
-    steps = [s for s in llm.recorder.steps if s["t_start_s"] >= start - llm.recorder.t0]
+    steps = [s for s in llm.recorded_steps() if s.t_start_s >= start - llm.metrics_t0]
     result = {
         "wall_s": wall,
         "startup_s": startup,
@@ -108,18 +110,18 @@ def run_kvcache(
         "complete": not errors and tokens == sum(r.max_tokens for r in requests),
         "errors": len(errors),
         "first_errors": errors[:3],
-        "num_kv_blocks": llm.block_manager.num_blocks,
-        "attention_backend": llm.attention.name,
+        "num_kv_blocks": llm.kv_pool().num_blocks,
+        "attention_backend": parts.attention.name,
         # Whether decode graphs were captured, and how many timed steps replayed one.
         "cuda_graphs": graphs is not None,
         "cuda_graph_replays": (graphs.num_replays - replays_before) if graphs is not None else 0,
         **step_times(steps),
-        "model_bytes": model_bytes(path, llm.runner.kv.dtype)._asdict(),
+        "model_bytes": model_bytes(path, kv_dtype(llm.kv_pool().dtype_name))._asdict(),
     }
     if keep_tokens:
         result["token_ids"] = [list(o.token_ids) for o in outs]
     if not profile:
-        del llm, outs, graphs
+        del llm, outs, graphs, parts
         _release(device)
         return result
     # A diagnostic, which must never cost the run its own figures: the run's median decode
@@ -135,35 +137,43 @@ def run_kvcache(
         result["step_profile_error"] = repr(err)
     if device.startswith("cuda"):  # one RMSNorm, torch's kernels against the Triton one
         try:
-            model = llm.model
+            model = parts.model
             heads = int(model.config.num_attention_heads)
             dtype = next(model.parameters()).dtype
             shape = (model.hidden_size, heads, model.head_dim, int(result["decode_batch_median"]))
             result["rms_norm_us"] = rms_norm_us(*shape, dtype=dtype)
         except Exception as err:
             result["rms_norm_error"] = repr(err)
-    del llm, outs, graphs
+    del llm, outs, graphs, parts
     _release(device)
     return result
 
 
-def step_times(steps: list[dict[str, Any]]) -> dict[str, Any]:
+def kv_dtype(name: str) -> torch.dtype:
+    """The torch dtype a pool's `dtype_name` names ("bfloat16": torch.bfloat16)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} names no torch dtype")
+    return dtype
+
+
+def step_times(steps: list[StepRecord]) -> dict[str, Any]:
     """Where the timed run's wall time went, from the engine's per-step records: steps that only
     decode (their median time and batch, to set against the KV bytes a step reads) and steps
     that prefill."""
-    decode = [s for s in steps if not s["num_prefill_tokens"]]
-    prefill = [s for s in steps if s["num_prefill_tokens"]]
+    decode = [s for s in steps if not s.num_prefill_tokens]
+    prefill = [s for s in steps if s.num_prefill_tokens]
 
     def median(values: list[float]) -> float:
         return sorted(values)[len(values) // 2] if values else 0.0
 
     return {
         "decode_steps": len(decode),
-        "decode_s": sum(s["duration_s"] for s in decode),
-        "decode_step_ms_median": 1e3 * median([s["duration_s"] for s in decode]),
-        "decode_batch_median": median([s["num_decode_tokens"] for s in decode]),
+        "decode_s": sum(s.duration_s for s in decode),
+        "decode_step_ms_median": 1e3 * median([s.duration_s for s in decode]),
+        "decode_batch_median": median([s.num_decode_tokens for s in decode]),
         "prefill_steps": len(prefill),
-        "prefill_s": sum(s["duration_s"] for s in prefill),
+        "prefill_s": sum(s.duration_s for s in prefill),
     }
 
 

@@ -33,6 +33,7 @@ from runner.backends.triton.cascade_cost import (
     NEVER,
     CascadeThresholds,
 )
+from runner.engine.api.interface import EngineInterface
 
 
 def make_shared_prefix_workload(
@@ -107,7 +108,7 @@ def run_shared_prefix_ways(
 
     planned: dict[str, int] = {}  # way: decode steps that read a prefix once, warm-up's too
 
-    def swap(name: str, thresholds: CascadeThresholds) -> Callable[[Any], None]:
+    def swap(name: str, thresholds: CascadeThresholds) -> Callable[[EngineInterface], None]:
         backend = triton_backend(thresholds)
         seen: list[AttentionMetadata] = []  # the last step's: one count a step, not a layer
         planned[name] = 0
@@ -129,14 +130,14 @@ def run_shared_prefix_ways(
                 planned[name] += 1
             return out
 
-        def prepare(llm: Any) -> None:  # the engine's backend for every eager step from now on
-            llm.runner.attention = AttentionBackend("triton", attend)
+        def prepare(llm: EngineInterface) -> None:  # the backend of every eager step from now
+            llm.attend_through(AttentionBackend("triton", attend))
 
         return prepare
 
     cascade = ALWAYS if quick else DEFAULT_THRESHOLDS
     triton = {**options, "attention_backend": "triton"}
-    ways: dict[str, tuple[dict[str, Any], Callable[[Any], None] | None]] = {
+    ways: dict[str, tuple[dict[str, Any], Callable[[EngineInterface], None] | None]] = {
         "cache_off": ({**options, "enable_prefix_caching": False}, None),
         "cache_on": (options, None),
         "cache_on_eager": ({**triton, "enforce_eager": True}, swap("cache_on_eager", NEVER)),

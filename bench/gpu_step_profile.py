@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from runner.engine.api.interface import EngineInterface
+from runner.engine.io.outputs import RequestOutput
 
-def graph_replay_ms(graphs: Any, batch_size: int, repeats: int = 20) -> dict[str, Any]:
+if TYPE_CHECKING:
+    from runner.model.cuda_graphs import DecodeGraphs
+
+
+def graph_replay_ms(graphs: DecodeGraphs, batch_size: int, repeats: int = 20) -> dict[str, Any]:
     """GPU time of one decode step alone: the graph that a batch of `batch_size` rows runs,
     replayed `repeats` times back to back over the inputs of the step that ran last (which
     must be a decode step of `batch_size` rows through that graph: its rows past the batch are
@@ -57,7 +63,12 @@ def top_kernels(run: Callable[[], Any], repeats: int, top: int = 8) -> list[dict
 
 
 def decode_step_profile(
-    llm: Any, num_seqs: int, prompt_len: int, graphs: Any = None, steps: int = 12, top: int = 10
+    llm: EngineInterface,
+    num_seqs: int,
+    prompt_len: int,
+    graphs: DecodeGraphs | None = None,
+    steps: int = 12,
+    top: int = 10,
 ) -> dict[str, Any]:
     """`steps` decode steps of `num_seqs` sequences (prompts of `prompt_len` tokens, already
     prefilled) under torch's profiler: wall ms a step, and the operations that take the most
@@ -70,14 +81,15 @@ def decode_step_profile(
     from kvcache import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
-    vocab = min(1000, int(llm.model.vocab_size))
+    vocab = min(1000, int(llm.forward_parts().model.vocab_size))
     for i in range(num_seqs):
         prompt = [(5 + i * 31 + j * 7) % vocab for j in range(prompt_len)]
         llm.add_request(prompt, params, request_id=f"profile-{i}", cache_salt="profile")
-    finished: list[Any] = []
+    finished: list[RequestOutput] = []
     for _ in range(64):  # prefill, until a step only decodes
         finished += llm.step()
-        if llm.recorder.steps and not llm.recorder.steps[-1]["num_prefill_tokens"]:
+        last = llm.recorded_steps(-1)
+        if last and not last[0].num_prefill_tokens:
             break
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():

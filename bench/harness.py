@@ -29,6 +29,7 @@ from bench.table import format_table
 from bench.workloads import BenchRequest, load_workload
 from runner.backends.cpu.linear import PackedLinear, onednn_available
 from runner.backends.cpu.loader import load_cpu_kernels
+from runner.engine.api.interface import EngineInterface
 from runner.engine.api.llm import LLM
 from runner.engine.io.outputs import RequestOutput
 from runner.sampling.params import SamplingParams
@@ -63,41 +64,42 @@ def run_engine(
     device: str,
     options: dict[str, Any],
     sampling: Sampling | None = None,
-) -> tuple[PeerResult, LLM, dict[str, Any]]:
-    llm = LLM(model, device=device, **options)
+) -> tuple[PeerResult, EngineInterface, dict[str, Any]]:
+    llm: EngineInterface = LLM(model, device=device, **options)
     # Warm up the kernels on a prompt that shares nothing with the workload (its own salt).
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2, temperature=0), cache_salt="w")
-    first_step = len(llm.recorder.steps)
-    before = llm.block_manager.stats.as_dict()
-    timer = MatmulTimer(llm.model, llm.cpu_layers) if device == "cpu" else None
-    matmul_s: dict[int, float] = {}  # recorder step index -> seconds inside products
+    first_step = len(llm.recorded_steps())
+    before = llm.cache_stats()
+    parts = llm.forward_parts()
+    timer = MatmulTimer(parts.model, parts.cpu_layers) if device == "cpu" else None
+    matmul_s: dict[int, float] = {}  # recorded step index -> seconds inside products
     start = time.perf_counter()
-    outs = _run_with_arrivals(llm, requests, timer, matmul_s, sampling)
+    outs = _run_with_arrivals(llm, requests, timer, matmul_s, sampling, first_step)
     wall = time.perf_counter() - start
     if timer is not None:
         timer.close()
-    steps = llm.recorder.steps[first_step:]
-    after = llm.block_manager.stats.as_dict()
-    query = after["query_tokens"] - before["query_tokens"]
-    hits = after["hit_tokens"] - before["hit_tokens"]
-    prefill = sum(s["num_prefill_tokens"] for s in steps)
+    steps = llm.recorded_steps(first_step)
+    after = llm.cache_stats()
+    query = after.query_tokens - before.query_tokens
+    hits = after.hit_tokens - before.hit_tokens
+    prefill = sum(s.num_prefill_tokens for s in steps)
     # Every sample of every request (one each unless the run asks for several), with its request.
     samples = [(sample, r) for o, r in zip(outs, requests, strict=True) for sample in o.outputs]
     ttft = [s.metrics["ttft_s"] for s, _ in samples if s.metrics.get("ttft_s") is not None]
-    pure_prefill = [s for s in steps if s["num_decode_tokens"] == 0 and s["num_prefill_tokens"]]
-    extra = {
+    pure_prefill = [s for s in steps if s.num_decode_tokens == 0 and s.num_prefill_tokens]
+    extra: dict[str, Any] = {
         "hit_rate": hits / query if query else 0.0,
-        "prefill_only_tokens": sum(s["num_prefill_tokens"] for s in pure_prefill),
-        "prefill_only_s": sum(s["duration_s"] for s in pure_prefill),
-        "preemptions": llm.scheduler.num_preemptions,
-        "kv_pool_mib": llm.kv.tensor.numel() * llm.kv.tensor.element_size() / 2**20,
+        "prefill_only_tokens": sum(s.num_prefill_tokens for s in pure_prefill),
+        "prefill_only_s": sum(s.duration_s for s in pure_prefill),
+        "preemptions": llm.queue_depth().preemptions,
+        "kv_pool_mib": llm.kv_pool().nbytes / 2**20,
     }
     decode = [
         (i, s)
         for i, s in enumerate(steps, start=first_step)
-        if s["num_prefill_tokens"] == 0 and s["num_decode_tokens"]
+        if s.num_prefill_tokens == 0 and s.num_decode_tokens
     ]
-    decode_s = sum(s["duration_s"] for _, s in decode)
+    decode_s = sum(s.duration_s for _, s in decode)
     if timer is not None and decode_s > 0:
         inside = sum(matmul_s.get(i, 0.0) for i, _ in decode)
         extra["decode_outside_matmul"] = 1 - inside / decode_s
@@ -110,15 +112,17 @@ def run_engine(
 
 
 def _run_with_arrivals(
-    llm: LLM,
+    llm: EngineInterface,
     requests: list[BenchRequest],
     timer: MatmulTimer | None,
     matmul_s: dict[int, float],
     sampling: Sampling | None,
+    recorded: int,
 ) -> list[RequestOutput]:
     """Submit each request at its arrival step and run to the end; outputs in input order.
-    With a timer, `matmul_s` gets each recorded step's seconds inside matrix products. Sampled
-    requests are seeded by their index, so a run repeats itself."""
+    With a timer, `matmul_s` gets each recorded step's seconds inside matrix products (the
+    engine has `recorded` steps recorded before). Sampled requests are seeded by their index,
+    so a run repeats itself."""
     pending = sorted(range(len(requests)), key=lambda i: requests[i].arrive_after_steps)
     done: dict[str, RequestOutput] = {}
     steps = 0
@@ -136,11 +140,12 @@ def _run_with_arrivals(
             )
             llm.add_request(req.prompt_token_ids, params, request_id=req.request_id)
         before = timer.total_s if timer is not None else 0.0
-        recorded = len(llm.recorder.steps)
         for out in llm.step():
             done[out.request_id] = out
-        if timer is not None and len(llm.recorder.steps) > recorded:
-            matmul_s[len(llm.recorder.steps) - 1] = timer.total_s - before
+        new = len(llm.recorded_steps(recorded))
+        recorded += new
+        if timer is not None and new:
+            matmul_s[recorded - 1] = timer.total_s - before
         steps += 1
     return [done[r.request_id] for r in requests]
 
@@ -151,11 +156,11 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q))
 
 
-def _matmul_params(llm: LLM) -> int:
+def _matmul_params(llm: EngineInterface) -> int:
     """Parameters in a prompt token's matrix products: the projections. The head is left out:
     a prompt runs it for its last token only (counting it for every token overstated prefill
     FLOPs by a fifth for the default model)."""
-    return llm.model.num_matmul_params(include_head=False)
+    return llm.forward_parts().model.num_matmul_params(include_head=False)
 
 
 def run_bench(
@@ -179,9 +184,9 @@ def run_bench(
     check = check and sampling is None
     check_systems(systems, sampling is not None, beam_width)
     peak = matmul_peak_gflops(device)
-    probe = LLM(model, device=device, num_kv_blocks=16)
+    probe: EngineInterface = LLM(model, device=device, num_kv_blocks=16)
     requests = load_workload(workload, probe.tokenizer, max_tokens, limit)
-    eos_ids = probe.eos_ids
+    eos_ids = set(probe.eos_ids)
     model_dir = probe.model_path
     matmul_params = _matmul_params(probe)
     del probe

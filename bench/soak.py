@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import time
 from collections import OrderedDict
-from typing import Any
 
 import psutil
 
@@ -19,7 +18,9 @@ from bench.soak_checks import (
     final_checks,
 )
 from bench.soak_workload import Request, Workload
+from runner.engine.api.interface import EngineInterface
 from runner.engine.api.llm import LLM
+from runner.engine.sequence import Sequence
 
 
 def _rss_mb() -> float:
@@ -48,7 +49,7 @@ def run_soak(
     """Run `requests` requests (at most `inflight` live) and return the report; a failed check
     is a line in `report.failures`, never an exception."""
     max_prompt = num_kv_blocks * block_size // 2 - 8
-    llm = LLM(
+    llm: EngineInterface = LLM(
         model,
         num_kv_blocks=num_kv_blocks,
         block_size=block_size,
@@ -66,10 +67,11 @@ def run_soak(
         if speculative_tokens
         else None
     )
-    counter = FirstAdmissionCounter(llm.scheduler)
+    counter = FirstAdmissionCounter()
+    llm.add_schedule_listener(counter)
     workload = Workload(seed, max_prompt=min(max_prompt, 80))
     rep = SoakReport(requests=requests, num_blocks=num_kv_blocks)
-    live: dict[str, tuple[Request, Any]] = {}
+    live: dict[str, tuple[Request, Sequence]] = {}
     # Bounded: check_consistency keeps only the most recent prompts.
     greedy: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
     canary_out: dict[int, list[int]] = {}
@@ -100,7 +102,7 @@ def run_soak(
         rep.steps += 1
         if check_every and rep.steps % check_every == 0:
             try:
-                llm.block_manager.check_integrity()
+                llm.check_integrity()
             except AssertionError as err:
                 fail(f"step {rep.steps}: integrity: {err}")
                 break

@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from bench.soak_workload import Request, Workload
+from runner.engine.api.interface import EngineInterface
+from runner.engine.sequence import Sequence
+from runner.engine.step.scheduler import SchedulerOutput
 
 Fail = Callable[[str], None]
 
@@ -80,17 +82,15 @@ class SoakReport:
 
 
 class FirstAdmissionCounter:
-    """Wraps `scheduler.schedule` to count the prompt tokens the model is fed while each
-    request is in its first admission (before any preemption): the real cache misses."""
+    """A schedule listener (`EngineInterface.add_schedule_listener`) that counts the prompt
+    tokens the model is fed while each request is in its first admission (before any
+    preemption): the real cache misses."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self) -> None:
         self.fed: dict[int, int] = {}
         self.first_start: dict[int, int] = {}
-        self._schedule = scheduler.schedule
-        scheduler.schedule = self
 
-    def __call__(self) -> Any:
-        out = self._schedule()
+    def __call__(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:
             seq = item.seq
             if seq.num_preemptions or item.start >= seq.num_prompt_tokens:
@@ -98,9 +98,8 @@ class FirstAdmissionCounter:
             self.first_start.setdefault(seq.seq_id, item.start)
             end = min(item.start + item.num_new_tokens, seq.num_prompt_tokens)
             self.fed[seq.seq_id] = self.fed.get(seq.seq_id, 0) + end - item.start
-        return out
 
-    def misses(self, seq: Any, tally: dict[str, int]) -> int:
+    def misses(self, seq: Sequence, tally: dict[str, int]) -> int:
         """A finished request's miss tokens: prompt tokens fed in its first admission, plus, if
         it was preempted before that prefill ended, the rest of its prompt (not a hit either).
         Forgets the request, so the counter stays small."""
@@ -144,29 +143,31 @@ def check_consistency(
         greedy.popitem(last=False)
 
 
-def final_checks(llm: Any, rep: SoakReport, tally: dict[str, int], fail: Fail) -> None:
+def final_checks(llm: EngineInterface, rep: SoakReport, tally: dict[str, int], fail: Fail) -> None:
     """Copy the engine's end-of-run counters into `rep`, then check: nothing lost or leaked,
     the pool adds up, and hit/miss/query accounting agrees with what the soak counted."""
-    stats = llm.block_manager.stats
+    stats = llm.cache_stats()
     rep.query_tokens, rep.hit_tokens = stats.query_tokens, stats.hit_tokens
     rep.readmit_query_tokens = stats.readmit_query_tokens
     rep.readmit_hit_tokens = stats.readmit_hit_tokens
     rep.evicted_blocks, rep.blocks_in_use = stats.evicted_blocks, stats.blocks_in_use
-    rep.preemptions = llm.scheduler.num_preemptions
-    rep.draft_tokens = llm.spec_stats.num_draft_tokens
-    rep.accepted_tokens = llm.spec_stats.num_accepted_tokens
-    rep.recorder_steps = len(llm.recorder.steps)
-    rep.recorder_requests = len(llm.recorder.requests)
+    rep.preemptions = llm.queue_depth().preemptions
+    engine_stats = llm.stats()
+    rep.draft_tokens = int(engine_stats["num_draft_tokens"])
+    rep.accepted_tokens = int(engine_stats["num_accepted_tokens"])
+    if llm.config.record_metrics:  # the rows the recorder keeps (none when it records none)
+        metrics = llm.metrics()
+        rep.recorder_steps, rep.recorder_requests = len(metrics["steps"]), len(metrics["requests"])
     if rep.finished != rep.requests:
         fail(f"{rep.requests - rep.finished} requests never finished")
-    if llm.has_unfinished() or not llm._requests.is_empty():
+    if llm.has_unfinished() or llm.has_live_requests():
         fail("requests are still live after all finished")
     if stats.blocks_in_use != 0:
         fail(f"leak: {stats.blocks_in_use} blocks still in use")
     if stats.blocks_free + stats.blocks_cached != rep.num_blocks:
         fail(f"free {stats.blocks_free} + cached {stats.blocks_cached} != {rep.num_blocks}")
     try:
-        llm.block_manager.check_integrity()
+        llm.check_integrity()
     except AssertionError as err:
         fail(f"final integrity: {err}")
     if stats.query_tokens != rep.prompt_tokens:
@@ -186,7 +187,7 @@ class ReferenceCheck:
     compared with what an engine that guesses nothing answers to the same request (a seeded
     request samples the same with guesses or without: runner/engine/step/speculative.py)."""
 
-    def __init__(self, reference: Any) -> None:
+    def __init__(self, reference: EngineInterface) -> None:
         self.reference = reference
         self.pending: list[tuple[Request, list[int]]] = []
 

@@ -25,6 +25,7 @@ import click
 
 from bench.local_redis import redis_url as local_redis
 from kvcache import LLM, SamplingParams
+from runner.engine.api.interface import EngineInterface
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 ANSWER = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -35,7 +36,7 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def _run(llm: LLM, prompts: list[list[int]], wave: int) -> float:
+def _run(llm: EngineInterface, prompts: list[list[int]], wave: int) -> float:
     """Send the prompts in waves of ``wave`` (arrivals, not one batch the admission could
     reorder whole); returns the wall time."""
     start = time.perf_counter()
@@ -187,7 +188,7 @@ def restart(
             click.echo(f"| {name} | {warm:.3f} | {cold / warm:.1f}x lower |")
 
 
-def _ttft(llm: LLM, prompts: list[list[int]]) -> float:
+def _ttft(llm: EngineInterface, prompts: list[list[int]]) -> float:
     """Mean time to the first token of each prompt, alone, once the engine has run one short
     request of other tokens (a server warms up before it takes traffic)."""
     llm.generate([[VOCAB + 1] * 20], ONE)
@@ -213,7 +214,7 @@ def _replicas(model: str | None, conversations: int, turns: int, pool: int, redi
     rng = random.Random(2)
     vocab = VOCAB
     system = _tokens(rng, 200, vocab)
-    setups: list[tuple[str, list[LLM]]] = [
+    setups: list[tuple[str, list[EngineInterface]]] = [
         ("two private caches", [LLM(model, num_kv_blocks=pool) for _ in range(2)]),
         ("one cache of twice the size", [LLM(model, num_kv_blocks=2 * pool)]),
         ("two sharing Redis", [LLM(model, num_kv_blocks=pool, remote_cache_url=redis_url)

@@ -107,23 +107,29 @@ def test_matmul_timer_times_every_product_and_detaches(
     from kvcache import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama_dir), **options)
-    in_c = llm.cpu_layers is not None
+    model, layers = llm.forward_parts().model, llm.forward_parts().cpu_layers
+    in_c = layers is not None
     assert in_c == (not options and load_cpu_kernels() is not None)
     stops: list[int] = []
     original = MatmulTimer._stop
-    monkeypatch.setattr(MatmulTimer, "_stop", lambda self, *a: stops.append(1) or original(self))
-    timer = MatmulTimer(llm.model, llm.cpu_layers)
+
+    def counted_stop(self: MatmulTimer, *args: object) -> None:
+        stops.append(1)
+        original(self)
+
+    monkeypatch.setattr(MatmulTimer, "_stop", counted_stop)
+    timer = MatmulTimer(model, layers)
     greedy = SamplingParams(max_tokens=2, temperature=0)
     llm.generate([[5, 6, 7]], greedy)  # two forward passes: the prompt, then one decode
     # qkv, o, gate/up, down through hooks, unless the layers ran in C (timed there); the head
-    products_per_pass = (0 if in_c else 4 * llm.model.num_layers) + 1
+    products_per_pass = (0 if in_c else 4 * model.num_layers) + 1
     assert len(stops) == 2 * products_per_pass and timer.total_s > 0
     if in_c:
         assert timer.total_s > timer._hooked_s  # the C products' time is in the total
     timer.close()
     llm.generate([[5, 6, 7]], greedy)
     assert len(stops) == 2 * products_per_pass  # closed: no hook left behind
-    assert "compute_logits" not in vars(llm.model)
+    assert "compute_logits" not in vars(model)
 
 
 def test_bench_can_sample_in_every_system(tiny_llama_tok_dir: Path) -> None:
