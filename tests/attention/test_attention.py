@@ -503,9 +503,9 @@ def test_cpu_decode_kernel_scores_a_shared_prefix_once(
     passed: list[int] = []
     original = CpuKernels.decode_attention
 
-    def recording(self: CpuKernels, *args: Any) -> torch.Tensor:
+    def recording(self: CpuKernels, *args: Any, **kwargs: Any) -> torch.Tensor:
         passed.append(args[6] if len(args) > 6 else 0)
-        return original(self, *args)
+        return original(self, *args, **kwargs)
 
     monkeypatch.setattr(CpuKernels, "decode_attention", recording)
     shared = -(-80 // block_size)  # at least 80 tokens, over MIN_SHARED_TOKENS

@@ -9,6 +9,7 @@ import torch
 from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
 from runner.attention.paged import torch_paged_attention, write_kv
+from runner.backends.cpu.kernel import CpuKernels
 from runner.backends.cpu.loader import load_cpu_kernels
 from runner.backends.cpu.portable import load_portable_decode
 from runner.backends.cpu.split import CpuSplit
@@ -56,6 +57,22 @@ def cpu_paged_attention(
             window,
             softcap,
         )
+    return attend_split(kernels, q, k_cache, v_cache, split, scale, window, softcap)
+
+
+def attend_split(
+    kernels: CpuKernels,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    split: CpuSplit,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    tiled: bool = False,
+) -> torch.Tensor:
+    """A step's attention as `split` divides it: its decodes through decode_attention.c (in the
+    prefill tile's order when `tiled`), its longer queries through prefill_attention.c."""
     out = torch.empty_like(q)
     if split.decodes is not None:
         rows, tables, contexts = split.decodes
@@ -69,6 +86,7 @@ def cpu_paged_attention(
             split.shared_blocks,
             window,
             softcap,
+            tiled=tiled,
         )
         out.index_copy_(0, rows, decoded)
     if split.longer is not None:
@@ -104,28 +122,7 @@ def batch_invariant_attention(
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     group = q.shape[1] // k_cache.shape[2]
     split = CpuSplit.for_step(meta, True, group, k_cache.shape[1], batch_invariant=True)
-    out = torch.empty_like(q)
-    if split.decodes is not None:
-        rows, tables, contexts = split.decodes
-        decoded = kernels.decode_attention(
-            q.index_select(0, rows),
-            k_cache,
-            v_cache,
-            tables,
-            contexts,
-            scale,
-            split.shared_blocks,
-            window,
-            softcap,
-            tiled=True,
-        )
-        out.index_copy_(0, rows, decoded)
-    if split.longer is not None:
-        tables, starts, lens, contexts = split.longer
-        kernels.prefill_attention(
-            q, k_cache, v_cache, tables, starts, lens, contexts, out, scale, window, softcap
-        )
-    return out
+    return attend_split(kernels, q, k_cache, v_cache, split, scale, window, softcap, tiled=True)
 
 
 def batch_invariant_backend() -> AttentionBackend:

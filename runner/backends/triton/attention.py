@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.attention.backend import AttentionBackend
+from runner.attention.backend import Attend, AttentionBackend
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.cascade_cost import DEFAULT_THRESHOLDS, NEVER, CascadeThresholds
 from runner.backends.triton.common import (
@@ -264,36 +264,24 @@ def triton_backend(
     thresholds (NEVER: a baseline without, ALWAYS: every group found), or by the fixed plan
     `shared_prefix` (a decode graph's static tensors, filled before each replay)."""
 
-    def attend(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-    ) -> torch.Tensor:
-        return triton_paged_attention(
-            q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
-            cascade=cascade, shared_prefix=shared_prefix,
-        )  # fmt: skip
+    def attention(store: bool) -> Attend:
+        def attend(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            k_cache: torch.Tensor,
+            v_cache: torch.Tensor,
+            meta: AttentionMetadata,
+            scale: float,
+            window: int | None,
+            softcap: float | None,
+        ) -> torch.Tensor:
+            return triton_paged_attention(
+                q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
+                cascade=cascade, shared_prefix=shared_prefix, store=store,
+            )  # fmt: skip
 
-    def attend_stored(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-    ) -> torch.Tensor:
-        return triton_paged_attention(
-            q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
-            cascade=cascade, shared_prefix=shared_prefix, store=False,
-        )  # fmt: skip
+        return attend
 
-    return AttentionBackend("triton", attend, attend_stored=attend_stored)
+    # attend_stored: the K/V are in the cache already (the fused RoPE + store kernel wrote them).
+    return AttentionBackend("triton", attention(store=True), attend_stored=attention(store=False))
