@@ -15,7 +15,11 @@ def test_ids_outside_the_vocabulary_are_refused(tiny_llama_dir: Path, tmp_path: 
     path = tmp_path / "poisoned.safetensors"
     answer = poisoned_cache(tiny_llama_dir, path)
     llm = LLM(str(tiny_llama_dir), block_size=4, speculative_tokens=4)
-    with pytest.raises(ValueError, match=rf"holds token id {BAD_ID}, outside the vocabulary"):
+    # The poisoned block's new hash leaves the block after it without a parent in the file.
+    with (
+        pytest.warns(UserWarning, match=r"blocks have no parent block in the file"),
+        pytest.raises(ValueError, match=rf"holds token id {BAD_ID}, outside the vocabulary"),
+    ):
         llm.load_prefix_cache(path)
     assert llm.block_manager.stats.blocks_cached == 0
     out = llm.generate([PROMPT], GREEDY)[0]

@@ -187,10 +187,16 @@ def _read(
             kept.append(value)
             if len(value.tokens) == spec.block_size * TOKEN_BYTES:
                 full_keys.add(value.key)
-    if dropped or orphans:
+    if dropped:
         warnings.warn(
-            f"{path}: {len(dropped)} blocks failed their checks ({dropped[0] if dropped else ''})"
-            f" and were dropped with {orphans} blocks below them; the rest loads",
+            f"{path}: {len(dropped)} blocks failed their checks ({dropped[0]}) and were dropped"
+            f" with {orphans} blocks below them; the rest loads",
+            stacklevel=3,
+        )
+    elif orphans:
+        warnings.warn(
+            f"{path}: {orphans} blocks have no parent block in the file (their K/V depend on"
+            " it) and were dropped; the rest loads",
             stacklevel=3,
         )
     return kept
