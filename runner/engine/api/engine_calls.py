@@ -115,17 +115,8 @@ class EngineCalls(Engine):
             self.block_manager.remove_listener(listener)
 
     def add_schedule_listener(self, listener: Callable[[SchedulerOutput], None]) -> None:
-        # The scheduler has no listener list of its own: its `schedule` is wrapped, on this
-        # instance only, so the plain loop and the overlapped one (which both call it) tell.
         with self.lock:
-            schedule = self.scheduler.schedule
-
-            def schedule_and_tell() -> SchedulerOutput:
-                out = schedule()
-                listener(out)
-                return out
-
-            self.scheduler.schedule = schedule_and_tell  # type: ignore[method-assign]
+            self.scheduler.listeners.append(listener)
 
     def forward_parts(self) -> ForwardParts:
         graphs = self.runner.graphs

@@ -99,6 +99,8 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self.last_step_tokens = 0  # positions the latest step computes (vLLM's iteration tokens)
+        # Told of each step's schedule before its forward runs (the soak's admission counter).
+        self.listeners: list[Callable[[SchedulerOutput], None]] = []
 
     # ----------------------------------------------------------------- queue bookkeeping
     def add(self, seq: Sequence) -> None:
@@ -178,6 +180,8 @@ class Scheduler:
         for item in out.scheduled:  # every allocation and growth of the step is done
             item.block_table = self.bm.block_table(item.seq.seq_id)
         self.last_step_tokens = out.num_prefill_tokens + out.num_decode_tokens
+        for listener in self.listeners:
+            listener(out)
         return out
 
     def commit(self, computed: list[tuple[ScheduledSeq, int]]) -> None:
