@@ -1,5 +1,5 @@
-"""Shared pieces of the Triton attention kernels: the CPU interpreter fallback, tile helpers and
-the attention-logit soft cap.
+"""Shared pieces of the Triton kernels: the CPU interpreter fallback, tile helpers, the
+attention-logit soft cap, and rounding to a 16-bit dtype as torch rounds.
 
 Without a GPU the kernels run in Triton's interpreter: runner/__init__.py sets TRITON_INTERPRET
 before any kernel module imports Triton (`interpreting()` says which).
@@ -93,3 +93,16 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need equal strides and a contiguous head dim")
+
+
+@triton.jit
+def rounded(x: tl.tensor, out_ty: tl.constexpr) -> tl.tensor:
+    """float32 x rounded to out_ty (to nearest, ties to even), still in float32. bfloat16 is
+    rounded by hand: Triton's interpreter converts float32 to bfloat16 by truncation, and the
+    tests run the kernel there; on a GPU this is what the conversion does anyway."""
+    if out_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(out_ty).to(tl.float32)

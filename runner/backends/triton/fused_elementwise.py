@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.backends.triton.common import pow2_at_least
-from runner.backends.triton.rms_norm import _rounded
+from runner.backends.triton.common import pow2_at_least, rounded
 
 
 @triton.jit
@@ -47,15 +46,15 @@ def _add_rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     res = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
-    total = _rounded(x + res, out_ty)  # a 16-bit add, as torch's
+    total = rounded(x + res, out_ty)  # a 16-bit add, as torch's
     tl.store(sum_ptr + row * dim + cols, total.to(out_ty), mask=mask)
     normed = total * (1.0 / tl.sqrt(tl.sum(total * total, axis=0) / dim + eps))
     scale = tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if SCALE_IN_FLOAT32:
         out = scale * normed
     else:
-        out = scale * _rounded(normed, out_ty)
-    tl.store(out_ptr + row * dim + cols, _rounded(out, out_ty).to(out_ty), mask=mask)
+        out = scale * rounded(normed, out_ty)
+    tl.store(out_ptr + row * dim + cols, rounded(out, out_ty).to(out_ty), mask=mask)
 
 
 def add_rms_norm(
@@ -116,8 +115,8 @@ def _silu_mul_kernel(
     gate = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(base + inter + cols, mask=mask, other=0.0).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
-    act = _rounded(gate / (1.0 + tl.exp(-gate)), out_ty)  # F.silu: float32 inside, rounded
-    tl.store(out_ptr + row * inter + cols, _rounded(act * up, out_ty).to(out_ty), mask=mask)
+    act = rounded(gate / (1.0 + tl.exp(-gate)), out_ty)  # F.silu: float32 inside, rounded
+    tl.store(out_ptr + row * inter + cols, rounded(act * up, out_ty).to(out_ty), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

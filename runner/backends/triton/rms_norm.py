@@ -15,22 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.backends.triton.common import pow2_at_least
+from runner.backends.triton.common import pow2_at_least, rounded
 
 # Importing triton_common above chose the interpreter where there is no CUDA device.
-
-
-@triton.jit
-def _rounded(x: tl.tensor, out_ty: tl.constexpr) -> tl.tensor:
-    """float32 x rounded to out_ty (to nearest, ties to even), still in float32. bfloat16 is
-    rounded by hand: Triton's interpreter converts float32 to bfloat16 by truncation, and the
-    tests run the kernel there; on a GPU this is what the conversion does anyway."""
-    if out_ty == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(out_ty).to(tl.float32)
 
 
 @triton.jit
@@ -57,8 +44,8 @@ def _rms_norm_kernel(
     if SCALE_IN_FLOAT32:
         out = scale * normed
     else:  # a 16-bit product, as torch computes one: in float32, rounded once below
-        out = scale * _rounded(normed, out_ty)
-    tl.store(out_ptr + row * dim + cols, _rounded(out, out_ty).to(out_ty), mask=mask)
+        out = scale * rounded(normed, out_ty)
+    tl.store(out_ptr + row * dim + cols, rounded(out, out_ty).to(out_ty), mask=mask)
 
 
 def rms_norm(

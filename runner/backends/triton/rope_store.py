@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.backends.triton.common import check_cache_pair, interpreting, pow2_at_least
-from runner.backends.triton.rms_norm import _rounded
+from runner.backends.triton.common import check_cache_pair, interpreting, pow2_at_least, rounded
 
 
 @triton.jit
@@ -50,9 +49,9 @@ def _rotated_heads(
     rows = ptr + offs_h[:, None] * stride_h
     x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    a = _rounded(x * cos[None, :], OUT_TY)
-    b = _rounded(xp * sin[None, :], OUT_TY)
-    return tl.where(offs_d[None, :] < ROT, _rounded(a + b, OUT_TY), x)
+    a = rounded(x * cos[None, :], OUT_TY)
+    b = rounded(xp * sin[None, :], OUT_TY)
+    return tl.where(offs_d[None, :] < ROT, rounded(a + b, OUT_TY), x)
 
 
 @triton.jit
