@@ -152,7 +152,7 @@ def parse_line(line_no: int, text: str, defaults: dict[str, Any], is_text_file: 
     return _with_params(line, {k: obj[k] for k in SAMPLING_FIELDS if k in obj}, defaults)
 
 
-def own_id(obj: Any) -> str | None:
+def own_id(obj: object) -> str | None:
     """A parsed line's own id, when it has one that can name its record: a string of text (no
     lone surrogate: a record cannot be written with one) or an integer; else None."""
     request_id = obj.get("id") if isinstance(obj, dict) else None

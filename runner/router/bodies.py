@@ -38,7 +38,7 @@ async def read_body(request: Request) -> tuple[bytes, dict[str, Any]]:
     return raw, body
 
 
-def check_cache_salt(salt: Any) -> None:
+def check_cache_salt(salt: object) -> None:
     """A cache_salt is absent, null, or a string of Unicode text."""
     if salt is None:
         return

@@ -36,6 +36,8 @@ from runner.engine.step.lock import locked
 from runner.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from runner.engine.api.interface import EngineInterface
 
 log = logging.getLogger(__name__)
@@ -193,7 +195,7 @@ class LLM(EngineCalls):
         """One conversation's prompt text, through the model's chat template."""
         return render_chat(self.tokenizer, messages, chat_template_kwargs)
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The model's tokenizer (a transformers tokenizer; None for a model without one), as
         vLLM's `LLM.get_tokenizer`."""
         return self.tokenizer

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.engine.sequence import Sequence as Seq
 from runner.sampling.logprobs import TokenLogprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class TokenTexts:
     costs ~2 us of CPU a token (SmolLM2's), beside ~0.5 us to look one up here. It holds at
     most one string per vocabulary entry."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
         self._known: dict[int, str] = {}
 

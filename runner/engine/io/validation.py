@@ -193,7 +193,7 @@ def params_per_prompt(params: Any, num_prompts: int) -> list[SamplingParams]:
     return param_list
 
 
-def joined_text_parts(messages: Any) -> Any:
+def joined_text_parts(messages: Messages) -> Messages:
     """`messages` with OpenAI's list content (`[{"type": "text", "text": ...}, ...]`) joined
     into one string by newlines, as vLLM gives it to text-only templates; other messages as
     they are."""
