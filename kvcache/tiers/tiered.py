@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from kvcache.redaction import redact_text
 from kvcache.tiers.block_value import (
@@ -36,6 +36,8 @@ from kvcache.tiers.block_value import (
 )
 from kvcache.tiers.chain_reads import plan_reads
 from kvcache.tiers.tier_writer import Pending, Tier, TierDown, TierWriter
+
+T = TypeVar("T")  # what a guarded tier call returns
 
 __all__ = ["Hit", "Pending", "Tier", "TierCounters", "TierDown", "TieredStore"]
 
@@ -222,7 +224,7 @@ class TieredStore:
             return None
         return wanted
 
-    def guarded(self, tier: Tier, call: Callable[[], Any], writing: bool = False) -> Any:
+    def guarded(self, tier: Tier, call: Callable[[], T], writing: bool = False) -> T | None:
         """Run one tier call; a failure is counted, warned once (per tier, and apart for
         reads and writes: what it costs differs), and returns None."""
         counters = self.counters[tier.name]
