@@ -113,8 +113,13 @@ def test_windowed_and_capped_rows_are_bitwise_equal(
 
 
 def test_the_default_triton_path_differs_in_these_steps() -> None:
-    """The negative control: the default kernels (prefill tiles, split-K decodes) give a
-    token's row other bits decoded, or after a cached prefix, than in its prompt's prefill."""
+    """The negative control: the default decode kernel splits a row's keys into partitions of 16
+    and merges their partial softmaxes with rescales that the prefill's one pass over the keys
+    never makes, so a decoded row gets other bits than the same row in its prompt's prefill.
+    The difference is made by the arithmetic itself, not by how a CPU orders a float sum: a
+    mixed step (a decode beside a prompt) goes to the prefill kernel, whose tiles may or may
+    not give the same bits as the whole prompt's depending on the CPU's matrix products, so
+    this control decodes alone."""
     from runner.backends.triton.attention import triton_paged_attention
 
     case = Case(torch.float32)
@@ -131,12 +136,15 @@ def test_the_default_triton_path_differs_in_these_steps() -> None:
         softcap: float | None = None,
         split_keys: int = 0,
     ) -> torch.Tensor:
-        return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+        return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, partition_size=16)
 
     whole = case.run([(0, PROMPT)], False, attend=default)
-    decoded = case.run([(0, 60)] + [(p, 1) for p in range(60, PROMPT)], True, attend=default)
-    cached = case.run([(0, 40), (40, 30)], True, attend=default)
-    assert not torch.equal(decoded, whole) and not torch.equal(cached, whole)
+    decoded = case.run([(0, 60)] + [(p, 1) for p in range(60, PROMPT)], False, attend=default)
+    assert torch.equal(decoded[:60], whole[:60])  # the same prefill: the same bits
+    # The ten decoded rows (61 to 70 keys: 4 or 5 partitions each) are attention all the same.
+    torch.testing.assert_close(decoded[60:], whole[60:], rtol=1e-5, atol=1e-5)
+    differing = (decoded[60:] != whole[60:]).float().mean().item()
+    assert differing > 0.05, f"only {differing:.1%} of the decoded rows' values differ"
 
 
 def test_rows_in_several_launches_are_bitwise_equal(monkeypatch: pytest.MonkeyPatch) -> None:
