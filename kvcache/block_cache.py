@@ -92,6 +92,15 @@ class BlockCache:
         data = pack_tokens(token_ids[: max_blocks * self.block_size])
         return self.tree.match(root, data, max_blocks)
 
+    def match_whole(self, token_ids: Sequence[int], root: int) -> list[Node]:
+        """Cached path for every full block of the tokens, uncapped: blocks read elsewhere (a
+        segment placed in another prompt), never the start of a computation."""
+        num_blocks = len(token_ids) // self.block_size
+        if num_blocks <= 0:
+            return []
+        data = pack_tokens(token_ids[: num_blocks * self.block_size])
+        return self.tree.match(root, data, num_blocks)
+
     def continuation(self, request: RequestBlocks, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens with which a cached path goes on past ``token_ids``, looked up
         below the end of the request's chain (RadixTree.continuation)."""

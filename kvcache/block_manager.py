@@ -233,6 +233,21 @@ class BlockManager:
             stats.hit_tokens += hit
             stats.copied_tokens += copied
 
+    def borrow(self, reader_id: int, token_ids: Sequence[int], root: int) -> list[int]:
+        """Hold the cached full blocks of ``token_ids`` from the first, for K/V read into
+        another request's blocks (a segment placed after another prefix), until
+        ``free(reader_id)``. Returns their block ids (none when nothing is cached). Mutates:
+        the path is held (ref += 1, out of the LRU) under ``reader_id``, a request that never
+        publishes. Raises ValueError when the id is live."""
+        if reader_id in self._requests:
+            raise ValueError(f"request {reader_id} is already allocated")
+        nodes = self._cache.match_whole(token_ids, root) if self.enable_prefix_caching else []
+        for node in nodes:
+            self._cache.hold(node)
+        table = [node.block_id for node in nodes]
+        self._requests[reader_id] = RequestBlocks(root, table, nodes, publishing=False)
+        return list(table)
+
     def grow(self, request_id: int, num_tokens: int) -> bool:
         """Grow the table to hold ``num_tokens`` tokens in total, ceil(num_tokens / B) blocks
         (it never shrinks), or return False, changing nothing, when the pool cannot give the

@@ -26,6 +26,9 @@ DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 DETERMINISTIC_WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 # What the KV cache may store: the model's dtype ("auto"), or float16 (half the bytes of float32).
 KV_CACHE_DTYPES = ("auto", "float16")
+# Of each reused segment's tokens, the fraction recomputed by default: chosen from the blend
+# bench's table of accuracy against time (docs/SEGMENTS.md).
+DEFAULT_BLEND_RATIO = 0.15
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,9 @@ class EngineConfig:
     # schedules and prepares step N+1 while the device runs step N. None: on for CUDA, off on
     # the CPU (where the device is the host: nothing to overlap). Never with speculative tokens.
     async_scheduling: bool | None = None
+    # Prompts given as segments: the fraction of each reused segment's tokens recomputed with
+    # the full context (runner/engine/step/segments.py). 1 recomputes all: the plain engine.
+    blend_ratio: float = DEFAULT_BLEND_RATIO
 
     @property
     def overlaps_steps(self) -> bool:
@@ -213,6 +219,8 @@ class EngineConfig:
             raise ValueError("host/disk/remote cache tiers need the prefix cache on")
         if self.deterministic:
             self._check_deterministic()
+        if not 0.0 <= self.blend_ratio <= 1.0:
+            raise ValueError(f"blend_ratio must be in [0, 1], got {self.blend_ratio}")
         if not 0 <= self.speculative_tokens <= 16:
             raise ValueError(
                 f"speculative_tokens must be in [0, 16], got {self.speculative_tokens}"

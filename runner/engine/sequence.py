@@ -25,6 +25,28 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class ReusedSegment:
+    """A later segment of a prompt whose first `num_tokens` tokens' K/V are cached alone in
+    `blocks`, held for the sequence under the block manager's id `reader`
+    (runner/engine/step/segments.py)."""
+
+    start: int  # its first position in the prompt
+    num_tokens: int
+    blocks: list[int]
+    reader: int
+
+
+@dataclass
+class BlendPlan:
+    """One admission's blend: positions [start, end) are written from the `reused` segments'
+    cached K/V and blended, once the prompt is computed up to `start`."""
+
+    start: int
+    end: int
+    reused: list[ReusedSegment]
+
+
 @dataclass(eq=False)  # an entity: equal only to itself (value equality compared every field)
 class Sequence:
     """A request's state. Invariant: tokens [0, num_computed_tokens) have K/V in the store.
@@ -46,6 +68,9 @@ class Sequence:
     sample_index: int = 0
     # params.bad_words as token sequences (runner/sampling/logit_rules.py), tokenized once.
     bad_words: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    # [start, end) of each segment after the first, when the prompt came as segments: K/V
+    # that may come from the segment's own cache (runner/engine/step/segments.py).
+    segments: tuple[tuple[int, int], ...] = ()
     arrival_time: float = field(default_factory=time.perf_counter)
 
     # Written by the scheduler (runner/engine/step/scheduler.py; its two memos by
@@ -63,6 +88,12 @@ class Sequence:
     block_hash_cache: tuple[int, list[int]] | None = field(default=None, repr=False)
     # (cache version, num_tokens, cached prefix length) as of that version and count.
     cached_prefix_memo: tuple[int, int, int] | None = field(default=None, repr=False)
+    # With segments reused (runner/engine/step/segments.py): the blend still to run, the
+    # positions from which K/V are approximate (never published as a prefix; None: all exact)
+    # and the prompt tokens served from segments' caches at first admission.
+    blend: BlendPlan | None = field(default=None, repr=False)
+    exact_limit: int | None = None
+    num_reused_segment_tokens: int = 0
 
     # Written as a step is settled (runner/engine/step/settle.py): `record_token` appends each
     # token (called by runner/engine/io/stopping.py, which also sets the stop fields), and
@@ -123,6 +154,13 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_exact_tokens(self) -> int:
+        """Computed tokens whose K/V are exact (a prefix others may be served)."""
+        limit = self.exact_limit
+        computed = self.num_computed_tokens
+        return computed if limit is None else min(computed, limit)
 
     @property
     def in_prefill(self) -> bool:

@@ -29,6 +29,9 @@ from runner.model.decoder_layers import Attention, DecoderLayer, PostNormLayer, 
 from runner.model.hf_weights import load_hf_weights
 from runner.model.layers import RMSNorm, rope_cos_sin
 
+# Per layer type with RoPE tables of its own: the (cos, sin) rows of a step's positions.
+RopeRows = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
 
 class CausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
@@ -110,6 +113,33 @@ class CausalLM(nn.Module):
             for kind, (cos, sin) in self.rope_by_type.items()
         }
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input [T, H]: the tokens' embeddings, scaled as the model asks."""
+        h = self.embed_tokens(input_ids)  # [T, H]
+        if self.round_embedding_multiplier:
+            return h * torch.tensor(self.embedding_multiplier, dtype=h.dtype)
+        if self.embedding_multiplier != 1.0:
+            return h * self.embedding_multiplier
+        return h
+
+    def rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RopeRows]:
+        """The RoPE rows of these positions: the default tables' (cos, sin) [T, D] and those
+        of each layer type with tables of its own."""
+        cos = self.rope_cos.index_select(0, positions)  # [T, D]
+        sin = self.rope_sin.index_select(0, positions)
+        by_type = {  # [T, D] each, per layer type with its own tables
+            kind: (c.index_select(0, positions), s.index_select(0, positions))
+            for kind, (c, s) in self.rope_by_type.items()
+        }
+        return cos, sin, by_type
+
+    def layer_rope(
+        self, i: int, cos: torch.Tensor, sin: torch.Tensor, by_type: RopeRows
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) rows layer i rotates with, out of `rope_rows`' result."""
+        kind = self.layer_rope_types[i]
+        return (cos, sin) if kind is None else by_type[kind]
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
@@ -120,17 +150,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, H]; writes K/V of all T tokens, through the
         engine's attention backend (and its layer stack, where it takes this cache)."""
-        h = self.embed_tokens(input_ids)  # [T, H]
-        if self.round_embedding_multiplier:
-            h = h * torch.tensor(self.embedding_multiplier, dtype=h.dtype)
-        elif self.embedding_multiplier != 1.0:
-            h = h * self.embedding_multiplier
-        cos = self.rope_cos.index_select(0, positions)  # [T, D]
-        sin = self.rope_sin.index_select(0, positions)
-        by_type = {  # [T, D] each, per layer type with its own tables
-            kind: (c.index_select(0, positions), s.index_select(0, positions))
-            for kind, (c, s) in self.rope_by_type.items()
-        }
+        h = self.embed(input_ids)
+        cos, sin, by_type = self.rope_rows(positions)
         stack = attention.layers
         if stack is not None and stack.takes(kv):
             h = stack.run(h, cos, sin, meta, kv, by_type)
@@ -143,8 +164,7 @@ class CausalLM(nn.Module):
             stored = attention.attend_stored if fused else None
             for i, layer in enumerate(self.layers):
                 k_cache, v_cache = kv.layer(i)
-                kind = self.layer_rope_types[i]
-                c, s = (cos, sin) if kind is None else by_type[kind]
+                c, s = self.layer_rope(i, cos, sin, by_type)
                 h = layer(h, c, s, meta, k_cache, v_cache, attention.attend, fused, stored)
         out: torch.Tensor = self.norm(h)
         return out

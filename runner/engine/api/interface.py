@@ -22,6 +22,7 @@ from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
+from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.engine.io.validation import Prompt
 
 if TYPE_CHECKING:
@@ -154,7 +155,7 @@ class EngineInterface(Protocol):
     # -- requests and the loop (each mutates) --------------------------------------------------
     def add_request(
         self,
-        prompt: Prompt,
+        prompt: Prompt | SegmentedPrompt,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,

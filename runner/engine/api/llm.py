@@ -33,6 +33,7 @@ from runner.engine.io.validation import (
 from runner.engine.kv.prefix_cache_file import cache_identity, load_prefix_cache, save_prefix_cache
 from runner.engine.sequence import Sequence, request_id_of
 from runner.engine.step.lock import locked
+from runner.engine.step.segments import SegmentStats
 from runner.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -311,7 +312,15 @@ class LLM(EngineCalls):
             "num_accepted_tokens": self.spec_stats.num_accepted_tokens,
             "num_kv_blocks": self.block_manager.num_blocks,
             "block_size": self.config.block_size,
+            **self.segment_stats(),
         }
+
+    def segment_stats(self) -> dict[str, float | int]:
+        """Reuse of prompts' later segments (runner/engine/step/segments.py): tokens asked and
+        served from segments' caches, the fraction recomputed, segments cached; zeros when
+        segments run as plain tokens (blend_ratio 1)."""
+        reuse = self.scheduler.segments
+        return (reuse.stats if reuse is not None else SegmentStats()).as_dict()
 
     @locked
     def metrics(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch
 
 from kvcache import block_hashes, namespace_root
 from runner.engine.io.sample_groups import SEED_RANGE, sample_params, sample_request_id
+from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.engine.io.validation import Prompt, RequestValidator, prompt_token_ids
 from runner.engine.sequence import Sequence
 from runner.sampling.logit_rules import bad_word_ids
@@ -70,7 +71,7 @@ class RequestIntake:
 
     def sequences(
         self,
-        prompt: Prompt,
+        prompt: Prompt | SegmentedPrompt,
         params: SamplingParams | None,
         *,
         request_id: str | None,
@@ -86,8 +87,20 @@ class RequestIntake:
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if request_id is not None and taken(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
-        token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
+        bounds: tuple[tuple[int, int], ...] = ()
+        if isinstance(prompt, SegmentedPrompt):
+            token_ids, bounds = prompt.token_ids(self.tokenizer, add_special_tokens)
+            text = prompt.text
+        else:
+            token_ids = prompt_token_ids(prompt, self.tokenizer, add_special_tokens)
+            text = prompt if isinstance(prompt, str) else None
+        before = len(token_ids)
         token_ids, params = self.validator.fit(token_ids, params)
+        if len(token_ids) != before:  # cut to its last tokens: the segments' starts moved
+            bounds = tuple(
+                (s - before + len(token_ids), e - before + len(token_ids)) for s, e in bounds
+            )
+            bounds = tuple((s, e) for s, e in bounds if s >= 0)
         self.grammars.check(params.structured_outputs)  # a bad structure fails here, alone
         if self.seed is not None and params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=request_seed(self.seed, token_ids))
@@ -116,11 +129,12 @@ class RequestIntake:
                     params=own,
                     root=root,
                     generator=request_generator(own, self.rng),
-                    prompt_text=prompt if isinstance(prompt, str) else None,
+                    prompt_text=text,
                     group=rid if n > 1 else None,
                     sample_index=j,
                     grammar=self.grammars.state_for(own.structured_outputs),
                     bad_words=bad_words,
+                    segments=bounds,
                 )
             )
         return Intake(seqs, rid if n > 1 else None, f"{first[0]:016x}" if first else "")

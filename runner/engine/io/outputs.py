@@ -169,6 +169,9 @@ class RequestOutput:
     finished: bool = True
     token_logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)
     prompt_token_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
+    # Prompt tokens served from later segments' own caches (a prompt given as segments),
+    # beside num_cached_tokens' prefix; a fraction of them recomputed (blend_ratio).
+    num_reused_segment_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.outputs:
@@ -210,6 +213,7 @@ class RequestOutput:
             stop_reason=stop_reason_of(seq),
             token_logprobs=raw,
             prompt_token_logprobs=prompt_raw,
+            num_reused_segment_tokens=seq.num_reused_segment_tokens,
         )
 
     @property
@@ -235,6 +239,11 @@ class RequestOutput:
             ),
             **({"outputs": [o.to_record() for o in self.outputs]} if len(self.outputs) > 1 else {}),
             **({"error": self.error} if self.error else {}),
+            **(
+                {"reused_segment_tokens": self.num_reused_segment_tokens}
+                if self.num_reused_segment_tokens
+                else {}
+            ),
         }
 
 

@@ -11,12 +11,13 @@ from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple, Required, TypedDict
 
+from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.engine.io.validation import Prompt, check_template_kwargs, prompt_batch
 from runner.sampling.params import SamplingParams
 
 # The keys of a prompt dict this engine reads: vLLM's TextPrompt and TokensPrompt (a
 # TokensPrompt may carry its text as "prompt" too: its token ids are what runs).
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "segments", "cache_salt"})
 
 Params = SamplingParams | Seq[SamplingParams] | None
 
@@ -40,7 +41,7 @@ class TokensPrompt(TypedDict, total=False):
 class PromptInput(NamedTuple):
     """One prompt as the engine queues it, and the cache salt it asked for (None: the call's)."""
 
-    prompt: Prompt
+    prompt: Prompt | SegmentedPrompt
     cache_salt: str | None = None
 
 
@@ -65,12 +66,16 @@ def prompt_input(prompt: object) -> PromptInput:
     if unknown:
         raise ValueError(
             f"prompt dict key(s) {', '.join(unknown)} are not supported; a prompt dict holds "
-            "'prompt' (text) or 'prompt_token_ids', and optionally 'cache_salt' (this engine "
-            "runs text models: no multi-modal data)"
+            "'prompt' (text), 'prompt_token_ids' or 'segments', and optionally 'cache_salt' "
+            "(this engine runs text models: no multi-modal data)"
         )
     salt = prompt.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+    if "segments" in prompt:  # ours: a prompt whose later segments are cached on their own
+        if "prompt" in prompt or "prompt_token_ids" in prompt:
+            raise ValueError("a prompt dict holds 'segments' or 'prompt' / 'prompt_token_ids'")
+        return PromptInput(SegmentedPrompt.of(prompt["segments"]), salt)
     if "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         if not isinstance(ids, list | tuple):

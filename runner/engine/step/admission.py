@@ -36,8 +36,11 @@ class Admission:
         inflight: set[int] = set()
         if self.config.enable_prefix_caching:
             for seq in running:
-                if seq.in_prefill:
-                    inflight.update(self.prompt_hashes(seq))
+                if seq.in_prefill:  # a blended prompt publishes its exact prefix alone
+                    hashes = self.prompt_hashes(seq)
+                    if seq.exact_limit is not None:
+                        hashes = hashes[: seq.exact_limit // self.bm.block_size]
+                    inflight.update(hashes)
         return inflight
 
     def pick(

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from runner.engine.config import EngineConfig
 from runner.engine.io.intake import RequestIntake
 from runner.engine.io.outputs import RequestOutput, TokenTexts
 from runner.engine.io.request_table import LiveRequests, OutputRouter
+from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.engine.io.stopping import StopChecker
 from runner.engine.io.validation import Prompt, RequestValidator
 from runner.engine.sequence import Sequence
@@ -21,11 +23,13 @@ from runner.engine.step.lock import locked
 from runner.engine.step.metrics import MetricsRecorder
 from runner.engine.step.overlap import OverlappedLoop, default_device
 from runner.engine.step.scheduler import Scheduler, SchedulerOutput
+from runner.engine.step.segments import SegmentReuse
 from runner.engine.step.settle import StepResult, StepSettler, sample_step
 from runner.engine.step.setup import build_engine_parts
 from runner.engine.step.speculative import SpecStats
 from runner.engine.step.step_clock import StepClock
 from runner.engine.step.step_isolation import run_each_alone
+from runner.model.blend import check_placeable
 from runner.model.cpu_layers import CpuLayers
 from runner.model.loader import generation_eos_ids
 from runner.sampling.params import SamplingParams
@@ -72,6 +76,16 @@ class Engine:
             self._copy_slots,
             self.tiers,
         )
+        if self.config.blend_ratio < 1.0 and self.config.enable_prefix_caching:
+            check_placeable(self.model)
+            self.scheduler.segments = SegmentReuse(
+                self.block_manager,
+                self.runner,
+                self.config.blend_ratio,
+                self._copy_slots,
+                self.tiers,
+                self._run_ordered,
+            )
         self.stopper = StopChecker(
             self.hf_config, self.tokenizer, self.max_model_len, generation_eos_ids(self.model_path)
         )
@@ -128,7 +142,7 @@ class Engine:
     @locked
     def add_request(
         self,
-        prompt: Prompt,
+        prompt: Prompt | SegmentedPrompt,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -255,12 +269,14 @@ class Engine:
     def _copy_slots(self, src_block: int, dst_block: int, num_tokens: int) -> None:
         """The scheduler's slot copy, after the device work queued so far (a step in flight
         may still be writing the source block)."""
+        self._run_ordered(lambda: self.kv.copy_slots(src_block, dst_block, num_tokens))
+
+    def _run_ordered(self, op: Callable[[], None]) -> None:
+        """A K/V operation the host issues, after the device work queued so far."""
         if self.overlap is None:
-            self.kv.copy_slots(src_block, dst_block, num_tokens)
+            op()
         else:
-            self.overlap.device.run_ordered(
-                lambda: self.kv.copy_slots(src_block, dst_block, num_tokens)
-            )
+            self.overlap.device.run_ordered(op)
 
     def _run(self, out: SchedulerOutput) -> StepResult:
         """The forward pass over the step's batch and the sampler over its rows. When either

@@ -13,6 +13,7 @@ from kvcache.store import KVStore
 from runner.attention.backend import TORCH_ATTENTION, AttentionBackend
 from runner.attention.metadata import AttentionMetadata
 from runner.engine.step.scheduler import ScheduledSeq
+from runner.model.blend import BlendRegion, Placement, blend, place
 from runner.model.block_tables import BlockTableRows
 from runner.model.decoder import CausalLM
 from runner.sampling.logprobs import logprobs_of
@@ -156,6 +157,26 @@ class ModelRunner:
         if len(rows) == hidden.shape[0]:  # every token samples (a decode step): all rows
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden.index_select(0, index_on(rows, hidden.device)))
+
+    @torch.inference_mode()
+    def compute_kv(self, token_ids: list[int], start: int, block_table: list[int]) -> None:
+        """Write the K/V of positions [start, start + len(token_ids)) of a prompt whose earlier
+        positions' K/V are in its blocks already: a prefill that samples nothing (a segment
+        cached on its own)."""
+        n = len(token_ids)
+        meta = AttentionMetadata.build(
+            [n], [start + n], [block_table], self.block_size, self.device
+        )
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        positions = torch.arange(start, start + n, dtype=torch.int64, device=self.device)
+        self.model(ids, positions, meta, self.kv, self.attention)
+
+    @torch.inference_mode()
+    def place_and_blend(self, placement: Placement, region: BlendRegion, ratio: float) -> int:
+        """Cached segments' K/V placed into a prompt's slots, then blended (runner/model/
+        blend.py); returns how many reused tokens were recomputed."""
+        place(self.model, self.kv, placement)
+        return blend(self.model, self.kv, self.attention, region, ratio)
 
     def _record_prompt_logprobs(
         self,

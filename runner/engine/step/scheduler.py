@@ -14,6 +14,7 @@ from runner.engine.config import EngineConfig
 from runner.engine.kv.kv_tiers import TierLoader
 from runner.engine.sequence import SeqStatus, Sequence
 from runner.engine.step.admission import Admission
+from runner.engine.step.segments import SegmentReuse
 from runner.engine.step.speculative import draft_for
 
 
@@ -86,6 +87,9 @@ class Scheduler:
         tiers: TierLoader | None = None,
     ) -> None:
         self.config = config
+        # Reuse of prompts' later segments (runner/engine/step/segments.py), set by the engine
+        # when blend_ratio < 1; None: segments run as plain tokens.
+        self.segments: SegmentReuse | None = None
         self.bm = block_manager
         # Runs an Allocation's SlotCopy (src, dst, tokens) on the KV store, at once: the source
         # block may be handed out again by a later admission of the same step.
@@ -142,8 +146,11 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         """Give back a sequence's blocks, telling the block manager what its computed slots
-        hold, so that its partial last block can stay cached as a tail."""
-        self.bm.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        hold exactly, so that its partial last block can stay cached as a tail; and the
+        segments a blend not run yet holds."""
+        if self.segments is not None:
+            self.segments.release(seq)
+        self.bm.free(seq.seq_id, seq.token_ids, seq.num_exact_tokens)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free a running sequence's blocks and queue it first for re-admission.
@@ -190,7 +197,7 @@ class Scheduler:
         for item, kept in computed:
             seq = item.seq
             seq.num_computed_tokens = item.start + kept
-            self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.bm.commit(seq.seq_id, seq.token_ids, seq.num_exact_tokens)
 
     def _schedule_continuous(self, out: SchedulerOutput) -> None:
         budget = self.config.token_budget
@@ -280,7 +287,19 @@ class Scheduler:
         return True
 
     def _schedule_prefill_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
-        """Schedule the next chunk of a prefill; returns the tokens it takes from the budget."""
+        """Schedule the next chunk of a prefill; returns the tokens it takes from the budget.
+        A prompt with a blend to run is computed up to the blend's region, the blend is run
+        (at once, as a slot copy is), then the rest is computed."""
+        plan = seq.blend
+        if plan is not None and self.segments is not None:
+            if seq.num_computed_tokens == plan.start:
+                self.segments.run(seq, self.bm.block_table(seq.seq_id))
+            else:  # the prompt up to the region first: a chunk that does not sample
+                size = plan.start - seq.num_computed_tokens
+                if self.config.enable_chunked_prefill:
+                    size = min(size, budget)
+                out.scheduled.append(ScheduledSeq(seq, size, False, seq.num_computed_tokens))
+                return size
         remaining = seq.num_uncomputed_tokens
         size = min(remaining, budget) if self.config.enable_chunked_prefill else remaining
         start = seq.num_computed_tokens
@@ -291,6 +310,11 @@ class Scheduler:
         if self.tiers is not None and seq.reuses_cache:
             self.tiers.load(seq.token_ids, seq.root)
         purpose = Purpose.READMISSION if seq.admitted else Purpose.ADMISSION
+        if self.segments is not None and seq.segments and seq.reuses_cache:
+            self.segments.reserve(seq, counted=not seq.admitted)
+            if seq.blend is not None and not self.bm.can_allocate(seq.token_ids, seq.root):
+                self.segments.release(seq)  # the held segments leave no room: plain tokens
+                seq.blend, seq.exact_limit = None, None
         alloc = self.bm.allocate(
             seq.seq_id, seq.token_ids, seq.root, purpose, reads_cache=seq.reuses_cache
         )

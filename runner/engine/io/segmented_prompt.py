@@ -1,0 +1,70 @@
+"""A prompt given as segments: `{"segments": [text or token ids, ...]}`.
+
+The first segment is an ordinary prefix; each later one (a document, a retrieved chunk, a tool
+output) may be served from its own cached K/V wherever it appears (runner/engine/step/
+segments.py). The segments run as one prompt: their tokens joined, the first tokenized with the
+tokenizer's special tokens (its BOS), the others without, so nothing is inserted between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runner.engine.io.validation import prompt_token_ids
+
+# The most segments one prompt may have: each costs a lookup at admission.
+MAX_SEGMENTS = 256
+
+
+@dataclass(frozen=True)
+class SegmentedPrompt:
+    """The segments of one prompt, each text or a list of token ids, checked at construction."""
+
+    segments: tuple[str | list[int], ...]
+
+    def __post_init__(self) -> None:
+        if not self.segments:
+            raise ValueError("segments is empty: give at least one segment")
+        if len(self.segments) > MAX_SEGMENTS:
+            raise ValueError(
+                f"{len(self.segments)} segments: a prompt holds at most {MAX_SEGMENTS}"
+            )
+        for i, segment in enumerate(self.segments):
+            if not isinstance(segment, str | list | tuple):
+                raise ValueError(
+                    f"segment {i} must be text or a list of token ids, got {type(segment).__name__}"
+                )
+            if not segment or (isinstance(segment, str) and not segment.strip()):
+                raise ValueError(f"segment {i} is empty")
+
+    @classmethod
+    def of(cls, segments: object) -> SegmentedPrompt:
+        """From a prompt dict's "segments" value; ValueError naming the problem."""
+        if not isinstance(segments, list | tuple):
+            raise ValueError(
+                f"segments must be a list of texts or token-id lists, got {type(segments).__name__}"
+            )
+        return cls(tuple(list(s) if isinstance(s, tuple) else s for s in segments))
+
+    @property
+    def text(self) -> str | None:
+        """The prompt's text when every segment is text, else None."""
+        if all(isinstance(s, str) for s in self.segments):
+            return "".join(s for s in self.segments if isinstance(s, str))
+        return None
+
+    def token_ids(
+        self, tokenizer: object, add_special_tokens: bool
+    ) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+        """The prompt's tokens and the [start, end) of each segment after the first."""
+        tokens: list[int] = []
+        bounds: list[tuple[int, int]] = []
+        for i, segment in enumerate(self.segments):
+            try:
+                ids = prompt_token_ids(segment, tokenizer, add_special_tokens and i == 0)
+            except ValueError as err:
+                raise ValueError(f"segment {i}: {err}") from err
+            if i:
+                bounds.append((len(tokens), len(tokens) + len(ids)))
+            tokens.extend(ids)
+        return tokens, tuple(bounds)

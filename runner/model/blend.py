@@ -1,0 +1,192 @@
+"""Reused segments placed and blended: the model's side of reuse beyond the prefix.
+
+A segment cached on its own holds the K/V of its tokens computed alone, at positions 0 .. n - 1.
+Placed at position `start` of another prompt it needs two things:
+
+* its keys re-rotated (`place`): RoPE turns each key pair by position * theta, and rotations
+  compose, so turning a cached key by `start` * theta gives the key at its new position, exact
+  up to rounding (done in float32). Layers without RoPE keep their keys; a partial rotary head
+  turns its leading dims only; each layer type turns by its own frequencies.
+* the attention to what now precedes it (`blend`), which no cached value holds: selective
+  recompute (CacheBlend's idea). Layers 0 .. `select_layer` run for every token of the region,
+  writing fresh K/V; at `select_layer` each reused token's fresh K/V is compared with its
+  placed cached K/V, and the `ratio` of each segment's tokens that moved most, with every token
+  that has no cached K/V, go on through the later layers as single rows (a row of position p
+  attends to the region's K/V up to p, fresh where it was recomputed, cached elsewhere). The
+  others keep their cached K/V in those layers. The hidden states are dropped: the prompt's
+  last token, after the region, is computed by the ordinary prefill that follows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.store import KVStore
+from runner.attention.backend import AttentionBackend
+from runner.attention.metadata import AttentionMetadata
+from runner.model.decoder import CausalLM
+from runner.model.decoder_layers import Attention
+from runner.model.layers import apply_rope, rope_inv_freq, rope_parameters
+
+# The layer whose K/V deviation picks the tokens to recompute: the first whose K/V depend on
+# the context (a layer-0 key depends on its token and position alone).
+SELECT_LAYER = 1
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Cached K/V moved into a prompt's slots: source slot, destination slot and how far each
+    token moved (destination position less source position), one entry per token."""
+
+    src_slots: torch.Tensor  # [N] int64
+    dst_slots: torch.Tensor  # [N] int64
+    shift: torch.Tensor  # [N] int64
+
+
+@dataclass(frozen=True)
+class BlendRegion:
+    """The prompt positions [start, start + len(tokens)) whose K/V a blend writes.
+
+    `reused` marks the positions whose placed cached K/V may stay; `segments` are the
+    region-relative [lo, hi) runs of reused tokens, each picked from on its own."""
+
+    start: int
+    tokens: list[int]
+    reused: list[bool]
+    segments: list[tuple[int, int]]
+    block_table: list[int]
+
+
+def check_placeable(model: CausalLM) -> None:
+    """Refuse, naming the model, what re-rotation cannot place: RoPE whose angle is not a
+    fixed multiple of the position."""
+    rope_type = rope_parameters(model.config).get("rope_type", "default")
+    if rope_type in ("dynamic",):
+        raise ValueError(
+            f"{model.architecture}: its {rope_type!r} RoPE scaling changes with the sequence "
+            "length, so a cached segment's keys cannot be placed at another position"
+        )
+
+
+def place(model: CausalLM, kv: KVStore, placement: Placement) -> None:
+    """Copy cached K/V into their destination slots across every layer, keys turned by their
+    shift. Mutates the destination slots only (the caller owns them)."""
+    src, dst, shift = placement.src_slots, placement.dst_slots, placement.shift
+    if src.numel() == 0:
+        return
+    turns = _turns(model, shift.to(kv.device))
+    src, dst = src.to(kv.device), dst.to(kv.device)
+    for i, layer in enumerate(model.layers):
+        attn: Attention = layer.self_attn  # type: ignore[assignment]
+        k_cache, v_cache = kv.layer(i)
+        keys = k_cache.view(-1, kv.num_kv_heads, kv.head_dim)
+        values = v_cache.view(-1, kv.num_kv_heads, kv.head_dim)
+        k = keys.index_select(0, src)
+        if attn.use_rope:
+            cos, sin = turns[attn.rope_type]
+            k = apply_rope(k.float(), cos, sin).to(keys.dtype)
+        keys.index_copy_(0, dst, k)
+        values.index_copy_(0, dst, values.index_select(0, src))
+
+
+def _turns(
+    model: CausalLM, shift: torch.Tensor
+) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+    """float32 (cos, sin) rows in rope_cos_sin's layout for turning keys by `shift` positions,
+    per layer type: pure rotations (no attention scale: the cached keys carry theirs)."""
+    turns = {}
+    for kind in set(model.layer_rope_types):
+        inv_freq, _ = rope_inv_freq(model.config, model.head_dim, kind)
+        angle = shift.double()[:, None].cpu() * inv_freq.double()[None, :]  # [N, R/2]
+        cos, sin = angle.cos().float(), angle.sin().float()
+        device = shift.device
+        turns[kind] = (
+            torch.cat((cos, cos), dim=-1).to(device),
+            torch.cat((-sin, sin), dim=-1).to(device),
+        )
+    return turns
+
+
+def blend(
+    model: CausalLM,
+    kv: KVStore,
+    attention: AttentionBackend,
+    region: BlendRegion,
+    ratio: float,
+    select_layer: int = SELECT_LAYER,
+) -> int:
+    """Write the region's K/V in every layer, recomputing the tokens that need it (see the
+    module). The reused positions must already hold their placed cached K/V. Returns how many
+    reused tokens were recomputed past `select_layer`. Mutates the region's slots only."""
+    device, bs = kv.device, kv.block_size
+    n = len(region.tokens)
+    positions = torch.arange(region.start, region.start + n, dtype=torch.int64)
+    reused = torch.tensor(region.reused, dtype=torch.bool)
+    table = torch.tensor(region.block_table, dtype=torch.int64)
+    slots = table[positions // bs] * bs + positions % bs
+    whole = AttentionMetadata.build([n], [region.start + n], [region.block_table], bs, device)
+    h = model.embed(torch.tensor(region.tokens, dtype=torch.int64, device=device))
+    cos, sin, by_type = model.rope_rows(positions.to(device))
+    select_at = select_layer if ratio > 0 else -1
+    # active: the region-relative indices still computed; None while that is every token.
+    active: torch.Tensor | None = None if ratio > 0 else torch.nonzero(~reused).flatten()
+    recomputed = 0
+    for i, layer in enumerate(model.layers):
+        if active is not None and active.numel() == 0:
+            break
+        k_cache, v_cache = kv.layer(i)
+        if active is None:
+            meta, rows = whole, None
+        else:
+            rows = active.to(device)
+            meta = _single_rows(positions[active], region.block_table, bs, device)
+            h = h.index_select(0, rows) if h.shape[0] != active.numel() else h
+        c, s = model.layer_rope(i, cos, sin, by_type)
+        if rows is not None:
+            c, s = c.index_select(0, rows), s.index_select(0, rows)
+        if i == select_at:
+            before = _slot_kv(k_cache, v_cache, slots, kv)
+        h = layer(h, c, s, meta, k_cache, v_cache, attention.attend)
+        if i == select_at:
+            moved = (_slot_kv(k_cache, v_cache, slots, kv) - before).pow(2).sum(-1)
+            keep = _most_moved(moved.cpu(), region.segments, ratio) | ~reused
+            recomputed = int((keep & reused).sum())
+            active = torch.nonzero(keep).flatten()
+            h = h.index_select(0, active.to(device))
+    return recomputed
+
+
+def _slot_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, kv: KVStore
+) -> torch.Tensor:
+    """The K and V at these slots, side by side, float32 [N, 2 * Hkv * D]."""
+    s = slots.to(k_cache.device)
+    k = k_cache.view(-1, kv.num_kv_heads * kv.head_dim).index_select(0, s)
+    v = v_cache.view(-1, kv.num_kv_heads * kv.head_dim).index_select(0, s)
+    return torch.cat((k, v), dim=-1).float()
+
+
+def _most_moved(moved: torch.Tensor, segments: list[tuple[int, int]], ratio: float) -> torch.Tensor:
+    """[N] bool: in each segment, the ceil(ratio * its length) tokens whose K/V moved most
+    (ties to the earlier token, so the pick never depends on the sort's internals)."""
+    keep = torch.zeros(moved.shape[0], dtype=torch.bool)
+    for lo, hi in segments:
+        count = min(hi - lo, math.ceil(ratio * (hi - lo)))
+        if count <= 0:
+            continue
+        order = sorted(range(lo, hi), key=lambda j: (-float(moved[j]), j))
+        keep[order[:count]] = True
+    return keep
+
+
+def _single_rows(
+    positions: torch.Tensor, block_table: list[int], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """Metadata for tokens computed one row each: the row of position p sees positions 0 .. p
+    of the prompt through its block table (any set of positions, in one call)."""
+    count = positions.numel()
+    contexts = (positions + 1).tolist()
+    return AttentionMetadata.build([1] * count, contexts, [block_table] * count, block_size, device)
