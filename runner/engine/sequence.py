@@ -71,6 +71,7 @@ class Sequence:
     # [start, end) of each segment after the first, when the prompt came as segments: K/V
     # that may come from the segment's own cache (runner/engine/step/segments.py).
     segments: tuple[tuple[int, int], ...] = ()
+    blend_ratio: float | None = None  # the prompt's own (None: the engine's)
     arrival_time: float = field(default_factory=time.perf_counter)
 
     # Written by the scheduler (runner/engine/step/scheduler.py; its two memos by

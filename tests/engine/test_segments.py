@@ -205,3 +205,26 @@ def test_a_prompt_dict_holds_segments_or_a_prompt(tiny_llama_dir: Path) -> None:
 def test_blend_ratio_is_checked() -> None:
     with pytest.raises(ValueError, match="blend_ratio must be in"):
         LLM(blend_ratio=1.5)
+
+
+def test_a_prompt_sets_its_own_blend_ratio(tiny_llama_dir: Path, parts: tuple) -> None:
+    """A prompt's blend_ratio wins over the engine's: 1 runs it as plain tokens (transformers'
+    answer) on an engine that blends; 0.5 recomputes half of each reused segment."""
+    system, docs, questions = parts
+    llm = LLM(str(tiny_llama_dir), blend_ratio=0.0)
+    for i, order in enumerate(([0, 1], [1, 0])):
+        llm.generate(segmented(questions[i], docs, order, questions[i]), GREEDY)
+    plain = {**segmented(system, docs, [0, 1], questions[2]), "blend_ratio": 1}
+    out = llm.generate(plain, GREEDY)[0]
+    assert out.num_reused_segment_tokens == 0
+    hf = load_hf_reference(tiny_llama_dir)
+    assert out.token_ids == hf_greedy(hf, joined(plain), 8, None)
+    half = {**segmented(system, docs, [1, 0], questions[3]), "blend_ratio": 0.5}
+    before = llm.stats()["segment_recomputed_tokens"]
+    reused = llm.generate(half, GREEDY)[0].num_reused_segment_tokens
+    assert reused > 0
+    assert llm.stats()["segment_recomputed_tokens"] - before >= reused / 2
+    with pytest.raises(ValueError, match="blend_ratio must be a number in"):
+        llm.generate({**half, "blend_ratio": "x"}, GREEDY)
+    with pytest.raises(ValueError, match="applies to a prompt given as 'segments'"):
+        llm.generate({"prompt_token_ids": [5, 6], "blend_ratio": 0.5}, GREEDY)

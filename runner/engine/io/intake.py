@@ -88,7 +88,9 @@ class RequestIntake:
         if request_id is not None and taken(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
         bounds: tuple[tuple[int, int], ...] = ()
+        blend_ratio = None
         if isinstance(prompt, SegmentedPrompt):
+            blend_ratio = prompt.blend_ratio
             token_ids, bounds = prompt.token_ids(self.tokenizer, add_special_tokens)
             text = prompt.text
         else:
@@ -135,6 +137,7 @@ class RequestIntake:
                     grammar=self.grammars.state_for(own.structured_outputs),
                     bad_words=bad_words,
                     segments=bounds,
+                    blend_ratio=blend_ratio,
                 )
             )
         return Intake(seqs, rid if n > 1 else None, f"{first[0]:016x}" if first else "")

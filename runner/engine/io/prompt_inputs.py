@@ -17,7 +17,7 @@ from runner.sampling.params import SamplingParams
 
 # The keys of a prompt dict this engine reads: vLLM's TextPrompt and TokensPrompt (a
 # TokensPrompt may carry its text as "prompt" too: its token ids are what runs).
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "segments", "cache_salt"})
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "segments", "blend_ratio", "cache_salt"})
 
 Params = SamplingParams | Seq[SamplingParams] | None
 
@@ -75,7 +75,9 @@ def prompt_input(prompt: object) -> PromptInput:
     if "segments" in prompt:  # ours: a prompt whose later segments are cached on their own
         if "prompt" in prompt or "prompt_token_ids" in prompt:
             raise ValueError("a prompt dict holds 'segments' or 'prompt' / 'prompt_token_ids'")
-        return PromptInput(SegmentedPrompt.of(prompt["segments"]), salt)
+        return PromptInput(SegmentedPrompt.of(prompt["segments"], prompt.get("blend_ratio")), salt)
+    if "blend_ratio" in prompt:
+        raise ValueError("blend_ratio applies to a prompt given as 'segments'")
     if "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         if not isinstance(ids, list | tuple):

@@ -21,8 +21,15 @@ class SegmentedPrompt:
     """The segments of one prompt, each text or a list of token ids, checked at construction."""
 
     segments: tuple[str | list[int], ...]
+    # This prompt's own blend ratio (None: the engine's blend_ratio); 1 runs it as plain tokens.
+    blend_ratio: float | None = None
 
     def __post_init__(self) -> None:
+        ratio = self.blend_ratio
+        if ratio is not None and (
+            not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0 <= ratio <= 1
+        ):
+            raise ValueError(f"blend_ratio must be a number in [0, 1], got {ratio!r}")
         if not self.segments:
             raise ValueError("segments is empty: give at least one segment")
         if len(self.segments) > MAX_SEGMENTS:
@@ -38,13 +45,15 @@ class SegmentedPrompt:
                 raise ValueError(f"segment {i} is empty")
 
     @classmethod
-    def of(cls, segments: object) -> SegmentedPrompt:
-        """From a prompt dict's "segments" value; ValueError naming the problem."""
+    def of(cls, segments: object, blend_ratio: object = None) -> SegmentedPrompt:
+        """From a prompt dict's "segments" and "blend_ratio" values; ValueError naming the
+        problem."""
         if not isinstance(segments, list | tuple):
             raise ValueError(
                 f"segments must be a list of texts or token-id lists, got {type(segments).__name__}"
             )
-        return cls(tuple(list(s) if isinstance(s, tuple) else s for s in segments))
+        parts = tuple(list(s) if isinstance(s, tuple) else s for s in segments)
+        return cls(parts, blend_ratio)  # type: ignore[arg-type]  # checked in __post_init__
 
     @property
     def text(self) -> str | None:

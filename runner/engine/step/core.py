@@ -76,7 +76,7 @@ class Engine:
             self._copy_slots,
             self.tiers,
         )
-        if self.config.blend_ratio < 1.0 and self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching:
             check_placeable(self.model)
             self.scheduler.segments = SegmentReuse(
                 self.block_manager,

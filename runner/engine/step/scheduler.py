@@ -88,7 +88,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         # Reuse of prompts' later segments (runner/engine/step/segments.py), set by the engine
-        # when blend_ratio < 1; None: segments run as plain tokens.
+        # when the prefix cache is on; None: segments run as plain tokens.
         self.segments: SegmentReuse | None = None
         self.bm = block_manager
         # Runs an Allocation's SlotCopy (src, dst, tokens) on the KV store, at once: the source
@@ -310,7 +310,8 @@ class Scheduler:
         if self.tiers is not None and seq.reuses_cache:
             self.tiers.load(seq.token_ids, seq.root)
         purpose = Purpose.READMISSION if seq.admitted else Purpose.ADMISSION
-        if self.segments is not None and seq.segments and seq.reuses_cache:
+        ratio = self.config.blend_ratio if seq.blend_ratio is None else seq.blend_ratio
+        if self.segments is not None and seq.segments and seq.reuses_cache and ratio < 1:
             self.segments.reserve(seq, counted=not seq.admitted)
             if seq.blend is not None and not self.bm.can_allocate(seq.token_ids, seq.root):
                 self.segments.release(seq)  # the held segments leave no room: plain tokens

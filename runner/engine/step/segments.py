@@ -106,7 +106,7 @@ class SegmentReuse:
         self,
         block_manager: BlockManager,
         runner: KVWriter,
-        ratio: float,
+        ratio: float,  # the engine's blend_ratio, for prompts without their own
         copy_slots: Callable[[int, int, int], None],
         tiers: TierLoader | None = None,
         run_ordered: Callable[[Callable[[], None]], None] | None = None,
@@ -224,12 +224,11 @@ class SegmentReuse:
         region = BlendRegion(
             plan.start, list(seq.token_ids[plan.start : plan.end]), reused, segments, table
         )
+        ratio = self.ratio if seq.blend_ratio is None else seq.blend_ratio
         recomputed: list[int] = []
         try:
             self._on_device(
-                lambda: recomputed.append(
-                    self.runner.place_and_blend(placement, region, self.ratio)
-                )
+                lambda: recomputed.append(self.runner.place_and_blend(placement, region, ratio))
             )
         finally:
             self.release(seq)
