@@ -125,6 +125,14 @@ from runner.cli.stdout import echo
 @click.option(
     "--cache-chunk-tokens", type=click.IntRange(min=1), default=None, help="tiers-*: a value."
 )
+@click.option(
+    "--accuracy-queries",
+    type=click.IntRange(min=1),
+    default=24,
+    show_default=True,
+    help="blend: queries answered at every blend ratio (--limit: the stream's queries, "
+    "default 1000).",
+)
 def bench(
     workload: str,
     systems: str,
@@ -149,6 +157,7 @@ def bench(
     prompt_tokens: int | None,
     repeat: int | None,
     cache_chunk_tokens: int | None,
+    accuracy_queries: int,
 ) -> None:
     """Run a workload through several systems in one process and print one table.
 
@@ -165,6 +174,15 @@ def bench(
             "--redis, --prompts, --prompt-tokens, --repeat and --cache-chunk-tokens apply to "
             "the tiers-* workloads only"
         )
+    if workload == "blend":  # reuse beyond the prefix (bench/blend.py)
+        from bench.blend import blend_bench
+        from bench.blend import table as blend_table
+
+        figures = blend_bench(model, accuracy_queries, limit or 1000)
+        echo(blend_table(figures))
+        if json_path:
+            Path(json_path).write_text(json.dumps(figures, indent=2))
+        return
     if workload == "core":
         from bench.microbench import main as core_main
 
