@@ -9,15 +9,18 @@ from typing import Any
 from runner.cli.batch_file import BatchLine
 from runner.engine.api.beam_search import BeamSearchOutput, BeamSearchParams
 from runner.engine.api.interface import EngineInterface
+from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.engine.io.validation import Prompt, prompt_token_ids
 from runner.sampling.params import SamplingParams
 
 BEAM_CHUNK = 16  # lines searched together: their beams share the engine's steps
 
 
-def line_prompt(llm: EngineInterface, line: BatchLine) -> tuple[Prompt, bool]:
+def line_prompt(llm: EngineInterface, line: BatchLine) -> tuple[Prompt | SegmentedPrompt, bool]:
     """A line's prompt (a conversation through the chat template) and whether its tokenizing
     adds special tokens (not to chat text: the template has put them in)."""
+    if line.segments is not None:
+        return line.segments, True
     if line.messages is not None:
         return llm.apply_chat_template(line.messages, line.template_kwargs), False
     return line.prompt if line.prompt is not None else list(line.prompt_token_ids or []), True
@@ -38,7 +41,10 @@ def search_lines(
         params = line.params or SamplingParams()
         try:
             prompt, special = line_prompt(llm, line)
-            ids = prompt_token_ids(prompt, llm.tokenizer, special)
+            if isinstance(prompt, SegmentedPrompt):  # beams search its tokens as one prompt
+                ids = prompt.token_ids(llm.tokenizer, special)[0]
+            else:
+                ids = prompt_token_ids(prompt, llm.tokenizer, special)
             llm.check_request(ids, SamplingParams(max_tokens=params.max_tokens))
         except ValueError as err:
             line.error = f"line {line.line_no}: {err}"

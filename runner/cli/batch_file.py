@@ -12,6 +12,7 @@ from typing import IO, Any
 
 from runner.cli.batch_records import RecordsNotWritten, drop_stale, recover, request_hash
 from runner.cli.output_lock import LockedOutput, OutputInUse
+from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.engine.io.validation import check_template_kwargs
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams
@@ -42,9 +43,9 @@ SAMPLING_FIELDS = (
     "prompt_logprobs",
     "n",
 )
-PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids", "segments")
 KNOWN_FIELDS = frozenset(
-    ("id", "cache_salt", "chat_template_kwargs", *PROMPT_FIELDS, *SAMPLING_FIELDS)
+    ("id", "cache_salt", "chat_template_kwargs", "blend_ratio", *PROMPT_FIELDS, *SAMPLING_FIELDS)
 )
 
 
@@ -58,6 +59,7 @@ class BatchLine:
     messages: list[dict[str, str]] | None = None
     template_kwargs: dict[str, Any] | None = None  # the chat template's, with messages
     prompt_token_ids: list[int] | None = None
+    segments: SegmentedPrompt | None = None  # a prompt given as segments (docs/SEGMENTS.md)
     params: SamplingParams | None = None
     cache_salt: str | None = None
     error: str | None = None
@@ -115,7 +117,12 @@ def parse_line(line_no: int, text: str, defaults: dict[str, Any], is_text_file: 
         return line
     given = [k for k in PROMPT_FIELDS if k in obj]
     if len(given) != 1:
-        line.error = f"line {line_no}: needs exactly one of prompt, messages, prompt_token_ids"
+        line.error = (
+            f"line {line_no}: needs exactly one of prompt, messages, prompt_token_ids, segments"
+        )
+        return line
+    if "blend_ratio" in obj and "segments" not in obj:
+        line.error = f"line {line_no}: blend_ratio applies to a line given as segments"
         return line
     key = given[0]
     value = obj[key]
@@ -129,6 +136,12 @@ def parse_line(line_no: int, text: str, defaults: dict[str, Any], is_text_file: 
             line.error = f"line {line_no}: 'messages' must be a non-empty list"
             return line
         line.messages = value
+    elif key == "segments":
+        try:
+            line.segments = SegmentedPrompt.of(value, obj.get("blend_ratio"))
+        except ValueError as err:
+            line.error = f"line {line_no}: {err}"
+            return line
     else:
         if not isinstance(value, list) or not value:
             line.error = f"line {line_no}: 'prompt_token_ids' must be a non-empty list of ints"

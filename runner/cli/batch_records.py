@@ -28,6 +28,7 @@ class LineRequest(Protocol):
     prompt: Any
     messages: Any
     prompt_token_ids: Any
+    segments: Any
     template_kwargs: Any
     cache_salt: Any
 
@@ -39,6 +40,7 @@ def request_hash(line: LineRequest, sampling: dict[str, Any]) -> str:
         "prompt": line.prompt,
         "messages": line.messages,
         "prompt_token_ids": line.prompt_token_ids,
+        **({"segments": line.segments} if line.segments is not None else {}),
         "chat_template_kwargs": line.template_kwargs,
         "cache_salt": line.cache_salt,
         "sampling": sampling,

@@ -224,6 +224,13 @@ class BatchRun:
             f"KV pool: {pool.num_blocks} blocks of {pool.block_size} tokens "
             f"({pool.num_slots:,} tokens of {pool.dtype_name} keys and values)",
         ]
+        if s["segment_query_tokens"]:
+            lines.append(
+                f"segments: {s['segment_hit_tokens']}/{s['segment_query_tokens']} tokens of later "
+                f"segments served from their own cache ({s['segment_hit_rate']:.1%}; "
+                f"{s['segment_recompute_fraction']:.1%} of them recomputed), "
+                f"{s['segments_filled']} segments cached alone"
+            )
         if s["num_draft_tokens"]:
             lines.append(
                 f"speculative: {s['num_accepted_tokens']}/{s['num_draft_tokens']} guessed tokens "

@@ -12,7 +12,13 @@ from typing import Any
 import click
 
 from runner.cli.sizes import ByteSize
-from runner.engine.config import CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig
+from runner.engine.config import (
+    CPU_WEIGHT_DTYPES,
+    DEFAULT_BLEND_RATIO,
+    KV_CACHE_DTYPES,
+    MODEL_DTYPES,
+    EngineConfig,
+)
 
 
 def _non_empty_key(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
@@ -98,6 +104,15 @@ _OPTIONS = [
         help="Requests check up to K guessed tokens each step (what an earlier request with "
         "the same prefix went on with, or n-gram lookup in their own text): faster answers that "
         "repeat earlier text, the same tokens.",
+    ),
+    click.option(
+        "--blend-ratio",
+        type=click.FloatRange(0.0, 1.0),
+        default=DEFAULT_BLEND_RATIO,
+        show_default=True,
+        help="Prompts given as segments: the fraction of each reused segment's tokens "
+        "recomputed with the full context; 1 recomputes all (the plain engine's output), 0 "
+        "reuses segments as they are (docs/SEGMENTS.md).",
     ),
     click.option(
         "--deterministic",
