@@ -9,6 +9,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
+from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.sampling.params import SamplingParams
 from runner.serve.calls import start_call
 from runner.serve.events import Delta, Submission
@@ -59,6 +60,12 @@ async def complete(
     return StreamingResponse(body_iter, media_type="text/event-stream")
 
 
-def _decoded(state: ServerState, token_ids: list[int]) -> str:
+def _decoded(state: ServerState, prompt: list[int] | SegmentedPrompt) -> str:
+    """A prompt's text: token ids decoded, segments joined (their text, or their ids decoded)."""
     tokenizer = state.llm.tokenizer
-    return "" if tokenizer is None else str(tokenizer.decode(token_ids))
+    if isinstance(prompt, SegmentedPrompt):
+        text = prompt.text
+        if text is not None:
+            return text
+        return "".join(s if isinstance(s, str) else _decoded(state, s) for s in prompt.segments)
+    return "" if tokenizer is None else str(tokenizer.decode(prompt))

@@ -205,6 +205,7 @@ class EngineLoop:
                 llm.cache_stats(),
                 self._pool.num_blocks,
                 depth.preemptions,
+                llm.segment_stats(),
             )
 
     def _add(self, sub: Submission, sink: Sink, arrival: float) -> None:
@@ -257,6 +258,7 @@ class EngineLoop:
                 len(output.prompt_token_ids),
                 output.num_cached_tokens,
                 generated,
+                output.num_reused_segment_tokens,
             )
             self._ended(tracked, output.finish_reason or "stop")
             if output.error is not None:

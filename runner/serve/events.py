@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runner.engine.io.outputs import RequestOutput
+from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.engine.sequence import Sequence
 from runner.sampling.logprobs import TokenLogprobs
 from runner.sampling.params import SamplingParams
@@ -59,7 +60,7 @@ class Submission:
     request_id: str
     index: int
     params: SamplingParams
-    prompt: str | list[int] | None = None
+    prompt: str | list[int] | SegmentedPrompt | None = None
     messages: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # what the chat template shows the model

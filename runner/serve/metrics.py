@@ -8,6 +8,8 @@ unchanged and ours keep working."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvcache import CacheStats
@@ -50,6 +52,21 @@ class ServeMetrics:
             "kvcache_cached_tokens", "Prompt tokens served from the prefix cache", registry=r
         )
         self.generated_tokens = Counter("kvcache_generation_tokens", "Tokens generated", registry=r)
+        self.reused_segment_tokens = Counter(
+            "kvcache_reused_segment_tokens",
+            "Prompt tokens served from later segments' own cache (docs/SEGMENTS.md)",
+            registry=r,
+        )
+        self.segment_hit_rate = Gauge(
+            "kvcache_segment_hit_rate",
+            "Tokens of later segments served from their own cache / all asked",
+            registry=r,
+        )
+        self.segment_recompute_fraction = Gauge(
+            "kvcache_segment_recompute_fraction",
+            "Of the reused segment tokens, the fraction recomputed (blend_ratio)",
+            registry=r,
+        )
         self.hit_rate = Gauge(
             "kvcache_prefix_cache_hit_rate",
             "Prompt tokens found cached / all",
@@ -84,9 +101,13 @@ class ServeMetrics:
         stats: CacheStats,
         num_blocks: int,
         preemptions: int = 0,
+        segments: Mapping[str, float | int] | None = None,
     ) -> None:
-        """After a step (or an abort): the batch's size, the pool's state and the engine's
-        preemptions so far."""
+        """After a step (or an abort): the batch's size, the pool's state, the engine's
+        preemptions so far and its segment reuse (LLM.segment_stats)."""
+        if segments is not None:
+            self.segment_hit_rate.set(segments["segment_hit_rate"])
+            self.segment_recompute_fraction.set(segments["segment_recompute_fraction"])
         self.requests_running.set(running)
         self.requests_waiting.set(waiting)
         self.hit_rate.set(stats.hit_rate)
@@ -114,11 +135,14 @@ class ServeMetrics:
                 self.itl.observe(gap_s)
         self.vllm.on_tokens(count, gap_s)
 
-    def on_finish(self, finish_reason: str, prompt: int, cached: int, generated: int) -> None:
+    def on_finish(
+        self, finish_reason: str, prompt: int, cached: int, generated: int, reused: int = 0
+    ) -> None:
         """A request that ran to its end (not an abort): our counters."""
         self.requests.labels(finish_reason=finish_reason).inc()
         self.prompt_tokens.inc(prompt)
         self.cached_tokens.inc(cached)
+        self.reused_segment_tokens.inc(reused)
         self.generated_tokens.inc(generated)
 
     def on_end(self, end: RequestEnd) -> None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams
 from runner.serve.messages import ChatMessage, JsonObject, Lenient, template_messages
@@ -95,9 +96,12 @@ class SamplingFields(StructureFields):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions: one prompt (text or token ids) or a list of them."""
+    """POST /v1/completions: one prompt (text or token ids) or a list of them; or, ours, one
+    prompt as `segments` whose later segments are cached on their own (docs/SEGMENTS.md)."""
 
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: str | list[str] | TokenIds | list[TokenIds] | None = None
+    segments: list[str | TokenIds] | None = None
+    blend_ratio: float | None = Field(None, ge=0.0, le=1.0)
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -111,9 +115,22 @@ class CompletionRequest(SamplingFields):
             raise ValueError("must hold at least one prompt (an empty list asks for nothing)")
         return prompt
 
-    def prompts(self) -> list[str | TokenIds]:
+    @model_validator(mode="after")
+    def _one_prompt_form(self) -> CompletionRequest:
+        if (self.prompt is None) == (self.segments is None):
+            raise ValueError("give prompt or segments (one of them)")
+        if self.blend_ratio is not None and self.segments is None:
+            raise ValueError("blend_ratio applies to a prompt given as segments")
+        if self.segments is not None:
+            SegmentedPrompt.of(self.segments, self.blend_ratio)  # a bad one is a 400 here
+        return self
+
+    def prompts(self) -> list[str | TokenIds | SegmentedPrompt]:
         """The prompts, one per engine request (a flat list of ints is one prompt)."""
+        if self.segments is not None:
+            return [SegmentedPrompt.of(self.segments, self.blend_ratio)]
         prompt = self.prompt
+        assert prompt is not None  # _one_prompt_form
         if isinstance(prompt, str):
             return [prompt]
         if prompt and all(isinstance(p, int) for p in prompt):

@@ -29,12 +29,17 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, reused_segment_tokens: int = 0
+) -> dict[str, Any]:
+    details: dict[str, int] = {"cached_tokens": cached_tokens}
+    if reused_segment_tokens:  # ours, beside OpenAI's: tokens of later segments reused
+        details["reused_segment_tokens"] = reused_segment_tokens
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }
 
 
@@ -45,6 +50,7 @@ def usage_of(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
         sum(len(o.prompt_token_ids) for o in outputs),
         sum(len(s.token_ids) for o in outputs for s in o.outputs),
         sum(o.num_cached_tokens for o in outputs),
+        sum(o.num_reused_segment_tokens for o in outputs),
     )
 
 

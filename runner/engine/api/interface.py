@@ -221,6 +221,10 @@ class EngineInterface(Protocol):
         stream's last delta completes). Pure."""
 
     # -- reports (pure) ------------------------------------------------------------------------
+    def segment_stats(self) -> dict[str, float | int]:
+        """Reuse of prompts' later segments: tokens asked, served, recomputed (pure)."""
+        ...
+
     def stats(self) -> dict[str, Any]:
         """The cache's counters, the pool's state, hit rate, preemptions, speculation."""
 

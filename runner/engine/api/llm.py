@@ -315,6 +315,7 @@ class LLM(EngineCalls):
             **self.segment_stats(),
         }
 
+    @locked
     def segment_stats(self) -> dict[str, float | int]:
         """Reuse of prompts' later segments (runner/engine/step/segments.py): tokens asked and
         served from segments' caches, the fraction recomputed, segments cached; zeros when
