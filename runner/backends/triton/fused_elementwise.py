@@ -64,7 +64,7 @@ def _add_rms_norm_kernel(
     tl.store(sum_ptr + row * dim + cols, total.to(out_ty), mask=mask)
     squares = tl.sum(total * total, axis=0)
     if PRECISE:
-        mean = tl.math.div_rn(squares, dim.to(tl.float32))
+        mean = tl.math.div_rn(squares, dim.to(tl.float32))  # type: ignore[attr-defined]
         normed = total * tl.math.div_rn(1.0, tl.math.sqrt_rn(mean + eps))
     else:
         normed = total * (1.0 / tl.sqrt(squares / dim + eps))
