@@ -73,6 +73,8 @@ if [ "$DRY" = 1 ]; then
   TOY="--device cpu --quick"
   TESTS="${GPU_CHECK_TESTS:-tests/backends/triton/test_triton_plan_buffers.py}"
   DET_ARGS=""
+  # Deterministic mode's toy run takes over two minutes in the interpreter on two loaded cores.
+  DETERMINISM_S="${GPU_CHECK_DETERMINISM_S:-240}"
   export TRITON_INTERPRET=1
 fi
 # The scripts import the project from this checkout (the GPU machine does not install it).
