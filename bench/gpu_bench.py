@@ -65,20 +65,20 @@ def run_kvcache(
     requests: list[BenchRequest],
     device: str,
     options: dict[str, Any],
-    prepare: Callable[[EngineInterface], None] | None = None,
+    prepare: Callable[[EngineInterface], Callable[[], None] | None] | None = None,
     keep_tokens: bool = False,
     profile: bool = True,
 ) -> dict[str, Any]:
     """Throughput of kvcache.LLM on the workload, EOS ignored, greedy; start-up excluded.
-    `prepare(llm)` runs once the engine is built (a bench's choice of attention backend);
+    `prepare(llm)` runs once the engine is built (a bench's choice of attention backend, its
+    counters) and may return a call made as the timed run starts (after the warm-up);
     `keep_tokens` returns every request's output tokens; `profile` adds the step profile."""
     from kvcache import LLM, SamplingParams
 
     start = time.perf_counter()
     llm: EngineInterface = LLM(str(path), device=device, **options)
     startup = time.perf_counter() - start
-    if prepare is not None:
-        prepare(llm)
+    timed = prepare(llm) if prepare is not None else None
     warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     # Triton specialises an int argument on == 1 / divisible by 16 / neither, and the prefill
     # kernel's block-table row stride is the step's widest table: one prompt of each kind (1, 3
@@ -94,6 +94,9 @@ def run_kvcache(
     parts = llm.forward_parts()
     graphs = parts.decode_graphs
     replays_before = graphs.num_replays if graphs is not None else 0
+    prefix_before = graphs.num_prefix_replays if graphs is not None else 0
+    if timed is not None:
+        timed()
     sync_device(device)
     start = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in requests], params)
@@ -115,6 +118,10 @@ def run_kvcache(
         # Whether decode graphs were captured, and how many timed steps replayed one.
         "cuda_graphs": graphs is not None,
         "cuda_graph_replays": (graphs.num_replays - replays_before) if graphs is not None else 0,
+        # Of those, the steps that replayed the shared-prefix graph (a group read once).
+        "cuda_graph_prefix_replays": (graphs.num_prefix_replays - prefix_before)
+        if graphs is not None
+        else 0,
         **step_times(steps),
         "model_bytes": model_bytes(path, kv_dtype(llm.kv_pool().dtype_name))._asdict(),
     }
@@ -177,29 +184,58 @@ def step_times(steps: list[StepRecord]) -> dict[str, Any]:
     }
 
 
-def check_greedy(folder: Path, device: str, num_prompts: int = 4) -> dict[str, Any]:
-    """Greedy outputs of the engine (float32) equal transformers' unbatched generate."""
-    from kvcache import LLM, SamplingParams
-
-    requests = make_workload(num_prompts, 3, 40, 16, (3, vocab_size("tiny") - 1), 1)
+def check_greedy(folder: Path, device: str, num_prompts: int = 8) -> dict[str, Any]:
+    """Greedy outputs of the engine (float32) equal transformers' unbatched generate, with
+    every feature of a GPU step on: asynchronous scheduling, decode graphs, the fused kernels
+    and shared-prefix attention. The prompts share a 48-token prefix (three blocks), so their
+    decodes form a prefix group, and the group is read once wherever one forms (the graphs'
+    and the eager backend's cost model set to ALWAYS); `shared_prefix_steps` says how many
+    decode steps did."""
     from transformers import AutoModelForCausalLM
 
+    from bench.gpu_shared_prefix import ExecutedReads, counted
+    from kvcache import LLM, SamplingParams
+    from runner.backends.triton.attention import triton_backend
+    from runner.backends.triton.cascade_cost import ALWAYS
+
+    prefix = 48
+    requests = make_shared_prefix_workload(
+        num_prompts, prefix, (3, 20), 16, (3, vocab_size("tiny") - 1), seed=1
+    )
     hf: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     hf = hf.to(device).eval()
     refs = run_reference(hf, requests, {EOS_ID}, device)
     del hf
-    backend = "triton" if device.startswith("cuda") else None
     # A few blocks: sized from free memory, the pool of a tiny model would take most of the GPU.
     llm = LLM(
-        str(folder), device=device, dtype="float32", attention_backend=backend, num_kv_blocks=512
+        str(folder),
+        device=device,
+        dtype="float32",
+        attention_backend="triton",
+        num_kv_blocks=512,
+        block_size=16,
     )
+    reads = ExecutedReads(prefix)
+    reads.counting = True
+    llm.attend_through(counted(triton_backend(ALWAYS), reads))
+    graphs = llm.forward_parts().decode_graphs
+    if graphs is not None:
+        graphs.cascade = ALWAYS  # every group found is read once (the buffers permitting)
+        graphs.step_listeners.append(reads.on_step)
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0) for r in requests]
     outs = llm.generate([r.prompt_token_ids for r in requests], params)
     got = [o.token_ids for o in outs]
+    features = {
+        "async_scheduling": llm.config.overlaps_steps,
+        "cuda_graphs": graphs is not None,
+        "cuda_graph_prefix_replays": graphs.num_prefix_replays if graphs is not None else 0,
+        "decode_steps": len(reads.steps),
+        "shared_prefix_steps": sum(s[3] for s in reads.steps),
+    }
     del llm
     _release(device)
     bad = [i for i, (a, b) in enumerate(zip(got, refs, strict=True)) if a != b]
-    return {"prompts": len(requests), "equal": not bad, "mismatched_prompts": bad}
+    return {"prompts": len(requests), "equal": not bad, "mismatched_prompts": bad, **features}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -217,6 +253,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--skip-hf", action="store_true", help="engine only (no ratio)")
     p.add_argument("--skip-check", action="store_true", help="no greedy-equality check")
+    p.add_argument(
+        "--check-only", action="store_true", help="only the float32 greedy-equality check"
+    )
     p.add_argument(
         "--workload",
         choices=["nano-vllm", "shared-prefix"],
@@ -270,11 +309,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except Exception as err:  # one broken phase must not cost the others their figures
             report[stage] = {"error": repr(err), "traceback": traceback.format_exc(limit=6)}
             _release(device)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2, default=str))
+        save()
         print(f"[{stage}] {json.dumps(report.get(stage), default=str)}", flush=True)
 
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2, default=str))
+
     with tempfile.TemporaryDirectory(prefix="kvcache_gpu_bench_") as tmp:
+        if args.check_only:
+            phase("correctness", lambda: check_greedy(_tiny_model(Path(tmp) / "tiny"), device))
+            return report
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
         folder = build_random_model(args.shape, Path(tmp) / args.shape, dtype, device)
         vocab = vocab_size(args.shape)
@@ -293,9 +338,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 args.seed,
             )
             phase("workload", lambda: _workload_summary(args.shape, shared))
+            report["shared_prefix"] = {}
+
+            def on_way(name: str, figures: dict[str, Any]) -> None:  # saved as each way ends
+                report["shared_prefix"][name] = figures
+                save()
+
             phase(
                 "shared_prefix",
-                lambda: _shared_prefix(folder, shared, device, options, dtype, args),
+                lambda: _shared_prefix(folder, shared, device, options, dtype, args, on_way),
             )
             return report
         requests = make_workload(
@@ -338,14 +389,25 @@ def _shared_prefix(
     options: dict[str, Any],
     dtype: torch.dtype,
     args: argparse.Namespace,
+    on_way: Callable[[str, dict[str, Any]], None],
 ) -> dict[str, Any]:
-    """The shared-prefix workload four ways, and the bytes one decode step reads both ways."""
+    """The shared-prefix workload four ways (each handed to `on_way` as it ends), and the bytes
+    one decode step reads both ways."""
+    block = 16  # the engine's default block size, which the bench keeps
+    shared_tokens = args.prefix_len // block * block
     ways = run_shared_prefix_ways(
-        run_kvcache, folder, requests, device, options, args.bandwidth, args.quick
+        run_kvcache,
+        folder,
+        requests,
+        device,
+        options,
+        args.bandwidth,
+        args.quick,
+        shared_tokens,
+        on_way,
     )
     sized = next((w["model_bytes"] for w in ways.values() if "model_bytes" in w), None)
     if sized is not None:
-        block = 16  # the engine's default block size, which the bench keeps
         sizes = ModelBytes(**sized)
         ways["step_bytes"] = step_bytes_report(
             requests, args.prefix_len, sizes, block, dtype, args.bandwidth

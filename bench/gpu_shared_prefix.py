@@ -4,22 +4,28 @@
 for 128 new tokens (EOS ignored, greedy). It runs four ways through kvcache.LLM:
 
 - `cache_off`: no prefix cache, every prompt prefilled whole (decode graphs on);
-- `cache_on`: the prefix cache (the system prompt prefilled once; decode graphs on);
-- `cache_on_eager`: the same, decodes launched eagerly, every prefix read per sequence;
+- `cache_on`: the prefix cache (the system prompt prefilled once), decode graphs on: the
+  engine's default, whose graphs capture shared-prefix attention too and replay it where the
+  cost model keeps a group (runner/model/cuda_graphs.py; `cuda_graph_prefix_replays` says how
+  many steps did);
+- `cache_on_eager`: the prefix cache, decodes launched eagerly, every prefix read per sequence;
 - `shared_prefix`: the same, eager, with shared-prefix attention: each decode step reads the
   system prompt's K/V once per chunk of the group (runner/backends/triton/shared_prefix.py).
 
-The decode graphs do not yet capture the shared-prefix plan, so the third way is the fair
-baseline of the fourth. Beside the times: the K/V bytes one decode step reads at the full batch
-both ways, their ratio to the prefix read once plus every suffix (the issue's target is at most
-1.2), and the floor those bytes set at the device's bandwidth. `--quick` shapes (tiny model, a
-few requests, every group read once) run in a CPU test.
+The third way is the eager baseline of the fourth, the first the baseline of the second. Each
+way counts the K/V bytes its decode steps read from the plans they executed (the graphs' plan
+of each replay, the eager backend's of each step: `ExecutedReads`), against the ideal (the
+prefix's whole blocks read once a step, every suffix once; the target is at most 1.2x), and
+`step_bytes` sets the same for one step at the full batch as the cost model would plan it. A
+way's figures are handed to `on_way` as soon as it ends. `--quick` shapes (tiny model, a few
+requests, every group read once) run in a CPU test.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +33,15 @@ import torch
 
 from bench.gpu_floor import ModelBytes, decode_floor, shared_prefix_step_bytes
 from bench.workloads import BenchRequest
+from runner.attention.backend import Attend, AttentionBackend
+from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.cascade_cost import (
     ALWAYS,
     DEFAULT_THRESHOLDS,
     NEVER,
     CascadeThresholds,
 )
+from runner.backends.triton.shared_prefix import SharedPrefixPlan, decode_kv_bytes
 from runner.engine.api.interface import EngineInterface
 
 
@@ -87,33 +96,58 @@ def step_bytes_report(
     }
 
 
-RunKVCache = Callable[..., dict[str, Any]]
+class ExecutedReads:
+    """The K/V a run's decode steps read, from the plans they executed: per step, its rows,
+    the tokens it read in one layer (a group's prefix once per chunk where a plan read it so,
+    every other context whole), and the ideal (`shared_tokens` once, every row's rest once).
+    Counts only while `counting` (the timed run, not the warm-up)."""
+
+    def __init__(self, shared_tokens: int) -> None:
+        self.shared_tokens = shared_tokens
+        self.counting = False
+        self.steps: list[tuple[int, int, int, bool]] = []  # rows, read, ideal, with a plan
+
+    def on_step(self, contexts: list[int], plan: SharedPrefixPlan | None) -> None:
+        if not self.counting or not contexts:
+            return
+        read = decode_kv_bytes(contexts, plan, 1, 1).shared
+        shared = self.shared_tokens
+        ideal = shared + sum(max(c - shared, 0) for c in contexts)
+        self.steps.append((len(contexts), read, ideal, plan is not None))
+
+    def report(self, sizes: ModelBytes) -> dict[str, Any]:
+        """Bytes read against the ideal over every counted step, and at the steps of the
+        widest batch (the figure the target is set on)."""
+        scale = sizes.kv_per_token * sizes.num_layers
+        if not self.steps:
+            return {"decode_steps_counted": 0}
+        widest = max(rows for rows, *_ in self.steps)
+        full = [s for s in self.steps if s[0] == widest]
+        read, ideal = sum(s[1] for s in self.steps), sum(s[2] for s in self.steps)
+        return {
+            "decode_steps_counted": len(self.steps),
+            "steps_with_a_plan": sum(s[3] for s in self.steps),
+            "kv_bytes_read": read * scale,
+            "kv_bytes_ideal": ideal * scale,
+            "read_over_ideal": read / ideal,
+            "full_batch": widest,
+            "full_batch_read_over_ideal": sum(s[1] for s in full) / sum(s[2] for s in full),
+            "full_batch_kv_bytes_per_step": sum(s[1] for s in full) * scale // len(full),
+        }
 
 
-def run_shared_prefix_ways(
-    run_kvcache: RunKVCache,
-    folder: Path,
-    requests: list[BenchRequest],
-    device: str,
-    options: dict[str, Any],
-    bytes_per_s: float,
-    quick: bool,
-) -> dict[str, Any]:
-    """The workload run four ways (see the module's docstring), each with its decode floor; in
-    `quick` runs the shared-prefix way reads every group once whatever it saves (so the CPU test
-    goes through the kernels), else the default cost model decides."""
-    from runner.attention.backend import AttentionBackend
-    from runner.attention.metadata import AttentionMetadata
-    from runner.backends.triton.attention import planned_shared_prefix, triton_backend
+def counted(backend: AttentionBackend, reads: ExecutedReads) -> AttentionBackend:
+    """`backend` telling `reads` of each eager decode step, once a step (its first layer), with
+    the shared-prefix plan the step ran with (None for a backend that plans none)."""
+    from runner.backends.triton.attention import planned_shared_prefix
 
-    planned: dict[str, int] = {}  # way: decode steps that read a prefix once, warm-up's too
+    def wrap(attend: Attend | None) -> Attend | None:
+        if attend is None:
+            return None
+        inner = attend
+        seen: list[AttentionMetadata] = []
 
-    def swap(name: str, thresholds: CascadeThresholds) -> Callable[[EngineInterface], None]:
-        backend = triton_backend(thresholds)
-        seen: list[AttentionMetadata] = []  # the last step's: one count a step, not a layer
-        planned[name] = 0
-
-        def attend(
+        def counting(
             q: torch.Tensor,
             k: torch.Tensor,
             v: torch.Tensor,
@@ -124,43 +158,95 @@ def run_shared_prefix_ways(
             window: int | None,
             softcap: float | None,
         ) -> torch.Tensor:
-            out = backend.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
-            if planned_shared_prefix(meta) is not None and not (seen and seen[0] is meta):
+            out = inner(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+            if meta.decode_only and not (seen and seen[0] is meta):
                 seen[:] = [meta]
-                planned[name] += 1
+                reads.on_step(list(meta.context_lens_host), planned_shared_prefix(meta))
             return out
 
-        def prepare(llm: EngineInterface) -> None:  # the backend of every eager step from now
-            llm.attend_through(AttentionBackend("triton", attend))
+        return counting
+
+    attend = wrap(backend.attend)
+    assert attend is not None
+    return replace(backend, attend=attend, attend_stored=wrap(backend.attend_stored))
+
+
+RunKVCache = Callable[..., dict[str, Any]]
+OnWay = Callable[[str, dict[str, Any]], None]
+
+
+def run_shared_prefix_ways(
+    run_kvcache: RunKVCache,
+    folder: Path,
+    requests: list[BenchRequest],
+    device: str,
+    options: dict[str, Any],
+    bytes_per_s: float,
+    quick: bool,
+    shared_tokens: int,
+    on_way: OnWay | None = None,
+) -> dict[str, Any]:
+    """The workload run four ways (see the module's docstring), each with its decode floor and
+    the bytes its executed plans read (`shared_tokens`: the prefix's whole blocks); in `quick`
+    runs the shared-prefix way reads every group once whatever it saves (so the CPU test goes
+    through the kernels), else the default cost model decides. `on_way(name, figures)` hears
+    of each way as it ends."""
+    from runner.backends.triton.attention import triton_backend
+
+    def prepare_way(
+        thresholds: CascadeThresholds | None, reads: ExecutedReads
+    ) -> Callable[[EngineInterface], Callable[[], None]]:
+        def prepare(llm: EngineInterface) -> Callable[[], None]:
+            parts = llm.forward_parts()
+            backend = parts.attention if thresholds is None else triton_backend(thresholds)
+            llm.attend_through(counted(backend, reads))  # every eager step from now
+            if parts.decode_graphs is not None:
+                parts.decode_graphs.step_listeners.append(reads.on_step)
+
+            def timed() -> None:  # the timed run starts: the warm-up is not counted
+                reads.counting = True
+
+            return timed
 
         return prepare
 
     cascade = ALWAYS if quick else DEFAULT_THRESHOLDS
     triton = {**options, "attention_backend": "triton"}
-    ways: dict[str, tuple[dict[str, Any], Callable[[EngineInterface], None] | None]] = {
+    ways: dict[str, tuple[dict[str, Any], CascadeThresholds | None]] = {
         "cache_off": ({**options, "enable_prefix_caching": False}, None),
         "cache_on": (options, None),
-        "cache_on_eager": ({**triton, "enforce_eager": True}, swap("cache_on_eager", NEVER)),
-        "shared_prefix": ({**triton, "enforce_eager": True}, swap("shared_prefix", cascade)),
+        "cache_on_eager": ({**triton, "enforce_eager": True}, NEVER),
+        "shared_prefix": ({**triton, "enforce_eager": True}, cascade),
     }
     results: dict[str, Any] = {}
-    for name, (opts, prepare) in ways.items():
+    tokens_of: dict[str, Any] = {}
+    for name, (opts, thresholds) in ways.items():
+        reads = ExecutedReads(shared_tokens)
         try:
             result = run_kvcache(
-                folder, requests, device, opts, prepare=prepare, keep_tokens=True, profile=False
+                folder,
+                requests,
+                device,
+                opts,
+                prepare=prepare_way(thresholds, reads),
+                keep_tokens=True,
+                profile=False,
             )
             sizes = ModelBytes(**result["model_bytes"])
             result["decode_floor"] = decode_floor(
                 requests, sizes, result["decode_steps"], bytes_per_s
             )
             result["decode_over_floor"] = result["decode_s"] / result["decode_floor"]["floor_s"]
+            result["executed_reads"] = reads.report(sizes)
         except Exception as err:  # one broken way must not cost the others their figures
             result = {"error": repr(err)}
-        if name in planned:
-            result["steps_reading_a_prefix_once"] = planned[name]
+        tokens_of[name] = result.pop("token_ids", None)
+        base = tokens_of.get("cache_on")  # greedy: every way must give the same tokens
+        for way, tokens in tokens_of.items():  # cache_off's is known once cache_on has run
+            results.get(way, result)["same_tokens_as_cache_on"] = (
+                None if base is None else tokens == base
+            )
         results[name] = result
-    base = results["cache_on"].get("token_ids")
-    for result in results.values():  # greedy: every way must give the same tokens
-        tokens = result.pop("token_ids", None)
-        result["same_tokens_as_cache_on"] = None if base is None else tokens == base
+        if on_way is not None:
+            on_way(name, result)
     return results

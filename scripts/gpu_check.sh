@@ -1,33 +1,33 @@
 #!/usr/bin/env bash
-# GPU check of the CUDA runner, one command for a session that has the GPU (issue 39):
-#   1. the CUDA tests (the CUDA, GPU bench, Triton and engine ones);
-#   2. asynchronous scheduling on CUDA (tests/engine/test_async_scheduling_cuda.py);
-#   2b. deterministic mode on CUDA (scripts/gpu_determinism.py), only when
-#       GPU_CHECK_DETERMINISM_S is set: it needs a run of its own (see DETERMINISM_S below);
-#   3. the shared-prefix decode against the plain one (bench.gpu_cascade: the data the
-#      cost model is fitted to and checked by, with its verdict);
+# GPU check of the CUDA runner: one command that settles each target of the GPU work (issue 48)
+# in at most 8.5 minutes on one H200, warm-up included. Its stages, the likeliest to fail first,
+# each under its own time limit:
+#   1. the CUDA tests, the fused-kernel and shared-prefix ones first;
+#   2. nano-vllm's benchmark (Qwen3-0.6B shape), decode time beside its memory floor;
+#   3. the SmolLM2-135M shape, the same workload;
 #   4. the shared-prefix workload four ways (prefix cache off, on, on eagerly, on with
-#      shared-prefix attention), with the bytes a decode step reads both ways;
-#   5. nano-vllm's benchmark against transformers' continuous batching (bench.gpu_bench),
-#      decode time beside its memory floor;
-#   6. the host's time per engine step, if time is left.
-# Every stage runs under `timeout` (SIGINT first, so pytest still prints its summary and Python a
-# traceback of where it stuck), and no stage's limit reaches past GPU_CHECK_TOTAL_S (570 s) from
-# the start: about 7 minutes in all, under 10 whatever hangs (a stage with under 20 s left is
-# skipped; the last, optional one only starts before 520 s). Each stage's JSON lands beside the result file, and
-# everything goes to stdout too (the device tool returns the output's tail).
+#      shared-prefix attention), with the K/V bytes read from the plans each way executed;
+#   5. float32 greedy equality with transformers, every feature on, on prompts that form a
+#      prefix group (so shared-prefix attention runs);
+#   6. deterministic mode: 256 requests each alone against all batched.
+# Each stage writes its JSON beside the result file as soon as it (or, for stage 4, each way)
+# ends, so a cut keeps what was measured. The run ends with one line per target: PASS, FAIL or
+# NOT RUN with its figure (bench/gpu_verdict.py). Every stage runs under `timeout` (SIGINT
+# first, so pytest still prints its summary and Python a traceback of where it stuck); the
+# limits add up to 495 s, and none reaches past GPU_CHECK_TOTAL_S (510 s) from the start (a
+# stage with under 20 s left is skipped).
 #
 # usage: scripts/gpu_check.sh [RESULT_FILE]   default: $OUT/gpu_check.txt (else /tmp/...)
 #        scripts/gpu_check.sh --dry-run [RESULT_FILE]   every stage at toy sizes on the CPU
-#                                                       (Triton's interpreter): a minute or two
+#                                                       (Triton's interpreter): a few minutes
 #        scripts/gpu_check.sh --fetch-wheels   here, before the GPU run: the wheels (Python 3.12,
 #            x86-64) of what the engine imports and the H200 image lacks (redis, pyzmq, msgspec)
 #            into .whl/ (add /.whl/ to .git/info/exclude); carry ".whl" in the device run, and
 #            the check installs them into /tmp/site when the engine's imports fail without them.
-# knobs: GPU_CHECK_TESTS_S (110), GPU_CHECK_ASYNC_S (240), GPU_CHECK_CASCADE_S (45),
-#        GPU_CHECK_SHARED_S (90), GPU_CHECK_BENCH_S (170), GPU_CHECK_TOTAL_S (570), GPU_CHECK_TESTS (the test files),
-#        GPU_CHECK_BENCH_ARGS (extra gpu_bench flags; default "--hf-deadline-s 90"),
-#        PYTHON (default: python3, else python)
+# knobs: GPU_CHECK_TESTS_S (100), GPU_CHECK_BENCH_S (110), GPU_CHECK_SMOLLM2_S (60),
+#        GPU_CHECK_SHARED_S (90), GPU_CHECK_GREEDY_S (45), GPU_CHECK_DETERMINISM_S (90),
+#        GPU_CHECK_TOTAL_S (510), GPU_CHECK_TESTS (the test files), PYTHON (default: python3,
+#        else python)
 set -u
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--fetch-wheels" ]; then
@@ -49,32 +49,32 @@ fi
 RESULT="${1:-${OUT:-/tmp}/gpu_check.txt}"
 mkdir -p "$(dirname "$RESULT")"
 DIR="$(dirname "$RESULT")"
-TESTS_S="${GPU_CHECK_TESTS_S:-110}"
-ASYNC_S="${GPU_CHECK_ASYNC_S:-240}"
-CASCADE_S="${GPU_CHECK_CASCADE_S:-45}"
+TESTS_S="${GPU_CHECK_TESTS_S:-100}"
+BENCH_S="${GPU_CHECK_BENCH_S:-110}"
+SMOLLM2_S="${GPU_CHECK_SMOLLM2_S:-60}"
 SHARED_S="${GPU_CHECK_SHARED_S:-90}"
-BENCH_S="${GPU_CHECK_BENCH_S:-170}"
-TOTAL_S="${GPU_CHECK_TOTAL_S:-570}"
-# Deterministic mode on CUDA (scripts/gpu_determinism.py, 3-5 minutes) does not fit beside the
-# rest: off by default; a second run gives it the time of the others, e.g.
-# GPU_CHECK_DETERMINISM_S=330 GPU_CHECK_ASYNC_S=0 GPU_CHECK_CASCADE_S=0 GPU_CHECK_SHARED_S=0 \
-#   GPU_CHECK_BENCH_S=0 scripts/gpu_check.sh
-DETERMINISM_S="${GPU_CHECK_DETERMINISM_S:-0}"
-DEFAULT_TESTS="tests/model/test_cuda.py tests/bench/test_gpu_bench.py tests/backends/triton/test_triton_attention.py"
-DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_rms_norm.py"
-DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_shared_prefix.py"
+GREEDY_S="${GPU_CHECK_GREEDY_S:-45}"
+DETERMINISM_S="${GPU_CHECK_DETERMINISM_S:-90}"
+TOTAL_S="${GPU_CHECK_TOTAL_S:-510}"
+# The fused kernels and shared-prefix attention first: the newest work, the likeliest to fail.
+DEFAULT_TESTS="tests/model/test_cuda_fused.py tests/model/test_cuda_shared_prefix.py"
 DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_fused_elementwise.py"
+DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_shared_prefix.py"
 DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_plan_buffers.py"
-DEFAULT_TESTS="$DEFAULT_TESTS tests/model/test_cuda_shared_prefix.py tests/model/test_cuda_fused.py"
-TESTS="${GPU_CHECK_TESTS:-$DEFAULT_TESTS tests/engine/test_engine_equivalence.py}"
-BENCH_ARGS="${GPU_CHECK_BENCH_ARGS:---hf-deadline-s 90}"
+DEFAULT_TESTS="$DEFAULT_TESTS tests/engine/test_async_scheduling_cuda.py tests/model/test_cuda.py"
+DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_attention.py"
+DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_rms_norm.py"
+TESTS="${GPU_CHECK_TESTS:-$DEFAULT_TESTS}"
 TOY=""  # the dry run's flags: CPU, toy sizes
-HOST_ARGS="--skip-forward"
+# Deterministic mode: 256 requests behind a 512-token prompt, 16 tokens each, every one alone
+# and all batched (SmolLM2's shape: 256 requests one at a time fit the stage's limit).
+DET_ARGS="--shape smollm2-135m --num-seqs 256 --alone 256 --prefix-len 512 --new-tokens 16"
 if [ "$DRY" = 1 ]; then
   TOY="--device cpu --quick"
-  TESTS="${GPU_CHECK_TESTS:-tests/backends/triton/test_triton_shared_prefix.py}"
-  BENCH_ARGS="${GPU_CHECK_BENCH_ARGS:---skip-hf}"
-  HOST_ARGS="--skip-forward --num-seqs 4 --prompt-len 8 --max-tokens 6"
+  TESTS="${GPU_CHECK_TESTS:-tests/backends/triton/test_triton_plan_buffers.py}"
+  DET_ARGS=""
+  # Deterministic mode's toy run takes over two minutes in the interpreter on two loaded cores.
+  DETERMINISM_S="${GPU_CHECK_DETERMINISM_S:-240}"
   export TRITON_INTERPRET=1
 fi
 # The scripts import the project from this checkout (the GPU machine does not install it).
@@ -85,9 +85,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PAR
 # missing there or be another interpreter.
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 START=$(date +%s)
-# The benchmarks' package: bench/ at the top (runner/bench/ before it moved there).
-BENCH=bench
-[ -f bench/gpu_bench.py ] || BENCH=runner.bench
+TESTS_RC_FILE="$DIR/gpu_tests.rc"
 
 # clip LIMIT_S: the limit cut to what is left of TOTAL_S (0: too little left to start)
 clip() {
@@ -102,18 +100,18 @@ verdict() { # name, exit code
     *) echo "-- $1: FAILED (exit $2)" ;;
   esac
 }
-# stage NAME LIMIT_S JSON ARGS...: one python -m run under its limit, its JSON shown after it
+# stage NAME LIMIT_S JSON ARGS...: one python run under its limit, its JSON shown after it
 stage() {
   local name="$1" limit json="$3"
   limit=$(clip "$2")
   shift 3
   section "$name (limit ${limit}s)"
+  rm -f "$json"
   if [ "$limit" = 0 ]; then
     echo "-- $name: skipped (under 20 s left of ${TOTAL_S}s)"
     return
   fi
-  rm -f "$json"
-  timeout -s INT -k 15 "$limit" "$PY" "$@" --out "$json"
+  timeout -s INT -k 10 "$limit" "$PY" "$@" --out "$json"
   verdict "$name" $?
   section "$name results (JSON; partial if cut short)"
   cat "$json" 2>/dev/null || echo "(no JSON written)"
@@ -128,7 +126,7 @@ stage() {
     --format=csv 2>&1 || echo "nvidia-smi unavailable"
   # The engine imports redis, pyzmq and msgspec, which the H200 image lacks: carried wheels
   # (--fetch-wheels above) go into /tmp/site when the imports fail without them.
-  imports="import $BENCH.gpu_bench, $BENCH.gpu_cascade; from kvcache import LLM"
+  imports="import bench.gpu_bench, bench.gpu_verdict; from kvcache import LLM"
   if ! timeout 60 "$PY" -c "$imports" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
@@ -143,51 +141,42 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch
 print("triton", triton.__version__, "transformers", transformers.__version__)
 print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")'
 
-  section "tests (limit ${TESTS_S}s)"
-  # shellcheck disable=SC2086  # TESTS is a list of paths on purpose
-  timeout -s INT -k 15 "$(clip "$TESTS_S")" "$PY" -m pytest -v --tb=short -rs -p no:cacheprovider \
-    --durations=10 $TESTS
-  verdict "tests" $?
-
-  # Asynchronous scheduling on CUDA: greedy tokens as the plain loop's, no host sync in an
-  # overlapped step (skipped without CUDA, so the dry run only checks that it starts).
-  limit=$(clip "$ASYNC_S")
-  section "asynchronous scheduling (limit ${limit}s)"
+  limit=$(clip "$TESTS_S")
+  section "CUDA tests (limit ${limit}s)"
+  rm -f "$TESTS_RC_FILE"
   if [ "$limit" = 0 ]; then
-    echo "-- async scheduling: skipped (under 20 s left of ${TOTAL_S}s)"
+    echo "-- tests: skipped"
   else
-    OUT="${OUT:-$DIR}" timeout -s INT -k 15 "$limit" "$PY" -m pytest -q -s -p no:cacheprovider \
-      tests/engine/test_async_scheduling_cuda.py
-    verdict "async scheduling" $?
+    # shellcheck disable=SC2086  # TESTS is a list of paths on purpose
+    OUT="${OUT:-$DIR}" timeout -s INT -k 10 "$limit" "$PY" -m pytest -q --tb=short -rs \
+      -p no:cacheprovider --durations=5 $TESTS
+    rc=$?
+    echo "$rc" >"$TESTS_RC_FILE"
+    verdict "tests" "$rc"
   fi
 
-  # Deterministic mode on CUDA: answers bitwise equal cache on, off and alone, and its cost
-  # (GPU_CHECK_TOTAL_S keeps the whole check inside the device tool's 10 minutes).
-  if [ "$DETERMINISM_S" != 0 ]; then
-    # shellcheck disable=SC2086
-    stage "deterministic mode" "$DETERMINISM_S" "$DIR/gpu_determinism.json" \
-      scripts/gpu_determinism.py $TOY
-  fi
-
-  # shellcheck disable=SC2086  # TOY and BENCH_ARGS are lists of flags on purpose
-  stage "cascade cost model" "$CASCADE_S" "$DIR/gpu_cascade.json" -m "$BENCH.gpu_cascade" $TOY
+  # shellcheck disable=SC2086  # TOY is a list of flags on purpose
+  stage "nano-vllm benchmark (Qwen3-0.6B)" "$BENCH_S" "$DIR/gpu_bench.json" \
+    -m bench.gpu_bench --skip-hf --skip-check $TOY
+  # shellcheck disable=SC2086
+  stage "SmolLM2-135M shape" "$SMOLLM2_S" "$DIR/gpu_smollm2.json" \
+    -m bench.gpu_bench --shape smollm2-135m --skip-hf --skip-check $TOY
   # shellcheck disable=SC2086
   stage "shared-prefix workload" "$SHARED_S" "$DIR/gpu_shared_prefix.json" \
-    -m "$BENCH.gpu_bench" --workload shared-prefix --skip-hf --skip-check $TOY
+    -m bench.gpu_bench --workload shared-prefix --skip-hf --skip-check $TOY
   # shellcheck disable=SC2086
-  stage "bench" "$BENCH_S" "$DIR/gpu_bench.json" -m "$BENCH.gpu_bench" $TOY $BENCH_ARGS
+  stage "float32 greedy equality" "$GREEDY_S" "$DIR/gpu_greedy.json" \
+    -m bench.gpu_bench --check-only $TOY
+  # shellcheck disable=SC2086
+  stage "deterministic mode" "$DETERMINISM_S" "$DIR/gpu_determinism.json" \
+    scripts/gpu_determinism.py --stages answers --no-control $DET_ARGS $TOY
 
-  # This host's Python between steps, on its own CPU (tiny model, ~10 s): set against the
-  # bench's decode_step_ms_median, it says whether the GPU waits on the host. Only with time
-  # to spare: the whole check must stay inside the device tool's 10 minutes a command.
-  section "host time per step (limit 30s)"
-  if [ $(($(date +%s) - START)) -lt 520 ]; then
-    # shellcheck disable=SC2086
-    timeout -s INT -k 5 30 "$PY" scripts/host_step.py $HOST_ARGS
-    verdict "host step" $?
-  else
-    echo "-- host step: skipped (the check has run for over 520 s)"
-  fi
+  section "verdict"
+  [ "$DRY" = 1 ] && echo "(DRY RUN: toy sizes; the lines show the check runs, not the targets)"
+  rc_arg=""
+  [ -s "$TESTS_RC_FILE" ] && rc_arg="--tests-rc $(cat "$TESTS_RC_FILE")"
+  # shellcheck disable=SC2086
+  timeout 30 "$PY" -m bench.gpu_verdict "$DIR" $rc_arg
   section "done"
 } 2>&1 | tee "$RESULT"
 

@@ -14,7 +14,10 @@ shape (bench/gpu_workload.py, bfloat16), each recorded in FILE as it ends:
 - throughput: nano-vllm's benchmark workload (bench/gpu_bench.py's, 256 sequences of 100..1024
   tokens in and out unless --bench-seqs says fewer), output tokens/s with and without the mode.
 
-`--device cpu --quick` runs it all at toy sizes in Triton's interpreter (a smoke test).
+`--stages` picks stages (scripts/gpu_check.sh runs `answers` alone, with `--alone` equal to
+`--num-seqs`: every request alone against all batched, the target 256/256) and `--no-control`
+leaves out the runs without the mode. `--device cpu --quick` runs it all at toy sizes in
+Triton's interpreter (a smoke test).
 """
 
 from __future__ import annotations
@@ -91,10 +94,15 @@ def answers_of(
 
 
 def answers(
-    folder: Path, requests: list[BenchRequest], device: str, alone: int, base: dict[str, Any]
+    folder: Path,
+    requests: list[BenchRequest],
+    device: str,
+    alone: int,
+    base: dict[str, Any],
+    control: bool = True,
 ) -> dict[str, Any]:
     report: dict[str, Any] = {"requests": len(requests), "alone": alone}
-    for mode in (True, False):
+    for mode in (True, False) if control else (True,):
         options = base | {"deterministic": mode}
         start = time.perf_counter()
         cached = answers_of(folder, requests, device, options)
@@ -134,6 +142,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--alone", type=int, default=16, help="requests also run one at a time")
     p.add_argument("--bench-seqs", type=int, default=256, help="nano-vllm workload; 0: skip")
+    p.add_argument(
+        "--stages",
+        nargs="+",
+        choices=["kernels", "answers", "throughput"],
+        default=["kernels", "answers", "throughput"],
+    )
+    p.add_argument("--no-control", action="store_true", help="no runs without the mode")
     args = p.parse_args(argv)
     if args.quick:
         args.shape, args.num_seqs, args.prefix_len, args.new_tokens = "tiny", 6, 40, 4
@@ -157,13 +172,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from transformers import AutoConfig
 
         hidden = int(AutoConfig.from_pretrained(folder).hidden_size)
-        stage("kernels", lambda: kernels(device, hidden, vocab, 4 if args.quick else 256))
+        if "kernels" in args.stages:
+            stage("kernels", lambda: kernels(device, hidden, vocab, 4 if args.quick else 256))
         base: dict[str, Any] = {"attention_backend": "triton", "block_size": 16}
         shared = make_shared_prefix_workload(
             args.num_seqs, args.prefix_len, (5, 50), args.new_tokens, (0, min(10000, vocab - 1))
         )
-        stage("answers", lambda: answers(folder, shared, device, args.alone, base))
-        if args.bench_seqs:
+        control = not args.no_control
+        if "answers" in args.stages:
+            stage("answers", lambda: answers(folder, shared, device, args.alone, base, control))
+        if args.bench_seqs and "throughput" in args.stages:
             top = 16 if args.quick else 1024
             tokens = (0, min(10000, vocab - 1))
             bench = make_workload(args.bench_seqs, 4 if args.quick else 100, top, top, tokens)

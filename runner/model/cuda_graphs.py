@@ -26,6 +26,8 @@ read from the device), and only where the cost model keeps a group does it fill 
 non-blocking copy from pinned memory) and replay that graph; any other step replays the plain
 graph, the same kernels as before. The warm-up and capture run with an empty plan (no group:
 every row reads its whole context), so the padding rows' made-up contexts never plan anything.
+`num_prefix_replays` counts the steps that replayed a shared-prefix graph, and each
+`step_listeners` entry is told of every step's contexts and plan (a bench's byte count).
 
 Only the Triton attention path can be captured (the torch path builds its plan from host lists),
 so the graphs always use it, whatever backend the engine chose for eager steps.
@@ -34,6 +36,8 @@ step eagerly, so the padding and fixed-grid logic is testable on the CPU (Triton
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -48,6 +52,11 @@ from runner.backends.triton.shared_prefix import (
     plan_decode_step,
 )
 from runner.model.decoder import CausalLM
+
+# Told of each replayed step: its rows' context lengths (the new token included) and the
+# shared-prefix plan it replayed with (None: the plain graph). A bench counts the bytes the
+# executed plans read from these.
+StepListener = Callable[[list[int], SharedPrefixPlan | None], None]
 
 # Beyond this many rows a decode step is long enough that launch overhead no longer matters,
 # and every captured size costs start-up time and graph-pool memory.
@@ -147,6 +156,7 @@ class DecodeGraphs:
         self.num_replays = 0
         self.num_prefix_replays = 0  # of those, steps that read shared prefixes once
         self.last_plan: SharedPrefixPlan | None = None  # the last step's plan (None: plain)
+        self.step_listeners: list[StepListener] = []
 
     def _meta(self, bs: int) -> AttentionMetadata:
         """Metadata over the first bs static rows, with the fixed (max_model_len) decode grid."""
@@ -242,6 +252,8 @@ class DecodeGraphs:
             self._step(size, prefix)
         self.num_replays += 1
         self.num_prefix_replays += prefix
+        for listener in self.step_listeners:
+            listener(meta.context_lens_host, self.last_plan)
         return self.logits[:bs]
 
     def _plan(self, size: int, meta: AttentionMetadata) -> SharedPrefixPlan | None:

@@ -100,6 +100,8 @@ def test_shared_prefix_graphs_match_the_plain_step(
         ([(0, [40]), (0, [7])], None),  # nothing shared: the plain graph
     ]
     plain = triton_backend(NEVER)
+    told: list[tuple[list[int], object]] = []  # what each replay tells its listeners
+    graphs.step_listeners.append(lambda contexts, plan: told.append((list(contexts), plan)))
     for n, (groups, members) in enumerate(steps):
         ids, pos, meta = _shared_step(kv, model.vocab_size, groups, gen)
         kv_eager = copy.copy(kv)
@@ -117,6 +119,7 @@ def test_shared_prefix_graphs_match_the_plain_step(
                 any(r in m for m in members) for r in range(meta.num_seqs)
             ]
         assert graphs.num_prefix_replays == min(n + 1, 2)
+        assert told[-1] == (meta.context_lens_host, plan) and len(told) == n + 1
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(kv.tensor, kv_eager.tensor, atol=1e-4, rtol=1e-4)
 

@@ -4,7 +4,8 @@ Triton compiles all the way to a cubin on the host (its wheels carry ptxas), so 
 CUDA runner makes can be compiled for an H100/H200 (sm_90) or an A100 (sm_80) in CI. A kernel
 that would not compile there, or that asks for more shared memory than the chip has, fails here
 instead of in the first minutes of a GPU lease; registers and local (spilled) memory per thread
-come out of the cubin too.
+come out of the cubin too, and the PTX says whether a kernel that must be exact in float32
+(the fused residual-add norm and SiLU-times-up) compiled to approximate instructions.
 
 The launches are the real ones: the kernel wrappers (store_kv, rope_store, prefill_attention,
 decode_attention, rms_norm) run on CPU tensors with each kernel's launch recorded instead of
@@ -67,9 +68,16 @@ class Compiled:
     registers: int
     local_bytes: int  # per-thread local memory: register spills and stack
     seconds: float
+    approximate: list[str]  # approximate float32 instructions in its PTX
 
     def fits(self) -> bool:
         return self.shared_bytes <= SHARED_MEMORY_LIMIT[self.arch]
+
+    def exact_enough(self) -> bool:
+        """False for a kernel that must be exact in float32 (EXACT_IN_FLOAT32) compiled with
+        approximate math for a float32 case."""
+        exact = self.kernel in EXACT_IN_FLOAT32 and self.case.split()[1] == "float32"
+        return not (exact and self.approximate)
 
 
 class _Recorder:
@@ -169,14 +177,29 @@ def step_launches(
         decode_attention(
             q[:2], k_cache, v_cache, long, tables, 0.1, max_long, shared_prefix=plan, **variant
         )
-        if dtype != torch.float32:  # float32 norms are torch's own fused kernel
-            rows = q.view(40, num_q * head_dim)
+        rows = q.view(40, num_q * head_dim)
+        if dtype != torch.float32:  # a float32 norm alone is torch's own fused kernel
             rms_norm(rows, torch.ones(num_q * head_dim, dtype=dtype), 1e-6, False)
             rms_norm(q, torch.ones(head_dim, dtype=dtype), 1e-6, False)
             rms_norm(rows, torch.ones(num_q * head_dim), 1e-6, True)
-            add_rms_norm(rows, rows, torch.ones(num_q * head_dim, dtype=dtype), 1e-6, False)
-            silu_mul(rows)
+        # The fused ones run in every dtype of a GPU step (float32 with exact math).
+        add_rms_norm(rows, rows, torch.ones(num_q * head_dim, dtype=dtype), 1e-6, False)
+        silu_mul(rows)
     return launches
+
+
+# Approximate float32 instructions, as PTX spells them: Triton's tl.sqrt, its `/` and its
+# tl.exp. CUDA's expf (libdevice) uses ex2.approx.ftz.f32 on a reduced argument, with its own
+# corrections, so that form is not one of them.
+APPROXIMATE = re.compile(r"\b(sqrt\.approx\.(?:ftz\.)?f32|rsqrt\.approx\.(?:ftz\.)?f32|"
+                         r"div\.(?:full|approx)\.(?:ftz\.)?f32|ex2\.approx\.f32)\b")  # fmt: skip
+# Kernels whose float32 results must be torch's within rounding: no approximate math in them.
+EXACT_IN_FLOAT32 = {"add_rms_norm_kernel", "silu_mul_kernel"}
+
+
+def approximate_ops(ptx: str) -> list[str]:
+    """The approximate float32 instructions in a kernel's PTX, each once, sorted."""
+    return sorted(set(APPROXIMATE.findall(ptx)))
 
 
 def _cubin_resources(cubin: bytes) -> tuple[int, int]:
@@ -239,6 +262,7 @@ def compile_launch(launch: Launch, arch: int, case: str) -> Compiled:
         registers=registers,
         local_bytes=local,
         seconds=round(seconds, 2),
+        approximate=approximate_ops(binary.asm["ptx"]),
     )
 
 
@@ -247,8 +271,10 @@ def compile_cases(
     arches: list[int],
     window: int | None = None,
     softcap: float | None = None,
+    kernels: set[str] | None = None,
 ) -> Iterator[Compiled]:
-    """Compile every launch of each (shape, dtype name) case for each architecture."""
+    """Compile every launch of each (shape, dtype name) case for each architecture (of the
+    `kernels` named, without the leading underscore, if given)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("0", ""):
         raise RuntimeError("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled")
     for shape, dtype_name in cases:
@@ -256,6 +282,8 @@ def compile_cases(
         case += "" if softcap is None else f" softcap {softcap:g}"
         launches = step_launches(shape, DTYPES[dtype_name], window=window, softcap=softcap)
         for launch in launches:
+            if kernels is not None and launch.kernel.fn.__name__.lstrip("_") not in kernels:
+                continue
             for arch in arches:
                 yield compile_launch(launch, arch, case)
 
@@ -267,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument("--window", type=int, help="compile the sliding-window variants")
     parser.add_argument("--softcap", type=float, help="compile the logit soft-cap variants")
+    parser.add_argument("--kernel", action="append", help="only these (e.g. silu_mul_kernel)")
     args = parser.parse_args(argv)
     # Before the kernel modules are imported: they would pick the interpreter on a CPU machine.
     os.environ["TRITON_INTERPRET"] = "0"
@@ -284,15 +313,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--window must be at least 1, got {args.window}")
     if args.softcap is not None and not 0.0 < args.softcap < float("inf"):
         parser.error(f"--softcap must be positive and finite, got {args.softcap}")
-    for result in compile_cases(cases, arches, args.window, args.softcap):
-        too_big += not result.fits()
+    only = set(args.kernel) if args.kernel else None
+    for result in compile_cases(cases, arches, args.window, args.softcap, only):
+        too_big += not result.fits() or not result.exact_enough()
         if args.json:
             print(json.dumps(asdict(result)), flush=True)
         else:
             print(
                 f"sm_{result.arch} {result.case:<22} {result.kernel:<24} "
                 f"smem {result.shared_bytes:>6} B  regs {result.registers:>3}  "
-                f"local {result.local_bytes:>3} B  {'ok' if result.fits() else 'TOO BIG'}",
+                f"local {result.local_bytes:>3} B  {'ok' if result.fits() else 'TOO BIG'}"
+                + ("" if result.exact_enough() else f"  APPROXIMATE {result.approximate}"),
                 flush=True,
             )
     return 1 if too_big else 0

@@ -11,7 +11,15 @@ activations on a GPU:
 
 Both keep torch's order of operations and roundings (the norm's through rms_norm.py's rounding
 helper), so they equal the torch path within one unit in the last place (the sum of squares is
-added in another order). The model's layers call them in a GPU step with Triton attention
+added in another order). They also run in float32 (a float32 model on a GPU), where nothing
+rounds the result to 16 bits afterwards: there Triton's defaults would compile the square root,
+the divisions and the exponential to approximate instructions (sqrt.approx.ftz.f32,
+div.full.f32, ex2.approx.f32 on sm_90), a few units in the last place off torch's, which is
+enough to flip a greedy argmax. In float32 the kernels therefore use the correctly rounded
+square root and division (tl.math.sqrt_rn, div_rn) and CUDA's own expf (libdevice.exp, what
+torch's SiLU calls); runner/backends/triton/aot.py reads the float32 PTX for the approximate
+forms. The interpreter computes exactly in numpy, where libdevice is not available, so there
+the exponential stays tl.exp. The model's layers call them in a GPU step with Triton attention
 (CausalLM.forward passes `fused`): DecoderLayer folds its residual add into the MLP's norm
 (RMSNorm.add_forward) and the MLP runs silu_mul; the post-norm and sandwich layers only the
 latter. The add before the next layer's input norm stays unfused (it crosses layers).
@@ -23,7 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.backends.triton.common import pow2_at_least, rounded
+from runner.backends.triton.common import interpreting, pow2_at_least, rounded
+
+try:  # CUDA's math library (its expf); absent from Triton builds without the NVIDIA backend
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - every Triton the project supports has it
+    libdevice = None
 
 
 @triton.jit
@@ -39,6 +52,7 @@ def _add_rms_norm_kernel(
     eps: float,
     D_PAD: tl.constexpr,
     SCALE_IN_FLOAT32: tl.constexpr,
+    PRECISE: tl.constexpr,  # float32: correctly rounded square root and divisions
 ) -> None:
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, D_PAD)
@@ -48,7 +62,12 @@ def _add_rms_norm_kernel(
     out_ty = out_ptr.dtype.element_ty
     total = rounded(x + res, out_ty)  # a 16-bit add, as torch's
     tl.store(sum_ptr + row * dim + cols, total.to(out_ty), mask=mask)
-    normed = total * (1.0 / tl.sqrt(tl.sum(total * total, axis=0) / dim + eps))
+    squares = tl.sum(total * total, axis=0)
+    if PRECISE:
+        mean = tl.math.div_rn(squares, dim.to(tl.float32))  # type: ignore[attr-defined]
+        normed = total * tl.math.div_rn(1.0, tl.math.sqrt_rn(mean + eps))
+    else:
+        normed = total * (1.0 / tl.sqrt(squares / dim + eps))
     scale = tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if SCALE_IN_FLOAT32:
         out = scale * normed
@@ -95,6 +114,7 @@ def add_rms_norm(
             eps,
             D_PAD=d_pad,
             SCALE_IN_FLOAT32=scale_in_float32,
+            PRECISE=x.dtype == torch.float32,
             num_warps=min(8, max(1, d_pad // 256)),
         )
     return out, total
@@ -107,6 +127,8 @@ def _silu_mul_kernel(
     stride_t: int,
     inter: int,
     BLOCK: tl.constexpr,
+    PRECISE: tl.constexpr,  # float32: correctly rounded division
+    CUDA_EXP: tl.constexpr,  # float32 compiled for a GPU: CUDA's expf, not ex2.approx
 ) -> None:
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -115,7 +137,15 @@ def _silu_mul_kernel(
     gate = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(base + inter + cols, mask=mask, other=0.0).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
-    act = rounded(gate / (1.0 + tl.exp(-gate)), out_ty)  # F.silu: float32 inside, rounded
+    if CUDA_EXP:
+        e = libdevice.exp(-gate)
+    else:
+        e = tl.exp(-gate)
+    if PRECISE:
+        act = tl.math.div_rn(gate, 1.0 + e)
+    else:
+        act = gate / (1.0 + e)
+    act = rounded(act, out_ty)  # F.silu: float32 inside, rounded
     tl.store(out_ptr + row * inter + cols, rounded(act * up, out_ty).to(out_ty), mask=mask)
 
 
@@ -132,5 +162,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, pow2_at_least(inter, floor=16))
     if tokens and inter:
         grid = (tokens, triton.cdiv(inter, block))
-        _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), inter, BLOCK=block)
+        precise = gate_up.dtype == torch.float32
+        _silu_mul_kernel[grid](
+            gate_up,
+            out,
+            gate_up.stride(0),
+            inter,
+            BLOCK=block,
+            PRECISE=precise,
+            CUDA_EXP=precise and libdevice is not None and not interpreting(),
+        )
     return out

@@ -183,15 +183,54 @@ def build_shared_prefix_plan(
         chunk_seqs[c, : len(rows)] = torch.tensor(rows, dtype=torch.int32)
         tables[c, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         lens[c] = len(blocks) * block_size
-    return SharedPrefixPlan(
-        seq_prefix_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-        chunk_seqs=chunk_seqs.to(device),
-        chunk_tables=tables.to(device),
-        chunk_prefix_lens=lens.to(device),
+    plan = SharedPrefixPlan(
+        seq_prefix_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        chunk_seqs=chunk_seqs,
+        chunk_tables=tables,
+        chunk_prefix_lens=lens,
         max_prefix_len=width * block_size if capacity else int(lens.max()),
         groups=groups,
         chunks_per_group=per_group,
         prefix_lens=[len(g.blocks) * block_size for g in groups],
+    )
+    return upload_plan(plan, torch.device(device))
+
+
+def upload_plan(plan: SharedPrefixPlan, device: torch.device) -> SharedPrefixPlan:
+    """`plan` (CPU tensors) on `device`: on CUDA its four tensors packed into one pinned buffer
+    and sent in one non-blocking copy, as a decode graph's plan goes over (PlanBuffers.fill);
+    four pageable `.to(device)` copies would each wait for the step in flight. On the CPU, the
+    plan as it is."""
+    return plan if device.type == "cpu" else pack_plan(plan, device)
+
+
+def pack_plan(plan: SharedPrefixPlan, device: torch.device) -> SharedPrefixPlan:
+    """`plan`'s four tensors as views of one int32 buffer on `device`, filled on the host
+    (pinned where `device` is CUDA) and sent in one non-blocking copy."""
+    c, m = plan.chunk_seqs.shape
+    p = plan.chunk_tables.shape[1]
+    parts = [plan.seq_prefix_lens, plan.chunk_prefix_lens, plan.chunk_seqs, plan.chunk_tables]
+    align = PlanBuffers.ALIGN
+    offsets: list[int] = []
+    total = 0
+    for part in parts:
+        offsets.append(total)
+        total += -(-part.numel() // align) * align
+    host = torch.zeros(total, dtype=torch.int32, pin_memory=device.type == "cuda")
+    for part, at in zip(parts, offsets, strict=True):
+        host[at : at + part.numel()] = part.reshape(-1)
+    flat = host.to(device, non_blocking=True)  # the pinned allocator keeps `host` until done
+    s = plan.seq_prefix_lens.shape[0]
+    o = offsets
+    return SharedPrefixPlan(
+        seq_prefix_lens=flat[o[0] : o[0] + s],
+        chunk_prefix_lens=flat[o[1] : o[1] + c],
+        chunk_seqs=flat[o[2] : o[2] + c * m].view(c, m),
+        chunk_tables=flat[o[3] : o[3] + c * p].view(c, p),
+        max_prefix_len=plan.max_prefix_len,
+        groups=plan.groups,
+        chunks_per_group=plan.chunks_per_group,
+        prefix_lens=plan.prefix_lens,
     )
 
 

@@ -17,7 +17,14 @@ step is in flight at a time. A call to `OverlappedLoop.step`:
 
 A stop is thus found one step late: a sequence that step N ends was also in step N+1, whose
 token for it is dropped (a finished sequence takes nothing more; its K/V writes land in blocks
-freed after they were queued, and the device runs its work in order).
+freed after they were queued, and the device runs its work in order). The dropped position is
+not the request's: step N+1's record (its decode tokens, its states, the scheduler's iteration
+tokens) leaves out every sequence that had finished before it settled.
+
+A step's time is its share of the wall clock: from the later of its launch and the previous
+step's settling to its own settling. Steps in flight one behind the other thus tile the time
+(their recorded durations add up to the loop's wall time), where timing each from its launch
+would count the period in which the previous step settled twice.
 
 A step whose sampling needs the previous token on the host (a grammar's mask, penalties, logit
 rules, log-probabilities, prompt log-probabilities, speculative drafts) settles step N first
@@ -182,6 +189,9 @@ class OverlappedLoop:
         self._run_now = run_now
         self._fail = fail
         self.inflight: InFlight | None = None
+        # When the last step settled (its share of the wall clock ended): the next step's time
+        # starts there if it was launched before (see the module's docstring).
+        self.settled_at = 0.0
         self.synchronous_steps = 0  # steps that could not overlap (see `overlappable`)
 
     def step(self) -> None:
@@ -211,6 +221,7 @@ class OverlappedLoop:
             self._run_synchronously(out, t_start, step)
             return
         self.settle_inflight()  # the host waits for step N while the device runs step N+1
+        self._live_part(out)
         with interrupts_held():
             self.inflight = self._advance(out, pending, step, t_start)
         if all(item.seq.is_finished for item in out.scheduled):
@@ -240,10 +251,31 @@ class OverlappedLoop:
             emitted = [[tokens[flight.rows[id(item.seq)]]] for item in live]
             ran = [item for item in flight.out.scheduled if not item.seq.is_finished]
             result = StepResult(ran, live, emitted, [None] * len(live), [])
+            # Recorded as it ran for its live sequences: a finished one's dropped position is
+            # neither a decode token nor a step of its request.
+            gone = [item.seq for item in flight.out.scheduled if item.seq.is_finished]
+            out = flight.out.without(gone) if gone else flight.out
             try:
-                self._settle_step(flight.out, result, flight.t_start, flight.step, False)
+                start = self._share_start(flight.t_start)
+                self._settle_step(out, result, start, flight.step, False)
             except Exception as err:  # noqa: BLE001 - as a failed forward pass: the step's end
                 self._fail(flight.out, err)
+            self.settled_at = time.perf_counter()
+
+    def _live_part(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The step without the sequences the step before it ended (their positions in it are
+        dropped, not computed), and the scheduler's iteration tokens counted the same way."""
+        gone = [item.seq for item in out.scheduled if item.seq.is_finished]
+        if not gone:
+            return out
+        kept = out.without(gone)
+        self.scheduler.last_step_tokens = kept.num_prefill_tokens + kept.num_decode_tokens
+        return kept
+
+    def _share_start(self, t_start: float) -> float:
+        """Where a step's share of the wall clock starts: at its launch, or where the step
+        before it settled if that was later (it was launched while that one ran)."""
+        return max(t_start, self.settled_at)
 
     def _run_synchronously(self, out: SchedulerOutput, t_start: float, step: int) -> None:
         """The plain loop's step, once the step before it is settled (which may finish some of
@@ -251,15 +283,16 @@ class OverlappedLoop:
         self.synchronous_steps += 1
         if self.inflight is not None:
             self.settle_inflight()
-            out = out.without([item.seq for item in out.scheduled if item.seq.is_finished])
+            out = self._live_part(out)
             if out.is_empty:
                 return
         result = self._run_now(out)
         with interrupts_held():
             try:
-                self._settle_step(out, result, t_start, step, True)
+                self._settle_step(out, result, self._share_start(t_start), step, True)
             except Exception as err:  # noqa: BLE001 - as a failed forward pass: the step's end
                 self._fail(out, err)
+            self.settled_at = time.perf_counter()
 
     def _launch(self, out: SchedulerOutput, prev: InFlight | None) -> PendingTokens:
         """Prepare the step's inputs on the host and queue its device work."""

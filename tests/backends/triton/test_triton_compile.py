@@ -40,8 +40,10 @@ KERNELS = {
     "decode_reduce_kernel",
     "prefix_partition_kernel",
 }
-# 16-bit cases only: in float32 the norm is torch's own kernel (and so are the fused ones)
-NORM = {"rms_norm_kernel", "add_rms_norm_kernel", "silu_mul_kernel"}
+# In every dtype: the fused residual-add norm and SiLU-times-up (exact math in float32).
+FUSED = {"add_rms_norm_kernel", "silu_mul_kernel"}
+# 16-bit cases only: in float32 a norm alone is torch's own kernel
+NORM = {"rms_norm_kernel"} | FUSED
 
 
 def _have_nvidia_backend() -> bool:
@@ -58,7 +60,7 @@ def _have_nvidia_backend() -> bool:
 def test_step_launches_cover_every_kernel() -> None:
     launches = step_launches("smollm2-135m", torch.float32)
     names = [launch.kernel.fn.__name__.lstrip("_") for launch in launches]
-    assert set(names) == KERNELS
+    assert set(names) == KERNELS | FUSED
     in_16_bits = step_launches("smollm2-135m", torch.bfloat16)
     assert {launch.kernel.fn.__name__.lstrip("_") for launch in in_16_bits} == KERNELS | NORM
     # Three decode launches: one partition (writes the output itself), several (then a reduce),
@@ -95,8 +97,31 @@ def test_kernels_compile_and_fit(arch: int) -> None:
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     for case in CASES[arch]:
         compiled = {r["kernel"] for r in results if r["case"] == case.replace(":", " ")}
-        assert compiled == (KERNELS if case.endswith("float32") else KERNELS | NORM), case
+        assert compiled == (KERNELS | FUSED if case.endswith("float32") else KERNELS | NORM), case
     for r in results:
         assert r["arch"] == arch
         assert 0 <= r["shared_bytes"] <= SHARED_MEMORY_LIMIT[arch], r
         assert 0 < r["registers"] <= 255, r
+
+
+@pytest.mark.skipif(not _have_nvidia_backend(), reason="no NVIDIA backend, or a Triton before 3.5")
+def test_fused_kernels_use_exact_math_in_float32() -> None:
+    """Compiled for sm_80 and sm_90, the fused kernels' float32 PTX holds no approximate square
+    root, division or exponential (Triton's defaults: sqrt.approx.ftz.f32, div.full.f32,
+    ex2.approx.f32), while their 16-bit PTX, rounded to 16 bits afterwards, keeps the fast ones:
+    which shows the PTX reader finds them."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    cmd = [sys.executable, "-m", "runner.backends.triton.aot", "--json"]
+    cmd += ["--arch", "80", "--arch", "90"]
+    cmd += ["--case", "smollm2-135m:float32", "--case", "smollm2-135m:bfloat16"]
+    for kernel in sorted(FUSED):
+        cmd += ["--kernel", kernel]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 2 * 2 * len(FUSED)  # two dtypes, two chips, each kernel
+    for r in results:
+        if r["case"].endswith("float32"):
+            assert r["approximate"] == [], r
+        else:
+            assert r["approximate"], r

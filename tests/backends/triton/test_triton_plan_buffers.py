@@ -7,11 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runner.attention.cascade import PrefixGroup
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.attention import planned_shared_prefix, triton_paged_attention
 from runner.backends.triton.cascade_cost import ALWAYS, NEVER
 from runner.backends.triton.common import interpreting
-from runner.backends.triton.shared_prefix import PlanBuffers, members_per_chunk, plan_decode_step
+from runner.backends.triton.shared_prefix import (
+    PlanBuffers,
+    build_shared_prefix_plan,
+    members_per_chunk,
+    pack_plan,
+    plan_decode_step,
+)
 
 DEVICES = [
     pytest.param(
@@ -143,3 +150,20 @@ def test_decode_plans_from_host_tables_only(device: str) -> None:
     assert plan is not None and [g.members for g in plan.groups] == [[0, 1, 2]]
     assert planned_shared_prefix(without) is None
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_an_eager_plan_goes_over_as_one_buffer() -> None:
+    """An eager step's plan is packed into one buffer (on CUDA pinned, sent in one
+    non-blocking copy, as a graph's plan): each tensor keeps its values and shape, as views
+    of that one buffer, aligned as fresh allocations."""
+    groups = [PrefixGroup([0, 2, 3], [5, 6, 7]), PrefixGroup([1, 4], [9])]
+    plan = build_shared_prefix_plan(groups, 6, BLOCK, 2, "cpu")
+    packed = pack_plan(plan, torch.device("cpu"))
+    names = ("seq_prefix_lens", "chunk_prefix_lens", "chunk_seqs", "chunk_tables")
+    for name in names:
+        assert torch.equal(getattr(packed, name), getattr(plan, name)), name
+    tensors = [getattr(packed, name) for name in names]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    base = tensors[0].data_ptr()
+    assert all((t.data_ptr() - base) % (4 * PlanBuffers.ALIGN) == 0 for t in tensors)
+    assert (packed.groups, packed.prefix_lens) == (plan.groups, plan.prefix_lens)
