@@ -12,7 +12,14 @@ from typing import Any
 import click
 
 from runner.cli.sizes import ByteSize
-from runner.engine.config import CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig
+from runner.engine.config import (
+    CPU_WEIGHT_DTYPES,
+    DTYPE_ALIASES,
+    FP8_KV_CACHE_DTYPES,
+    KV_CACHE_DTYPES,
+    MODEL_DTYPES,
+    EngineConfig,
+)
 
 
 def _non_empty_key(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
@@ -26,8 +33,6 @@ def _non_empty_key(_ctx: click.Context, _param: click.Parameter, value: str | No
         )
     return value
 
-
-_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) other names
 
 _OPTIONS = [
     click.option("--block-size", type=int, default=16, show_default=True),
@@ -66,7 +71,7 @@ _OPTIONS = [
     click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
     click.option(
         "--dtype",
-        type=click.Choice(["auto", *MODEL_DTYPES, *_DTYPE_ALIASES]),
+        type=click.Choice(["auto", *MODEL_DTYPES, *DTYPE_ALIASES]),
         default="auto",
         show_default=True,
         help="The weights' dtype; auto: float32 on the CPU, bfloat16 on a GPU (vLLM's half "
@@ -119,11 +124,12 @@ _OPTIONS = [
     ),
     click.option(
         "--kv-cache-dtype",
-        type=click.Choice(KV_CACHE_DTYPES),
+        type=click.Choice([*KV_CACHE_DTYPES, *FP8_KV_CACHE_DTYPES]),
         default="auto",
         show_default=True,
         help="float16: CPU, keys and values in half the bytes of a float32 model's (twice the "
-        "tokens in the pool, half the bytes a decode step reads for its contexts).",
+        "tokens in the pool, half the bytes a decode step reads for its contexts). vLLM's fp8 "
+        "names are refused with why: there is no 8-bit KV cache here.",
     ),
     click.option(
         "--host-cache-bytes",
@@ -194,8 +200,8 @@ def engine_config_kwargs(values: dict[str, Any]) -> dict[str, Any]:
     kwargs["enable_prefix_caching"] = not off if enable is None else enable
     if kwargs.get("gpu_memory_utilization") is None:
         kwargs.pop("gpu_memory_utilization", None)  # EngineConfig's default
-    if kwargs.get("dtype") in _DTYPE_ALIASES:
-        kwargs["dtype"] = _DTYPE_ALIASES[kwargs["dtype"]]
+    if kwargs.get("dtype") in DTYPE_ALIASES:
+        kwargs["dtype"] = DTYPE_ALIASES[kwargs["dtype"]]
     try:
         EngineConfig(**kwargs)
     except ValueError as err:
