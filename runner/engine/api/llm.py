@@ -201,6 +201,13 @@ class LLM(EngineCalls):
         """One conversation's prompt text, through the model's chat template."""
         return render_chat(self.tokenizer, messages, chat_template_kwargs)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A fresh SamplingParams with this engine's defaults, as vLLM's
+        `get_default_sampling_params` (whose scripts set a field or two on it). vLLM takes
+        them from the model's generation_config.json unless told not to; here they are
+        always SamplingParams' own (vLLM's `--generation-config vllm`)."""
+        return SamplingParams()
+
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The model's tokenizer (a transformers tokenizer; None for a model without one), as
         vLLM's `LLM.get_tokenizer`."""
