@@ -17,7 +17,8 @@ _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 def human_readable_int(value: str) -> int:
     """`value` as vLLM reads a size: a plain int, or a number with a decimal suffix (k, m, g,
     t: 1k = 1,000, 25.6k = 25,600) or a binary one (K, M, G, T: 1K = 1,024; whole numbers
-    only). argparse.ArgumentTypeError (a ValueError) for anything else."""
+    only). argparse.ArgumentTypeError (what argparse reports as a usage error) for anything
+    else."""
     text = value.strip()
     match = _SIZE.fullmatch(text)
     if match is None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from runner.cli.sizes import ByteSize
+from runner.cli.sizes import ByteSize, HumanInt
 from runner.engine.config import (
     CPU_WEIGHT_DTYPES,
     DTYPE_ALIASES,
@@ -50,7 +50,7 @@ _OPTIONS = [
     ),
     click.option(
         "--max-num-batched-tokens",
-        type=int,
+        type=HumanInt(),
         default=None,
         help="Tokens one step may compute [default: 512 on the CPU, 2048 on a GPU].",
     ),
@@ -63,9 +63,16 @@ _OPTIONS = [
     ),
     click.option(
         "--max-model-len",
-        type=int,
+        type=HumanInt(),
         default=None,
-        help="Longest prompt plus answer [default: the model's context].",
+        help="Longest prompt plus answer, as vLLM reads it (2048, 1k = 1000, 1K = 1024) "
+        "[default: the model's context].",
+    ),
+    click.option(
+        "--enable-chunked-prefill/--no-enable-chunked-prefill",
+        default=None,
+        help="vLLM's names: a long prompt's prefill split over steps beside running answers "
+        "(on by default).",
     ),
     click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks."),
     click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
@@ -198,8 +205,9 @@ def engine_config_kwargs(values: dict[str, Any]) -> dict[str, Any]:
             "contradicts --no-prefix-cache", param_hint="--enable-prefix-caching"
         )
     kwargs["enable_prefix_caching"] = not off if enable is None else enable
-    if kwargs.get("gpu_memory_utilization") is None:
-        kwargs.pop("gpu_memory_utilization", None)  # EngineConfig's default
+    for name in ("gpu_memory_utilization", "enable_chunked_prefill"):
+        if kwargs.get(name) is None:
+            kwargs.pop(name, None)  # EngineConfig's default
     if kwargs.get("dtype") in DTYPE_ALIASES:
         kwargs["dtype"] = DTYPE_ALIASES[kwargs["dtype"]]
     try:

@@ -35,8 +35,9 @@ _VLLM_TYPES: dict[str, Callable[[str], object]] = {
     "cpu_offload_gb": float,
     "max_seq_len_to_capture": int,
 }
-_VLLM_FLAGS = ("disable_log_stats", "disable_log_requests", "enable_log_requests")
-_VLLM_FLAGS += ("disable_custom_all_reduce",)
+_VLLM_FLAGS = ("disable_log_stats", "disable_log_requests", "enable_log_requests") + (
+    "disable_custom_all_reduce",
+)
 
 
 def _value_type(hint: object) -> Callable[[str], object] | None:
