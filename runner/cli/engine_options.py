@@ -11,10 +11,12 @@ from typing import Any
 
 import click
 
-from runner.cli.sizes import ByteSize
+from runner.cli.sizes import ByteSize, HumanInt
 from runner.engine.config import (
     CPU_WEIGHT_DTYPES,
     DEFAULT_BLEND_RATIO,
+    DTYPE_ALIASES,
+    FP8_KV_CACHE_DTYPES,
     KV_CACHE_DTYPES,
     MODEL_DTYPES,
     EngineConfig,
@@ -33,8 +35,6 @@ def _non_empty_key(_ctx: click.Context, _param: click.Parameter, value: str | No
     return value
 
 
-_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) other names
-
 _OPTIONS = [
     click.option("--block-size", type=int, default=16, show_default=True),
     click.option("--no-prefix-cache", is_flag=True, help="Turn the prefix cache off."),
@@ -51,7 +51,7 @@ _OPTIONS = [
     ),
     click.option(
         "--max-num-batched-tokens",
-        type=int,
+        type=HumanInt(),
         default=None,
         help="Tokens one step may compute [default: 512 on the CPU, 2048 on a GPU].",
     ),
@@ -64,15 +64,22 @@ _OPTIONS = [
     ),
     click.option(
         "--max-model-len",
-        type=int,
+        type=HumanInt(),
         default=None,
-        help="Longest prompt plus answer [default: the model's context].",
+        help="Longest prompt plus answer, as vLLM reads it (2048, 1k = 1000, 1K = 1024) "
+        "[default: the model's context].",
+    ),
+    click.option(
+        "--enable-chunked-prefill/--no-enable-chunked-prefill",
+        default=None,
+        help="vLLM's names: a long prompt's prefill split over steps beside running answers "
+        "(on by default).",
     ),
     click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks."),
     click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
     click.option(
         "--dtype",
-        type=click.Choice(["auto", *MODEL_DTYPES, *_DTYPE_ALIASES]),
+        type=click.Choice(["auto", *MODEL_DTYPES, *DTYPE_ALIASES]),
         default="auto",
         show_default=True,
         help="The weights' dtype; auto: float32 on the CPU, bfloat16 on a GPU (vLLM's half "
@@ -134,11 +141,12 @@ _OPTIONS = [
     ),
     click.option(
         "--kv-cache-dtype",
-        type=click.Choice(KV_CACHE_DTYPES),
+        type=click.Choice([*KV_CACHE_DTYPES, *FP8_KV_CACHE_DTYPES]),
         default="auto",
         show_default=True,
         help="float16: CPU, keys and values in half the bytes of a float32 model's (twice the "
-        "tokens in the pool, half the bytes a decode step reads for its contexts).",
+        "tokens in the pool, half the bytes a decode step reads for its contexts). vLLM's fp8 "
+        "names are refused with why: there is no 8-bit KV cache here.",
     ),
     click.option(
         "--host-cache-bytes",
@@ -207,10 +215,11 @@ def engine_config_kwargs(values: dict[str, Any]) -> dict[str, Any]:
             "contradicts --no-prefix-cache", param_hint="--enable-prefix-caching"
         )
     kwargs["enable_prefix_caching"] = not off if enable is None else enable
-    if kwargs.get("gpu_memory_utilization") is None:
-        kwargs.pop("gpu_memory_utilization", None)  # EngineConfig's default
-    if kwargs.get("dtype") in _DTYPE_ALIASES:
-        kwargs["dtype"] = _DTYPE_ALIASES[kwargs["dtype"]]
+    for name in ("gpu_memory_utilization", "enable_chunked_prefill"):
+        if kwargs.get(name) is None:
+            kwargs.pop(name, None)  # EngineConfig's default
+    if kwargs.get("dtype") in DTYPE_ALIASES:
+        kwargs["dtype"] = DTYPE_ALIASES[kwargs["dtype"]]
     try:
         EngineConfig(**kwargs)
     except ValueError as err:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+from argparse import ArgumentTypeError
 from typing import Any
 
 import click
+
+from kvcache.utils.argparse_utils import human_readable_int
 
 _UNITS = {
     "": 1, "b": 1,
@@ -34,5 +37,20 @@ class ByteSize(click.ParamType):
             return value
         try:
             return parse_size(str(value))
-        except ValueError as err:
+        except (ValueError, ArgumentTypeError) as err:
+            self.fail(str(err), param, ctx)
+
+
+class HumanInt(click.ParamType):
+    """A count as vLLM reads one (kvcache/utils/argparse_utils.py): ``2048``, ``1k`` (1,000),
+    ``1K`` (1,024), ``25.6k``."""
+
+    name = "count"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return human_readable_int(str(value))
+        except (ValueError, ArgumentTypeError) as err:
             self.fail(str(err), param, ctx)

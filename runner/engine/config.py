@@ -19,6 +19,8 @@ CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET = 512, 2048
 # What a model's weights may be loaded as (None or "auto": float32 on the CPU, bfloat16 on a
 # GPU).
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+# vLLM's (and torch's) other names for them.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # Where the engine runs: the CPU or one CUDA device (torch's spelling).
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 # The packed weights whose products deterministic=True has checked per-row (panel_gemm.c): the
@@ -29,6 +31,8 @@ KV_CACHE_DTYPES = ("auto", "float16")
 # Of each reused segment's tokens, the fraction recomputed by default: chosen from the blend
 # bench's table of accuracy against time (docs/SEGMENTS.md).
 DEFAULT_BLEND_RATIO = 0.15
+# vLLM's 8-bit KV caches: refused by name (their rounding would change results; none is here).
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 
 
 @dataclass(frozen=True)
@@ -153,9 +157,12 @@ class EngineConfig:
             object.__setattr__(self, "kv_events_config", parsed)
         if self.dtype == "auto":  # vLLM's name for the default
             object.__setattr__(self, "dtype", None)
+        if self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[str(self.dtype)])
         if self.dtype is not None and self.dtype not in MODEL_DTYPES:
             raise ValueError(
-                f"dtype must be one of {MODEL_DTYPES}, 'auto' or None, got {self.dtype!r}"
+                f"dtype must be one of {MODEL_DTYPES}, {tuple(DTYPE_ALIASES)}, 'auto' or None, "
+                f"got {self.dtype!r}"
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
@@ -188,6 +195,12 @@ class EngineConfig:
             raise ValueError(
                 f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, "
                 f"got {self.cpu_weight_dtype!r}"
+            )
+        if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r}: no 8-bit KV cache here; 'float16' "
+                "stores a float32 model's keys and values in half the bytes, 'auto' in the "
+                "model's dtype"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -80,6 +81,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, as vLLM's `clone`: changing it leaves this one as it is."""
+        return copy.deepcopy(self)
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range. The engine calls this again

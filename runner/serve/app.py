@@ -72,7 +72,8 @@ def build_app(llm: EngineInterface, settings: ServeSettings) -> FastAPI:
     async def models() -> dict[str, Any]:
         card: dict[str, Any] = {"id": settings.model_name, "object": "model", "owned_by": "kvcache"}
         card |= {"created": 0, "max_model_len": llm.max_model_len, "kvcache": _info(state)}
-        return {"object": "list", "data": [card]}
+        aliases = [card | {"id": name} for name in settings.model_aliases]
+        return {"object": "list", "data": [card, *aliases]}
 
     @app.get("/kvcache/info")
     async def info() -> dict[str, Any]:
@@ -124,7 +125,8 @@ async def admit(state: ServerState, body: SamplingFields, prompts: int) -> Sampl
 def _check_admission(state: ServerState, body: SamplingFields, prompts: int) -> None:
     if state.draining:
         raise CallError(503, "the server is shutting down", "service_unavailable")
-    if body.model is not None and body.model != state.settings.model_name:
+    names = (state.settings.model_name, *state.settings.model_aliases)
+    if body.model is not None and body.model not in names:
         message = f"model {body.model!r} is not served here (this is {state.settings.model_name!r})"
         raise CallError(404, message, "invalid_request_error", "model")
     if (

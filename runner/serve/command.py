@@ -13,6 +13,7 @@ import click
 
 from runner.cli.engine_options import engine_options
 from runner.serve.tool_calls import TOOL_PARSERS
+from runner.serve.vllm_flags import VllmServeOptions, vllm_serve_options
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -66,7 +67,7 @@ def serve_command(start_role: RoleStarter) -> click.Command:
     hands it runner/disagg's; `serve` below has the colocated engine only)."""
 
     @click.command("serve")
-    @click.argument("model_arg", metavar="[MODEL]", required=False, default=None)
+    @click.argument("model_args", metavar="[MODEL]", nargs=-1)
     @click.option(
         "--model",
         default=None,
@@ -85,7 +86,8 @@ def serve_command(start_role: RoleStarter) -> click.Command:
     @click.option(
         "--served-model-name",
         default=None,
-        help="The model's name in the API [default: its folder].",
+        help="The model's name in the API [default: its folder]. As vLLM's, it may be followed "
+        "by more names (`--served-model-name a b`): requests may use any, answers the first.",
     )
     @click.option(
         "--max-queued-requests",
@@ -136,6 +138,7 @@ def serve_command(start_role: RoleStarter) -> click.Command:
         "--disable-log-requests", is_flag=True, help="vLLM's flag, accepted: none logged."
     )
     @click.option("--disable-log-stats", is_flag=True, help="vLLM's flag, accepted: none logged.")
+    @vllm_serve_options
     @click.version_option(package_name="kvcache", message="%(version)s")
     @click.option(
         "--body-timeout",
@@ -167,7 +170,7 @@ def serve_command(start_role: RoleStarter) -> click.Command:
     @click.option("--cpus", default=None, help="Pin this worker to these CPUs (0 or 0-3,6).")
     @engine_options
     def serve(
-        model_arg: str | None,
+        model_args: tuple[str, ...],
         model: str | None,
         host: str,
         port: int,
@@ -183,6 +186,7 @@ def serve_command(start_role: RoleStarter) -> click.Command:
         tensor_parallel_size: int,
         disable_log_requests: bool,
         disable_log_stats: bool,
+        vllm: VllmServeOptions,
         body_timeout: float,
         drain_timeout: float,
         role: str,
@@ -195,6 +199,7 @@ def serve_command(start_role: RoleStarter) -> click.Command:
         over one engine that batches every request continuously. vLLM's flag names work."""
         if api_key is not None and not api_key.strip():  # an unset $SECRET: not "no key"
             raise click.BadParameter("the key is empty", param_hint="--api-key")
+        model_arg, more_names = split_positionals(model_args, model, served_model_name)
         if model_arg is not None and model is not None and model_arg != model:
             raise click.BadParameter(
                 f"names {model!r} but the MODEL argument is {model_arg!r}", param_hint="--model"
@@ -213,7 +218,8 @@ def serve_command(start_role: RoleStarter) -> click.Command:
         engine_options["prefault_kv_cache"] = True  # its pool's page faults at start, not in steps
         with start_up_without_gc():
             try:
-                make = lambda options: LLM(model, seed=seed, **options)  # noqa: E731
+                extra = vllm.llm_arguments()
+                make = lambda options: LLM(model, seed=seed, **extra, **options)  # noqa: E731
                 llm, attach = start_role(role, handover, cpus, make, engine_options)
             except ValueError as err:  # its text may quote a URL it was given
                 urls = [u for u in (engine_options.get("remote_cache_url"), handover) if u]
@@ -229,12 +235,30 @@ def serve_command(start_role: RoleStarter) -> click.Command:
             secret_urls=secret_urls,
             chat_template=template,
             tool_call_parser=tool_call_parser,
+            model_aliases=more_names,
         )
         banner = f"kvcache serve ({role}): {name} on http://{host}:{port}/v1"
         click.echo(settings.masker().mask(banner), err=True)
-        run_server(attach(build_app(llm, settings)), host, port, drain_timeout)
+        app = attach(build_app(llm, settings))
+        run_server(app, host, port, drain_timeout, vllm.uvicorn_log_level, vllm.access_log)
 
     return serve
+
+
+def split_positionals(
+    given: tuple[str, ...], model: str | None, served_model_name: str | None
+) -> tuple[str | None, tuple[str, ...]]:
+    """The MODEL argument and the further served names among the positional words: vLLM's
+    `--served-model-name a b` leaves `b` among them (click options take one value). The first
+    word is the MODEL argument, unless --model and --served-model-name are both given and it
+    is not the model: then every word is a further name."""
+    words = list(given)
+    names_only = model is not None and served_model_name is not None
+    first_is_model = bool(words) and (not names_only or words[0] == model)
+    model_arg = words.pop(0) if first_is_model else None
+    if words and served_model_name is None:
+        raise click.UsageError(f"unexpected extra arguments: {' '.join(words)}")
+    return model_arg, tuple(words)
 
 
 def read_chat_template(given: str) -> str:

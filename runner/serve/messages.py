@@ -1,8 +1,10 @@
 """A chat request's messages, as OpenAI's API and vLLM's server take them, and the dicts the
 chat template is given: text parts joined into one string, "developer" read as "system", a
 tool's answer (role "tool", with its tool_call_id) and an assistant's earlier tool calls
-(`tool_calls`, its content None) passed on as vLLM passes them: each call's `arguments` JSON
-text parsed into the object templates index into."""
+(`tool_calls`, its content None, "" or left out) passed on as vLLM passes them: each call's
+`arguments` JSON text parsed into the object templates index into, and a missing content given
+to the template as "" (vLLM's rendering; a template that adds `content` to a string would fail
+on None)."""
 
 from __future__ import annotations
 
@@ -75,15 +77,15 @@ class ChatMessage(Lenient):
 
 def template_message(message: ChatMessage, index: int) -> JsonObject:
     """`message` as the chat template gets it; ValueError naming messages[index] for a
-    message without content that is not an assistant's tool calls."""
+    message without content that is not the assistant's (OpenAI lets an assistant's message,
+    with or without tool calls, leave its content out or null; vLLM renders it as "")."""
     text = message.text()
-    if text is None and not (message.role == "assistant" and message.tool_calls):
+    if text is None and message.role != "assistant":
         raise ValueError(
-            f"messages[{index}].content: needed (only an assistant's tool calls may come "
-            "without it)"
+            f"messages[{index}].content: needed (only an assistant's message may come without it)"
         )
     role = "system" if message.role == "developer" else message.role
-    out: JsonObject = {"role": role, "content": text}
+    out: JsonObject = {"role": role, "content": text or ""}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_call_id is not None:

@@ -41,9 +41,23 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> None:
-    """Serve `app` (from build_app) on host:port until SIGTERM (drained) or Ctrl-C."""
+def run_server(
+    app: FastAPI,
+    host: str,
+    port: int,
+    drain_timeout_s: float,
+    log_level: str = "warning",
+    access_log: bool = True,
+) -> None:
+    """Serve `app` (from build_app) on host:port until SIGTERM (drained) or Ctrl-C; uvicorn's
+    `log_level` and `access_log` as vLLM's --uvicorn-log-level and
+    --disable-uvicorn-access-log set them."""
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        timeout_graceful_shutdown=5,
     )
     DrainingServer(config, app.state.serve, drain_timeout_s).run()

@@ -35,6 +35,8 @@ class ServeSettings:
     secret_urls: tuple[str, ...] = ()  # shown masked wherever they appear (tiers, handover)
     chat_template: str | None = None  # --chat-template: over the model's own
     tool_call_parser: str | None = None  # --tool-call-parser; None: read from the template
+    # vLLM's further --served-model-name names: requests may name the model by any of them.
+    model_aliases: tuple[str, ...] = ()
 
     def masker(self) -> Masker:
         keys = (self.api_key,) if self.api_key else ()

@@ -22,6 +22,7 @@ from runner.serve.tool_calls import (
     TOOL_PARSERS,
     ParsedAnswer,
     ToolCall,
+    calls_before_cut,
     forced_calls,
     new_call_id,
 )
@@ -42,14 +43,16 @@ class ToolPlan:
     parser: str
 
     def answer(self, text: str) -> ParsedAnswer:
-        """The whole answer's text and calls (an answer that is no complete call, such as
-        one cut by max_tokens, stays text)."""
+        """The whole answer's text and calls. A "required" answer cut short (by max_tokens or
+        the context's end) gives the calls it completed, its finish_reason staying "length";
+        one that completed none, and any other answer that is no complete call, stays text."""
         if self.mode == "auto":
             return TOOL_PARSERS[self.parser](text)
         try:
             return ParsedAnswer(None, forced_calls(text, self.tools, self.tool_choice or ""))
         except (ValueError, KeyError, TypeError):
-            return ParsedAnswer(text, [])
+            made = calls_before_cut(text, self.tools) if self.mode == "required" else []
+            return ParsedAnswer(None, made) if made else ParsedAnswer(text, [])
 
     def stream(self) -> ToolStream:
         return ToolStream(self)

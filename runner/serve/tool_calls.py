@@ -148,6 +148,35 @@ def forced_calls(
     ]
 
 
+def calls_before_cut(text: str, tools: list[JsonObject]) -> list[ToolCall]:
+    """The complete calls at the head of a ``required`` answer cut short (by max_tokens or the
+    context's end: a small model may repeat its call until then): each whole item of the array
+    before the cut, in order. The grammar held every item to one offered function's schema, so
+    each is a call the client can make; an item that is not (an answer not so held) ends the
+    list there."""
+    decoder = json.JSONDecoder()
+    names = set(tool_names(tools))
+    at = len(text) - len(text.lstrip())
+    if not text.startswith("[", at):
+        return []
+    calls: list[ToolCall] = []
+    at += 1
+    while True:
+        while at < len(text) and text[at] in " \t\n\r,":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return calls
+        if not isinstance(item, dict) or item.get("name") not in names:
+            return calls
+        arguments = item.get("parameters")
+        if not isinstance(arguments, dict):
+            return calls
+        text_of_arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append(ToolCall(item["name"], text_of_arguments, new_call_id()))
+
+
 # -- the model families' formats, for tool_choice "auto" -------------------------------------
 def _call_of(obj: object) -> ToolCall | None:
     """A ``{"name", "arguments" | "parameters"}`` object as a call; None if it is not one."""

@@ -171,12 +171,12 @@ def test_parallel_calls_cut_short_stay_text_and_bad_choices_are_400s(
         timeout=60,
     ).json()
     choice = answer["choices"][0]
-    # With parallel calls allowed this model goes on calling until max_tokens: an answer cut
-    # short is no complete call, so it stays text, and says why.
+    # With parallel calls allowed this model goes on calling until max_tokens: the calls it
+    # completed come back, and the finish_reason says it was cut
+    # (tests/serve/test_tool_round_trip.py).
     assert choice["finish_reason"] == "length"
-    assert choice["message"]["tool_calls"] == []
-    assert choice["message"]["content"].startswith('[{"name": "get_')
-    assert choice["message"]["content"].count('"name"') >= 2
+    assert choice["message"]["content"] is None
+    assert len(choice["message"]["tool_calls"]) >= 2
     missing = {"type": "function", "function": {"name": "get_stock"}}
     resp = httpx.post(
         f"{tool_server.url}/v1/chat/completions", json={**body, "tool_choice": missing}, timeout=30

@@ -15,6 +15,7 @@ from runner.engine.api.engine_calls import EngineCalls
 from runner.engine.api.frozen_heap import frozen_heap
 from runner.engine.api.interface import PromptArg
 from runner.engine.api.streaming import StreamDelta, stream_requests
+from runner.engine.api.vllm_args import pop_vllm_args
 from runner.engine.io.outputs import RequestOutput
 from runner.engine.io.prompt_inputs import (
     Params,
@@ -63,7 +64,12 @@ class LLM(EngineCalls):
         """`model` and `options` as EngineConfig names them (vLLM's names where vLLM has the
         option). vLLM's `tokenizer` may name the model itself (its own tokenizer is the one
         used); `trust_remote_code` is accepted and changes nothing: this engine runs its own
-        model code, never a repository's. Unknown names raise TypeError."""
+        model code, never a repository's. vLLM's other arguments (`tensor_parallel_size`,
+        `swap_space`, `quantization`, `tokenizer_mode`, ...) are taken as
+        runner/engine/api/vllm_args.py says: in silence where this engine does what they ask,
+        with one warning where they mean nothing here, a ValueError naming them where they
+        cannot be honoured. Unknown names raise TypeError."""
+        options = pop_vllm_args(options, model)
         if tokenizer is not None and not same_model(tokenizer, model):
             raise ValueError(
                 f"tokenizer={tokenizer!r}: only the model's own tokenizer is supported; "
@@ -195,6 +201,13 @@ class LLM(EngineCalls):
     ) -> str:
         """One conversation's prompt text, through the model's chat template."""
         return render_chat(self.tokenizer, messages, chat_template_kwargs)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A fresh SamplingParams with this engine's defaults, as vLLM's
+        `get_default_sampling_params` (whose scripts set a field or two on it). vLLM takes
+        them from the model's generation_config.json unless told not to; here they are
+        always SamplingParams' own (vLLM's `--generation-config vllm`)."""
+        return SamplingParams()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The model's tokenizer (a transformers tokenizer; None for a model without one), as

@@ -195,13 +195,16 @@ def params_per_prompt(params: Any, num_prompts: int) -> list[SamplingParams]:
 
 def joined_text_parts(messages: Messages) -> Messages:
     """`messages` with OpenAI's list content (`[{"type": "text", "text": ...}, ...]`) joined
-    into one string by newlines, as vLLM gives it to text-only templates; other messages as
-    they are."""
+    into one string by newlines, as vLLM gives it to text-only templates, and an assistant's
+    missing or null content (its tool calls' message) as "", as vLLM renders it; other
+    messages as they are."""
     if not isinstance(messages, list):
         return messages
     out = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
+        if content is None and isinstance(message, dict) and message.get("role") == "assistant":
+            message = {**message, "content": ""}
         if isinstance(content, list) and all(
             isinstance(p, dict)
             and p.get("type") in ("text", "input_text")

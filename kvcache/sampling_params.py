@@ -1,0 +1,18 @@
+"""vLLM's `vllm.sampling_params` path: `from kvcache.sampling_params import ...` as vLLM's
+scripts import from it (the names live in the runner, resolved on first access:
+kvcache/vllm_paths.py)."""
+
+import sys
+from typing import Any
+
+from kvcache.vllm_paths import runner_name
+
+NAMES = (
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "BeamSearchParams",
+)
+
+
+def __getattr__(name: str) -> Any:  # a runner name, typed where it is defined
+    return runner_name(sys.modules[__name__], name, NAMES)

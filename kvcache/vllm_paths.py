@@ -1,0 +1,32 @@
+"""The runner's names that vLLM's module paths reach (`kvcache.sampling_params`,
+`kvcache.outputs`, ...: vLLM's `vllm.sampling_params`, `vllm.outputs`, ...), resolved on first
+access by the alias modules' `__getattr__`, so importing the core alone never pulls in torch or
+the runner (which depends on this package, never the reverse)."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+# name -> the runner module that defines it.
+RUNNER_NAMES = {
+    "LLM": "runner.engine.api.llm",
+    "EngineArgs": "runner.engine.api.engine_args",
+    "SamplingParams": "runner.sampling.params",
+    "RequestOutput": "runner.engine.io.outputs",
+    "CompletionOutput": "runner.engine.io.outputs",
+    "Logprob": "runner.engine.io.outputs",
+    "StructuredOutputsParams": "runner.sampling.structured_outputs",
+    "BeamSearchParams": "runner.engine.api.beam_search",
+    "TextPrompt": "runner.engine.io.prompt_inputs",
+    "TokensPrompt": "runner.engine.io.prompt_inputs",
+    "cleanup_dist_env_and_memory": "runner.engine.api.memory_cleanup",
+}
+
+
+def runner_name(module: ModuleType, name: str, offered: tuple[str, ...]) -> Any:
+    """`name` of the runner, where the alias `module` offers it; AttributeError otherwise."""
+    if name in offered:
+        return getattr(importlib.import_module(RUNNER_NAMES[name]), name)
+    raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")

@@ -1,0 +1,105 @@
+"""vLLM's engine arguments that EngineConfig has no field for, as `LLM(...)` and `kvcache serve`
+take them (vLLM's `LLM(**vars(args))` over `EngineArgs.add_cli_args` passes them all). Each is
+either honoured by what this engine does anyway (accepted in silence), accepted with one warning
+naming it and why it has no meaning here, or refused with a ValueError naming it where
+honouring it would change results and this engine cannot. None, an argument left unset, is
+always accepted in silence."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VllmArg:
+    """One argument: the values this engine honours as it is (`same`), the values that have
+    no meaning here (`ignored`, each warned about with `why`; None: any value but `same`)."""
+
+    same: tuple[object, ...]
+    why: str
+    ignored: tuple[object, ...] | None = None
+
+
+# Tensor, pipeline and data parallelism: one device runs a model here.
+PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+
+VLLM_ARGS: dict[str, VllmArg] = {
+    "swap_space": VllmArg(
+        (),
+        "vLLM's CPU swap space for preempted requests; a preempted request here is "
+        "recomputed, its prefix found in the cache (host_cache_bytes keeps evicted blocks in "
+        "host memory)",
+    ),
+    "cpu_offload_gb": VllmArg(
+        (0, 0.0), "the weights are held whole on the device; nothing is offloaded"
+    ),
+    "disable_log_stats": VllmArg((True, False), "this engine logs no periodic stats"),
+    "disable_log_requests": VllmArg((True, False), "this engine logs no requests"),
+    "enable_log_requests": VllmArg((False,), "this engine logs no requests"),
+    "disable_custom_all_reduce": VllmArg((True, False), "one device runs the model: no all-reduce"),
+    "distributed_executor_backend": VllmArg((), "one process runs the engine"),
+    "max_seq_len_to_capture": VllmArg(
+        (), "CUDA graphs here are captured for decode batch sizes, whatever the length"
+    ),
+    "tokenizer_mode": VllmArg(
+        ("auto", "hf"),
+        "the model's own Hugging Face tokenizer (its fast one) and chat template are used",
+        ("slow", "mistral"),
+    ),
+    "config_format": VllmArg(
+        ("auto", "hf"),
+        "the model's config is read from its own files (config.json or the .gguf)",
+        ("mistral",),
+    ),
+    "load_format": VllmArg(
+        ("auto", "safetensors", "pt"),
+        "the weights are read from the model's own files (safetensors, .bin or .gguf)",
+        ("mistral", "gguf"),
+    ),
+}
+
+
+def pop_vllm_args(options: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """`options` without vLLM's own arguments, each checked: warned about once where it has
+    no meaning here, ValueError naming it where it cannot be honoured."""
+    rest = dict(options)
+    for name in PARALLEL:
+        size = rest.pop(name, None)
+        if size is not None and size != 1:
+            raise ValueError(
+                f"{name}={size!r}: parallelism over several devices is not available yet; "
+                "one device runs a model here (`kvcache router` spreads requests over "
+                "several servers)"
+            )
+    quantization = rest.pop("quantization", None)
+    if quantization is not None and not (
+        quantization == "gguf" and str(model or "").endswith(".gguf")
+    ):
+        raise ValueError(
+            f"quantization={quantization!r}: not available here; a .gguf model's quantized "
+            "weights are loaded de-quantized, and on the CPU cpu_weight_dtype='int8' or "
+            "'bfloat16' rounds the weights as they are packed"
+        )
+    for name, arg in VLLM_ARGS.items():
+        value = rest.pop(name, None)
+        if value is None or value in arg.same:
+            continue
+        if arg.ignored is not None and value not in arg.ignored:
+            allowed = ", ".join(repr(v) for v in (*arg.same, *arg.ignored))
+            raise ValueError(f"{name}={value!r}: must be one of {allowed}")
+        log.warning("%s=%r is accepted and ignored: %s", name, value, arg.why)
+    return rest
+
+
+def vllm_arg_names() -> Mapping[str, VllmArg]:
+    """Every name `pop_vllm_args` takes (the parallel sizes and quantization beside the
+    table), for the command line's parsers."""
+    names: dict[str, VllmArg] = dict(VLLM_ARGS)
+    for name in (*PARALLEL, "quantization"):
+        names[name] = VllmArg((), "")
+    return names
