@@ -13,6 +13,7 @@ import pytest
 from kvcache import LLM, SamplingParams
 from tests.conftest import load_hf_reference
 from tests.greedy_reference import hf_greedy
+from tests.redis_server import RedisServer
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
@@ -143,6 +144,27 @@ def test_segments_come_back_from_a_disk_tier_after_a_restart(
     assert out.num_reused_segment_tokens == sum(len(docs[i]) // 16 * 16 for i in (0, 1))
     assert second.stats()["segments_filled"] == 0
     second.check_integrity()
+
+
+def test_a_segment_cached_by_one_replica_is_reused_by_another(
+    tiny_llama_dir: Path, parts: tuple, redis_server: RedisServer
+) -> None:
+    """Two engines sharing a Redis tier: a document cached alone by one is reused by the other
+    on its first sighting there, after another system prompt, with its host tier on too."""
+    system, docs, questions = parts
+    one = LLM(str(tiny_llama_dir), blend_ratio=0.2, remote_cache_url=redis_server.url)
+    for i, order in enumerate(([2, 3], [3, 2])):
+        one.generate(segmented(questions[i], docs, order, questions[i]), GREEDY)
+    one.flush_cache_tiers()
+    other = LLM(
+        str(tiny_llama_dir),
+        blend_ratio=0.2,
+        remote_cache_url=redis_server.url,
+        host_cache_bytes=2**20,
+    )
+    out = other.generate(segmented(system, docs, [3, 2], questions[3]), GREEDY)[0]
+    assert out.num_reused_segment_tokens == sum(len(docs[i]) // 16 * 16 for i in (2, 3))
+    other.check_integrity()
 
 
 def test_a_salt_keeps_segments_apart(tiny_llama_dir: Path, parts: tuple) -> None:
