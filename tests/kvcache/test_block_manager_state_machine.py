@@ -87,6 +87,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # tree (they were cached already, or below one that was): hits can then be shorter
         # than the longest committed prefix, never longer.
         self.all_committed_cached = True
+        # Readers (borrow): id -> (tokens, root, blocks held), ids below every request's.
+        self.readers: dict[int, tuple[list[int], int, list[int]]] = {}
+        self.next_reader = -2
 
     def _longest_committed(self, tokens: list[int], root: int) -> int:
         """Longest committed prefix of ``tokens`` (in tokens), capped as allocate caps it."""
@@ -219,6 +222,43 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 before.hit_tokens,
             )
             assert after.readmit_query_tokens == before.readmit_query_tokens + len(req.tokens)
+
+    @rule(root=st.sampled_from(ROOTS), stem=st.sampled_from(STEMS), extra=st.integers(0, 5))
+    def borrow(self, root: int, stem: list[int], extra: int) -> None:
+        """Hold a cached path's full blocks for reading elsewhere (a segment placed in another
+        prompt): every block held, uncapped by the one-token rule, and never more than what
+        was committed."""
+        tokens = (stem + [1] * extra) or [0]
+        blocks = self.bm.borrow(self.next_reader, tokens, root)
+        if not self.caching:
+            assert blocks == []
+        for k in range(1, len(blocks) + 1):
+            assert (root, tuple(tokens[: k * B])) in self.committed, "lent an uncommitted block"
+        exact = self.exact_hits and self.all_committed_cached and self.bm.stats.evicted_blocks == 0
+        if self.caching and exact:
+            longest = max(
+                (k for k in range(len(tokens) // B + 1)
+                 if (root, tuple(tokens[: k * B])) in self.committed or k == 0),
+                default=0,
+            )  # fmt: skip
+            assert len(blocks) == longest
+        self.readers[self.next_reader] = (tokens, root, blocks)
+        self.next_reader -= 1
+
+    @precondition(lambda self: self.readers)
+    @rule(data=st.data())
+    def give_back(self, data: st.DataObject) -> None:
+        reader = data.draw(st.sampled_from(sorted(self.readers)))
+        del self.readers[reader]
+        self.bm.free(reader)
+
+    @invariant()
+    def lent_blocks_keep_their_kv(self) -> None:
+        """A held path is never evicted or written: its slots keep the K/V of its tokens."""
+        for tokens, root, blocks in self.readers.values():
+            for i in range(len(blocks) * B):
+                held = self.kv.get(blocks[i // B], [None] * B)[i % B]
+                assert held == (root, tuple(tokens[: i + 1])), f"lent slot {i}: wrong K/V"
 
     @invariant()
     def integrity(self) -> None:
