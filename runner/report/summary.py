@@ -88,7 +88,10 @@ def prefill_tokens(metrics: dict[str, Any]) -> tuple[int, int]:
         computed = sum(r["prompt_tokens"] - r["cached_tokens"] for r in metrics["requests"])
     cache = metrics["cache"]
     served = cache.get("hit_tokens", 0) + cache.get("readmit_hit_tokens", 0)
-    return computed, computed + served
+    segments = metrics.get("segments") or {}
+    served += segments.get("segment_hit_tokens", 0)  # placed, not computed
+    filled = segments.get("segment_filled_tokens", 0)  # segments computed alone, to cache them
+    return computed + filled, computed + served
 
 
 def latencies_ms(metrics: dict[str, Any]) -> tuple[list[float], list[float]]:
@@ -140,6 +143,18 @@ def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
             + ")",
         ),
     ]
+    segments = metrics.get("segments") or {}
+    if segments.get("segment_query_tokens"):  # prompts given as segments (docs/SEGMENTS.md)
+        asked, hit = segments["segment_query_tokens"], segments.get("segment_hit_tokens", 0)
+        recomputed = segments.get("segment_recomputed_tokens", 0)
+        rows.append(
+            (
+                "segment hit rate",
+                f"{hit / asked:.1%} ({hit:,} of {asked:,} later-segment tokens; "
+                f"{recomputed / hit if hit else 0.0:.1%} of them recomputed; "
+                f"{segments.get('segments_filled', 0):,} segments cached alone)",
+            )
+        )
     if cache.get("readmit_query_tokens"):
         rows.append(
             (

@@ -355,6 +355,7 @@ class LLM(EngineCalls):
             "num_draft_tokens": self.spec_stats.num_draft_tokens,
             "num_accepted_tokens": self.spec_stats.num_accepted_tokens,
             **({"cache_tiers": self.tiers.stats()} if self.tiers is not None else {}),
+            "segments": self.segment_stats(),
         }
         return self.recorder.to_dict(
             header, self.block_manager.stats, self.scheduler.num_preemptions

@@ -126,6 +126,7 @@ class MetricsRecorder:
                 "id": seq.request_id,
                 "prompt_tokens": seq.num_prompt_tokens,
                 "cached_tokens": seq.num_cached_tokens,
+                "reused_segment_tokens": seq.num_reused_segment_tokens,
                 "output_tokens": len(seq.output_token_ids),
                 "finish_reason": seq.finish_reason if seq.status is SeqStatus.FINISHED else None,
                 "prefix_key": self.prefix_keys.get(seq.seq_id, ""),
