@@ -58,3 +58,28 @@ def test_handover_gives_the_colocated_output(
         _, again = handover(prefill, decode, body)
         assert again["skipped"] == blocks and again["blocks"] == 0
         decode.llm.block_manager.check_integrity()
+
+
+def test_a_prompt_given_as_segments_goes_through_the_handover(
+    worker: WorkerFactory, reference_llm: LLM
+) -> None:
+    """A completions body with segments: the prefill worker hands over its exact prefix (a
+    blend's K/V past it are never published, so never sent); the decode worker computes or
+    blends the rest. blend_ratio 1 gives the colocated output of the joined text, and a blended
+    request runs to its end with the decode worker's pool intact."""
+    docs = [PROMPT, "Tiers below the pool keep blocks that the device evicts. " * 3]
+    segments = ["Read the notes.\n", docs[0], docs[1], "\nSummarize them."]
+    plain = {"segments": segments, "blend_ratio": 1, "max_tokens": 12, "temperature": 0}
+    with worker("prefill", "zmq") as prefill, worker("decode", "zmq") as decode:
+        handover(prefill, decode, plain)
+        answer = complete(decode, plain)
+        assert answer["choices"][0]["text"] == expected(reference_llm, "".join(segments), 12)
+        for opening in ("Notes:\n", "More notes:\n", "Read the notes.\n"):
+            body = {**plain, "segments": [opening, docs[1], docs[0], "\nSay it."]}
+            del body["blend_ratio"]
+            handover(prefill, decode, body)
+            answer = complete(decode, body)
+            assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+        assert answer["usage"]["prompt_tokens_details"].get("reused_segment_tokens", 0) > 0
+        decode.llm.block_manager.check_integrity()
+        prefill.llm.block_manager.check_integrity()
