@@ -250,3 +250,31 @@ def test_a_prompt_sets_its_own_blend_ratio(tiny_llama_dir: Path, parts: tuple) -
         llm.generate({**half, "blend_ratio": "x"}, GREEDY)
     with pytest.raises(ValueError, match="applies to a prompt given as 'segments'"):
         llm.generate({"prompt_token_ids": [5, 6], "blend_ratio": 0.5}, GREEDY)
+
+
+def test_a_failing_blend_or_fill_leaves_the_request_exact(
+    tiny_llama_dir: Path, parts: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blend that raises (or a segment's caching that raises) fails nothing: the request is
+    computed as plain tokens, transformers' answer, and the pool stays intact."""
+    system, docs, questions = parts
+    llm = LLM(str(tiny_llama_dir), blend_ratio=0.2)
+    hf = load_hf_reference(tiny_llama_dir)
+
+    def boom(*args: object) -> int:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(llm.runner, "compute_kv", boom)  # the fill of the second sighting
+    for i, order in enumerate(([0, 1], [1, 0])):
+        prompt = segmented(questions[i], docs, order, questions[i])
+        out = llm.generate(prompt, GREEDY)[0]
+        assert out.token_ids == hf_greedy(hf, joined(prompt), 8, None)
+    assert llm.stats()["segments_filled"] == 0
+    monkeypatch.undo()
+    llm.generate(segmented(questions[2], docs, [0, 1], questions[2]), GREEDY)  # cached now
+    monkeypatch.setattr(llm.runner, "place_and_blend", boom)
+    prompt = segmented(system, docs, [1, 0], questions[3])
+    out = llm.generate(prompt, GREEDY)[0]
+    assert out.num_reused_segment_tokens == 0
+    assert out.token_ids == hf_greedy(hf, joined(prompt), 8, None)
+    llm.check_integrity()

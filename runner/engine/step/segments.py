@@ -29,6 +29,7 @@ reaches this module, so the output is the plain engine's, bit for bit.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from runner.engine.kv.kv_tiers import TierLoader
 from runner.engine.sequence import BlendPlan, ReusedSegment
 from runner.engine.sequence import Sequence as Seq
 from runner.model.blend import BlendRegion, Placement
+
+log = logging.getLogger(__name__)
 
 # Distinct segments the doorkeeper remembers having seen once (about 100 bytes each).
 DOORKEEPER_ENTRIES = 1 << 16
@@ -147,7 +150,7 @@ class SegmentReuse:
             segment = tokens[start:end]
             found = self._hold(segment, root)
             if found is None and self.doorkeeper.seen_before(segment_key(segment, root)):
-                if self._fill(segment, root):
+                if self._fill_safely(seq, segment):
                     found = self._hold(segment, root)
             if found is not None:
                 reader, blocks = found
@@ -173,6 +176,14 @@ class SegmentReuse:
             self.bm.free(reader)
             return None
         return reader, blocks
+
+    def _fill_safely(self, seq: Seq, segment: Sequence[int]) -> bool:
+        """`_fill`, a failure of which leaves the segment to be computed in its prompt."""
+        try:
+            return self._fill(segment, seq.root)
+        except Exception:  # noqa: BLE001 - the request goes on; the segment is not cached
+            log.exception("caching a segment of request %s failed", seq.request_id)
+            return False
 
     def _fill(self, segment: Sequence[int], root: int) -> bool:
         """Compute the segment alone and cache it (its full blocks in the tree, and the tiers'
@@ -230,8 +241,12 @@ class SegmentReuse:
             self._on_device(
                 lambda: recomputed.append(self.runner.place_and_blend(placement, region, ratio))
             )
-        finally:
+        except Exception:  # noqa: BLE001 - the request goes on as plain tokens, exact
+            log.exception("blending request %s failed: its prompt is computed", seq.request_id)
             self.release(seq)
+            seq.blend, seq.exact_limit, seq.num_reused_segment_tokens = None, None, 0
+            return  # the region's slots are computed over by the prefill that follows
+        self.release(seq)
         if recomputed and seq.num_preemptions == 0:
             self.stats.recomputed_tokens += recomputed[0]
         seq.num_computed_tokens = plan.end
