@@ -54,6 +54,7 @@ def build_app(llm: EngineInterface, settings: ServeSettings) -> FastAPI:
         state.engine.start(asyncio.get_running_loop())
         yield
         state.engine.stop()
+        state.tokenizing.close()
 
     app = FastAPI(title="kvcache", lifespan=lifespan)
     app.state.serve = state

@@ -18,6 +18,7 @@ from runner.serve.messages import unknown_fields
 from runner.serve.metrics import ServeMetrics
 from runner.serve.responses import LogprobFormat
 from runner.serve.templates import RenderBounds
+from runner.serve.tokenizing import TokenizerWork
 from runner.serve.tool_calls import parser_for_template
 
 log = logging.getLogger("runner.serve")
@@ -52,6 +53,7 @@ class ServerState:
     fmt: LogprobFormat
     draining: bool = False
     warned: set[str] = field(default_factory=set)  # unknown request fields already logged
+    tokenizing: TokenizerWork = field(default_factory=TokenizerWork)  # /tokenize's threads
 
     def warn_unknown(self, body: BaseModel) -> None:
         """Log each field of `body` the server ignores, the first time one is seen."""
