@@ -26,6 +26,7 @@ from runner.serve.calls import CallError
 from runner.serve.chat_route import chat
 from runner.serve.completion_route import complete
 from runner.serve.engine_loop import EngineLoop
+from runner.serve.grammar_work import GrammarWork
 from runner.serve.metrics import ServeMetrics
 from runner.serve.protocol import (
     ChatCompletionRequest,
@@ -47,7 +48,8 @@ def build_app(llm: EngineInterface, settings: ServeSettings) -> FastAPI:
     metrics = ServeMetrics(settings.model_name, llm.max_model_len)
     renderer = ChatRenderer(llm.apply_chat_template, settings.template_bounds)
     engine = EngineLoop(llm, metrics, renderer, settings.masker())
-    state = ServerState(llm, settings, engine, metrics, LogprobFormat(llm.tokenizer))
+    grammars = GrammarWork(llm.check_structured_outputs, settings.grammar_bounds)
+    state = ServerState(llm, settings, engine, metrics, LogprobFormat(llm.tokenizer), grammars)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,6 +57,7 @@ def build_app(llm: EngineInterface, settings: ServeSettings) -> FastAPI:
         yield
         state.engine.stop()
         state.tokenizing.close()
+        state.grammars.close()
 
     app = FastAPI(title="kvcache", lifespan=lifespan)
     app.state.serve = state
@@ -115,10 +118,14 @@ async def admit(state: ServerState, body: SamplingFields, prompts: int) -> Sampl
     another model, 400 for a bad value or for more samples than the queue could ever hold,
     429 past the queue's bound. The fields are checked on a worker thread: a request at the
     fields' bounds (thousands of logit_bias keys, hundreds of stop strings) does not hold up
-    the event loop, and with it every stream and /health."""
+    the event loop, and with it every stream and /health. Its structure is compiled on the
+    structure compiler's threads, within their bounds (grammar_work.py), not the engine's."""
     _check_admission(state, body, prompts)
     params = await asyncio.to_thread(_sampling_params, body)
     _check_queue(state, body, prompts)
+    forced = isinstance(body, ChatCompletionRequest) and body.tool_mode() in ("required", "named")
+    param = "tools" if forced else body.structure_field()
+    await state.grammars.check(params.structured_outputs, param)
     return params
 
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from runner.engine.api.interface import EngineInterface
 from runner.serve.engine_loop import EngineLoop
+from runner.serve.grammar_work import GrammarBounds, GrammarWork
 from runner.serve.masking import Masker
 from runner.serve.messages import unknown_fields
 from runner.serve.metrics import ServeMetrics
@@ -32,6 +33,7 @@ class ServeSettings:
     retry_after_s: int = 1
     trust_request_chat_template: bool = False  # vLLM's flag: a client's own chat_template
     template_bounds: RenderBounds = RenderBounds()
+    grammar_bounds: GrammarBounds = GrammarBounds()  # a structure's size and compile time
     body_timeout_s: float = 30.0  # from the request's head to the last byte of its body
     secret_urls: tuple[str, ...] = ()  # shown masked wherever they appear (tiers, handover)
     chat_template: str | None = None  # --chat-template: over the model's own
@@ -51,6 +53,7 @@ class ServerState:
     engine: EngineLoop
     metrics: ServeMetrics
     fmt: LogprobFormat
+    grammars: GrammarWork  # structures compiled off the engine's thread
     draining: bool = False
     warned: set[str] = field(default_factory=set)  # unknown request fields already logged
     tokenizing: TokenizerWork = field(default_factory=TokenizerWork)  # /tokenize's threads
