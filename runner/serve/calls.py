@@ -26,6 +26,8 @@ from runner.serve.protocol import field_named
 from runner.serve.responses import error_body, sse, usage_of
 
 DISCONNECT_POLL_S = 0.25  # how often a call with nothing new looks whether its client left
+KEEPALIVE_S = 0.5  # a stream that holds its text (a tool call being read) says so this often
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: every client skips it; a proxy sees bytes
 
 
 class ClientGone:
@@ -149,22 +151,34 @@ class Call:
         chunks_of: Callable[[Delta], list[dict[str, Any]]],
         first_chunks: list[dict[str, Any]],
         usage_chunk: Callable[[dict[str, Any]], dict[str, Any]] | None,
+        keepalive_s: float = KEEPALIVE_S,
     ) -> AsyncIterator[str]:
         """The SSE body: `first_chunks`, the chunks of each delta, a request's failure as an error
-        event, the usage chunk when asked for, then [DONE]. Closed early (the client went
-        away), it aborts what still runs."""
+        event, the usage chunk when asked for, then [DONE]. While the deltas give nothing to
+        send (an `auto` tool call's text is held until it can be read whole), a keep-alive
+        comment goes out every `keepalive_s`: before, a router's idle timeout took a replica
+        still generating for a dead one. Closed early (the client went away), it aborts what
+        still runs."""
         done: list[RequestOutput] = []
         try:
             for chunk in first_chunks:
                 yield sse(chunk)
+            sent = time.monotonic()
             while self.open:
                 try:
                     event = await self.next_event()
                 except ClientLeft:
                     return  # nobody to send the rest to
                 if isinstance(event, Delta):
-                    for chunk in chunks_of(event):
+                    chunks = chunks_of(event)
+                    for chunk in chunks:
                         yield sse(chunk)
+                    now = time.monotonic()
+                    if chunks:
+                        sent = now
+                    elif now - sent >= keepalive_s:
+                        sent = now
+                        yield KEEPALIVE
                 elif isinstance(event, Done):
                     self.open.discard(event.index)
                     done.append(event.output)

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from runner.engine.api.interface import EngineInterface
+from runner.serve.calls import KEEPALIVE_S
 from runner.serve.engine_loop import EngineLoop
 from runner.serve.grammar_work import GrammarBounds, GrammarWork
 from runner.serve.masking import Masker
@@ -34,6 +35,7 @@ class ServeSettings:
     trust_request_chat_template: bool = False  # vLLM's flag: a client's own chat_template
     template_bounds: RenderBounds = RenderBounds()
     grammar_bounds: GrammarBounds = GrammarBounds()  # a structure's size and compile time
+    stream_keepalive_s: float = KEEPALIVE_S  # a held stream's comment, this often at most
     body_timeout_s: float = 30.0  # from the request's head to the last byte of its body
     secret_urls: tuple[str, ...] = ()  # shown masked wherever they appear (tiers, handover)
     chat_template: str | None = None  # --chat-template: over the model's own
