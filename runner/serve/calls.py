@@ -20,6 +20,7 @@ from typing import Any
 from starlette.requests import Request
 
 from runner.engine.io.outputs import RequestOutput
+from runner.sampling.prompt_bytes import check_prompt_bytes
 from runner.serve.engine_loop import EngineLoop
 from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Submission
 from runner.serve.protocol import field_named
@@ -78,6 +79,14 @@ class Call:
                     if "chat_template" in (sub.template_kwargs or {}):  # the client's own
                         param = "chat_template_kwargs.chat_template"
                     raise CallError(400, str(err), "invalid_request_error", param) from err
+            limit = self.engine.max_prompt_bytes
+            if isinstance(sub.prompt, str) and limit is not None:
+                try:
+                    context = self.engine.max_model_len
+                    check_prompt_bytes(self.prompt_param, sub.prompt, limit, context)
+                except ValueError as err:
+                    message, param = str(err), self.prompt_param
+                    raise CallError(400, message, "invalid_request_error", param) from None
         self.engine.submit(self.submissions, self.events.put_nowait)  # run in this loop
         self.open = {s.index for s in self.submissions}
         accepted, early = 0, []
