@@ -22,6 +22,7 @@ from runner.engine.api.interface import EngineInterface
 from runner.sampling.params import SamplingParams
 from runner.serve.auth import ALL_BUT_HEALTH, require_api_key
 from runner.serve.body_deadline import BodyDeadline
+from runner.serve.body_limit import BodyLimit
 from runner.serve.calls import CallError
 from runner.serve.chat_route import chat
 from runner.serve.completion_route import complete
@@ -176,6 +177,7 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     require_api_key(app, settings.api_key, ALL_BUT_HEALTH)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     @app.exception_handler(CallError)
     async def call_error(request: Request, err: CallError) -> Response:

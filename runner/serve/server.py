@@ -13,6 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from runner.serve.app import ServerState
+from runner.serve.head_deadline import HEAD_TIMEOUT_S, head_bounded_protocol
 
 DRAIN_POLL_S = 0.05
 
@@ -41,9 +42,21 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(app: FastAPI, host: str, port: int, drain_timeout_s: float) -> None:
-    """Serve `app` (from build_app) on host:port until SIGTERM (drained) or Ctrl-C."""
+def run_server(
+    app: FastAPI,
+    host: str,
+    port: int,
+    drain_timeout_s: float,
+    head_timeout_s: float = HEAD_TIMEOUT_S,
+) -> None:
+    """Serve `app` (from build_app) on host:port until SIGTERM (drained) or Ctrl-C; a request
+    head slower than `head_timeout_s` gets a 408 (head_deadline.py)."""
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        http=head_bounded_protocol(head_timeout_s),
     )
     DrainingServer(config, app.state.serve, drain_timeout_s).run()

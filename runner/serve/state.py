@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from runner.engine.api.interface import EngineInterface
+from runner.serve.body_limit import MAX_BODY_BYTES
 from runner.serve.calls import KEEPALIVE_S
 from runner.serve.engine_loop import EngineLoop
 from runner.serve.grammar_work import GrammarBounds, GrammarWork
@@ -37,6 +38,7 @@ class ServeSettings:
     grammar_bounds: GrammarBounds = GrammarBounds()  # a structure's size and compile time
     stream_keepalive_s: float = KEEPALIVE_S  # a held stream's comment, this often at most
     body_timeout_s: float = 30.0  # from the request's head to the last byte of its body
+    max_body_bytes: int = MAX_BODY_BYTES  # --max-body-bytes: past it a 413
     secret_urls: tuple[str, ...] = ()  # shown masked wherever they appear (tiers, handover)
     chat_template: str | None = None  # --chat-template: over the model's own
     tool_call_parser: str | None = None  # --tool-call-parser; None: read from the template
