@@ -152,6 +152,9 @@ class EngineLoop:
             self._take_commands(block=not self._llm.has_unfinished())
             self._flush()
             if not self._llm.has_unfinished():
+                # Idle: blocks still waiting for the tiers' write queue go down now, not at
+                # the next request's commit (an idle server never wrote them).
+                self._llm.write_waiting_blocks()
                 continue
             try:
                 outputs = self._llm.step()
