@@ -88,17 +88,23 @@ class CausalLM(nn.Module):
         if self.embed_tokens.weight.device.type != "meta":
             self.init_rope_cache()
 
-    def init_rope_cache(self) -> None:
+    def init_rope_cache(self, max_positions: int | None = None) -> None:
         """(Re)compute the cos/sin tables on the weights' device and dtype; call after
-        ``to_empty()`` (a meta-built model has no tables yet)."""
+        ``to_empty()`` (a meta-built model has no tables yet). `max_positions`: the rows the
+        tables hold, at most the model's positions (None: all of them). The engine passes its
+        context: a config may declare millions of positions (or 2^40), whose tables would
+        take gigabytes or fail to allocate, where the context reads a few thousand rows."""
         w = self.embed_tokens.weight
+        rows = self.max_position_embeddings
+        if max_positions is not None:
+            if max_positions < 1:
+                raise ValueError(f"max_positions={max_positions}: a RoPE table needs a row")
+            rows = min(rows, max_positions)
         self.rope_cos, self.rope_sin = rope_cos_sin(
-            self.config, self.head_dim, self.max_position_embeddings, w.dtype, w.device
+            self.config, self.head_dim, rows, w.dtype, w.device
         )
         self.rope_by_type = {
-            kind: rope_cos_sin(
-                self.config, self.head_dim, self.max_position_embeddings, w.dtype, w.device, kind
-            )
+            kind: rope_cos_sin(self.config, self.head_dim, rows, w.dtype, w.device, kind)
             for kind in {k for k in self.layer_rope_types if k is not None}
         }
 

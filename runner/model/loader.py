@@ -45,11 +45,14 @@ def load_model(
     model: str | Path | None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
+    max_positions: int | None = None,
 ) -> LoadedModel:
     """Load `model` (None = embedded default, a HF folder, or a .gguf file) onto `device`.
 
-    dtype defaults to float32 on CPU and bfloat16 on CUDA. Raises ValueError naming the
-    file for a missing path, missing config/weights, unknown architecture or corrupt files.
+    dtype defaults to float32 on CPU and bfloat16 on CUDA. max_positions: the positions the
+    RoPE tables hold (the engine's max_model_len), at most the model's; None: the model's.
+    Raises ValueError naming the file for a missing path, missing config/weights, unknown
+    architecture or corrupt files.
     """
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -60,7 +63,7 @@ def load_model(
         with SkipMetaInit(), torch.device("meta"):
             net = CausalLM(config)  # validates the architecture before any weight is read
         net = net.to(dtype=torch_dtype).to_empty(device=dev)
-        net.init_rope_cache()
+        net.init_rope_cache(max_positions)
         net.load_hf_state_dict(weights)
     net.eval().requires_grad_(False)
     tokenizer = load_tokenizer(folder, config)

@@ -22,10 +22,12 @@ from runner.engine.api.interface import EngineInterface
 from runner.sampling.params import SamplingParams
 from runner.serve.auth import ALL_BUT_HEALTH, require_api_key
 from runner.serve.body_deadline import BodyDeadline
+from runner.serve.body_limit import BodyLimit
 from runner.serve.calls import CallError
 from runner.serve.chat_route import chat
 from runner.serve.completion_route import complete
 from runner.serve.engine_loop import EngineLoop
+from runner.serve.grammar_work import GrammarWork
 from runner.serve.metrics import ServeMetrics
 from runner.serve.protocol import (
     ChatCompletionRequest,
@@ -47,13 +49,16 @@ def build_app(llm: EngineInterface, settings: ServeSettings) -> FastAPI:
     metrics = ServeMetrics(settings.model_name, llm.max_model_len)
     renderer = ChatRenderer(llm.apply_chat_template, settings.template_bounds)
     engine = EngineLoop(llm, metrics, renderer, settings.masker())
-    state = ServerState(llm, settings, engine, metrics, LogprobFormat(llm.tokenizer))
+    grammars = GrammarWork(llm.check_structured_outputs, settings.grammar_bounds)
+    state = ServerState(llm, settings, engine, metrics, LogprobFormat(llm.tokenizer), grammars)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start(asyncio.get_running_loop())
         yield
         state.engine.stop()
+        state.tokenizing.close()
+        state.grammars.close()
 
     app = FastAPI(title="kvcache", lifespan=lifespan)
     app.state.serve = state
@@ -115,10 +120,14 @@ async def admit(state: ServerState, body: SamplingFields, prompts: int) -> Sampl
     another model, 400 for a bad value or for more samples than the queue could ever hold,
     429 past the queue's bound. The fields are checked on a worker thread: a request at the
     fields' bounds (thousands of logit_bias keys, hundreds of stop strings) does not hold up
-    the event loop, and with it every stream and /health."""
+    the event loop, and with it every stream and /health. Its structure is compiled on the
+    structure compiler's threads, within their bounds (grammar_work.py), not the engine's."""
     _check_admission(state, body, prompts)
     params = await asyncio.to_thread(_sampling_params, body)
     _check_queue(state, body, prompts)
+    forced = isinstance(body, ChatCompletionRequest) and body.tool_mode() in ("required", "named")
+    param = "tools" if forced else body.structure_field()
+    await state.grammars.check(params.structured_outputs, param)
     return params
 
 
@@ -170,6 +179,7 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     require_api_key(app, settings.api_key, ALL_BUT_HEALTH)
     app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     @app.exception_handler(CallError)
     async def call_error(request: Request, err: CallError) -> Response:

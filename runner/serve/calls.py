@@ -20,12 +20,15 @@ from typing import Any
 from starlette.requests import Request
 
 from runner.engine.io.outputs import RequestOutput
+from runner.sampling.prompt_bytes import check_prompt_bytes
 from runner.serve.engine_loop import EngineLoop
 from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Submission
 from runner.serve.protocol import field_named
 from runner.serve.responses import error_body, sse, usage_of
 
 DISCONNECT_POLL_S = 0.25  # how often a call with nothing new looks whether its client left
+KEEPALIVE_S = 0.5  # a stream that holds its text (a tool call being read) says so this often
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: every client skips it; a proxy sees bytes
 
 
 class ClientGone:
@@ -76,6 +79,14 @@ class Call:
                     if "chat_template" in (sub.template_kwargs or {}):  # the client's own
                         param = "chat_template_kwargs.chat_template"
                     raise CallError(400, str(err), "invalid_request_error", param) from err
+            limit = self.engine.max_prompt_bytes
+            if isinstance(sub.prompt, str) and limit is not None:
+                try:
+                    context = self.engine.max_model_len
+                    check_prompt_bytes(self.prompt_param, sub.prompt, limit, context)
+                except ValueError as err:
+                    message, param = str(err), self.prompt_param
+                    raise CallError(400, message, "invalid_request_error", param) from None
         self.engine.submit(self.submissions, self.events.put_nowait)  # run in this loop
         self.open = {s.index for s in self.submissions}
         accepted, early = 0, []
@@ -149,22 +160,34 @@ class Call:
         chunks_of: Callable[[Delta], list[dict[str, Any]]],
         first_chunks: list[dict[str, Any]],
         usage_chunk: Callable[[dict[str, Any]], dict[str, Any]] | None,
+        keepalive_s: float = KEEPALIVE_S,
     ) -> AsyncIterator[str]:
         """The SSE body: `first_chunks`, the chunks of each delta, a request's failure as an error
-        event, the usage chunk when asked for, then [DONE]. Closed early (the client went
-        away), it aborts what still runs."""
+        event, the usage chunk when asked for, then [DONE]. While the deltas give nothing to
+        send (an `auto` tool call's text is held until it can be read whole), a keep-alive
+        comment goes out every `keepalive_s`: before, a router's idle timeout took a replica
+        still generating for a dead one. Closed early (the client went away), it aborts what
+        still runs."""
         done: list[RequestOutput] = []
         try:
             for chunk in first_chunks:
                 yield sse(chunk)
+            sent = time.monotonic()
             while self.open:
                 try:
                     event = await self.next_event()
                 except ClientLeft:
                     return  # nobody to send the rest to
                 if isinstance(event, Delta):
-                    for chunk in chunks_of(event):
+                    chunks = chunks_of(event)
+                    for chunk in chunks:
                         yield sse(chunk)
+                    now = time.monotonic()
+                    if chunks:
+                        sent = now
+                    elif now - sent >= keepalive_s:
+                        sent = now
+                        yield KEEPALIVE
                 elif isinstance(event, Done):
                     self.open.discard(event.index)
                     done.append(event.output)

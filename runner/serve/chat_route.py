@@ -112,5 +112,6 @@ async def chat(
     def usage_chunk(usage: dict[str, Any]) -> dict[str, Any]:
         return chat_chunk(call.id, model, call.created, [], usage)
 
-    body_iter = call.stream(chunks_of, first, usage_chunk if body.include_usage else None)
+    usage = usage_chunk if body.include_usage else None
+    body_iter = call.stream(chunks_of, first, usage, state.settings.stream_keepalive_s)
     return StreamingResponse(body_iter, media_type="text/event-stream")

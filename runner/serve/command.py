@@ -148,6 +148,20 @@ def serve_command(start_role: RoleStarter) -> click.Command:
         help="Seconds a request's body may take to arrive; a slower one gets 408.",
     )
     @click.option(
+        "--head-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=10.0,
+        show_default=True,
+        help="Seconds a request's head (request line and headers) may take; past it a 408.",
+    )
+    @click.option(
+        "--max-body-bytes",
+        type=click.IntRange(min=1),
+        default=32 * 2**20,
+        show_default=True,
+        help="The largest request body taken, in bytes; a larger one gets 413.",
+    )
+    @click.option(
         "--drain-timeout",
         type=click.FloatRange(min=0),
         default=30.0,
@@ -188,6 +202,8 @@ def serve_command(start_role: RoleStarter) -> click.Command:
         disable_log_stats: bool,
         vllm: VllmServeOptions,
         body_timeout: float,
+        head_timeout: float,
+        max_body_bytes: int,
         drain_timeout: float,
         role: str,
         handover: str,
@@ -232,6 +248,7 @@ def serve_command(start_role: RoleStarter) -> click.Command:
             max_queued_requests=max_queued_requests,
             trust_request_chat_template=trust_request_chat_template,
             body_timeout_s=body_timeout,
+            max_body_bytes=max_body_bytes,
             secret_urls=secret_urls,
             chat_template=template,
             tool_call_parser=tool_call_parser,
@@ -240,7 +257,8 @@ def serve_command(start_role: RoleStarter) -> click.Command:
         banner = f"kvcache serve ({role}): {name} on http://{host}:{port}/v1"
         click.echo(settings.masker().mask(banner), err=True)
         app = attach(build_app(llm, settings))
-        run_server(app, host, port, drain_timeout, vllm.uvicorn_log_level, vllm.access_log)
+        log_level, access_log = vllm.uvicorn_log_level, vllm.access_log
+        run_server(app, host, port, drain_timeout, log_level, access_log, head_timeout)
 
     return serve
 

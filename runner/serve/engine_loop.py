@@ -26,6 +26,7 @@ from runner.engine.api.interface import EngineInterface
 from runner.engine.api.streaming import TextStream
 from runner.engine.io.outputs import RequestOutput
 from runner.engine.sequence import Sequence
+from runner.sampling.prompt_bytes import max_prompt_bytes
 from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Sink, Submission
 from runner.serve.masking import Masker
 from runner.serve.metrics import ServeMetrics
@@ -79,6 +80,13 @@ class EngineLoop:
         self._llm = llm
         self._metrics = metrics
         self.renderer = renderer or ChatRenderer(llm.apply_chat_template)
+        # A text prompt past this many bytes could never fit: refused before this thread
+        # would tokenize it (runner/sampling/prompt_bytes.py).
+        tokenizer = llm.tokenizer
+        self.max_model_len = llm.max_model_len
+        self.max_prompt_bytes = (
+            None if tokenizer is None else max_prompt_bytes(tokenizer, llm.max_model_len)
+        )
         self._masker = masker or Masker()
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._live: dict[str, _Tracked] = {}  # the loop thread's own
@@ -144,6 +152,9 @@ class EngineLoop:
             self._take_commands(block=not self._llm.has_unfinished())
             self._flush()
             if not self._llm.has_unfinished():
+                # Idle: blocks still waiting for the tiers' write queue go down now, not at
+                # the next request's commit (an idle server never wrote them).
+                self._llm.write_waiting_blocks()
                 continue
             try:
                 outputs = self._llm.step()

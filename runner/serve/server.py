@@ -13,6 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from runner.serve.app import ServerState
+from runner.serve.head_deadline import HEAD_TIMEOUT_S, head_bounded_protocol
 
 DRAIN_POLL_S = 0.05
 
@@ -48,10 +49,12 @@ def run_server(
     drain_timeout_s: float,
     log_level: str = "warning",
     access_log: bool = True,
+    head_timeout_s: float = HEAD_TIMEOUT_S,
 ) -> None:
     """Serve `app` (from build_app) on host:port until SIGTERM (drained) or Ctrl-C; uvicorn's
     `log_level` and `access_log` as vLLM's --uvicorn-log-level and
-    --disable-uvicorn-access-log set them."""
+    --disable-uvicorn-access-log set them; a request head slower than `head_timeout_s` gets a
+    408 (head_deadline.py)."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -59,5 +62,6 @@ def run_server(
         log_level=log_level,
         access_log=access_log,
         timeout_graceful_shutdown=5,
+        http=head_bounded_protocol(head_timeout_s),
     )
     DrainingServer(config, app.state.serve, drain_timeout_s).run()

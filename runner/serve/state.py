@@ -12,12 +12,16 @@ from typing import Any
 from pydantic import BaseModel
 
 from runner.engine.api.interface import EngineInterface
+from runner.serve.body_limit import MAX_BODY_BYTES
+from runner.serve.calls import KEEPALIVE_S
 from runner.serve.engine_loop import EngineLoop
+from runner.serve.grammar_work import GrammarBounds, GrammarWork
 from runner.serve.masking import Masker
 from runner.serve.messages import unknown_fields
 from runner.serve.metrics import ServeMetrics
 from runner.serve.responses import LogprobFormat
 from runner.serve.templates import RenderBounds
+from runner.serve.tokenizing import TokenizerWork
 from runner.serve.tool_calls import parser_for_template
 
 log = logging.getLogger("runner.serve")
@@ -31,7 +35,10 @@ class ServeSettings:
     retry_after_s: int = 1
     trust_request_chat_template: bool = False  # vLLM's flag: a client's own chat_template
     template_bounds: RenderBounds = RenderBounds()
+    grammar_bounds: GrammarBounds = GrammarBounds()  # a structure's size and compile time
+    stream_keepalive_s: float = KEEPALIVE_S  # a held stream's comment, this often at most
     body_timeout_s: float = 30.0  # from the request's head to the last byte of its body
+    max_body_bytes: int = MAX_BODY_BYTES  # --max-body-bytes: past it a 413
     secret_urls: tuple[str, ...] = ()  # shown masked wherever they appear (tiers, handover)
     chat_template: str | None = None  # --chat-template: over the model's own
     tool_call_parser: str | None = None  # --tool-call-parser; None: read from the template
@@ -52,8 +59,10 @@ class ServerState:
     engine: EngineLoop
     metrics: ServeMetrics
     fmt: LogprobFormat
+    grammars: GrammarWork  # structures compiled off the engine's thread
     draining: bool = False
     warned: set[str] = field(default_factory=set)  # unknown request fields already logged
+    tokenizing: TokenizerWork = field(default_factory=TokenizerWork)  # /tokenize's threads
 
     def warn_unknown(self, body: BaseModel) -> None:
         """Log each field of `body` the server ignores, the first time one is seen."""

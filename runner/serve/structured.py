@@ -70,6 +70,11 @@ class StructureFields(Lenient):
             raise ValueError(f"{next(iter(given))}: give one structure, not {names}")
         return next(iter(given.values()), None)
 
+    def structure_field(self) -> str:
+        """The field the request's structure is given in (for an error about it)."""
+        names = ("response_format", "structured_outputs", *GUIDED)
+        return next((n for n in names if getattr(self, n) is not None), "structured_outputs")
+
     def _response_format(self) -> StructuredOutputsParams | None:
         """json_schema holds the answer to the schema, json_object to any JSON object; "text"
         (or none) leaves it free."""

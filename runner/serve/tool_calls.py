@@ -109,25 +109,55 @@ def forced_schema(
     """The JSON schema the answer is held to: the named function's arguments object, or for
     ``required`` a non-empty array of ``{"name", "parameters"}`` calls of offered functions
     (one call only without ``parallel``: OpenAI's parallel_tool_calls=false); None when the
-    model is free (none, auto)."""
+    model is free (none, auto).
+
+    In the array each function's parameters schema is kept whole under the array's `$defs`
+    (`tool_0`, `tool_1`, ...) and each of its `#` references made to point there: a schema's
+    `$defs` and `$ref`s (what pydantic emits), a recursive `{"$ref": "#"}` included, mean
+    what they meant at their own root, not the array's."""
     names = tool_names(tools)
     named = chosen_function(tool_choice, names)
     if named is not None:
         return _parameters(tools, named)
     if tool_choice != "required":
         return None
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"enum": [name]}, "parameters": _parameters(tools, name)},
-            "required": ["name", "parameters"],
-        }
-        for name in names
-    ]
+    defs: JsonObject = {}
+    calls = []
+    for i, name in enumerate(names):
+        key = f"tool_{i}"
+        defs[key] = _rooted_at(_parameters(tools, name), f"#/$defs/{key}")
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"enum": [name]}, "parameters": {"$ref": f"#/$defs/{key}"}},
+                "required": ["name", "parameters"],
+            }
+        )
     schema: JsonObject = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
+    schema["$defs"] = defs
     return schema
+
+
+def _rooted_at(schema: JsonObject, root: str) -> JsonObject:
+    """A copy of `schema` with every local reference (`"$ref": "#..."`, a JSON pointer from
+    the schema's root) made to point into `root`, where the schema will be placed. Walks
+    without recursion: a schema nested as deep as the JSON parser took costs no stack."""
+    copy: JsonObject = dict(schema)
+    todo: list[JsonObject | list[Any]] = [copy]
+    while todo:
+        node = todo.pop()
+        items = list(node.items()) if isinstance(node, dict) else list(enumerate(node))
+        for key, value in items:
+            if key == "$ref" and isinstance(node, dict) and isinstance(value, str):
+                if value.startswith("#"):
+                    node[key] = root + value[1:]
+            elif isinstance(value, dict | list):
+                child = dict(value) if isinstance(value, dict) else list(value)
+                node[key] = child  # type: ignore[index]
+                todo.append(child)
+    return copy
 
 
 def forced_calls(

@@ -1,20 +1,24 @@
 """vLLM's server routes beside OpenAI's, with vLLM's request and response shapes: POST
 /tokenize (a prompt, or messages through the chat template) and /detokenize, GET /version,
 and GET or POST /ping (a load balancer's liveness probe: 200 while the server takes
-requests, 503 while it drains)."""
+requests, 503 while it drains). The tokenizer runs on threads of its own (tokenizing.py),
+never on the event loop."""
 
 from __future__ import annotations
 
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
-from pydantic import Field
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import Field, ValidationError
 
+from runner.sampling.text_checks import check_text
 from runner.serve.calls import CallError
 from runner.serve.messages import ChatMessage, JsonObject, Lenient, template_messages
 from runner.serve.state import ServerState
+from runner.serve.tokenizing import json_response
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -56,27 +60,49 @@ def add_utility_routes(app: FastAPI, state: ServerState) -> None:
         state.warn_unknown(body)
         tokenizer = _tokenizer(state, body.model)
         text, special = await _text_of(state, body)
-        ids = list(tokenizer(text, add_special_tokens=special).input_ids)
-        answer: dict[str, Any] = {
-            "count": len(ids),
-            "max_model_len": state.llm.max_model_len,
-            "tokens": ids,
-            "token_strs": None,
-        }
-        if body.return_token_strs:
-            answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
-        return JSONResponse(answer)
+        param = "prompt" if body.prompt is not None else "messages"
+        max_model_len = state.llm.max_model_len
+
+        def work() -> Response:
+            _check_text(param, text)
+            ids = list(tokenizer(text, add_special_tokens=special).input_ids)
+            answer: dict[str, Any] = {
+                "count": len(ids),
+                "max_model_len": max_model_len,
+                "tokens": ids,
+                "token_strs": None,
+            }
+            if body.return_token_strs:
+                answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+            return json_response(answer)
+
+        return await state.tokenizing.run(work)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+    async def detokenize(request: Request) -> Response:
+        raw = await request.body()
+        # Millions of ids take the JSON parser as long as the decoding: parsed off the loop too.
+        body = await state.tokenizing.run(lambda: _detokenize_body(raw))
         state.warn_unknown(body)
         tokenizer = _tokenizer(state, body.model)
-        vocab = len(tokenizer)
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            message = f"tokens: {bad} is outside the vocabulary (0 to {vocab - 1})"
-            raise CallError(400, message, "invalid_request_error", "tokens")
-        return {"prompt": str(tokenizer.decode(body.tokens))}
+
+        def work() -> Response:
+            vocab = len(tokenizer)
+            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                message = f"tokens: {bad} is outside the vocabulary (0 to {vocab - 1})"
+                raise CallError(400, message, "invalid_request_error", "tokens")
+            return json_response({"prompt": str(tokenizer.decode(body.tokens))})
+
+        return await state.tokenizing.run(work)
+
+
+def _detokenize_body(raw: bytes) -> DetokenizeRequest:
+    """The body, or the 400 FastAPI gives a body that does not validate."""
+    try:
+        return DetokenizeRequest.model_validate_json(raw)
+    except ValidationError as err:
+        raise RequestValidationError(err.errors()) from None
 
 
 def _tokenizer(state: ServerState, model: str | None) -> PreTrainedTokenizerBase:
@@ -89,6 +115,15 @@ def _tokenizer(state: ServerState, model: str | None) -> PreTrainedTokenizerBase
     if tokenizer is None:
         raise CallError(400, "this model has no tokenizer", "invalid_request_error")
     return tokenizer
+
+
+def _check_text(param: str, text: str) -> None:
+    """A 400 naming `param` for text no tokenizer takes (a lone surrogate), not the
+    tokenizer's TypeError as a 500."""
+    try:
+        check_text(param, text)
+    except ValueError as err:
+        raise CallError(400, str(err), "invalid_request_error", param) from None
 
 
 async def _text_of(state: ServerState, body: TokenizeRequest) -> tuple[str, bool]:

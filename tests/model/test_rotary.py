@@ -85,3 +85,23 @@ def test_a_longrope_context_stops_at_its_original_length(
         llm.generate([[5] * 70], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="longrope"):
         LLM(str(longrope(make_tiny_model)), max_model_len=128)
+
+
+def test_rope_tables_are_sized_by_the_context_not_the_config(
+    make_tiny_model: Callable[..., Path],
+) -> None:
+    """A config declaring 2^40 positions: with max_model_len=64 the engine loads and answers,
+    its tables built with 64 rows (before, the load built the config's 2^40 rows and failed
+    to allocate 8 TB; 2^24 rows took 4.5 GB). load_model alone still builds them all."""
+    from runner.model.loader import load_model
+
+    path = make_tiny_model("llama", max_position_embeddings=2**40)
+    llm = LLM(str(path), max_model_len=64)
+    assert (llm.model.rope_cos.shape[0], llm.model.rope_sin.shape[0]) == (64, 64)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+    assert load_model(str(path), max_positions=48).model.rope_cos.shape[0] == 48
+    small = make_tiny_model("llama", max_position_embeddings=32)
+    assert load_model(str(small), max_positions=48).model.rope_cos.shape[0] == 32
+    with pytest.raises(ValueError, match="max_positions=0"):
+        load_model(str(small), max_positions=0)

@@ -22,17 +22,18 @@ START_TIMEOUT_S = 30.0
 
 
 class LiveServer:
-    """One uvicorn server running `app` in a thread, on a socket bound to a free port."""
+    """One uvicorn server running `app` in a thread, on a socket bound to a free port
+    (`config`: uvicorn.Config's options over the defaults)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **config: Any) -> None:
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        options = {"log_level": "warning", "timeout_graceful_shutdown": 5, **config}
+        self.server = uvicorn.Server(uvicorn.Config(app, **options))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
 
     def start(self) -> LiveServer:

@@ -260,6 +260,10 @@ class EngineInterface(Protocol):
 
     def flush_cache_tiers(self) -> None: ...
 
+    def write_waiting_blocks(self) -> None:
+        """Queue the committed blocks waiting for room in the tiers' write queue, as far as
+        it has room now (an idle engine's thread; no wait)."""
+
     def reset_prefix_cache(self) -> bool: ...
 
     # -- the cache's blocks --------------------------------------------------------------------

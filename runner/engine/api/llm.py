@@ -390,6 +390,13 @@ class LLM(EngineCalls):
         if self.tiers is not None:
             self.tiers.flush()
 
+    @locked
+    def write_waiting_blocks(self) -> None:
+        """Queue the blocks waiting for room in the tiers' write queue, as far as it has room
+        now, without waiting (an idle server's engine thread calls it)."""
+        if self.tiers is not None:
+            self.tiers.write_waiting()
+
     def _cache_identity(self) -> dict[str, str]:
         return cache_identity(self.kv, self.fingerprint, self.config.cpu_weight_dtype)
 

@@ -79,8 +79,6 @@ class TierLoader:
         self.prefetcher = (
             Prefetcher(self.store, host) if host is not None and len(tiers) > 1 else None
         )
-        # At exit (or when this loader is collected) the queued writes still land.
-        self._close = weakref.finalize(self, _close, self.prefetcher, self.store)
         self.bm, self.kv = bm, kv
         self.block_size = config.block_size
         self._loading = False  # blocks committed by a load came from the tiers: not written back
@@ -89,6 +87,11 @@ class TierLoader:
         self._write_through = any(self.store.has(t) for t in WRITE_THROUGH)
         # Committed blocks the write queue had no room for yet; it hears of evictions.
         self.backlog = WriteBacklog()
+        # At exit, at close (or when this loader is collected) the queued writes still land,
+        # and the waiting ones with them.
+        self._close = weakref.finalize(
+            self, _close, self.prefetcher, self.store, self.backlog, self.kv
+        )
         if self._write_through:
             bm.add_listener(self.backlog)
         watch_evictions = self.store.has("host") or self._write_through
@@ -107,17 +110,14 @@ class TierLoader:
         self._write_backlog()
 
     def _write_backlog(self) -> None:
-        """Copy off the pool and queue, in one copy, the oldest waiting values the write
-        queue has room for; the rest wait (their blocks stay in the pool)."""
-        store = self.store
-        chunks, dropped = self.backlog.take(store.space(), store.capacity)
-        store.count_dropped(dropped)
-        if not chunks:
-            return
-        payloads = iter(read_blocks(self.kv, [n.block_id for chunk in chunks for n in chunk]))
-        store.write_chunks(
-            WRITE_THROUGH, [[self._pending(n, next(payloads)) for n in chunk] for chunk in chunks]
-        )
+        _write_backlog(self.backlog, self.store, self.kv)
+
+    def write_waiting(self) -> None:
+        """Queue what waits in the pool and the write queue has room for now. An idle
+        engine's thread calls it: otherwise nothing would until the next commit or eviction,
+        and an idle server never wrote them."""
+        if len(self.backlog):
+            self._write_backlog()
 
     def _chunks(self, nodes: list[Node]) -> list[list[Node]]:
         """The values a commit's new nodes go down as. Chunks are aligned on the chain (chunk i
@@ -308,7 +308,26 @@ def _depth(node: Node) -> int:
     return depth
 
 
-def _close(prefetcher: Prefetcher | None, store: TieredStore) -> None:
+def _write_backlog(backlog: WriteBacklog, store: TieredStore, kv: KVStore) -> None:
+    """Copy off the pool and queue, in one copy, the oldest waiting values the write queue
+    has room for; the rest wait (their blocks stay in the pool)."""
+    chunks, dropped = backlog.take(store.space(), store.capacity)
+    store.count_dropped(dropped)
+    if not chunks:
+        return
+    payloads = iter(read_blocks(kv, [n.block_id for chunk in chunks for n in chunk]))
+    store.write_chunks(
+        WRITE_THROUGH,
+        [[TierLoader._pending(n, next(payloads)) for n in chunk] for chunk in chunks],
+    )
+
+
+def _close(
+    prefetcher: Prefetcher | None, store: TieredStore, backlog: WriteBacklog, kv: KVStore
+) -> None:
     if prefetcher is not None:
         prefetcher.close()
+    while len(backlog):  # each round frees the queue, so the next takes a value at least
+        _write_backlog(backlog, store, kv)
+        store.flush()
     store.close()

@@ -65,7 +65,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             )
     if device.type == "cpu":
         keep_step_buffers_in_heap()
-    loaded = load_model(config.model, device=str(device), dtype=dtype)
+    # The RoPE tables sized by the context asked for, not the config's positions (context_length
+    # below refuses a max_model_len past the model's).
+    loaded = load_model(
+        config.model, device=str(device), dtype=dtype, max_positions=config.max_model_len
+    )
     model, hf = loaded.model, loaded.config
     attention = attention_backend(attention_backend_name(config, device))
     triton_deterministic = config.deterministic and attention_backend_name(config, device) == (
