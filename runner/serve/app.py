@@ -193,9 +193,12 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         if first.get("type") == "json_invalid":
             message, param = f"the body is not valid JSON: {first.get('msg')}", None
-        else:
-            param = ".".join(loc) or None
-            message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        elif loc:
+            param = ".".join(loc)
+            message = f"{param}: {first.get('msg')}"
+        else:  # a check of the whole body: its message starts with the field it is about
+            message = str(first.get("msg")).removeprefix("Value error, ")
+            param = field_named(message)
         return JSONResponse(error_body(message, "invalid_request_error", param), 400)
 
     @app.exception_handler(HTTPException)

@@ -118,11 +118,19 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _one_prompt_form(self) -> CompletionRequest:
         if (self.prompt is None) == (self.segments is None):
-            raise ValueError("give prompt or segments (one of them)")
+            raise ValueError("prompt is required (or segments in its place; not both)")
         if self.blend_ratio is not None and self.segments is None:
             raise ValueError("blend_ratio applies to a prompt given as segments")
         if self.segments is not None:
-            SegmentedPrompt.of(self.segments, self.blend_ratio)  # a bad one is a 400 here
+            try:  # a bad one is a 400 here, naming the field
+                SegmentedPrompt.of(self.segments, self.blend_ratio)
+            except ValueError as err:
+                message = str(err)
+                raise ValueError(
+                    message
+                    if message.startswith(("segments", "blend_ratio"))
+                    else f"segments: {err}"
+                ) from err
         return self
 
     def prompts(self) -> list[str | TokenIds | SegmentedPrompt]:

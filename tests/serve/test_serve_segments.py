@@ -61,7 +61,7 @@ def test_segments_through_the_openai_client(serve: ServeFactory, tiny_llama_tok_
         for body, field in (
             ({"segments": []}, "segments is empty"),
             ({"segments": ["a", ""]}, "segment 1 is empty"),
-            ({"segments": ["a", "b"], "prompt": "c"}, "give prompt or segments"),
+            ({"segments": ["a", "b"], "prompt": "c"}, "prompt is required (or segments"),
             ({"segments": ["a", "b"], "blend_ratio": 3}, "blend_ratio"),
             ({"prompt": "a", "blend_ratio": 0.5}, "applies to a prompt given as segments"),
             ({"segments": ["a", "\ud800"]}, "surrogate"),
@@ -72,5 +72,7 @@ def test_segments_through_the_openai_client(serve: ServeFactory, tiny_llama_tok_
                 headers={"content-type": "application/json"},
             )
             assert answer.status_code == 400, (body, answer.text)
-            assert field in answer.json()["error"]["message"], answer.text
+            error = answer.json()["error"]
+            assert field in error["message"], answer.text
+            assert error["param"] in ("segments", "blend_ratio", "prompt"), answer.text
         llm.check_integrity()
