@@ -117,7 +117,7 @@ _OPTIONS = [
         type=click.FloatRange(0.0, 1.0),
         default=DEFAULT_BLEND_RATIO,
         show_default=True,
-        help="Prompts given as segments: the fraction of each reused segment's tokens "
+        help="Prompts given as segments: the fraction of the reused segments' tokens "
         "recomputed with the full context; 1 recomputes all (the plain engine's output), 0 "
         "reuses segments as they are (docs/SEGMENTS.md).",
     ),

@@ -28,7 +28,7 @@ DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 DETERMINISTIC_WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 # What the KV cache may store: the model's dtype ("auto"), or float16 (half the bytes of float32).
 KV_CACHE_DTYPES = ("auto", "float16")
-# Of each reused segment's tokens, the fraction recomputed by default: chosen from the blend
+# Of the reused segments' tokens, the fraction recomputed by default: chosen from the blend
 # bench's table of accuracy against time (docs/SEGMENTS.md).
 DEFAULT_BLEND_RATIO = 0.15
 # vLLM's 8-bit KV caches: refused by name (their rounding would change results; none is here).
@@ -125,7 +125,7 @@ class EngineConfig:
     # schedules and prepares step N+1 while the device runs step N. None: on for CUDA, off on
     # the CPU (where the device is the host: nothing to overlap). Never with speculative tokens.
     async_scheduling: bool | None = None
-    # Prompts given as segments: the fraction of each reused segment's tokens recomputed with
+    # Prompts given as segments: the fraction of the reused segments' tokens recomputed with
     # the full context (runner/engine/step/segments.py). 1 recomputes all: the plain engine.
     blend_ratio: float = DEFAULT_BLEND_RATIO
 

@@ -10,7 +10,7 @@ Placed at position `start` of another prompt it needs two things:
 * the attention to what now precedes it (`blend`), which no cached value holds: selective
   recompute (CacheBlend's idea). Layers 0 .. `select_layer` run for every token of the region,
   writing fresh K/V; at `select_layer` each reused token's fresh values are compared with its
-  placed cached ones, and the `ratio` of each segment's tokens that moved most, with every token
+  placed cached ones, and the `ratio` of the reused tokens that moved most, with every token
   that has no cached K/V, go on through the later layers as single rows (a row of position p
   attends to the region's K/V up to p, fresh where it was recomputed, cached elsewhere). The
   others keep their cached K/V in those layers. The hidden states are dropped: the prompt's
@@ -173,15 +173,16 @@ def _slot_values(v_cache: torch.Tensor, slots: torch.Tensor, kv: KVStore) -> tor
 
 
 def _most_moved(moved: torch.Tensor, segments: list[tuple[int, int]], ratio: float) -> torch.Tensor:
-    """[N] bool: in each segment, the ceil(ratio * its length) tokens whose values moved most
-    (ties to the earlier token, so the pick never depends on the sort's internals)."""
+    """[N] bool: of the segments' tokens together, the ceil(ratio * their count) whose values
+    moved most (ties to the earlier token, so the pick never depends on the sort's internals).
+    Picked across segments, not per segment: a segment placed where its context changed most
+    gets more of the recompute (on the blend bench, 0.063 nats of KL against 0.072 per segment
+    at ratio 0.15, and 0.046 against 0.056 at 0.3)."""
     keep = torch.zeros(moved.shape[0], dtype=torch.bool)
-    for lo, hi in segments:
-        count = min(hi - lo, math.ceil(ratio * (hi - lo)))
-        if count <= 0:
-            continue
-        order = sorted(range(lo, hi), key=lambda j: (-float(moved[j]), j))
-        keep[order[:count]] = True
+    candidates = [j for lo, hi in segments for j in range(lo, hi)]
+    count = min(len(candidates), math.ceil(ratio * len(candidates)))
+    order = sorted(candidates, key=lambda j: (-float(moved[j]), j))
+    keep[order[:count]] = True
     return keep
 
 

@@ -77,7 +77,7 @@ def test_a_segment_is_cached_on_its_second_sighting_and_reused_after(
     stats = llm.stats()
     assert stats["segments_filled"] == 3  # nothing computed alone again
     assert stats["segment_hit_tokens"] == 2 * full_blocks
-    assert 0.25 <= stats["segment_recompute_fraction"] < 0.35  # ceil per segment
+    assert 0.25 <= stats["segment_recompute_fraction"] < 0.27  # ceil(0.25 * tokens)
     assert third.to_record()["reused_segment_tokens"] == full_blocks
     llm.check_integrity()
 

@@ -16,7 +16,7 @@ by its own tokens, so it hits wherever it appears. A request's life with segment
 2. The scheduler computes the prompt up to the region as usual (exact prefix K/V).
 3. `run` (when the prompt is computed up to the region): the cached K/V are placed into the
    request's slots, keys turned to their new positions, then blended (runner/model/blend.py):
-   `blend_ratio` of each reused segment's tokens, those whose K/V moved most, are recomputed
+   `blend_ratio` of the reused tokens, those whose values moved most, are recomputed
    with the full context in every later layer. The readers are let go.
 4. The scheduler computes the rest as usual. K/V past the region's start are approximate, so
    the request never publishes them (`Sequence.exact_limit`): no later prompt can be served
