@@ -52,6 +52,7 @@ class LayerStack(Protocol):
         meta: AttentionMetadata,
         kv: KVStore,
         rope_by_type: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        layers: range | None = None,  # only these consecutive layers (None: all)
     ) -> torch.Tensor: ...
 
 

@@ -27,7 +27,7 @@ import torch
 from kvcache.store import KVStore
 from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
-from runner.model.decoder import CausalLM
+from runner.model.decoder import CausalLM, RopeRows
 from runner.model.decoder_layers import Attention
 from runner.model.layers import apply_rope, rope_inv_freq, rope_parameters
 
@@ -127,40 +127,69 @@ def blend(
     reused = torch.tensor(region.reused, dtype=torch.bool)
     table = torch.tensor(region.block_table, dtype=torch.int64)
     slots = table[positions // bs] * bs + positions % bs
-    whole = AttentionMetadata.build([n], [region.start + n], [region.block_table], bs, device)
     h = model.embed(torch.tensor(region.tokens, dtype=torch.int64, device=device))
-    cos, sin, by_type = model.rope_rows(positions.to(device))
-    select_at = select_layer if ratio > 0 else -1
-    # active: the region-relative indices still computed; None while that is every token.
-    active: torch.Tensor | None = None if ratio > 0 else torch.nonzero(~reused).flatten()
-    recomputed = 0
-    single: AttentionMetadata | None = None
-    for i, layer in enumerate(model.layers):
-        if active is not None and active.numel() == 0:
-            break
-        k_cache, v_cache = kv.layer(i)
-        if active is None:
-            meta, rows = whole, None
+    layers = Layers(model, kv, attention)
+    if ratio <= 0:  # only the tokens without cached K/V, through every layer
+        forced = torch.nonzero(~reused).flatten()
+        if forced.numel():
+            rows = layers.rows(positions[forced], region.block_table)
+            layers.run(h.index_select(0, forced.to(device)), rows, range(model.num_layers))
+        return 0
+    whole = layers.rows(positions, region.block_table, contiguous=True)
+    h = layers.run(h, whole, range(select_layer))
+    _, v_cache = kv.layer(select_layer)
+    before = _slot_values(v_cache, slots, kv)
+    h = layers.run(h, whole, range(select_layer, select_layer + 1))
+    moved = (_slot_values(v_cache, slots, kv) - before).pow(2).sum(-1)
+    keep = _most_moved(moved.cpu(), region.segments, ratio) | ~reused
+    active = torch.nonzero(keep).flatten()
+    rows = layers.rows(positions[active], region.block_table)
+    layers.run(
+        h.index_select(0, active.to(device)), rows, range(select_layer + 1, len(model.layers))
+    )
+    return int((keep & reused).sum())
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Tokens of one prompt run through some layers: their metadata and RoPE rows."""
+
+    meta: AttentionMetadata
+    cos: torch.Tensor
+    sin: torch.Tensor
+    by_type: RopeRows
+
+
+class Layers:
+    """Runs rows through a span of the model's layers: in one call of the backend's layer stack
+    where it takes the store (the CPU's C layers), else layer by layer."""
+
+    def __init__(self, model: CausalLM, kv: KVStore, attention: AttentionBackend) -> None:
+        self.model, self.kv, self.attention = model, kv, attention
+        stack = attention.layers
+        self.stack = stack if stack is not None and stack.takes(kv) else None
+
+    def rows(self, positions: torch.Tensor, table: list[int], contiguous: bool = False) -> Rows:
+        """Rows at these positions of a prompt with this block table: one chunk of consecutive
+        positions (`contiguous`), or any positions, each a row that sees the prompt up to it."""
+        device, bs = self.kv.device, self.kv.block_size
+        if contiguous:
+            n, start = positions.numel(), int(positions[0])
+            meta = AttentionMetadata.build([n], [start + n], [table], bs, device)
         else:
-            rows = active.to(device)
-            if single is None:  # the rows computed from here on are fixed: one metadata
-                single = _single_rows(positions[active], region.block_table, bs, device)
-                h = h.index_select(0, rows) if h.shape[0] != active.numel() else h
-            meta = single
-        c, s = model.layer_rope(i, cos, sin, by_type)
-        if rows is not None:
-            c, s = c.index_select(0, rows), s.index_select(0, rows)
-        if i == select_at:
-            before = _slot_values(v_cache, slots, kv)
-        h = layer(h, c, s, meta, k_cache, v_cache, attention.attend)
-        if i == select_at:
-            moved = (_slot_values(v_cache, slots, kv) - before).pow(2).sum(-1)
-            keep = _most_moved(moved.cpu(), region.segments, ratio) | ~reused
-            recomputed = int((keep & reused).sum())
-            active = torch.nonzero(keep).flatten()
-            h = h.index_select(0, active.to(device))
-            single = _single_rows(positions[active], region.block_table, bs, device)
-    return recomputed
+            meta = _single_rows(positions, table, bs, device)
+        cos, sin, by_type = self.model.rope_rows(positions.to(device))
+        return Rows(meta, cos, sin, by_type)
+
+    def run(self, h: torch.Tensor, rows: Rows, span: range) -> torch.Tensor:
+        if self.stack is not None:
+            return self.stack.run(h, rows.cos, rows.sin, rows.meta, self.kv, rows.by_type, span)
+        for i in span:
+            k_cache, v_cache = self.kv.layer(i)
+            c, s = self.model.layer_rope(i, rows.cos, rows.sin, rows.by_type)
+            layer = self.model.layers[i]
+            h = layer(h, c, s, rows.meta, k_cache, v_cache, self.attention.attend)
+        return h
 
 
 def _slot_values(v_cache: torch.Tensor, slots: torch.Tensor, kv: KVStore) -> torch.Tensor:

@@ -41,6 +41,8 @@ KEPT_SCRATCH_ROWS = 256
 LAYOUTS = ({DecoderLayer}, {PostNormLayer}, {SandwichNormLayer})
 # RoPE tables layers.c reads a step: a model's one, or Gemma 3's two (local and global layers).
 MAX_ROPE_TABLES = 2
+# Sizes of the entries of the per-layer arrays layers.c reads (weights, RoPE tables, windows).
+POINTER_BYTES, INT_BYTES = ctypes.sizeof(ctypes.c_void_p), ctypes.sizeof(ctypes.c_int)
 
 
 class CpuLayers:
@@ -178,11 +180,18 @@ class CpuLayers:
         meta: AttentionMetadata,
         kv: KVStore,
         rope_by_type: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        layers: range | None = None,
     ) -> torch.Tensor:
         """Hidden states after the last layer, [T, H] (before the final norm); writes every
         layer's K/V of the T tokens. `rope_by_type`: cos and sin [T, R] of the layer types with
         tables of their own (CausalLM.rope_by_type, gathered by position), where the model has
-        any. Check `takes` first."""
+        any. `layers`: only these consecutive layers, `h` being the input of the first (a blend
+        runs its rows through part of the stack); None: all. Check `takes` first."""
+        span = range(self.num_layers) if layers is None else layers
+        if not (span.step == 1 and 0 <= span.start and span.stop <= self.num_layers):
+            raise ValueError(f"layers {span} are not consecutive layers of {self.num_layers}")
+        if not span:
+            return h
         rows = h.shape[0]
         group = self.num_heads // self.num_kv_heads
         split = CpuSplit.for_step(meta, True, group, kv.block_size, self.batch_invariant)
@@ -202,13 +211,21 @@ class CpuLayers:
             scratch = torch.empty(need, dtype=torch.float32)
             if rows <= KEPT_SCRATCH_ROWS:
                 self._scratch = scratch
+        first = span.start
+        per_layer = len(self._weights) // self.num_layers
+        # The arrays layers.c reads per layer, from the first layer run: pointers into them.
+        weights = ctypes.addressof(self._weights) + first * per_layer * POINTER_BYTES
+        rope_layers, windows = (
+            None if table is None else ctypes.addressof(table) + first * INT_BYTES
+            for table in (self._rope_layers, self._windows)
+        )
         status = self.kernels.run_layers(
             h.data_ptr(),
             *shape,
             self.head_dim,
-            self._weights,
-            self.num_layers,
-            kv.tensor.data_ptr(),
+            weights,
+            len(span),
+            kv.tensor[first].data_ptr(),
             kv.tensor[0, 0].numel(),  # elements of one layer's keys (or values)
             kv.block_size,
             ctypes.byref(step_split(split)),
@@ -217,8 +234,8 @@ class CpuLayers:
             None if cos2 is None else cos2.data_ptr(),
             None if sin2 is None else sin2.data_ptr(),
             cos.shape[1],  # rotary dims: fewer than head_dim with partial rotary
-            self._rope_layers,
-            self._windows,
+            rope_layers,
+            windows,
             slots.data_ptr(),
             self.eps,
             self.scale,
