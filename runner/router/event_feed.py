@@ -95,7 +95,7 @@ class EventFeed:
     ) -> None:
         endpoints = locate(replica)
         if endpoints is None:
-            raise ValueError(f"{replica.url} reports no KV events endpoint")
+            raise ValueError(f"{replica.name} reports no KV events endpoint")
         self.context, self.replica, self.endpoints = context, replica, endpoints
         self.locate = locate
 
@@ -129,7 +129,7 @@ class EventFeed:
                 try:
                     batch = decode_batch(frames[2])
                 except msgspec.MsgspecError:
-                    log.warning("%s: a KV event batch does not decode", self.replica.url)
+                    log.warning("%s: a KV event batch does not decode", self.replica.name)
                     continue
                 await self._receive(index, int.from_bytes(frames[1], "big"), batch)
         finally:
@@ -225,12 +225,14 @@ class EventFeeds:
             endpoints = self.locate(replica)
             if endpoints is None and replica.info is not None and replica.url not in self._warned:
                 self._warned.add(replica.url)
-                log.warning("%s publishes no KV events: routed by load alone", replica.url)
+                log.warning("%s publishes no KV events: routed by load alone", replica.name)
             if replica.healthy and endpoints is not None:
                 try:
                     await EventFeed(context, replica, self.locate).run()
                 except zmq.ZMQError as err:  # a bad endpoint: tried again next interval
-                    log.warning("%s: KV events: %s", replica.url, err)
+                    log.warning("%s: KV events: %s", replica.name, err)
                 except Exception:  # noqa: BLE001 - one replica's feed must not stop the others
-                    log.exception("%s: KV events: the feed failed; following it again", replica.url)
+                    log.exception(
+                        "%s: KV events: the feed failed; following it again", replica.name
+                    )
             await asyncio.sleep(self.interval_s)

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from kvcache.redaction import redact_url
 from runner.router.event_index import EventIndex
 from runner.router.prefix_index import PrefixIndex
 
@@ -30,7 +31,10 @@ class Replica:
 
     @property
     def name(self) -> str:
-        return self.url
+        """The URL as shown on /router/stats, /metrics and in the logs: a password in it
+        (`http://admin:pw@host`) as `***` (kvcache/redaction.py), since those routes answer
+        without the router's key."""
+        return redact_url(self.url)
 
     @property
     def naming(self) -> BlockNaming | None:
