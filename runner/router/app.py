@@ -180,7 +180,14 @@ def _events_stats(index: PrefixIndex | EventIndex) -> dict[str, Any]:
     """A view fed by KV events: its blocks per medium and the last batch's number."""
     if not isinstance(index, EventIndex):
         return {}
-    return {"kv_events": {"last_seq": index.last_seq, "blocks": index.counts()}}
+    return {
+        "kv_events": {
+            "last_seq": index.last_seq,
+            "blocks": index.counts(),
+            "forgotten_blocks": index.forgotten,  # past its capacity, least recent first
+            "ignored_events": index.ignored,  # of a medium other than GPU, CPU and DISK
+        }
+    }
 
 
 def _passed_back(response: httpx.Response) -> dict[str, str]:

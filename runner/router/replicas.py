@@ -84,7 +84,7 @@ class ReplicaSet:
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
         if kv_events:  # each one's view is built from its KV events (event_feed.py)
             for replica in self.replicas:
-                replica.index = EventIndex()
+                replica.index = EventIndex(name=replica.name)
         self.client = client
         self.interval_s = interval_s
 
