@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 POLL_MS = 100  # how often a quiet feed looks whether its replica's view was replaced
 CHECK_IDLE_S = 1.0  # a replica silent this long is asked for its last batch again
 REPLAY_TIMEOUT_MS = 2000  # a replay that goes this long without a frame is given up
+REPLAY_ROUNDS = 16  # requests one catch-up makes (10,000 kept batches at 1,000 an answer: 10)
 WILDCARDS = ("*", "0.0.0.0", "[::]")
 Batches = list[tuple[int, EventBatch]]
 
@@ -147,10 +148,16 @@ class EventFeed:
             index.apply(seq, batch)
 
     async def _catch_up(self, index: EventIndex, start: int) -> None:
-        """Apply the replay's batches from ``start`` on that the view lacks."""
-        for seq, batch in await self._replay(start) or []:
-            if seq > index.last_seq:
+        """Apply the replay's batches from ``start`` on that the view lacks: asked again from
+        the next number while answers bring new ones (a publisher answers a bounded share a
+        request: runner/kv_events/replay.py), at most REPLAY_ROUNDS times."""
+        for _ in range(REPLAY_ROUNDS):
+            fresh = [(s, b) for s, b in await self._replay(start) or [] if s > index.last_seq]
+            for seq, batch in fresh:
                 index.apply(seq, batch)
+            if not fresh:
+                return
+            start = index.last_seq + 1
 
     async def _check(self, index: EventIndex) -> None:
         """Ask for the last batch applied again: a publisher that does not answer it with the
