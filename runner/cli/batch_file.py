@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from runner.cli.batch_records import RecordsNotWritten, drop_stale, recover, request_hash
+from runner.cli.batch_records import RecordsNotWritten, drop_records, recover, request_hash
 from runner.cli.output_lock import LockedOutput, OutputInUse
 from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.engine.io.validation import check_template_kwargs
@@ -224,7 +224,7 @@ class ResultWriter:
         self._held = LockedOutput(path) if held is None else held
         self._held.taken = True
         try:
-            self.done: dict[str, str | None] = recover(path) if resume else {}
+            recovered = recover(path) if resume else None
             self._held.follow()  # recover may have swapped a new file in: hold that one
             if not resume:  # emptied in place, through a symlink, not unlinked
                 os.ftruncate(self._held.fd, 0)
@@ -233,25 +233,37 @@ class ResultWriter:
                 self._held.close()
             raise
         self._fd = self._held.fd
+        self.done: dict[str, str | None] = recovered.done if recovered else {}
         self.done_ids: set[str] = set(self.done)
-        self.num_records = len(self.done)
+        self.num_records = recovered.records if recovered else 0
         self._stale: set[str] = set()  # done ids whose input line changed: answered again
+        self._old_errors: set[bytes] = recovered.errors if recovered else set()
+        self._errors_again: set[bytes] = set()  # old error records this run made again
         self._opened_size = os.fstat(self._fd).st_size  # the records of earlier runs
 
     def is_stale(self, line: BatchLine) -> bool:
-        """Whether the record kept for a done id answers another request than `line` (its
-        hash differs, or the line no longer parses): the line then runs again, and the old
-        record is dropped when the writer closes. A record without a hash (written before
-        records had one) is trusted."""
+        """Whether the record kept for a done id answers another request than `line` (a line
+        that parses: its hash differs): the line then runs again, and the old record is dropped
+        when the writer closes. A record without a hash (written before records had one) is
+        trusted."""
         kept = self.done.get(line.request_id)
-        if kept is None or (line.error is None and kept == line.request_hash):
+        if kept is None or kept == line.request_hash:
             return False
-        self._stale.add(line.request_id)
-        self.done_ids.discard(line.request_id)
+        self.drop(line.request_id)
         return True
+
+    def drop(self, request_id: str) -> None:
+        """The record kept for `request_id` no longer stands (its line changed, or now fails):
+        it is dropped when the writer closes."""
+        if request_id in self.done_ids:
+            self._stale.add(request_id)
+            self.done_ids.discard(request_id)
 
     def write(self, record: dict[str, Any]) -> None:
         data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        if data in self._old_errors:  # the same error as the last run's: its record stays
+            self._errors_again.add(data)
+            return
         end = os.lseek(self._fd, 0, os.SEEK_END)
         try:
             view = memoryview(data)
@@ -265,9 +277,10 @@ class ResultWriter:
         self.num_records += 1
 
     def close(self) -> None:
-        if self._stale:  # their new records are in: the old ones go (a crash first: recover)
-            with contextlib.suppress(OSError):  # a full disk: the next --resume drops them
-                drop_stale(self.path, self._opened_size, self._stale)  # still locked
+        gone = self._old_errors - self._errors_again  # lines that now run, or fail otherwise
+        if self._stale or gone:  # their new records are in: the old ones go (a crash first:
+            with contextlib.suppress(OSError):  # recover); a full disk: the next --resume
+                drop_records(self.path, self._opened_size, self._stale, gone)  # still locked
             with contextlib.suppress(OSError, OutputInUse):  # our records are all written
                 self._held.follow()  # the rewritten file stays held until the run ends
         if self._own_lock:

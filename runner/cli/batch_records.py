@@ -14,12 +14,15 @@ import dataclasses
 import errno
 import json
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import xxhash
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_HASH = re.compile(r"[0-9a-f]{16}")
 
 
 class LineRequest(Protocol):
@@ -75,36 +78,76 @@ class RecordsNotWritten(Exception):
         )
 
 
-def recover(path: Path) -> dict[str, str | None]:
-    """The ids already answered in `path`, each with its record's request hash (None for a
-    record written before records carried one). Cuts a last line that a crash left half
-    written, drops error records (their lines run again: an input line fixed since, a failed
-    engine step), and of two records of one id keeps the later (an answer to a changed line,
-    written before the run that made it could drop the old one)."""
+@dataclass
+class Recovered:
+    """What an OUTPUT holds for --resume."""
+
+    done: dict[str, str | None]  # each answered id: its record's hash (see recover)
+    errors: set[bytes]  # the error records' lines, each with its newline
+    records: int  # the records in the file, answers and errors
+
+
+def valid_hash(value: object) -> bool:
+    """Whether `value` is a request hash as request_hash writes it (16 lowercase hex digits)."""
+    return isinstance(value, str) and _HASH.fullmatch(value) is not None
+
+
+def recover(path: Path) -> Recovered:
+    """What `path` already holds. Cuts a last line that a crash left half written and lines
+    that are not records, and of two answers of one id keeps the later (an answer to a changed
+    line, written before the run that made it could drop the old one), unless the earlier has a
+    valid request hash and the later has none: a record this program did not write never
+    replaces one it did. Error records stay in place (their lines run again: an input line
+    fixed since, a failed engine step; the writer drops those that this run does not write
+    again, so a run that changes nothing leaves the file as it was).
+
+    Each answer's hash is None for a record without one (written before records carried one:
+    trusted), "" for one whose hash is not valid (it matches no line: its line runs again)."""
     data = path.read_bytes()
     keep = data.rfind(b"\n") + 1
-    last: dict[str, tuple[bytes, str | None]] = {}
-    for raw in data[:keep].splitlines(keepends=True):
+    answers: dict[str, tuple[int, str | None]] = {}
+    lines: dict[int, bytes] = {}
+    errors: set[bytes] = set()
+    for index, raw in enumerate(data[:keep].splitlines(keepends=True)):
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, RecursionError, UnicodeDecodeError):
             continue
-        if isinstance(record, dict) and "id" in record and "error" not in record:
-            request_id = str(record["id"])
-            last.pop(request_id, None)  # re-inserted: the file's order is the later record's
-            kept_hash = record.get("request_hash")
-            last[request_id] = (raw, kept_hash if isinstance(kept_hash, str) else None)
-    kept = b"".join(raw for raw, _ in last.values())
+        if not isinstance(record, dict) or "id" not in record:
+            continue
+        if "error" in record:
+            if raw not in errors:  # one copy of a record written twice
+                errors.add(raw)
+                lines[index] = raw
+            continue
+        request_id = str(record["id"])
+        given = record.get("request_hash")
+        kept_hash = None if "request_hash" not in record else given if valid_hash(given) else ""
+        earlier = answers.get(request_id)
+        if earlier is not None:
+            if valid_hash(earlier[1]) and not valid_hash(kept_hash):
+                continue  # dropped: the earlier record, hashed, stays
+            del lines[earlier[0]]
+        answers[request_id] = (index, kept_hash)
+        lines[index] = raw
+    kept = b"".join(lines[index] for index in sorted(lines))
     if kept != data:
         rewrite(path, kept)
-    return {request_id: kept_hash for request_id, (_, kept_hash) in last.items()}
+    done = {request_id: kept_hash for request_id, (_, kept_hash) in answers.items()}
+    return Recovered(done, errors, len(lines))
 
 
-def drop_stale(path: Path, before: int, stale: set[str]) -> None:
-    """Drop from `path` the records of `stale` ids among its first `before` bytes (what the
-    file held when this run opened it): each of those ids has a newer record after them."""
+def drop_records(path: Path, before: int, stale: set[str], lines: set[bytes]) -> None:
+    """Drop from `path`, among its first `before` bytes (what the file held when this run opened
+    it), the records of `stale` ids (each of those ids has a newer record after them, or its
+    line now fails) and the records that are `lines` (error records this run did not write
+    again)."""
     data = path.read_bytes()
-    head = [raw for raw in data[:before].splitlines(keepends=True) if _record_id(raw) not in stale]
+    head = [
+        raw
+        for raw in data[:before].splitlines(keepends=True)
+        if raw not in lines and _record_id(raw) not in stale
+    ]
     rewrite(path, b"".join(head) + data[before:])
 
 

@@ -83,11 +83,23 @@ class BatchRun:
                 print(f"error: cannot read {input_path}: {err}", file=sys.stderr)
                 return 2
             is_text = input_path.endswith(".txt")
+            failed_ids: set[str] = set()  # ids of lines that fail: their records may go
             for line_no, text, error in read_lines(stream, is_text):
                 if error:
-                    self._fail(writer, unreadable_line(line_no, text, error, is_text))
+                    line = unreadable_line(line_no, text, error, is_text)
+                else:
+                    line = parse_line(line_no, text, self.defaults, is_text)
+                # An id belongs to its first line that parses, in a fresh run as on resume: a
+                # later line of that id is an error, whatever OUTPUT holds for the id.
+                if line.error is None and line.request_id in line_of:
+                    line.error = self._repeat_error(line, line_of[line.request_id], given_ids)
+                if line.error is not None:
+                    failed_ids.add(line.request_id)
+                    self._fail(writer, line)
                     continue
-                line = parse_line(line_no, text, self.defaults, is_text)
+                line_of[line.request_id] = line_no
+                if line.id_given:
+                    given_ids.add(line.request_id)
                 if line.request_id in writer.done_ids:
                     if not writer.is_stale(line):
                         self.num_skipped += 1
@@ -99,19 +111,17 @@ class BatchRun:
                         "running it again",
                         file=sys.stderr,
                     )
-                if line.error is None and line.request_id in line_of:
-                    line.error = self._repeat_error(line, line_of[line.request_id], given_ids)
-                if line.error is not None:
-                    self._fail(writer, line)
-                    continue
-                line_of[line.request_id] = line_no
                 self._hash_of[line.request_id] = line.request_hash
-                if line.id_given:
-                    given_ids.add(line.request_id)
                 if self.beam_width:
                     self.beam_lines.append(line)
                 else:
                     self._submit(writer, line)
+            for request_id in sorted(failed_ids.intersection(writer.done_ids) - line_of.keys()):
+                writer.drop(request_id)  # its only line fails now: the old answer goes
+                print(
+                    f"id {request_id!r}: its record in {output} is dropped: its line now fails",
+                    file=sys.stderr,
+                )
             total = len(self.beam_lines) or self.num_queued
             bar = tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
             stack.callback(bar.close)
@@ -248,6 +258,9 @@ class PrintWriter:
 
     def is_stale(self, line: BatchLine) -> bool:
         return False  # nothing was done before: there is no record to be stale
+
+    def drop(self, request_id: str) -> None:
+        pass  # nothing was done before: there is no record to drop
 
     def write(self, record: dict[str, Any]) -> None:
         if "error" in record:

@@ -4,8 +4,9 @@ The engine's thread only appends events to a bounded queue (``blocks_stored`` an
 ``blocks_removed`` are called inside a step, under the engine's lock); the publisher's thread
 takes whatever has queued, every ``FLUSH_S`` or sooner, as one ``EventBatch``, numbers it, sends
 it on the PUB socket and keeps it in a ring of the last ``buffer_steps`` batches. A subscriber
-that sees a gap in the numbers asks the replay socket (ROUTER) for the batches from a number
-on: it answers each as ``[seq, payload]`` and ends with ``[-1, b""]``, as vLLM's does. A queue
+that sees a gap in the numbers asks the replay socket (ROUTER, runner/kv_events/replay.py) for
+the batches from a number on: it answers each as ``[seq, payload]`` and ends with ``[-1, b""]``,
+as vLLM's does, a bounded share of them per request. A queue
 past ``max_queue_size`` drops its oldest events and the next batch's number skips one, so the
 subscriber learns of the loss instead of holding a wrong view without knowing.
 """
@@ -22,6 +23,7 @@ import zmq
 
 from kvcache.radix_tree import Node
 from runner.kv_events.config import KVEventsConfig
+from runner.kv_events.replay import ReplaySocket
 from runner.kv_events.schema import (
     MEDIUM_POOL,
     AllBlocksCleared,
@@ -35,7 +37,6 @@ from runner.kv_events.schema import (
 log = logging.getLogger(__name__)
 
 FLUSH_S = 0.005  # the longest an event waits in the queue while the thread is idle
-END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last frame's number
 
 
 def stored_events(nodes: list[Node], block_size: int, medium: str) -> list[BlockStored]:
@@ -125,12 +126,11 @@ class KVEventPublisher:
         else:
             self._pub.connect(config.endpoint)
             self.endpoint = config.endpoint
-        self._replay: zmq.Socket[bytes] | None = None
+        self._replay: ReplaySocket | None = None
         self.replay_endpoint: str | None = None
         if config.replay_endpoint:
-            self._replay = self._context.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self.replay_endpoint = _bind(self._replay, config.replay_endpoint)
+            self._replay = ReplaySocket(self._context)
+            self.replay_endpoint = _bind(self._replay.socket, config.replay_endpoint)
         # A fresh engine holds nothing: a subscriber that knew an earlier process on this
         # endpoint (a restarted replica) forgets what that one held.
         self._enqueue([AllBlocksCleared()])
@@ -181,12 +181,12 @@ class KVEventPublisher:
     def _run(self) -> None:
         poller = zmq.Poller()
         if self._replay is not None:
-            poller.register(self._replay, zmq.POLLIN)
+            poller.register(self._replay.socket, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 if self._replay is not None:
                     if poller.poll(int(FLUSH_S * 1000)):
-                        self._answer_replay()
+                        self._replay.answer(self._ring)
                 else:
                     self._wake.wait(FLUSH_S)
                 self._wake.clear()
@@ -212,20 +212,6 @@ class KVEventPublisher:
         seq_bytes = seq.to_bytes(8, "big")
         self._ring.append((seq, payload))
         self._pub.send_multipart([self.config.topic.encode(), seq_bytes, payload])
-
-    def _answer_replay(self) -> None:
-        """One replay request: ``[identity, b"", start]`` from a REQ socket or
-        ``[identity, start]`` from a DEALER; any other shape gets the end marker alone."""
-        assert self._replay is not None
-        frames = self._replay.recv_multipart()
-        head = frames[:2] if len(frames) == 3 and frames[1] == b"" else frames[:1]
-        start_bytes = frames[-1] if len(frames) in (2, 3) else b""
-        start = int.from_bytes(start_bytes, "big") if len(start_bytes) == 8 else None
-        if start is not None:
-            for seq, payload in list(self._ring):
-                if seq >= start:
-                    self._replay.send_multipart([*head, seq.to_bytes(8, "big"), payload])
-        self._replay.send_multipart([*head, END_SEQ, b""])
 
     def close(self) -> None:
         """Send what is queued and stop; the sockets are closed. Idempotent."""

@@ -14,6 +14,10 @@ import msgspec
 # The medium vLLM names its engine's own KV pool by (the device pool, even on its CPU build);
 # a subscriber weighs a hit by where the block lives, so this engine's pool says the same.
 MEDIUM_POOL = "GPU"
+MEDIUM_HOST = "CPU"  # the host tier (vLLM's CPU offloading says "CPU")
+MEDIUM_DISK = "DISK"  # the disk tier
+MEDIA = (MEDIUM_POOL, MEDIUM_HOST, MEDIUM_DISK)  # what this engine publishes; a subscriber
+# that keeps a view per medium keeps these alone (a medium name is the publisher's to invent)
 
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):

@@ -16,10 +16,17 @@ from collections.abc import Callable, Sequence
 
 from kvcache.hashing import TOKEN_BYTES, unpack_tokens
 from kvcache.tiers.block_value import Link, value_links
-from runner.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from runner.kv_events.schema import (
+    MEDIUM_DISK,
+    MEDIUM_HOST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+)
 
 # Each tier's medium, as a subscriber reads it.
-MEDIA = {"host": "CPU", "disk": "DISK"}
+MEDIA = {"host": MEDIUM_HOST, "disk": MEDIUM_DISK}
 Publish = Callable[[Sequence[Event]], None]
 
 

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+from kvcache.redaction import redact_url
 from runner.router.bodies import read_body
 from runner.router.event_feed import Endpoints, EventFeeds
 from runner.router.event_index import EventIndex
@@ -59,7 +60,8 @@ class Router:
         }
         unknown = sorted(set(given) - {r.url for r in self.replicas.replicas})
         if unknown:
-            raise ValueError(f"--kv-events-endpoint names no --replica: {', '.join(unknown)}")
+            named = ", ".join(redact_url(url) for url in unknown)
+            raise ValueError(f"--kv-events-endpoint names no --replica: {named}")
         self.feeds = EventFeeds(self.replicas.replicas, settings.health_interval_s, given)
         self.client = client
         self.timeouts = Timeouts.of(settings)
@@ -104,7 +106,7 @@ class Router:
                 tried.add(replica.url)
                 self.metrics.retries.inc()
                 continue
-            self.metrics.routed.labels(replica=replica.url, reason=route.reason).inc()
+            self.metrics.routed.labels(replica=replica.name, reason=route.reason).inc()
             self.reasons[route.reason] = self.reasons.get(route.reason, 0) + 1
             return await relay(
                 response, sent_at, self.timeouts, self._hooks(work), _passed_back(response)
@@ -161,7 +163,7 @@ class Router:
             "reasons": dict(self.reasons),
             "replicas": [
                 {
-                    "url": r.url,
+                    "url": r.name,
                     "healthy": r.healthy,
                     "in_flight": r.in_flight,
                     "sent": r.sent,
@@ -178,7 +180,14 @@ def _events_stats(index: PrefixIndex | EventIndex) -> dict[str, Any]:
     """A view fed by KV events: its blocks per medium and the last batch's number."""
     if not isinstance(index, EventIndex):
         return {}
-    return {"kv_events": {"last_seq": index.last_seq, "blocks": index.counts()}}
+    return {
+        "kv_events": {
+            "last_seq": index.last_seq,
+            "blocks": index.counts(),
+            "forgotten_blocks": index.forgotten,  # past its capacity, least recent first
+            "ignored_events": index.ignored,  # of a medium other than GPU, CPU and DISK
+        }
+    }
 
 
 def _passed_back(response: httpx.Response) -> dict[str, str]:

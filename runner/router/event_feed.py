@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 POLL_MS = 100  # how often a quiet feed looks whether its replica's view was replaced
 CHECK_IDLE_S = 1.0  # a replica silent this long is asked for its last batch again
 REPLAY_TIMEOUT_MS = 2000  # a replay that goes this long without a frame is given up
+REPLAY_ROUNDS = 16  # requests one catch-up makes (10,000 kept batches at 1,000 an answer: 10)
 WILDCARDS = ("*", "0.0.0.0", "[::]")
 Batches = list[tuple[int, EventBatch]]
 
@@ -95,7 +96,7 @@ class EventFeed:
     ) -> None:
         endpoints = locate(replica)
         if endpoints is None:
-            raise ValueError(f"{replica.url} reports no KV events endpoint")
+            raise ValueError(f"{replica.name} reports no KV events endpoint")
         self.context, self.replica, self.endpoints = context, replica, endpoints
         self.locate = locate
 
@@ -129,7 +130,7 @@ class EventFeed:
                 try:
                     batch = decode_batch(frames[2])
                 except msgspec.MsgspecError:
-                    log.warning("%s: a KV event batch does not decode", self.replica.url)
+                    log.warning("%s: a KV event batch does not decode", self.replica.name)
                     continue
                 await self._receive(index, int.from_bytes(frames[1], "big"), batch)
         finally:
@@ -147,10 +148,16 @@ class EventFeed:
             index.apply(seq, batch)
 
     async def _catch_up(self, index: EventIndex, start: int) -> None:
-        """Apply the replay's batches from ``start`` on that the view lacks."""
-        for seq, batch in await self._replay(start) or []:
-            if seq > index.last_seq:
+        """Apply the replay's batches from ``start`` on that the view lacks: asked again from
+        the next number while answers bring new ones (a publisher answers a bounded share a
+        request: runner/kv_events/replay.py), at most REPLAY_ROUNDS times."""
+        for _ in range(REPLAY_ROUNDS):
+            fresh = [(s, b) for s, b in await self._replay(start) or [] if s > index.last_seq]
+            for seq, batch in fresh:
                 index.apply(seq, batch)
+            if not fresh:
+                return
+            start = index.last_seq + 1
 
     async def _check(self, index: EventIndex) -> None:
         """Ask for the last batch applied again: a publisher that does not answer it with the
@@ -225,12 +232,14 @@ class EventFeeds:
             endpoints = self.locate(replica)
             if endpoints is None and replica.info is not None and replica.url not in self._warned:
                 self._warned.add(replica.url)
-                log.warning("%s publishes no KV events: routed by load alone", replica.url)
+                log.warning("%s publishes no KV events: routed by load alone", replica.name)
             if replica.healthy and endpoints is not None:
                 try:
                     await EventFeed(context, replica, self.locate).run()
                 except zmq.ZMQError as err:  # a bad endpoint: tried again next interval
-                    log.warning("%s: KV events: %s", replica.url, err)
+                    log.warning("%s: KV events: %s", replica.name, err)
                 except Exception:  # noqa: BLE001 - one replica's feed must not stop the others
-                    log.exception("%s: KV events: the feed failed; following it again", replica.url)
+                    log.exception(
+                        "%s: KV events: the feed failed; following it again", replica.name
+                    )
             await asyncio.sleep(self.interval_s)

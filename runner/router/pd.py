@@ -259,7 +259,7 @@ class PDRouter:
     def stats(self) -> dict[str, Any]:
         def workers(rs: ReplicaSet) -> list[dict[str, Any]]:
             return [
-                {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "sent": r.sent}
+                {"url": r.name, "healthy": r.healthy, "in_flight": r.in_flight, "sent": r.sent}
                 for r in rs.replicas
             ]
 

@@ -124,9 +124,13 @@ class CacheAware:
     def choose(self, candidates: list[Replica], hashes_of: HashesOf) -> Route:
         prompts = [hashes_of(r) for r in candidates]
         matches = [self._matched(r, h) for r, h in zip(candidates, prompts, strict=True)]
-        blocks = [len(h) for h in prompts]
+        # The prompt's blocks as the first replica whose naming is known sees them; one whose
+        # naming is not (no hashes: its /kvcache/info lacks a usable fingerprint or block
+        # size) holds no known prefix: the whole prompt is its to compute, not nothing.
+        known = next((h for h in prompts if h), [])
+        blocks = [len(h) if h else len(known) for h in prompts]
         # Block i's cost to a replica without it: 1 / (conversations sharing it).
-        costs = [1.0 / k for k in self.shared.observe(prompts[0])]
+        costs = [1.0 / k for k in self.shared.observe(known)]
         missing = [
             sum(costs[m:]) if len(costs) == n else n - m
             for m, n in zip(matches, blocks, strict=True)

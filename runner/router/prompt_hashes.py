@@ -11,7 +11,7 @@ from typing import Any
 
 from kvcache import block_hashes, namespace_root
 from runner.engine.io.validation import render_chat
-from runner.router.replicas import Replica
+from runner.router.replicas import BlockNaming, Replica
 from runner.serve.protocol import ChatMessage
 
 
@@ -48,14 +48,14 @@ class PromptHasher:
             return None
         return None
 
-    def hashes(self, token_ids: list[int], info: dict[str, Any], cache_salt: Any) -> list[int]:
-        """The chained hashes of the prompt's full blocks on a replica described by `info`
-        (its /kvcache/info)."""
+    def hashes(self, token_ids: list[int], naming: BlockNaming, cache_salt: Any) -> list[int]:
+        """The chained hashes of the prompt's full blocks on a replica that names its blocks
+        by `naming`."""
         salt = cache_salt if isinstance(cache_salt, str) else None
-        key = (str(info["fingerprint"]), salt)
+        key = (naming.fingerprint, salt)
         if key not in self._roots:
             self._roots[key] = namespace_root(key[0], salt)
-        return block_hashes(token_ids, int(info["block_size"]), self._roots[key])
+        return block_hashes(token_ids, naming.block_size, self._roots[key])
 
 
 def replica_hashes(
@@ -63,14 +63,15 @@ def replica_hashes(
 ) -> Callable[[Replica], list[int]]:
     """A replica -> the prompt's block hashes as it names them (computed once per replica:
     replicas may name blocks otherwise); [] where the prompt or the replica's naming is not
-    known."""
+    known (a replica without a usable fingerprint and block size holds no known prefix)."""
     hashes: dict[str, list[int]] = {}
 
     def hashes_of(replica: Replica) -> list[int]:
-        if token_ids is None or hasher is None or replica.info is None:
+        naming = replica.naming
+        if token_ids is None or hasher is None or naming is None:
             return []
         if replica.url not in hashes:
-            hashes[replica.url] = hasher.hashes(token_ids, replica.info, cache_salt)
+            hashes[replica.url] = hasher.hashes(token_ids, naming, cache_salt)
         return hashes[replica.url]
 
     return hashes_of
@@ -78,9 +79,11 @@ def replica_hashes(
 
 async def load_prompt_hasher(path: str | None, replicas: Sequence[Replica]) -> PromptHasher | None:
     """A hasher with the prompts' tokenizer: ``path`` (--tokenizer), else the folder the first
-    replica that answered reports for its model (same machine); None while none has."""
+    replica that answered with a usable naming reports for its model (same machine); None
+    while none has."""
     if path is None:
-        path = next((r.info["model_path"] for r in replicas if r.info), None)
+        reported = (r.info.get("model_path") for r in replicas if r.info and r.naming)
+        path = next((p for p in reported if isinstance(p, str) and p), None)
     if path is None:
         return None
     from transformers import AutoTokenizer

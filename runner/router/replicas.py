@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from kvcache.redaction import redact_url
 from runner.router.event_index import EventIndex
 from runner.router.prefix_index import PrefixIndex
 
@@ -30,7 +31,39 @@ class Replica:
 
     @property
     def name(self) -> str:
-        return self.url
+        """The URL as shown on /router/stats, /metrics and in the logs: a password in it
+        (`http://admin:pw@host`) as `***` (kvcache/redaction.py), since those routes answer
+        without the router's key."""
+        return redact_url(self.url)
+
+    @property
+    def naming(self) -> BlockNaming | None:
+        """How it names its cache blocks, or None while that is not known (its info not read
+        yet, or lacking a usable fingerprint or block size: it is then counted as holding no
+        known prefix)."""
+        return block_naming(self.info)
+
+
+@dataclass(frozen=True)
+class BlockNaming:
+    """What a replica's block hashes depend on: its model fingerprint and block size."""
+
+    fingerprint: str
+    block_size: int
+
+
+def block_naming(info: dict[str, Any] | None) -> BlockNaming | None:
+    """The naming a replica's /kvcache/info gives: a non-empty fingerprint string and a
+    positive integer block size; None for anything else (a replica that leaves them out or
+    gives `block_size: 0` must not fail the requests routed among it and the others). Pure."""
+    if info is None:
+        return None
+    fingerprint, block_size = info.get("fingerprint"), info.get("block_size")
+    if not isinstance(fingerprint, str) or not fingerprint:
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        return None
+    return BlockNaming(fingerprint, block_size)
 
 
 class ReplicaSet:
@@ -51,7 +84,7 @@ class ReplicaSet:
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
         if kv_events:  # each one's view is built from its KV events (event_feed.py)
             for replica in self.replicas:
-                replica.index = EventIndex()
+                replica.index = EventIndex(name=replica.name)
         self.client = client
         self.interval_s = interval_s
 
@@ -93,7 +126,9 @@ class ReplicaSet:
             if ok and not replica.healthy:
                 resp = await self.client.get(f"{url}/kvcache/info", timeout=HEALTH_TIMEOUT_S)
                 info = resp.json() if resp.is_success else None
-                if _naming(info) != _naming(replica.info):
+                if not isinstance(info, dict):  # a list, a number: nothing known of it
+                    info = None
+                if block_naming(info) != replica.naming:
                     replica.index = replica.index.emptied()
                 replica.info = info
         except httpx.TimeoutException:
@@ -110,8 +145,3 @@ class ReplicaSet:
         while True:
             await asyncio.sleep(self.interval_s)
             await self.check_all()
-
-
-def _naming(info: dict[str, Any] | None) -> tuple[Any, Any]:
-    """What a replica's block hashes depend on."""
-    return (None, None) if info is None else (info.get("fingerprint"), info.get("block_size"))

@@ -20,8 +20,9 @@ def prompts(path: Path, firsts: list[int]) -> Path:
     return path
 
 
-def answers(path: Path) -> dict[str, list[int]]:
-    records = [json.loads(line) for line in path.read_text().splitlines()]
+def answers(path: Path | list[str]) -> dict[str, list[int]]:
+    lines = path if isinstance(path, list) else path.read_text().splitlines()
+    records = [json.loads(line) for line in lines]
     ids = [r["id"] for r in records]
     assert len(ids) == len(set(ids)), f"an id written twice: {ids}"
     return {r["id"]: r["token_ids"] for r in records}
@@ -60,10 +61,12 @@ def test_of_two_records_of_an_id_the_later_is_kept(tmp_path: Path) -> None:
 
     out = tmp_path / "out.jsonl"
     out.write_text(
-        '{"id": "1", "token_ids": [1], "request_hash": "old"}\n'
-        '{"id": "2", "token_ids": [2], "request_hash": "two"}\n'
-        '{"id": "1", "token_ids": [3], "request_hash": "new"}\n'
+        '{"id": "1", "token_ids": [1], "request_hash": "00000000000000a1"}\n'
+        '{"id": "2", "token_ids": [2], "request_hash": "00000000000000b2"}\n'
+        '{"id": "1", "token_ids": [3], "request_hash": "00000000000000a3"}\n'
         '{"id": "2", "error": "failed"}\n'
     )
-    assert recover(out) == {"1": "new", "2": "two"}
-    assert answers(out) == {"2": [2], "1": [3]}
+    recovered = recover(out)
+    assert recovered.done == {"1": "00000000000000a3", "2": "00000000000000b2"}
+    assert recovered.errors == {b'{"id": "2", "error": "failed"}\n'}  # kept until it runs again
+    assert answers(out.read_text().splitlines()[:2]) == {"2": [2], "1": [3]}

@@ -62,15 +62,15 @@ def test_a_restarted_replica_empties_its_view(tiny_llama_dir: Path) -> None:
         try:
             prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, i] for i in range(20, 26)]
             await asyncio.to_thread(first.generate, prompts, params)
-            await until(lambda: index.media.get("GPU") == engine_hashes(first) != set())
+            await until(lambda: index.blocks("GPU") == engine_hashes(first) != set())
             first.kv_events.close()
             second = await asyncio.to_thread(engine, tiny_llama_dir, ports)
             assert second.kv_events is not None
             # Its AllBlocksCleared (number 0) went out as it started, before the SUB socket
             # reconnected: the feed's idle check finds the publisher started over.
-            await until(lambda: not index.media.get("GPU"))
+            await until(lambda: not index.blocks("GPU"))
             await asyncio.to_thread(second.generate, [[40, 41, 42, 43, 44, 45]], params)
-            await until(lambda: index.media.get("GPU") == engine_hashes(second) != set())
+            await until(lambda: index.blocks("GPU") == engine_hashes(second) != set())
             second.kv_events.close()
         finally:
             feed.cancel()
@@ -85,7 +85,7 @@ def test_a_gap_in_the_numbers_is_replayed() -> None:
     the replay socket before the batch that showed the gap is applied."""
     from runner.kv_events.config import KVEventsConfig
     from runner.kv_events.publisher import KVEventPublisher
-    from runner.kv_events.schema import BlockStored
+    from runner.kv_events.schema import BlockRemoved, BlockStored, EventBatch
 
     config = KVEventsConfig(True, endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
     publisher = KVEventPublisher(config, block_size=1)
@@ -106,19 +106,18 @@ def test_a_gap_in_the_numbers_is_replayed() -> None:
                 publisher.publish(store(h))
                 await until(lambda h=h: publisher.next_seq == h - 99)
             await feed._catch_up(index, 0)
-            assert index.last_seq == 4 and index.media["GPU"] == {101, 102, 103, 104}
+            assert index.last_seq == 4 and index.blocks("GPU") == {101, 102, 103, 104}
             index.restart()
             await feed._catch_up(index, 0)  # up to number 1 only, as if the rest were missed
-            for seq in range(2, 5):
-                index.media["GPU"].discard(100 + seq)
-            index.last_seq = 1
+            missed = BlockRemoved([102, 103, 104], "GPU")  # as if numbers 2..4 never came
+            index.apply(1, EventBatch(ts=index.last_ts, events=[missed]))
             publisher.publish(store(105))  # number 5: numbers 2..4 are a gap
             await until(lambda: publisher.next_seq == 6)
             replayed = await feed._replay(5)
             assert replayed is not None and [seq for seq, _ in replayed] == [5]
             await feed._receive(index, 5, replayed[0][1])
             assert index.last_seq == 5
-            assert index.media["GPU"] == {101, 102, 103, 104, 105}
+            assert index.blocks("GPU") == {101, 102, 103, 104, 105}
         finally:
             context.destroy(linger=0)
             publisher.close()

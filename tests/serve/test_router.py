@@ -106,7 +106,7 @@ def test_cache_aware_routes_by_the_engines_block_hashes(replica_llms: list[LLM])
             ]
             assert len(cached) == 1  # each replica holds one of the two prefixes
             ids = router_state.hasher.token_ids("/v1/completions", {"prompt": cached[0]})
-            hashes = router_state.hasher.hashes(ids, replica.info, None)
+            hashes = router_state.hasher.hashes(ids, replica.naming, None)
             assert replica.index.match(hashes) == len(hashes) > 0
 
 

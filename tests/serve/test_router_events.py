@@ -90,7 +90,7 @@ def view(router: LiveServer, i: int, medium: str = "GPU") -> set[int]:
     assert isinstance(index, EventIndex)
     for _ in range(100):
         try:
-            return set(index.media.get(medium, set()))
+            return index.blocks(medium)
         except RuntimeError:  # changed size while copied
             time.sleep(0.01)
     raise AssertionError("the view never held still")
