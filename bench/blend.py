@@ -32,7 +32,7 @@ from runner.attention.metadata import AttentionMetadata
 from runner.engine.api.interface import ForwardParts
 from runner.model.blend import BlendRegion, Placement, blend, place
 
-RATIOS = (0.0, 0.05, 0.15, 0.3, 1.0)
+RATIOS = (0.0, 0.05, 0.15, 0.2, 0.3, 1.0)
 ANSWER_TOKENS = 32
 FIRST, LAST = 100, 100  # the stream's queries compared: its first and its last
 
