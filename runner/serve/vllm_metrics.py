@@ -123,6 +123,14 @@ class VllmMetrics:
         self.gpu_usage = gauge(
             "vllm:gpu_cache_usage_perc", "Deprecated by vLLM: vllm:kv_cache_usage_perc"
         )
+        # vLLM V0's swap space, which older dashboards still query: this engine preempts by
+        # recompute and never swaps, so both read 0 (its host tier is a cache, not swap space).
+        self.swapped = gauge("vllm:num_requests_swapped", "Requests swapped out (never: 0)")
+        self.cpu_usage = gauge(
+            "vllm:cpu_cache_usage_perc", "CPU swap space in use (0 to 1; no swap space: 0)"
+        )
+        self.swapped.set(0)
+        self.cpu_usage.set(0.0)
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
         )

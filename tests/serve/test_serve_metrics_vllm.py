@@ -38,6 +38,8 @@ DASHBOARD_SERIES = [
     "vllm:generation_tokens_total",
     "vllm:request_success_total",
     "vllm:cache_config_info",
+    "vllm:num_requests_swapped",  # vLLM V0's, which older dashboards query: 0 here
+    "vllm:cpu_cache_usage_perc",
 ]
 HISTOGRAMS = [
     "vllm:time_to_first_token_seconds",
@@ -181,6 +183,9 @@ def test_vllm_series_count_every_request(small_server: LiveServer) -> None:
     for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
         assert value(samples, name) == 0.0  # idle: every block free or only cached
     assert value(samples, "vllm:num_requests_running") == 0
+    # Preempted requests were recomputed, never swapped out: no swap space, none in use.
+    assert value(samples, "vllm:num_requests_swapped") == 0
+    assert value(samples, "vllm:cpu_cache_usage_perc") == 0.0
     info = samples["vllm:cache_config_info"][0]
     assert info.value == 1 and info.labels["block_size"] == "16"
     assert info.labels["num_gpu_blocks"] == str(POOL_BLOCKS)
