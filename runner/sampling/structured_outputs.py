@@ -78,11 +78,11 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple[str, str]:
-        """(kind, spec text): what a compiled grammar is cached under."""
+        """(kind, spec text): what a compiled grammar is cached under. A schema's text keeps
+        its properties' order: the answer's object follows it, as vLLM's does (a record's
+        readers expect the schema's order, not the alphabet's)."""
         if self.json is not None:
-            spec = (
-                self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
-            )
+            spec = self.json if isinstance(self.json, str) else json.dumps(self.json)
             return "json", spec
         if self.json_object:
             return "json_object", ""

@@ -228,3 +228,23 @@ def test_an_engine_without_structured_requests_never_imports_xgrammar(
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip().splitlines()[-1] == "False", result.stderr
+
+
+def test_an_answer_keeps_the_schemas_property_order(default_llm: LLM) -> None:
+    """Properties come out in the schema's order, as vLLM's do (before: alphabetical, the
+    schema having been serialised with sorted keys); the same properties in another order are
+    another grammar."""
+    llm = default_llm
+    orders = (["zeta", "alpha", "mid"], ["alpha", "mid", "zeta"])
+    for order in orders:
+        schema = {
+            "type": "object",
+            "properties": {name: {"type": "integer"} for name in order},
+            "required": order,
+            "additionalProperties": False,
+        }
+        spec = StructuredOutputsParams(json=schema)
+        params = SamplingParams(max_tokens=200, temperature=0, structured_outputs=spec)
+        out = llm.generate(["Three numbers as a JSON object: "], params)[0]
+        keys = re.findall(r'"(\w+)"\s*:', out.text)  # in the order written (a cut answer too)
+        assert keys and keys == order[: len(keys)], out.text
