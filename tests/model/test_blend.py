@@ -21,11 +21,11 @@ PREFIX, DOC = 37, 45  # positions: the prefix, then the document placed after it
 def prefill(llm: LLM, tokens: list[int], start: int, table: list[int]) -> None:
     """Compute positions [start, start + len(tokens)) of a prompt whose earlier K/V are in
     `table`'s slots already."""
-    n = len(tokens)
-    meta = AttentionMetadata.build([n], [start + n], [table], BLOCK, "cpu")
-    positions = torch.arange(start, start + n)
+    n, device = len(tokens), llm.kv.device
+    meta = AttentionMetadata.build([n], [start + n], [table], BLOCK, device)
+    positions = torch.arange(start, start + n, device=device)
     with torch.no_grad():
-        llm.model(torch.tensor(tokens), positions, meta, llm.kv, llm.attention)
+        llm.model(torch.tensor(tokens, device=device), positions, meta, llm.kv, llm.attention)
 
 
 def slots(table: list[int], lo: int, hi: int) -> torch.Tensor:
@@ -35,16 +35,16 @@ def slots(table: list[int], lo: int, hi: int) -> torch.Tensor:
 
 def layer_kv(llm: LLM, layer: int, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = llm.kv.layer(layer)
-    heads, dim = llm.kv.num_kv_heads, llm.kv.head_dim
-    return k.view(-1, heads, dim)[at].clone(), v.view(-1, heads, dim)[at].clone()
+    heads, dim, at = llm.kv.num_kv_heads, llm.kv.head_dim, at.to(llm.kv.device)
+    return k.view(-1, heads, dim)[at].cpu(), v.view(-1, heads, dim)[at].cpu()
 
 
 class Scene:
     """One model with three prompts' worth of blocks: the reference (prefix + document computed
     together), the document alone, and the blended prompt."""
 
-    def __init__(self, path: Path) -> None:
-        self.llm = LLM(str(path), num_kv_blocks=40, dtype="float32")
+    def __init__(self, path: Path, device: str = "cpu") -> None:
+        self.llm = LLM(str(path), num_kv_blocks=40, dtype="float32", device=device)
         vocab = int(self.llm.hf_config.vocab_size)
         rng = random.Random(3)
         self.prefix = [rng.randrange(3, vocab) for _ in range(PREFIX)]
@@ -129,3 +129,21 @@ def test_a_partial_blend_recomputes_the_tokens_that_moved_most(tiny_llama_dir: P
         got_k, _ = layer_kv(scene.llm, last, scene.dst)
         errors.append(float((got_k - ref_k).pow(2).sum()))
     assert errors[1] < errors[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_placing_and_blending_on_cuda(tiny_llama_dir: Path) -> None:
+    """The same on a GPU, through the Triton backend (scripts/gpu_check.sh runs it)."""
+    scene = Scene(tiny_llama_dir, "cuda")
+    scene.place()
+    torch.testing.assert_close(
+        layer_kv(scene.llm, 0, scene.dst)[0],
+        layer_kv(scene.llm, 0, scene.ref)[0],
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    model, last = scene.llm.model, scene.llm.model.num_layers - 1
+    assert blend(model, scene.llm.kv, scene.llm.attention, scene.region(), 1.0) == DOC
+    got_k, _ = layer_kv(scene.llm, last, scene.dst)
+    ref_k, _ = layer_kv(scene.llm, last, scene.ref)
+    torch.testing.assert_close(got_k, ref_k, rtol=1e-3, atol=1e-3)
