@@ -43,8 +43,16 @@ class Scene:
     """One model with three prompts' worth of blocks: the reference (prefix + document computed
     together), the document alone, and the blended prompt."""
 
-    def __init__(self, path: Path, device: str = "cpu") -> None:
-        self.llm = LLM(str(path), num_kv_blocks=40, dtype="float32", device=device)
+    def __init__(
+        self, path: Path, device: str = "cpu", attention_backend: str | None = None
+    ) -> None:
+        self.llm = LLM(
+            str(path),
+            num_kv_blocks=40,
+            dtype="float32",
+            device=device,
+            attention_backend=attention_backend,
+        )
         vocab = int(self.llm.hf_config.vocab_size)
         rng = random.Random(3)
         self.prefix = [rng.randrange(3, vocab) for _ in range(PREFIX)]
@@ -147,3 +155,17 @@ def test_placing_and_blending_on_cuda(tiny_llama_dir: Path) -> None:
     got_k, _ = layer_kv(scene.llm, last, scene.dst)
     ref_k, _ = layer_kv(scene.llm, last, scene.ref)
     torch.testing.assert_close(got_k, ref_k, rtol=1e-3, atol=1e-3)
+
+
+def test_blending_through_the_triton_backend(tiny_llama_dir: Path) -> None:
+    """The GPU's attention backend (in Triton's interpreter on the CPU): ratio 1 gives the K/V
+    of a full prefill through the same backend."""
+    pytest.importorskip("triton")
+    scene = Scene(tiny_llama_dir, attention_backend="triton")
+    scene.place()
+    model, last = scene.llm.model, scene.llm.model.num_layers - 1
+    assert blend(model, scene.llm.kv, scene.llm.attention, scene.region(), 1.0) == DOC
+    got_k, got_v = layer_kv(scene.llm, last, scene.dst)
+    ref_k, ref_v = layer_kv(scene.llm, last, scene.ref)
+    torch.testing.assert_close(got_k, ref_k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_v, ref_v, rtol=1e-4, atol=1e-4)
