@@ -3,7 +3,8 @@ time, on the blend workload (bench/blend_workload.py), with one engine.
 
 Three measurements:
 
-* accuracy and time, per blend ratio, with every passage cached alone: each query is answered
+* accuracy and time, per blend ratio, with every passage cached alone (each query's passages
+  are cached just before it is measured): each query is answered
   by full prefill (a cache salt of its own: nothing cached), by the engine at each ratio, and
   with prefix caching alone (ratio 1: the system prompt cached, the passages computed). The
   first 32 greedy tokens are compared with full prefill's (the first token, and how many of
@@ -70,7 +71,6 @@ def blend_bench(
         raise ValueError("the blend workload is text: this model has no tokenizer")
     docs = passages(tokenizer)
     asked = queries(tokenizer, docs, accuracy_queries, seed)
-    warm(llm, asked)
     accuracy = measure_accuracy(llm, asked)
     stream = measure_stream(model, queries(tokenizer, docs, stream_queries, seed + 1))
     return {"passages": len(docs), "accuracy": accuracy, "stream": stream}
@@ -95,6 +95,7 @@ def measure_accuracy(llm: LLM, asked: Sequence[Query]) -> list[dict[str, float |
     probe = BlendProbe(llm.forward_parts(), llm.config.block_size)
     figures = {r: RatioFigures([], [], [], [], []) for r in (*RATIOS[:-1], "full", "prefix-only")}
     for i, q in enumerate(asked):
+        warm(llm, [q])  # its passages cached alone now: the pool holds fewer than all queries'
         full = llm.generate(
             {"segments": q.segments, "blend_ratio": 1.0}, params, cache_salt=f"cold-{i}"
         )[0]

@@ -30,7 +30,7 @@ DETERMINISTIC_WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 KV_CACHE_DTYPES = ("auto", "float16")
 # Of the reused segments' tokens, the fraction recomputed by default: chosen from the blend
 # bench's table of accuracy against time (docs/SEGMENTS.md).
-DEFAULT_BLEND_RATIO = 0.15
+DEFAULT_BLEND_RATIO = 0.2
 # vLLM's 8-bit KV caches: refused by name (their rounding would change results; none is here).
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 
