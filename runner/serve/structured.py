@@ -7,6 +7,7 @@ may give one of them; two that disagree are a 400 naming both."""
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any, Literal
 
 from pydantic import Field
@@ -24,9 +25,23 @@ class JsonSchema(Lenient):
     strict: bool | None = None
 
 
+class TagStructure(Lenient):
+    """One structure of a structural tag: text between `begin` and `end` holds to `schema`."""
+
+    begin: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: str
+
+
 class ResponseFormat(Lenient):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchema | None = None
+    # structural_tag, as vLLM takes it: free text until a trigger opens one of the structures
+    # (their `begin` starts with it), whose body holds to its schema, then free text again;
+    # or xgrammar's newer form whole, under `format`.
+    structures: list[TagStructure] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
 
 
 class StructuredOutputs(Lenient):
@@ -83,6 +98,8 @@ class StructureFields(Lenient):
             return None
         if fmt.type == "json_object":
             return StructuredOutputsParams(json_object=True)
+        if fmt.type == "structural_tag":
+            return StructuredOutputsParams(grammar=structural_tag_grammar(fmt))
         if fmt.json_schema is None:
             raise ValueError("response_format: type json_schema needs a json_schema object")
         return StructuredOutputsParams(json=fmt.json_schema.schema_)
@@ -132,4 +149,29 @@ def compact_json_grammar(schema: dict[str, Any] | str, field: str) -> str:
         grammar = xgrammar.Grammar.from_json_schema(text, any_whitespace=False)
     except (RuntimeError, ValueError, TypeError) as err:  # what xgrammar raises for a schema
         raise ValueError(f"{field}: no usable JSON schema: {err}") from err
+    return str(grammar)
+
+
+def structural_tag_grammar(fmt: ResponseFormat) -> str:
+    """The EBNF grammar of a structural_tag response format (xgrammar builds it); ValueError
+    naming response_format when the tag is malformed."""
+    import xgrammar
+
+    try:
+        if fmt.format is not None:
+            grammar = xgrammar.Grammar.from_structural_tag(
+                {"type": "structural_tag", "format": fmt.format}
+            )
+        elif fmt.structures and fmt.triggers:
+            tags = [
+                xgrammar.StructuralTagItem(begin=s.begin, schema=json.dumps(s.schema_), end=s.end)
+                for s in fmt.structures
+            ]
+            with warnings.catch_warnings():  # vLLM's form is xgrammar's older call, still kept
+                warnings.simplefilter("ignore", DeprecationWarning)
+                grammar = xgrammar.Grammar.from_structural_tag(tags, fmt.triggers)
+        else:
+            raise ValueError("type structural_tag needs structures and triggers, or a format")
+    except (ValueError, RuntimeError, TypeError) as err:
+        raise ValueError(f"response_format: {err}") from err
     return str(grammar)
