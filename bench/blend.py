@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.blend_workload import Query, passages, queries
-from kvcache import LLM, SamplingParams
+from kvcache import LLM, RequestOutput, SamplingParams
 from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
 from runner.engine.api.interface import ForwardParts
@@ -114,11 +114,11 @@ def measure_accuracy(llm: LLM, asked: Sequence[Query]) -> list[dict[str, float |
     return [figures[key].as_row(key, full_ttft) for key in ("full", "prefix-only", *RATIOS[:-1])]
 
 
-def record(figures: RatioFigures, out: object, answer: list[int]) -> None:
-    tokens = out.token_ids  # type: ignore[attr-defined]
+def record(figures: RatioFigures, out: RequestOutput, answer: list[int]) -> None:
+    tokens = out.token_ids
     figures.first_token.append(bool(tokens) and bool(answer) and tokens[0] == answer[0])
     figures.equal_tokens.append(sum(a == b for a, b in zip(tokens, answer, strict=False)))
-    figures.ttft_s.append(float(out.metrics["ttft_s"]))  # type: ignore[attr-defined]
+    figures.ttft_s.append(float(out.metrics["ttft_s"]))
 
 
 def mean_kl(reference: torch.Tensor, other: torch.Tensor) -> float:

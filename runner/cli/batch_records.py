@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import xxhash
 
+from runner.engine.io.segmented_prompt import SegmentedPrompt
+
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _HASH = re.compile(r"[0-9a-f]{16}")
 
@@ -31,7 +33,7 @@ class LineRequest(Protocol):
     prompt: Any
     messages: Any
     prompt_token_ids: Any
-    segments: Any
+    segments: SegmentedPrompt | None
     template_kwargs: Any
     cache_salt: Any
 

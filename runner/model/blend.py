@@ -29,7 +29,7 @@ from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
 from runner.model.decoder import CausalLM, RopeRows
 from runner.model.decoder_layers import Attention
-from runner.model.layers import apply_rope, rope_inv_freq, rope_parameters
+from runner.model.layers import apply_rope, rope_inv_freq
 
 # The layer whose value deviation picks the tokens to recompute: the first whose K/V depend on
 # the context (a layer-0 key depends on its token and position alone).
@@ -58,17 +58,6 @@ class BlendRegion:
     reused: list[bool]
     segments: list[tuple[int, int]]
     block_table: list[int]
-
-
-def check_placeable(model: CausalLM) -> None:
-    """Refuse, naming the model, what re-rotation cannot place: RoPE whose angle is not a
-    fixed multiple of the position."""
-    rope_type = rope_parameters(model.config).get("rope_type", "default")
-    if rope_type in ("dynamic",):
-        raise ValueError(
-            f"{model.architecture}: its {rope_type!r} RoPE scaling changes with the sequence "
-            "length, so a cached segment's keys cannot be placed at another position"
-        )
 
 
 def place(model: CausalLM, kv: KVStore, placement: Placement) -> None:

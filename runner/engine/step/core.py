@@ -29,7 +29,6 @@ from runner.engine.step.setup import build_engine_parts
 from runner.engine.step.speculative import SpecStats
 from runner.engine.step.step_clock import StepClock
 from runner.engine.step.step_isolation import run_each_alone
-from runner.model.blend import check_placeable
 from runner.model.cpu_layers import CpuLayers
 from runner.model.loader import generation_eos_ids
 from runner.sampling.params import SamplingParams
@@ -77,7 +76,6 @@ class Engine:
             self.tiers,
         )
         if self.config.enable_prefix_caching:
-            check_placeable(self.model)
             self.scheduler.segments = SegmentReuse(
                 self.block_manager,
                 self.runner,

@@ -36,10 +36,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import xxhash
 
-from kvcache import BlockManager, Purpose
-from kvcache.hashing import pack_tokens
+from kvcache import BlockManager, Purpose, hash_block
 from runner.engine.kv.kv_tiers import TierLoader
 from runner.engine.sequence import BlendPlan, ReusedSegment
 from runner.engine.sequence import Sequence as Seq
@@ -270,5 +268,5 @@ class SegmentReuse:
 
 
 def segment_key(segment: Sequence[int], root: int) -> int:
-    """A segment's identity for the doorkeeper: its tokens under its namespace root."""
-    return xxhash.xxh3_64_intdigest(root.to_bytes(8, "little") + pack_tokens(segment))
+    """A segment's identity for the doorkeeper: its tokens hashed under its namespace root."""
+    return hash_block(root, segment)

@@ -116,10 +116,10 @@ def test_the_default_triton_path_differs_in_these_steps() -> None:
     """The negative control: the default decode kernel splits a row's keys into partitions of 16
     and merges their partial softmaxes with rescales that the prefill's one pass over the keys
     never makes, so a decoded row gets other bits than the same row in its prompt's prefill.
-    The difference is made by the arithmetic itself, not by how a CPU orders a float sum: a
-    mixed step (a decode beside a prompt) goes to the prefill kernel, whose tiles may or may
-    not give the same bits as the whole prompt's depending on the CPU's matrix products, so
-    this control decodes alone."""
+    The difference comes from the arithmetic, not from how a CPU orders a float sum (a mixed
+    step, a decode beside a prompt, goes to the prefill kernel, whose bits may or may not
+    differ by CPU, so this control decodes alone); still, other bits are not guaranteed on
+    every CPU, so where they agree it skips and says so instead of failing."""
     from runner.backends.triton.attention import triton_paged_attention
 
     case = Case(torch.float32)
@@ -143,8 +143,8 @@ def test_the_default_triton_path_differs_in_these_steps() -> None:
     assert torch.equal(decoded[:60], whole[:60])  # the same prefill: the same bits
     # The ten decoded rows (61 to 70 keys: 4 or 5 partitions each) are attention all the same.
     torch.testing.assert_close(decoded[60:], whole[60:], rtol=1e-5, atol=1e-5)
-    differing = (decoded[60:] != whole[60:]).float().mean().item()
-    assert differing > 0.05, f"only {differing:.1%} of the decoded rows' values differ"
+    if torch.equal(decoded[60:], whole[60:]):  # never seen (85% of values differ here)
+        pytest.skip("the merged partitions rounded to the prefill's bits on this machine")
 
 
 def test_rows_in_several_launches_are_bitwise_equal(monkeypatch: pytest.MonkeyPatch) -> None:
