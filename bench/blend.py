@@ -29,9 +29,8 @@ import torch
 from bench.blend_workload import Query, passages, queries
 from kvcache import LLM, RequestOutput, SamplingParams
 from kvcache.store import KVStore
-from runner.attention.metadata import AttentionMetadata
 from runner.engine.api.interface import ForwardParts
-from runner.model.blend import BlendRegion, Placement, blend, place
+from runner.model.blend import Cached, blend, compute_chunk, layout, place
 
 RATIOS = (0.0, 0.05, 0.15, 0.2, 0.3, 1.0)
 ANSWER_TOKENS = 32
@@ -190,26 +189,18 @@ class BlendProbe:
                 start = len(q.segments[0])
                 end = len(tokens) - len(q.segments[-1])
                 self.forward(q.segments[0], 0, table, kv)
-                src, dst, shift, reused = [], [], [], [False] * (end - start)
-                spans, free, position = [], blocks + 1, start
+                cached, free, position = [], blocks + 1, start
                 for segment in q.segments[1:-1]:
                     own = list(range(free, free + -(-len(segment) // bs)))
                     free += len(own)
                     self.forward(segment, 0, own, kv)
                     full = len(segment) // bs * bs  # as the engine: full blocks reused
-                    for j in range(full):
-                        p = position + j
-                        src.append(own[j // bs] * bs + j % bs)
-                        dst.append(table[p // bs] * bs + p % bs)
-                        shift.append(position)
-                        reused[p - start] = True
-                    spans.append((position - start, position - start + full))
+                    cached.append(Cached(position, full, own))
                     position += len(segment)
-                as_long = (torch.tensor(x, dtype=torch.int64) for x in (src, dst, shift))
-                place(model, kv, Placement(*as_long))
-                region = BlendRegion(start, tokens[start:end], reused, spans, table)
+                placement, region = layout(tokens, start, end, cached, table, bs)
+                place(model, kv, placement)
                 recomputed = blend(model, kv, self.attention, region, ratio)
-                forced = reused.count(False)
+                forced = region.reused.count(False)
                 deep = recomputed + forced if ratio > 0 else forced
                 selected_at = min(2, layers) if ratio > 0 else 0
                 rows = layers * (start + len(tokens) - end)
@@ -221,12 +212,7 @@ class BlendProbe:
         return torch.log_softmax(logits, dim=-1), rows
 
     def forward(self, tokens: list[int], start: int, table: list[int], kv: KVStore) -> torch.Tensor:
-        n, bs = len(tokens), self.block_size
-        meta = AttentionMetadata.build([n], [start + n], [table], bs, kv.device)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=kv.device)
-        positions = torch.arange(start, start + n, dtype=torch.int64, device=kv.device)
-        out: torch.Tensor = self.model(ids, positions, meta, kv, self.attention)
-        return out
+        return compute_chunk(self.model, kv, self.attention, tokens, start, table)
 
     def store(self, blocks: int) -> KVStore:
         """A scratch store of at least `blocks` blocks (grown when a query needs more)."""

@@ -20,7 +20,9 @@ Placed at position `start` of another prompt it needs two things:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -58,6 +60,60 @@ class BlendRegion:
     reused: list[bool]
     segments: list[tuple[int, int]]
     block_table: list[int]
+
+
+class Cached(NamedTuple):
+    """A segment whose first `num_tokens` tokens' K/V, computed alone, are in `blocks`; it
+    sits at position `start` of the prompt."""
+
+    start: int
+    num_tokens: int
+    blocks: Sequence[int]
+
+
+def layout(
+    token_ids: Sequence[int],
+    start: int,
+    end: int,
+    cached: Sequence[Cached],
+    block_table: Sequence[int],
+    block_size: int,
+) -> tuple[Placement, BlendRegion]:
+    """Where the cached segments' K/V go in a prompt's blocks, and the region [start, end) a
+    blend then writes (the segments in order, all inside it)."""
+    bs, table = block_size, list(block_table)
+    src, dst, shift, reused = [], [], [], [False] * (end - start)
+    spans = []
+    for segment in cached:
+        for j in range(segment.num_tokens):
+            p = segment.start + j
+            src.append(segment.blocks[j // bs] * bs + j % bs)
+            dst.append(table[p // bs] * bs + p % bs)
+            shift.append(segment.start)
+            reused[p - start] = True
+        spans.append((segment.start - start, segment.start - start + segment.num_tokens))
+    as_long = (torch.tensor(x, dtype=torch.int64) for x in (src, dst, shift))
+    region = BlendRegion(start, list(token_ids[start:end]), reused, spans, table)
+    return Placement(*as_long), region
+
+
+def compute_chunk(
+    model: CausalLM,
+    kv: KVStore,
+    attention: AttentionBackend,
+    token_ids: list[int],
+    start: int,
+    block_table: list[int],
+) -> torch.Tensor:
+    """Positions [start, start + len(token_ids)) of one prompt whose earlier K/V are in its
+    blocks already: their K/V written, their hidden states after the final norm returned (a
+    segment computed alone, or a prompt's part around a blend)."""
+    n, device = len(token_ids), kv.device
+    meta = AttentionMetadata.build([n], [start + n], [block_table], kv.block_size, device)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    positions = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    out: torch.Tensor = model(ids, positions, meta, kv, attention)
+    return out
 
 
 def place(model: CausalLM, kv: KVStore, placement: Placement) -> None:
@@ -117,25 +173,24 @@ def blend(
     table = torch.tensor(region.block_table, dtype=torch.int64)
     slots = table[positions // bs] * bs + positions % bs
     h = model.embed(torch.tensor(region.tokens, dtype=torch.int64, device=device))
-    layers = Layers(model, kv, attention)
     if ratio <= 0:  # only the tokens without cached K/V, through every layer
         forced = torch.nonzero(~reused).flatten()
         if forced.numel():
-            rows = layers.rows(positions[forced], region.block_table)
-            layers.run(h.index_select(0, forced.to(device)), rows, range(model.num_layers))
+            rows = _rows(model, kv, positions[forced], region.block_table)
+            h = h.index_select(0, forced.to(device))
+            _run(model, kv, attention, h, rows, range(model.num_layers))
         return 0
-    whole = layers.rows(positions, region.block_table, contiguous=True)
-    h = layers.run(h, whole, range(select_layer))
+    whole = _rows(model, kv, positions, region.block_table, contiguous=True)
+    h = _run(model, kv, attention, h, whole, range(select_layer))
     _, v_cache = kv.layer(select_layer)
     before = _slot_values(v_cache, slots, kv)
-    h = layers.run(h, whole, range(select_layer, select_layer + 1))
+    h = _run(model, kv, attention, h, whole, range(select_layer, select_layer + 1))
     moved = (_slot_values(v_cache, slots, kv) - before).pow(2).sum(-1)
     keep = _most_moved(moved.cpu(), region.segments, ratio) | ~reused
     active = torch.nonzero(keep).flatten()
-    rows = layers.rows(positions[active], region.block_table)
-    layers.run(
-        h.index_select(0, active.to(device)), rows, range(select_layer + 1, len(model.layers))
-    )
+    rows = _rows(model, kv, positions[active], region.block_table)
+    deeper = range(select_layer + 1, model.num_layers)
+    _run(model, kv, attention, h.index_select(0, active.to(device)), rows, deeper)
     return int((keep & reused).sum())
 
 
@@ -149,36 +204,34 @@ class Rows:
     by_type: RopeRows
 
 
-class Layers:
-    """Runs rows through a span of the model's layers: in one call of the backend's layer stack
-    where it takes the store (the CPU's C layers), else layer by layer."""
+def _rows(
+    model: CausalLM,
+    kv: KVStore,
+    positions: torch.Tensor,
+    table: list[int],
+    contiguous: bool = False,
+) -> Rows:
+    """Rows at these positions of a prompt with this block table: one chunk of consecutive
+    positions (`contiguous`), or any positions, each a row that sees the prompt up to it."""
+    device, bs = kv.device, kv.block_size
+    if contiguous:
+        n, start = positions.numel(), int(positions[0])
+        meta = AttentionMetadata.build([n], [start + n], [table], bs, device)
+    else:
+        meta = _single_rows(positions, table, bs, device)
+    cos, sin, by_type = model.rope_rows(positions.to(device))
+    return Rows(meta, cos, sin, by_type)
 
-    def __init__(self, model: CausalLM, kv: KVStore, attention: AttentionBackend) -> None:
-        self.model, self.kv, self.attention = model, kv, attention
-        stack = attention.layers
-        self.stack = stack if stack is not None and stack.takes(kv) else None
 
-    def rows(self, positions: torch.Tensor, table: list[int], contiguous: bool = False) -> Rows:
-        """Rows at these positions of a prompt with this block table: one chunk of consecutive
-        positions (`contiguous`), or any positions, each a row that sees the prompt up to it."""
-        device, bs = self.kv.device, self.kv.block_size
-        if contiguous:
-            n, start = positions.numel(), int(positions[0])
-            meta = AttentionMetadata.build([n], [start + n], [table], bs, device)
-        else:
-            meta = _single_rows(positions, table, bs, device)
-        cos, sin, by_type = self.model.rope_rows(positions.to(device))
-        return Rows(meta, cos, sin, by_type)
-
-    def run(self, h: torch.Tensor, rows: Rows, span: range) -> torch.Tensor:
-        if self.stack is not None:
-            return self.stack.run(h, rows.cos, rows.sin, rows.meta, self.kv, rows.by_type, span)
-        for i in span:
-            k_cache, v_cache = self.kv.layer(i)
-            c, s = self.model.layer_rope(i, rows.cos, rows.sin, rows.by_type)
-            layer = self.model.layers[i]
-            h = layer(h, c, s, rows.meta, k_cache, v_cache, self.attention.attend)
-        return h
+def _run(
+    model: CausalLM,
+    kv: KVStore,
+    attention: AttentionBackend,
+    h: torch.Tensor,
+    rows: Rows,
+    span: range,
+) -> torch.Tensor:
+    return model.run_layers(h, rows.cos, rows.sin, rows.by_type, rows.meta, kv, attention, span)
 
 
 def _slot_values(v_cache: torch.Tensor, slots: torch.Tensor, kv: KVStore) -> torch.Tensor:

@@ -156,24 +156,39 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, H]; writes K/V of all T tokens, through the
         engine's attention backend (and its layer stack, where it takes this cache)."""
-        h = self.embed(input_ids)
         cos, sin, by_type = self.rope_rows(positions)
-        stack = attention.layers
-        if stack is not None and stack.takes(kv):
-            h = stack.run(h, cos, sin, meta, kv, by_type)
-        else:
-            # On a GPU the Triton backend's steps also fuse the layers' elementwise work
-            # (runner/backends/triton/fused_elementwise.py): fewer kernels a step.
-            # RoPE and the K/V store run in one kernel too (rope_store.py), then the attention
-            # without its store.
-            fused = attention.name == "triton" and h.is_cuda
-            stored = attention.attend_stored if fused else None
-            for i, layer in enumerate(self.layers):
-                k_cache, v_cache = kv.layer(i)
-                c, s = self.layer_rope(i, cos, sin, by_type)
-                h = layer(h, c, s, meta, k_cache, v_cache, attention.attend, fused, stored)
+        h = self.run_layers(self.embed(input_ids), cos, sin, by_type, meta, kv, attention)
         out: torch.Tensor = self.norm(h)
         return out
+
+    def run_layers(
+        self,
+        h: torch.Tensor,  # [T, H] the first layer's input
+        cos: torch.Tensor,  # [T, D] the tokens' rows of rope_rows
+        sin: torch.Tensor,
+        by_type: RopeRows,
+        meta: AttentionMetadata,
+        kv: KVStore,
+        attention: AttentionBackend,
+        span: range | None = None,
+    ) -> torch.Tensor:
+        """The hidden states after the layers of `span` (None: all), before the final norm;
+        writes those layers' K/V of the T tokens: in one call of the backend's layer stack
+        where it takes this cache, else layer by layer."""
+        stack = attention.layers
+        if stack is not None and stack.takes(kv):
+            return stack.run(h, cos, sin, meta, kv, by_type, span)
+        # On a GPU the Triton backend's steps also fuse the layers' elementwise work
+        # (runner/backends/triton/fused_elementwise.py): fewer kernels a step.
+        # RoPE and the K/V store run in one kernel too (rope_store.py), then the attention
+        # without its store.
+        fused = attention.name == "triton" and h.is_cuda
+        stored = attention.attend_stored if fused else None
+        for i in range(self.num_layers) if span is None else span:
+            k_cache, v_cache = kv.layer(i)
+            c, s = self.layer_rope(i, cos, sin, by_type)
+            h = self.layers[i](h, c, s, meta, k_cache, v_cache, attention.attend, fused, stored)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (only the rows that need sampling) -> logits [N, vocab] float32. Its

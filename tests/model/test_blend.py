@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from kvcache import LLM
-from runner.attention.metadata import AttentionMetadata
-from runner.model.blend import BlendRegion, Placement, blend, place
+from runner.model.blend import BlendRegion, Placement, blend, compute_chunk, place
 from tests.greedy_reference import ARCH_FIXTURES
 
 BLOCK = 16
@@ -21,11 +20,8 @@ PREFIX, DOC = 37, 45  # positions: the prefix, then the document placed after it
 def prefill(llm: LLM, tokens: list[int], start: int, table: list[int]) -> None:
     """Compute positions [start, start + len(tokens)) of a prompt whose earlier K/V are in
     `table`'s slots already."""
-    n, device = len(tokens), llm.kv.device
-    meta = AttentionMetadata.build([n], [start + n], [table], BLOCK, device)
-    positions = torch.arange(start, start + n, device=device)
     with torch.no_grad():
-        llm.model(torch.tensor(tokens, device=device), positions, meta, llm.kv, llm.attention)
+        compute_chunk(llm.model, llm.kv, llm.attention, tokens, start, table)
 
 
 def slots(table: list[int], lo: int, hi: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from kvcache.store import KVStore
 from runner.attention.backend import TORCH_ATTENTION, AttentionBackend
 from runner.attention.metadata import AttentionMetadata
 from runner.engine.step.scheduler import ScheduledSeq
-from runner.model.blend import BlendRegion, Placement, blend, place
+from runner.model.blend import BlendRegion, Placement, blend, compute_chunk, place
 from runner.model.block_tables import BlockTableRows
 from runner.model.decoder import CausalLM
 from runner.sampling.logprobs import logprobs_of
@@ -163,13 +163,7 @@ class ModelRunner:
         """Write the K/V of positions [start, start + len(token_ids)) of a prompt whose earlier
         positions' K/V are in its blocks already: a prefill that samples nothing (a segment
         cached on its own)."""
-        n = len(token_ids)
-        meta = AttentionMetadata.build(
-            [n], [start + n], [block_table], self.block_size, self.device
-        )
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        positions = torch.arange(start, start + n, dtype=torch.int64, device=self.device)
-        self.model(ids, positions, meta, self.kv, self.attention)
+        compute_chunk(self.model, self.kv, self.attention, token_ids, start, block_table)
 
     @torch.inference_mode()
     def place_and_blend(self, placement: Placement, region: BlendRegion, ratio: float) -> int:

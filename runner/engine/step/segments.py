@@ -35,13 +35,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from kvcache import BlockManager, Purpose, hash_block
 from runner.engine.kv.kv_tiers import TierLoader
 from runner.engine.sequence import BlendPlan, ReusedSegment
 from runner.engine.sequence import Sequence as Seq
-from runner.model.blend import BlendRegion, Placement
+from runner.model.blend import BlendRegion, Cached, Placement, layout
 
 log = logging.getLogger(__name__)
 
@@ -213,25 +211,9 @@ class SegmentReuse:
         computed up to the plan's end. Lets the readers go. Mutates the sequence's progress."""
         plan = seq.blend
         assert plan is not None and seq.num_computed_tokens == plan.start
-        table = list(block_table)
-        src, dst, shift, reused = [], [], [], [False] * (plan.end - plan.start)
-        segments = []
-        bs = self.block_size
-        for r in plan.reused:
-            for j in range(r.num_tokens):
-                p = r.start + j
-                src.append(r.blocks[j // bs] * bs + j % bs)
-                dst.append(table[p // bs] * bs + p % bs)
-                shift.append(r.start)
-                reused[p - plan.start] = True
-            segments.append((r.start - plan.start, r.start - plan.start + r.num_tokens))
-        placement = Placement(
-            torch.tensor(src, dtype=torch.int64),
-            torch.tensor(dst, dtype=torch.int64),
-            torch.tensor(shift, dtype=torch.int64),
-        )
-        region = BlendRegion(
-            plan.start, list(seq.token_ids[plan.start : plan.end]), reused, segments, table
+        cached = [Cached(r.start, r.num_tokens, r.blocks) for r in plan.reused]
+        placement, region = layout(
+            seq.token_ids, plan.start, plan.end, cached, block_table, self.block_size
         )
         ratio = self.ratio if seq.blend_ratio is None else seq.blend_ratio
         recomputed: list[int] = []
