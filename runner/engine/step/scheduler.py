@@ -151,7 +151,7 @@ class Scheduler:
             self.bm.commit(seq.seq_id, seq.token_ids, seq.num_exact_tokens)
 
     def drop_cached(self) -> int:
-        """Forget every cached block no running sequence holds (after a device step failed,
+        """Forget every cached block no request holds (after a device step failed,
         what it and the step after it cached may hold K/V never written); returns the blocks
         freed."""
         return self.bm.drop_cached()
