@@ -270,7 +270,7 @@ def test_the_store_lookup_waits_for_a_queued_write(fail: bool) -> None:
 
 # -- CUDA ----------------------------------------------------------------------------------------
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_host_tier_on_cuda_overlapped_equals_the_tierless_engine(
+def test_cuda_host_tier_overlapped_equals_tierless(
     make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A host tier in a small pool on CUDA, steps overlapped: evictions and loads while a step
