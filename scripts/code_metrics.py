@@ -40,7 +40,7 @@ def defs(tree: ast.AST) -> Iterator[Def]:
             yield node
 
 
-def annotations(fn: Def) -> Iterator[ast.expr]:
+def signature_annotations(fn: Def) -> Iterator[ast.expr]:
     args = fn.args
     params = [*args.posonlyargs, *args.args, *args.kwonlyargs]
     params += [a for a in (args.vararg, args.kwarg) if a is not None]
@@ -77,7 +77,7 @@ def any_in(annotation: ast.expr) -> int:
 def signature_any(source: str) -> tuple[int, int]:
     """(`Any` in the defs' signatures, the number of defs) of one module's source."""
     fns = list(defs(ast.parse(source)))
-    return sum(any_in(a) for fn in fns for a in annotations(fn)), len(fns)
+    return sum(any_in(a) for fn in fns for a in signature_annotations(fn)), len(fns)
 
 
 def long_functions(source: str, path: str, limit: int = LONG) -> list[LongFunction]:
