@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvcache.redaction import redact_url
 from runner.backends.cpu.quant import CPU_WEIGHT_DTYPES
+from runner.backends.registry import BACKEND_NAMES
 from runner.kv_events.config import KVEventsConfig
 
 # Default tokens per step. On the CPU a step's time grows with its tokens, and prefill runs as
@@ -186,10 +187,9 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.attention_backend not in (None, "torch", "cpu", "triton"):
+        if self.attention_backend not in (None, *BACKEND_NAMES):
             raise ValueError(
-                "attention_backend must be 'torch', 'cpu' or 'triton', "
-                f"got {self.attention_backend!r}"
+                f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}"
             )
         if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
             raise ValueError(

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from kvcache.store import KVStore
-from runner.attention.backend import TORCH_ATTENTION, AttentionBackend
+from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
+from runner.backends.torch.backend import TORCH_ATTENTION
 from runner.engine.step.scheduler import ScheduledSeq
 from runner.model.blend import BlendRegion, Placement, blend, compute_chunk, place
 from runner.model.block_tables import BlockTableRows

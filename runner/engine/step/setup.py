@@ -12,7 +12,6 @@ from kvcache.store import KVStore
 from kvcache.tiers import BlockSpec
 from runner.attention.backend import AttentionBackend
 from runner.backends.cpu.allocator import keep_step_buffers_in_heap
-from runner.backends.cpu.attention import batch_invariant_backend
 from runner.backends.cpu.quant import round_matrices
 from runner.backends.registry import attention_backend
 from runner.engine.config import EngineConfig
@@ -71,26 +70,19 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         config.model, device=str(device), dtype=dtype, max_positions=config.max_model_len
     )
     model, hf = loaded.model, loaded.config
-    attention = attention_backend(attention_backend_name(config, device))
-    triton_deterministic = config.deterministic and attention_backend_name(config, device) == (
-        "triton"
-    )
-    if triton_deterministic:  # products and attention through the batch-invariant kernels
+    # deterministic: the backend's batch-invariant form (EngineConfig checked the rest).
+    attention = attention_backend(attention_backend_name(config, device), config.deterministic)
+    triton_deterministic = config.deterministic and attention.capabilities.triton_products
+    if triton_deterministic:  # products through the batch-invariant kernels too
         # Triton is needed on GPUs (and for this path) only: imported here.
-        from runner.backends.triton.batch_invariant_attention import (
-            batch_invariant_triton_backend,
-        )
         from runner.model.batch_invariant import route_linears
 
-        attention = batch_invariant_triton_backend()
         route_linears(model, model.embed_tokens.weight if model.lm_head is None else None)
-    elif config.deterministic:  # EngineConfig checked the rest: the CPU, the kernels, float32
-        attention = batch_invariant_backend()
     if device.type == "cpu" and config.prepack_weights and not triton_deterministic:
         packing = prepack_for_cpu(
             model, config.cpu_kernels, config.cpu_weight_dtype, config.deterministic
         )
-        if attention.name == "cpu":  # whole steps in C where the model fits layers.c
+        if attention.capabilities.cpu_layer_stack:  # whole steps in C where the model fits
             attention = attention.with_layers(packing.layers)
     elif config.cpu_weight_dtype in ("bfloat16-dot", "int8-dot"):  # the panel kernel's products
         raise ValueError(f"cpu_weight_dtype={config.cpu_weight_dtype!r} needs prepack_weights")
@@ -135,7 +127,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     graphs = None
-    if device.type == "cuda" and not config.enforce_eager and attention.name == "triton":
+    if (
+        device.type == "cuda"
+        and not config.enforce_eager
+        and attention.capabilities.supports_cuda_graphs
+    ):
         from runner.model.cuda_graphs import DecodeGraphs
 
         graphs = DecodeGraphs(
