@@ -146,10 +146,18 @@ class BlockCache:
     # -- uses ----------------------------------------------------------------------------------
     def touch(self, block: int, priority: int = 0) -> None:
         """A copy source was just used by a request of ``priority``: the eviction policy hears
-        of it. (The allocation that copies it may have evicted it already, or it is a running
-        request's own block: then nothing is done.)"""
-        if self.pool.is_cached_node(block):
-            self.eviction.used(block, priority)
+        of it, an evictable one leaving the set and coming back at its new rank. (The
+        allocation that copies it may have evicted it already, or it is a running request's
+        own block: then nothing is done.)"""
+        if not self.pool.is_cached_node(block):
+            return
+        eviction = self.eviction
+        evictable = block in eviction.evictable_blocks()
+        if evictable:
+            eviction.held(block)
+        eviction.used(block, priority)
+        if evictable:
+            eviction.evictable(block)
 
     # -- mutations -----------------------------------------------------------------------------
     def hold(self, node: Node, priority: int = 0) -> None:

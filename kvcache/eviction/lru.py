@@ -24,13 +24,8 @@ class LRU:
         self._key: dict[int, int] = {}  # evictable block -> its key in _order
 
     def used(self, block: int, priority: int = 0) -> None:
-        self._tick = tick = self._tick + 1
-        self._last[block] = tick
-        key = self._key.get(block)
-        if key is not None:  # evictable (a copy source): to the young end
-            self._order.remove(key)
-            key = self._key[block] = tick * self.num_blocks + block
-            self._order.add(key)
+        self._tick += 1
+        self._last[block] = self._tick
 
     def evictable(self, block: int) -> None:
         if block in self._key:

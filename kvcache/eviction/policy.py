@@ -29,8 +29,9 @@ class EvictionPolicy(Protocol):
 
     def used(self, block: int, priority: int = 0) -> None:
         """A request with ``priority`` (lower: evicted sooner) used ``block`` now: matched and
-        held it, published it, copied from it, finished with it or kept it as a tail. An
-        evictable block takes its new place in the order. Mutates the bookkeeping."""
+        held it, published it, copied from it, finished with it or kept it as a tail. The
+        block is not evictable at this moment (the cache takes an evictable one out first and
+        puts it back after, so that it takes its new place). Mutates the bookkeeping."""
         ...
 
     def evictable(self, block: int) -> None:

@@ -38,11 +38,6 @@ class RankedEviction:
         self._tick += 1
         self.last[block] = self._tick
         self.note(block, priority)
-        entry = self._key.get(block)
-        if entry is not None:  # evictable: takes its new place
-            self._order.remove(entry)
-            entry = self._key[block] = (self.rank(block), block)
-            self._order.add(entry)
 
     def evictable(self, block: int) -> None:
         if block in self._key:

@@ -115,8 +115,8 @@ def test_ties_are_broken_by_recency(policy: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_the_policy_object_alone(name: str) -> None:
-    """The protocol on its own: held blocks are never victims, a used evictable block takes
-    its new place, a removed one is forgotten, an empty set refuses."""
+    """The protocol on its own: held blocks are never victims, a used block comes back at its
+    new place, a removed one is forgotten, an empty set refuses."""
     policy: EvictionPolicy = make_eviction_policy(name, 8)
     for block in (0, 1, 2, 3):
         policy.used(block)
@@ -124,7 +124,9 @@ def test_the_policy_object_alone(name: str) -> None:
         policy.evictable(block)
     policy.held(1)
     policy.removed(2)
+    policy.held(0)  # a copy source used, as the block cache does it: out, used, back
     policy.used(0)  # now the most recent, and (lfu) the most used
+    policy.evictable(0)
     assert set(policy.evictable_blocks()) == {0, 3}
     policy.check_integrity()
     assert [policy.victim(), policy.victim()] == [3, 0]
