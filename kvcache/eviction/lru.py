@@ -24,8 +24,8 @@ class LRU:
         self._key: dict[int, int] = {}  # evictable block -> its key in _order
 
     def used(self, block: int, priority: int = 0) -> None:
-        self._tick += 1
-        self._last[block] = self._tick
+        self._tick = tick = self._tick + 1
+        self._last[block] = tick
 
     def evictable(self, block: int) -> None:
         if block in self._key:
