@@ -12,13 +12,13 @@ class LFU(RankedEviction):
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
-        self._uses = [0] * num_blocks
+        self._uses: dict[int, int] = {}  # block -> uses since it was cached
 
     def rank(self, block: int) -> tuple[int, ...]:
-        return self._uses[block], self.last[block]
+        return self._uses.get(block, 0), self.last.get(block, 0)
 
     def note(self, block: int, priority: int) -> None:
-        self._uses[block] += 1
+        self._uses[block] = self._uses.get(block, 0) + 1
 
     def forget(self, block: int) -> None:
-        self._uses[block] = 0
+        self._uses.pop(block, None)

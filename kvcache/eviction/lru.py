@@ -19,7 +19,9 @@ class LRU:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._tick = 0
-        self._last = [0] * num_blocks  # block -> tick of its last use (0: none since cached)
+        # block -> tick of its last use, for cached blocks: a dict of ints, which the garbage
+        # collector never tracks (a list of num_blocks would be traversed while it is young)
+        self._last: dict[int, int] = {}
         self._order: SortedList = SortedList()  # evictable blocks' keys
         self._key: dict[int, int] = {}  # evictable block -> its key in _order
 
@@ -43,15 +45,15 @@ class LRU:
             raise ValueError("no evictable block")
         block: int = self._order.pop(0) % self.num_blocks
         del self._key[block]
-        self._last[block] = 0
+        del self._last[block]
         return block
 
     def removed(self, block: int) -> None:
         self.held(block)
-        self._last[block] = 0
+        self._last.pop(block, None)
 
     def rank(self, block: int) -> tuple[int, ...]:
-        return (self._last[block],)
+        return (self._last.get(block, 0),)
 
     def evictable_blocks(self) -> Set[int]:
         return self._key.keys()
@@ -64,4 +66,4 @@ class LRU:
             tick, block = divmod(key, self.num_blocks)
             assert self._key.get(block) == key, f"LRU block {block}: key map disagrees"
             assert tick == self._last[block], f"LRU block {block}: not keyed by its last use"
-        assert max(self._last, default=0) <= self._tick, "a use from the future"
+        assert max(self._last.values(), default=0) <= self._tick, "a use from the future"

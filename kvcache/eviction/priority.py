@@ -16,7 +16,7 @@ class PriorityEviction(RankedEviction):
         self._priority: dict[int, int] = {}  # block -> highest priority; absent: none yet
 
     def rank(self, block: int) -> tuple[int, ...]:
-        return self._priority.get(block, 0), self.last[block]
+        return self._priority.get(block, 0), self.last.get(block, 0)
 
     def note(self, block: int, priority: int) -> None:
         old = self._priority.get(block)

@@ -18,7 +18,9 @@ class RankedEviction:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._tick = 0
-        self.last = [0] * num_blocks  # block -> tick of its last use (0: none since cached)
+        # block -> tick of its last use, for cached blocks (a dict of ints: never tracked by
+        # the garbage collector, as a list of num_blocks would be while young)
+        self.last: dict[int, int] = {}
         self._order: SortedList = SortedList()
         self._key: dict[int, tuple[tuple[int, ...], int]] = {}  # evictable block -> its entry
 
@@ -35,8 +37,8 @@ class RankedEviction:
 
     # -- the EvictionPolicy protocol -----------------------------------------------------------
     def used(self, block: int, priority: int = 0) -> None:
-        self._tick += 1
-        self.last[block] = self._tick
+        self._tick = tick = self._tick + 1
+        self.last[block] = tick
         self.note(block, priority)
 
     def evictable(self, block: int) -> None:
@@ -60,7 +62,7 @@ class RankedEviction:
 
     def removed(self, block: int) -> None:
         self.held(block)
-        self.last[block] = 0
+        self.last.pop(block, None)
         self.forget(block)
 
     def evictable_blocks(self) -> Set[int]:
@@ -75,4 +77,4 @@ class RankedEviction:
             rank, block = entry
             assert self._key.get(block) == entry, f"{name} block {block}: entry map disagrees"
             assert rank == self.rank(block), f"{name} block {block}: not at its rank"
-        assert max(self.last, default=0) <= self._tick, f"{name}: a use from the future"
+        assert max(self.last.values(), default=0) <= self._tick, f"{name}: a use from the future"

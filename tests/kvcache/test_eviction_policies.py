@@ -31,7 +31,7 @@ class MRU(RankedEviction):
     kvcache/eviction/, and ``"mru": MRU`` in POLICIES. The most recently used goes first."""
 
     def rank(self, block: int) -> tuple[int, ...]:
-        return (-self.last[block],)
+        return (-self.last.get(block, 0),)
 
 
 @pytest.fixture
