@@ -204,10 +204,11 @@ class BlockCache:
             return result
         for node in result.existing:
             self.hold(node, priority)
-        mark_cached, used = self.pool.mark_cached, self.eviction.used
-        for node in result.created:
-            mark_cached(node.block_id)
-            used(node.block_id, priority)
+        created = [node.block_id for node in result.created]
+        mark_cached = self.pool.mark_cached
+        for block in created:
+            mark_cached(block)
+        self.eviction.used_all(created, priority)
         if result.created:
             if self.on_commit is not None:
                 self.on_commit(result.created)
@@ -232,9 +233,7 @@ class BlockCache:
         pool, eviction, priority = self.pool, self.eviction, request.priority
         tail = self.partials.tail_of(request, token_ids, computed)
         self.partials.withdraw(request_id)
-        used = eviction.used
-        for node in request.chain:
-            used(node.block_id, priority)
+        eviction.used_all([node.block_id for node in request.chain], priority)
         for block in (*request.table, *request.pins):
             if tail is not None and block == tail.block_id:
                 continue  # released as it is kept, below

@@ -8,7 +8,7 @@ eviction becomes evictable at its own last use, so it may go next, never before 
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Iterable, Set
 
 from sortedcontainers import SortedList
 
@@ -28,6 +28,13 @@ class LRU:
     def used(self, block: int, priority: int = 0) -> None:
         self._tick = tick = self._tick + 1
         self._last[block] = tick
+
+    def used_all(self, blocks: Iterable[int], priority: int = 0) -> None:
+        tick, last = self._tick, self._last
+        for block in blocks:
+            tick += 1
+            last[block] = tick
+        self._tick = tick
 
     def evictable(self, block: int) -> None:
         if block in self._key:

@@ -12,7 +12,7 @@ A new policy is one file in this package and one entry in ``POLICIES``; ``Ranked
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 from types import MappingProxyType
 from typing import Protocol
 
@@ -32,6 +32,11 @@ class EvictionPolicy(Protocol):
         held it, published it, copied from it, finished with it or kept it as a tail. The
         block is not evictable at this moment (the cache takes an evictable one out first and
         puts it back after, so that it takes its new place). Mutates the bookkeeping."""
+        ...
+
+    def used_all(self, blocks: Iterable[int], priority: int = 0) -> None:
+        """``used`` for each of ``blocks``, in order (a path published or finished with: one
+        call, not one a block, on the hot paths). Mutates the bookkeeping."""
         ...
 
     def evictable(self, block: int) -> None:

@@ -6,7 +6,7 @@ when it keeps more than the last use, ``note``.
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Iterable, Set
 
 from sortedcontainers import SortedList
 
@@ -40,6 +40,10 @@ class RankedEviction:
         self._tick = tick = self._tick + 1
         self.last[block] = tick
         self.note(block, priority)
+
+    def used_all(self, blocks: Iterable[int], priority: int = 0) -> None:
+        for block in blocks:
+            self.used(block, priority)
 
     def evictable(self, block: int) -> None:
         if block in self._key:

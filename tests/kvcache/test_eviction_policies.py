@@ -137,6 +137,16 @@ def test_the_policy_object_alone(name: str) -> None:
         policy.evictable(1)
 
 
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_path_used_at_once_ranks_as_its_blocks_used_one_by_one(name: str) -> None:
+    one_by_one, at_once = make_eviction_policy(name, 8), make_eviction_policy(name, 8)
+    for blocks, priority in (([3, 1, 4], 2), ([1, 5], 0), ([2, 6, 1], 7)):
+        for block in blocks:
+            one_by_one.used(block, priority)
+        at_once.used_all(blocks, priority)
+    assert [one_by_one.rank(b) for b in range(8)] == [at_once.rank(b) for b in range(8)]
+
+
 def test_priority_keeps_the_highest_priority_of_a_blocks_users() -> None:
     policy = PriorityEviction(4)
     policy.used(0, 5)
