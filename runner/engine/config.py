@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from kvcache.eviction import POLICIES as EVICTION_POLICIES
 from kvcache.redaction import redact_url
 from runner.backends.cpu.quant import CPU_WEIGHT_DTYPES
 from runner.backends.registry import BACKEND_NAMES
@@ -129,6 +130,11 @@ class EngineConfig:
     # Prompts given as segments: the fraction of the reused segments' tokens recomputed with
     # the full context (runner/engine/step/segments.py). 1 recomputes all: the plain engine.
     blend_ratio: float = DEFAULT_BLEND_RATIO
+    # Which cached block the pool evicts first when it runs short (kvcache/eviction/): "lru"
+    # (least recently used), "lfu" (least often used, ties by recency) or "priority" (a
+    # request's priority, lower first, ties by recency; the engine's requests all have 0 so
+    # far, so it evicts as "lru" does).
+    eviction_policy: str = "lru"
 
     @property
     def overlaps_steps(self) -> bool:
@@ -227,6 +233,11 @@ class EngineConfig:
             raise ValueError(
                 "remote_cache_url must look like redis://host:port/db, "
                 f"got {redact_url(self.remote_cache_url)!r}"
+            )
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {', '.join(sorted(EVICTION_POLICIES))}, "
+                f"got {self.eviction_policy!r}"
             )
         if self.has_tiers and not self.enable_prefix_caching:
             raise ValueError("host/disk/remote cache tiers need the prefix cache on")

@@ -125,7 +125,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         device,
         prefault=config.prefault_kv_cache,
     )
-    block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    block_manager = BlockManager(
+        num_blocks, config.block_size, config.enable_prefix_caching, config.eviction_policy
+    )
     graphs = None
     if (
         device.type == "cuda"
