@@ -5,7 +5,7 @@ KeyError, TypeError or AttributeError from deep inside a sum or a picture."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 # field: (kind, required); numbers are ints or floats, never bools; "number?" may be null too.
 _CACHE = (
@@ -39,20 +39,22 @@ _STEP: dict[str, tuple[str, bool]] = {
 }
 
 
-def check_fields(metrics: dict[str, Any], source: str) -> None:
+def check_fields(metrics: Mapping[str, object], source: str) -> None:
     """Raise ValueError naming the first field of `metrics` of the wrong type (or missing,
     where the report needs it). `cache`, `requests` and `steps` are known to be a dict and
     two lists."""
+    cache, requests, steps = metrics["cache"], metrics["requests"], metrics["steps"]
+    assert isinstance(cache, dict) and isinstance(requests, list) and isinstance(steps, list)
     _check(source, "wall_time_s", metrics.get("wall_time_s"), "number")
     for name in _TOP:
         if name in metrics:
             _check(source, name, metrics[name], "number?")
     for name in _CACHE:
-        if name in metrics["cache"]:
-            _check(source, f"cache.{name}", metrics["cache"][name], "number")
-    _check_rows(source, "requests", metrics["requests"], _REQUEST)
-    _check_rows(source, "steps", metrics["steps"], _STEP)
-    for i, step in enumerate(metrics["steps"]):
+        if name in cache:
+            _check(source, f"cache.{name}", cache[name], "number")
+    _check_rows(source, "requests", requests, _REQUEST)
+    _check_rows(source, "steps", steps, _STEP)
+    for i, step in enumerate(steps):
         states = step.get("states")
         if states is None:
             continue
@@ -66,7 +68,7 @@ def check_fields(metrics: dict[str, Any], source: str) -> None:
 
 
 def _check_rows(
-    source: str, name: str, rows: list[Any], fields: dict[str, tuple[str, bool]]
+    source: str, name: str, rows: Sequence[object], fields: dict[str, tuple[str, bool]]
 ) -> None:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
@@ -78,7 +80,7 @@ def _check_rows(
                 raise ValueError(f"{source}: {name}[{i}] has no {field!r}")
 
 
-def _check(source: str, where: str, value: Any, kind: str) -> None:
+def _check(source: str, where: str, value: object, kind: str) -> None:
     if value is None and kind.endswith("?"):
         return
     kind = kind.rstrip("?")
@@ -97,10 +99,10 @@ def _check(source: str, where: str, value: Any, kind: str) -> None:
         raise ValueError(f"{source}: {where} must be {article}{kind}, got {shown}")
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:39] + "…"

@@ -11,7 +11,6 @@ import base64
 import html
 import io
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -19,6 +18,7 @@ from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from runner.report.metrics_file import MetricsFile
 from runner.report.pd_timeline import is_pd_run, pd_timeline_figure
 from runner.report.summary import NO_PREFIX, prefix_breakdown, summary_rows
 from runner.report.time_split import (
@@ -69,14 +69,14 @@ def _figure(height: float, bottom_in: float = 0.6, top_in: float = 0.4) -> tuple
     return fig, ax
 
 
-def _step_edges(metrics: dict[str, Any]) -> np.ndarray:
+def _step_edges(metrics: MetricsFile) -> np.ndarray:
     """Step k is drawn over [k, k+1) in every figure, so the columns align."""
     steps = metrics["steps"]
     first = steps[0]["step"] if steps else 0
     return np.arange(first, first + len(steps) + 1)
 
 
-def state_matrix(metrics: dict[str, Any], max_rows: int = MAX_TIMELINE_ROWS) -> np.ndarray:
+def state_matrix(metrics: MetricsFile, max_rows: int = MAX_TIMELINE_ROWS) -> np.ndarray:
     """[requests, steps] uint8 codes into STATES; unknown state names count as absent."""
     n_req = min(len(metrics["requests"]), max_rows)
     steps = metrics["steps"]
@@ -101,7 +101,7 @@ def state_matrix(metrics: dict[str, Any], max_rows: int = MAX_TIMELINE_ROWS) -> 
     return grid
 
 
-def timeline_figure(metrics: dict[str, Any]) -> Figure:
+def timeline_figure(metrics: MetricsFile) -> Figure:
     grid = state_matrix(metrics)
     n_req, n_steps = grid.shape
     edges = _step_edges(metrics)
@@ -135,7 +135,7 @@ def timeline_figure(metrics: dict[str, Any]) -> Figure:
     return fig
 
 
-def hit_rate_figure(metrics: dict[str, Any]) -> Figure:
+def hit_rate_figure(metrics: MetricsFile) -> Figure:
     steps = metrics["steps"]
     rate = [
         100.0 * s["hit_tokens_cum"] / s["query_tokens_cum"] if s["query_tokens_cum"] else np.nan
@@ -153,7 +153,7 @@ def hit_rate_figure(metrics: dict[str, Any]) -> Figure:
     return fig
 
 
-def tokens_figure(metrics: dict[str, Any]) -> Figure:
+def tokens_figure(metrics: MetricsFile) -> Figure:
     steps = metrics["steps"]
     prefill = np.array([s.get("num_prefill_tokens", 0) for s in steps], dtype=float)
     decode = np.array([s.get("num_decode_tokens", 0) for s in steps], dtype=float)
@@ -202,7 +202,7 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.1f}"
 
 
-def request_rows(metrics: dict[str, Any]) -> list[list[str]]:
+def request_rows(metrics: MetricsFile) -> list[list[str]]:
     return [
         [
             str(r["id"]),
@@ -228,7 +228,7 @@ img { max-width: 100%; display: block; margin: 8px 0; }
 """
 
 
-def render_html(metrics: dict[str, Any]) -> str:
+def render_html(metrics: MetricsFile) -> str:
     """The whole page as a string; every image is inline, nothing is fetched."""
     esc = html.escape
     model = str(metrics.get("model", "?"))
@@ -295,5 +295,5 @@ def render_html(metrics: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def write_html(metrics: dict[str, Any], path: Path) -> None:
+def write_html(metrics: MetricsFile, path: Path) -> None:
     Path(path).write_text(render_html(metrics), encoding="utf-8")

@@ -9,10 +9,12 @@ each has ``t0_unix_s``, the wall-clock time its steps' ``t_start_s`` count from.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+
+from runner.report.metrics_file import MetricsFile, StepRow
 
 LANES = ("prefill worker", "decode worker")
 KIND_COLORS = {"prefill": "#ff7f0e", "decode": "#1f77b4", "both": "#9467bd"}
@@ -25,18 +27,18 @@ class Lane(NamedTuple):
     steps: list[tuple[float, float, str]]
 
 
-def is_pd_run(metrics: dict[str, Any]) -> bool:
+def is_pd_run(metrics: MetricsFile) -> bool:
     return isinstance(metrics.get("prefill_worker"), dict)
 
 
-def _kind(step: dict[str, Any]) -> str | None:
+def _kind(step: StepRow) -> str | None:
     prefill, decode = step.get("num_prefill_tokens", 0), step.get("num_decode_tokens", 0)
     if prefill and decode:
         return "both"
     return "prefill" if prefill else "decode" if decode else None
 
 
-def pd_lanes(metrics: dict[str, Any]) -> list[Lane]:
+def pd_lanes(metrics: MetricsFile) -> list[Lane]:
     """The two lanes, prefill worker first. Raises ValueError naming what a worker's metrics
     lack (its t0_unix_s, a step's times)."""
     workers = (metrics.get("prefill_worker"), metrics)
@@ -61,7 +63,7 @@ def pd_lanes(metrics: dict[str, Any]) -> list[Lane]:
     return [Lane(ln.name, [(s - origin, d, k) for s, d, k in ln.steps]) for ln in lanes]
 
 
-def pd_timeline_figure(metrics: dict[str, Any]) -> Figure:
+def pd_timeline_figure(metrics: MetricsFile) -> Figure:
     lanes = pd_lanes(metrics)
     fig = Figure(figsize=(11.0, 3.2))
     ax = fig.add_axes((1.2 / 11.0, 0.34, 1 - 1.5 / 11.0, 0.54))

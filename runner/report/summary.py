@@ -10,9 +10,10 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from runner.report.fields import check_fields
+from runner.report.metrics_file import MetricsFile, RequestRow
 from runner.report.tiers import HEADER, tier_footer, tier_rows
 from runner.report.time_split import TIME_HEADER, time_breakdown, time_cells
 
@@ -21,7 +22,7 @@ REQUIRED_KEYS = ("version", "cache", "requests", "steps", "wall_time_s")
 NO_PREFIX = "(no full block)"
 
 
-def load_metrics(path: str | Path) -> dict[str, Any]:
+def load_metrics(path: str | Path) -> MetricsFile:
     """Parse and sanity-check a metrics file; ValueError (never KeyError) says what is wrong."""
     path = Path(path)
     try:
@@ -38,7 +39,7 @@ def load_metrics(path: str | Path) -> dict[str, Any]:
     return metrics
 
 
-def validate_metrics(metrics: Any, source: str = "metrics") -> None:
+def validate_metrics(metrics: object, source: str = "metrics") -> None:
     if not isinstance(metrics, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(metrics).__name__}")
     missing = [k for k in REQUIRED_KEYS if k not in metrics]
@@ -64,7 +65,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def hit_rate(metrics: dict[str, Any]) -> float:
+def hit_rate(metrics: MetricsFile) -> float:
     """First-admission hits over first-admission queries, the engine's own counters.
 
     Readmissions after preemption are counted apart by the engine, so they cannot inflate
@@ -75,7 +76,7 @@ def hit_rate(metrics: dict[str, Any]) -> float:
     return cache.get("hit_tokens", 0) / query if query else 0.0
 
 
-def prefill_tokens(metrics: dict[str, Any]) -> tuple[int, int]:
+def prefill_tokens(metrics: MetricsFile) -> tuple[int, int]:
     """(prefill tokens computed, what the same run would compute with no cache).
 
     Computed is what the steps fed the model (recomputation after preemption included); every
@@ -94,10 +95,10 @@ def prefill_tokens(metrics: dict[str, Any]) -> tuple[int, int]:
     return computed + filled, computed + served
 
 
-def latencies_ms(metrics: dict[str, Any]) -> tuple[list[float], list[float]]:
+def latencies_ms(metrics: MetricsFile) -> tuple[list[float], list[float]]:
     """(TTFT of each request that produced a token, every inter-token gap), in ms."""
     reqs = metrics["requests"]
-    ttft = [r["ttft_s"] * 1000 for r in reqs if r.get("ttft_s") is not None]
+    ttft = [t * 1000 for r in reqs if (t := r.get("ttft_s")) is not None]
     itl = [x * 1000 for r in reqs for x in r.get("itl_s") or []]
     return ttft, itl
 
@@ -115,7 +116,7 @@ def _copied(tokens: int) -> str:
     return f"; {tokens:,} copied from partial blocks" if tokens else ""
 
 
-def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
+def summary_rows(metrics: MetricsFile) -> list[tuple[str, str]]:
     """(label, value) pairs in display order; the text table and the HTML table print these."""
     reqs = metrics["requests"]
     cache = metrics["cache"]
@@ -173,7 +174,7 @@ def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     drafted = metrics.get("num_draft_tokens", 0)
     if drafted:  # a run with speculative decoding on
-        kept = metrics.get("num_accepted_tokens", 0)
+        kept = metrics.get("num_accepted_tokens") or 0  # null: none recorded
         rows.append(("guessed tokens kept", f"{kept:,} of {drafted:,} ({kept / drafted:.1%})"))
     rows += [
         ("engine steps", f"{len(metrics['steps']):,}"),
@@ -200,13 +201,13 @@ class PrefixGroup(NamedTuple):
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def prefix_breakdown(metrics: dict[str, Any]) -> list[PrefixGroup]:
+def prefix_breakdown(metrics: MetricsFile) -> list[PrefixGroup]:
     """Requests grouped by the hash of their first full block, most cached tokens first.
 
     The first block's hash stands for the whole shared prefix: requests whose first blocks
     differ cannot share any block, because block hashes chain through their parents.
     """
-    groups: dict[str, list[dict[str, Any]]] = {}
+    groups: dict[str, list[RequestRow]] = {}
     for r in metrics["requests"]:
         groups.setdefault(r.get("prefix_key") or "", []).append(r)
     out = [
@@ -215,7 +216,7 @@ def prefix_breakdown(metrics: dict[str, Any]) -> list[PrefixGroup]:
             num_requests=len(rs),
             prompt_tokens=sum(r["prompt_tokens"] for r in rs),
             cached_tokens=sum(r["cached_tokens"] for r in rs),
-            preview=rs[0].get("prefix_preview", ""),
+            preview=rs[0].get("prefix_preview") or "",
         )
         for key, rs in groups.items()
     ]
@@ -242,7 +243,7 @@ def _preview(text: str, width: int = 48) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
-def format_summary(metrics: dict[str, Any], max_groups: int = 20) -> str:
+def format_summary(metrics: MetricsFile, max_groups: int = 20) -> str:
     """The run's headline numbers, where the steps' time went, then which shared prefixes
     paid off."""
     caching = "on" if metrics.get("enable_prefix_caching", True) else "off"

@@ -4,19 +4,19 @@ loaded block took. Reads the metrics' ``cache_tiers`` (LLM.stats()'s), absent wi
 
 from __future__ import annotations
 
-from typing import Any
+from runner.report.metrics_file import MetricsFile, TierCounters
 
 HEADER = ("tier", "hit tok", "read blk", "read MiB", "written blk", "written MiB", "rejected",
           "errors")  # fmt: skip
 
 
-def tier_rows(metrics: dict[str, Any]) -> list[tuple[str, ...]]:
+def tier_rows(metrics: MetricsFile) -> list[tuple[str, ...]]:
     """One row per tier, the device pool first (its hits: those no tier served). Pure."""
     tiers = metrics.get("cache_tiers")
     if not isinstance(tiers, dict):
         return []
     cache = metrics.get("cache", {})
-    per_tier: dict[str, dict[str, Any]] = tiers.get("tiers", {})
+    per_tier: dict[str, TierCounters] = tiers.get("tiers", {})
     total = int(cache.get("hit_tokens", 0)) + int(cache.get("readmit_hit_tokens", 0))
     below = sum(int(t.get("hit_tokens", 0)) for t in per_tier.values())
     rows: list[tuple[str, ...]] = [("device", f"{max(0, total - below):,}", *[""] * 6)]
@@ -36,7 +36,7 @@ def tier_rows(metrics: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
-def tier_footer(metrics: dict[str, Any]) -> str:
+def tier_footer(metrics: MetricsFile) -> str:
     tiers = metrics.get("cache_tiers") or {}
     return (
         f"dropped writes {tiers.get('dropped_writes', 0):,}, "

@@ -7,14 +7,19 @@ sampling, stop checks, caching blocks, metrics."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
+
+from runner.report.metrics_file import StepRow
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 KINDS = ("prefill only", "decode only", "prefill + decode")
+# A step's recorded times, in PARTS' order: its forward, the weight products, the attention.
+TimeKey = Literal["model_s", "product_s", "attention_s"]
+TIME_KEYS: tuple[TimeKey, ...] = ("model_s", "product_s", "attention_s")
 
 
 class TimeRow(NamedTuple):
@@ -28,9 +33,9 @@ class TimeRow(NamedTuple):
     attention: float | None
 
 
-def time_breakdown(steps: Sequence[dict[str, Any]]) -> list[TimeRow]:
+def time_breakdown(steps: Sequence[StepRow]) -> list[TimeRow]:
     """One row per kind of step that the run had, in KINDS order."""
-    groups: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
+    groups: dict[str, list[StepRow]] = {kind: [] for kind in KINDS}
     for step in steps:
         prefill, decode = step.get("num_prefill_tokens", 0), step.get("num_decode_tokens", 0)
         if prefill or decode:
@@ -39,12 +44,12 @@ def time_breakdown(steps: Sequence[dict[str, Any]]) -> list[TimeRow]:
     for kind, group in groups.items():
         if group:
             wall = sum(float(s.get("duration_s", 0.0)) for s in group)
-            shares = (_share(group, key, wall) for key in ("model_s", "product_s", "attention_s"))
+            shares = (_share(group, key, wall) for key in TIME_KEYS)
             rows.append(TimeRow(kind, len(group), wall, *shares))
     return rows
 
 
-def _share(group: list[dict[str, Any]], key: str, wall: float) -> float | None:
+def _share(group: list[StepRow], key: TimeKey, wall: float) -> float | None:
     """The share of `wall` that `key` took, when every step of the group recorded it."""
     values = [s.get(key) for s in group]
     if wall <= 0 or any(v is None for v in values):
@@ -83,14 +88,14 @@ PARTS = (
 )
 
 
-def step_parts_ms(steps: Sequence[dict[str, Any]]) -> np.ndarray | None:
+def step_parts_ms(steps: Sequence[StepRow]) -> np.ndarray | None:
     """[4, steps] milliseconds of each step in PARTS order, or None unless every step that
     computed something recorded its products and attention (a step that computed nothing is
     all host)."""
     parts = np.zeros((len(PARTS), len(steps)))
     for i, step in enumerate(steps):
         wall = float(step.get("duration_s", 0.0))
-        model, products, attention = (step.get(k) for k in ("model_s", "product_s", "attention_s"))
+        model, products, attention = (step.get(k) for k in TIME_KEYS)
         if model is None or products is None or attention is None:
             if step.get("num_prefill_tokens", 0) or step.get("num_decode_tokens", 0):
                 return None
