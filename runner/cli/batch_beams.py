@@ -4,7 +4,7 @@ chunk of lines at a time (an interrupted run keeps what it wrote, and --resume g
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TypedDict
 
 from runner.cli.batch_file import BatchLine
 from runner.engine.api.beam_search import BeamSearchOutput, BeamSearchParams
@@ -14,6 +14,25 @@ from runner.engine.io.validation import Prompt, prompt_token_ids
 from runner.sampling.params import SamplingParams
 
 BEAM_CHUNK = 16  # lines searched together: their beams share the engine's steps
+
+
+class Beam(TypedDict):
+    """One answer of a line's beam search, as its record holds it."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    cumulative_logprob: float
+    score: float
+
+
+class BeamRecord(Beam):
+    """A line's record: its best answer's fields flat, every answer under "beams"."""
+
+    id: str
+    line: int
+    prompt_tokens: int
+    beams: list[Beam]
 
 
 def line_prompt(llm: EngineInterface, line: BatchLine) -> tuple[Prompt | SegmentedPrompt, bool]:
@@ -30,7 +49,7 @@ def search_lines(
     llm: EngineInterface,
     lines: list[BatchLine],
     width: int,
-    done: Callable[[BatchLine, dict[str, Any]], None],
+    done: Callable[[BatchLine, BeamRecord], None],
     fail: Callable[[BatchLine], None],
 ) -> None:
     """Search every line (its max_tokens and ignore_eos; other sampling fields do not apply to
@@ -61,9 +80,9 @@ def search_lines(
                 done(line, beam_record(line, out))
 
 
-def beam_record(line: BatchLine, out: BeamSearchOutput) -> dict[str, Any]:
+def beam_record(line: BatchLine, out: BeamSearchOutput) -> BeamRecord:
     """The line's record: its best answer's fields flat, every answer under "beams"."""
-    beams = [
+    beams: list[Beam] = [
         {
             "text": seq.text,
             "token_ids": seq.token_ids,

@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from runner.cli.batch_records import RecordsNotWritten, drop_records, recover, request_hash
+from runner.cli.batch_records import (
+    Record,
+    RecordsNotWritten,
+    drop_records,
+    recover,
+    request_hash,
+)
 from runner.cli.output_lock import LockedOutput, OutputInUse
 from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.engine.io.validation import check_template_kwargs
@@ -57,13 +63,13 @@ class BatchLine:
     request_id: str
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
-    template_kwargs: dict[str, Any] | None = None  # the chat template's, with messages
+    template_kwargs: dict[str, object] | None = None  # the chat template's, with messages
     prompt_token_ids: list[int] | None = None
     segments: SegmentedPrompt | None = None  # a prompt given as segments (docs/SEGMENTS.md)
     params: SamplingParams | None = None
     cache_salt: str | None = None
     error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
     id_given: bool = False  # False: the id is the line number, since the line named none
     request_hash: str = ""  # of the request as it runs (runner/cli/batch_records.py), for --resume
 
@@ -259,7 +265,7 @@ class ResultWriter:
             self._stale.add(request_id)
             self.done_ids.discard(request_id)
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: Record) -> None:
         data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
         if data in self._old_errors:  # the same error as the last run's: its record stays
             self._errors_again.add(data)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runner.cli.batch_paths import check_output_file
 
@@ -62,7 +63,7 @@ class PrefixCacheFile:
         _say(f"prefix cache: {blocks} blocks saved to {self.path}")
 
 
-def write_metrics(metrics: dict[str, Any], path: Path) -> None:
+def write_metrics(metrics: Mapping[str, object], path: Path) -> None:
     """The metrics JSON, written beside `path` then swapped in: a full disk leaves no half
     file for `kvcache report` to choke on, and no temporary file. Checked again as --metrics
     was before the run: what was put at `path` since (a device, a FIFO) is never replaced."""

@@ -15,9 +15,10 @@ import errno
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol, TypeAlias
 
 import xxhash
 
@@ -26,19 +27,22 @@ from runner.engine.io.segmented_prompt import SegmentedPrompt
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _HASH = re.compile(r"[0-9a-f]{16}")
 
+# One JSON line of the output (an answer, a line's error, a beam search's answers), as written.
+Record: TypeAlias = dict[str, object]
+
 
 class LineRequest(Protocol):
     """What a batch line's request is made of (runner/cli/batch_file.py's BatchLine)."""
 
-    prompt: Any
-    messages: Any
-    prompt_token_ids: Any
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    prompt_token_ids: list[int] | None
     segments: SegmentedPrompt | None
-    template_kwargs: Any
-    cache_salt: Any
+    template_kwargs: dict[str, object] | None
+    cache_salt: str | None
 
 
-def request_hash(line: LineRequest, sampling: dict[str, Any]) -> str:
+def request_hash(line: LineRequest, sampling: Mapping[str, object]) -> str:
     """The hash of one line's request as it runs: its prompt fields and `sampling` (the
     line's fields over the defaults)."""
     request = {
@@ -54,7 +58,7 @@ def request_hash(line: LineRequest, sampling: dict[str, Any]) -> str:
     return f"{xxhash.xxh3_64_intdigest(text.encode()):016x}"
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """A default's StructuredOutputsParams (from --json-schema) as JSON."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)

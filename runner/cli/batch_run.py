@@ -10,7 +10,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from runner.cli.batch_beams import line_prompt, search_lines
+from runner.cli.batch_beams import BeamRecord, line_prompt, search_lines
 from runner.cli.batch_file import (
     BatchLine,
     ResultWriter,
@@ -18,7 +18,7 @@ from runner.cli.batch_file import (
     read_lines,
     unreadable_line,
 )
-from runner.cli.batch_records import RecordsNotWritten
+from runner.cli.batch_records import Record, RecordsNotWritten
 from runner.cli.output_lock import LockedOutput
 from runner.cli.stdout import StdoutFailed, silence_stdout
 from runner.engine.api.interface import EngineInterface
@@ -132,7 +132,7 @@ class BatchRun:
                         self.beam_lines,
                         self.beam_width,
                         lambda line, record: self._searched(
-                            writer, {**record, "request_hash": line.request_hash}, bar, start
+                            writer, record, line.request_hash, bar, start
                         ),
                         lambda line: self._fail(writer, line),
                     )
@@ -209,10 +209,15 @@ class BatchRun:
         )
 
     def _searched(
-        self, writer: ResultWriter | PrintWriter, record: dict[str, Any], bar: tqdm, start: float
+        self,
+        writer: ResultWriter | PrintWriter,
+        record: BeamRecord,
+        request_hash: str,
+        bar: tqdm,
+        start: float,
     ) -> None:
         """A line's beam search is done: its record out, the counts and the bar on."""
-        writer.write(record)
+        writer.write({**record, "request_hash": request_hash})
         self.num_done += 1
         self.output_tokens += len(record["token_ids"])
         bar.update(1)
@@ -262,13 +267,15 @@ class PrintWriter:
     def drop(self, request_id: str) -> None:
         pass  # nothing was done before: there is no record to drop
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: Record) -> None:
         if "error" in record:
             lines = [f"[{record['id']}] (error) {record['error']!r}"]
         elif "outputs" in record:  # several samples: one line each
+            outputs = record["outputs"]
+            assert isinstance(outputs, list)  # RequestOutput.to_record's samples
             lines = [
                 f"[{record['id']}#{o['index']}] ({o['finish_reason']}) {o['text']!r}"
-                for o in record["outputs"]
+                for o in outputs
             ]
         else:
             lines = [f"[{record['id']}] ({record['finish_reason']}) {record['text']!r}"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from argparse import ArgumentTypeError
-from typing import Any
 
 import click
 
@@ -32,7 +31,9 @@ def parse_size(text: str) -> int:
 class ByteSize(click.ParamType):
     name = "size"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> int:
         if isinstance(value, int):
             return value
         try:
@@ -47,7 +48,9 @@ class HumanInt(click.ParamType):
 
     name = "count"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> int:
         if isinstance(value, int):
             return value
         try:

@@ -24,7 +24,7 @@ class StdoutFailed(click.ClickException):
     def __init__(self, err: OSError) -> None:
         super().__init__(f"cannot write to stdout ({err.strerror or err}); stopped")
 
-    def show(self, file: IO[Any] | None = None) -> None:
+    def show(self, file: IO[str] | None = None) -> None:
         silence_stdout()
         super().show(file)
 
@@ -64,6 +64,7 @@ class Commands(click.Group):
     """The kvcache group: an OSError that escapes a command because stdout is broken ends in
     StdoutFailed's one line instead of a traceback."""
 
+    # Click's own signature (overloaded on standalone_mode), passed through whole.
     def main(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().main(*args, **kwargs)
