@@ -5,8 +5,8 @@ checked against transformers' unbatched beam search. A request's answer is its b
 from __future__ import annotations
 
 import time
-from typing import Any
 
+from bench.engine_options import EngineOptions
 from bench.peers import PeerResult
 from bench.workloads import BenchRequest
 from runner.engine.api.beam_search import BeamSearchParams
@@ -17,7 +17,7 @@ from runner.engine.api.llm import LLM
 NO_BEAMS = ("hf-cb", "hf-lookup")
 
 
-def hf_beam_options(width: int | None) -> dict[str, Any]:
+def hf_beam_options(width: int | None) -> dict[str, object]:
     """transformers' generate options for beam search of `width` (none without)."""
     return {"num_beams": width, "early_stopping": False} if width else {}
 
@@ -26,7 +26,7 @@ def run_engine_beams(
     model: str | None,
     requests: list[BenchRequest],
     device: str,
-    options: dict[str, Any],
+    options: EngineOptions,
     width: int,
 ) -> PeerResult:
     """Every request searched at once (those alike in max_tokens and ignore_eos together);

@@ -215,6 +215,7 @@ def bench(
                     raise click.BadParameter(str(err), param_hint="--json") from err
         pd_bench(workload, systems, model, limit, json_path)
         return
+    from bench.engine_options import given_options
     from bench.external import PeerPaths
     from bench.harness import run_bench
     from bench.peers import Sampling
@@ -241,15 +242,7 @@ def bench(
         limit=limit,
         device=device,
         check=not no_check,
-        engine_options={
-            k: v
-            for k, v in (
-                ("max_num_batched_tokens", max_num_batched_tokens),
-                ("max_num_seqs", max_num_seqs),
-                ("block_size", block_size),
-            )
-            if v is not None
-        },
+        engine_options=given_options(max_num_batched_tokens, max_num_seqs, block_size),
         sampling=Sampling(temperature, top_p, samples) if temperature is not None else None,
         beam_width=beam_width,
         peer_paths=PeerPaths(vllm_python, llama_server),

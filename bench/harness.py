@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import resource
 import time
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
 from bench.background_load import background_load, load_note
 from bench.beams import hf_beam_options, run_engine_beams
+from bench.engine_options import EngineOptions
 from bench.external import EXTERNAL_SYSTEMS, PeerPaths, matching_tokens, run_external
 from bench.hf_continuous import run_hf_cb
 from bench.matmul_timer import MatmulTimer
@@ -25,7 +26,7 @@ from bench.peers import (
     samples_per_prompt,
 )
 from bench.systems import ENGINE_SYSTEMS, check_systems
-from bench.table import format_table
+from bench.table import BenchRow, EngineFigures, format_table
 from bench.workloads import BenchRequest, load_workload
 from runner.backends.cpu.linear import PackedLinear, onednn_available
 from runner.backends.cpu.loader import load_cpu_kernels
@@ -33,6 +34,17 @@ from runner.engine.api.interface import EngineInterface
 from runner.engine.api.llm import LLM
 from runner.engine.io.outputs import RequestOutput
 from runner.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin
+
+
+class BenchReport(TypedDict):
+    """What `kvcache bench` prints and writes: a row per system, the table, the peak."""
+
+    rows: list[BenchRow]
+    table: str
+    peak_gflops: float
 
 
 def matmul_peak_gflops(device: str, size: int = 1024, repeats: int = 24) -> float:
@@ -62,9 +74,9 @@ def run_engine(
     model: str | None,
     requests: list[BenchRequest],
     device: str,
-    options: dict[str, Any],
+    options: EngineOptions,
     sampling: Sampling | None = None,
-) -> tuple[PeerResult, EngineInterface, dict[str, Any]]:
+) -> tuple[PeerResult, EngineInterface, EngineFigures]:
     llm: EngineInterface = LLM(model, device=device, **options)
     # Warm up the kernels on a prompt that shares nothing with the workload (its own salt).
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2, temperature=0), cache_salt="w")
@@ -87,7 +99,7 @@ def run_engine(
     samples = [(sample, r) for o, r in zip(outs, requests, strict=True) for sample in o.outputs]
     ttft = [s.metrics["ttft_s"] for s, _ in samples if s.metrics.get("ttft_s") is not None]
     pure_prefill = [s for s in steps if s.num_decode_tokens == 0 and s.num_prefill_tokens]
-    extra: dict[str, Any] = {
+    extra: EngineFigures = {
         "hit_rate": hits / query if query else 0.0,
         "prefill_only_tokens": sum(s.num_prefill_tokens for s in pure_prefill),
         "prefill_only_s": sum(s.duration_s for s in pure_prefill),
@@ -171,12 +183,12 @@ def run_bench(
     limit: int | None = None,
     device: str = "cpu",
     check: bool = True,
-    engine_options: dict[str, Any] | None = None,
+    engine_options: EngineOptions | None = None,
     sampling: Sampling | None = None,
     beam_width: int | None = None,
     peer_paths: PeerPaths | None = None,
     background: int = 0,
-) -> dict[str, Any]:
+) -> BenchReport:
     """Returns {"rows": [...], "table": str}; ratios are against hf-static of this run. With
     `sampling`, every system samples and nothing is checked (no two samplers agree); with
     `beam_width`, every system searches beams (bench/beams.py); `background` processes
@@ -196,16 +208,16 @@ def run_bench(
         else None
     )
     beams = hf_beam_options(beam_width)
-    reference = run_reference(hf_model, requests, eos_ids, device, **beams) if check else None
-    rows: list[dict[str, Any]] = []
+    reference = run_reference(_hf(hf_model), requests, eos_ids, device, **beams) if check else None
+    rows: list[BenchRow] = []
     engine_samples: dict[str, list[list[int]]] = {}  # sampled outputs of float32 engines
     skipped: list[str] = []  # a line for each external peer that is not installed
     with background_load(background):
         for system in systems:
-            extra: dict[str, Any] = {}
+            extra: EngineFigures = {}
             same_model = True  # False: a system that runs other weights than the reference's
             if system in ENGINE_SYSTEMS:
-                options = {**(engine_options or {}), **ENGINE_SYSTEMS[system]}
+                options: EngineOptions = {**(engine_options or {}), **ENGINE_SYSTEMS[system]}
                 same_model = (
                     options.get("cpu_weight_dtype", "float32") == "float32"
                     and options.get("kv_cache_dtype", "auto") == "auto"
@@ -220,9 +232,11 @@ def run_bench(
                     del llm
             elif system == "hf-static":
                 batch = (engine_options or {}).get("max_num_seqs") or len(requests)
-                result = run_hf_static(hf_model, requests, eos_ids, device, batch, sampling, beams)
+                result = run_hf_static(
+                    _hf(hf_model), requests, eos_ids, device, batch, sampling, beams
+                )
             elif system == "hf-lookup":
-                result = run_hf_lookup(hf_model, requests, eos_ids, device)
+                result = run_hf_lookup(_hf(hf_model), requests, eos_ids, device)
             elif system in EXTERNAL_SYSTEMS:
                 paths = peer_paths or PeerPaths()
                 ran = run_external(system, model, model_dir, requests, eos_ids, paths)
@@ -231,7 +245,7 @@ def run_bench(
                     continue
                 result = ran
             else:
-                result = run_hf_cb(hf_model, requests, eos_ids, sampling=sampling)
+                result = run_hf_cb(_hf(hf_model), requests, eos_ids, sampling=sampling)
             samples = [r for r in requests for _ in range(samples_per_prompt(sampling))]
             outputs = [
                 cut_output(o, eos_ids, r) for o, r in zip(result.outputs, samples, strict=True)
@@ -273,6 +287,11 @@ def run_bench(
     if beam_width:
         table += f"\nevery system searched {beam_width} beams a prompt; its best is its answer"
     return {"rows": rows, "table": table, "peak_gflops": peak}
+
+
+def _hf(model: GenerationMixin | None) -> GenerationMixin:
+    assert model is not None  # loaded whenever a check or an hf- system asks for it
+    return model
 
 
 def _same_samples(samples: dict[str, list[list[int]]]) -> str:

@@ -5,7 +5,7 @@ request at a time so that each keeps its own `max_new_tokens`: as a peer in `kvc
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,13 +19,18 @@ from bench.peers import (
 )
 from bench.workloads import BenchRequest
 
+if TYPE_CHECKING:
+    from transformers import GenerationMixin
+    from transformers.generation.continuous_batching import ContinuousBatchingManager
+    from transformers.generation.continuous_batching.requests import GenerationOutput
+
 
 # no_grad, not inference_mode: transformers 5.17 builds the manager's cache in the caller's
 # thread when it warms up, and its worker thread (no_grad only) may not then write in place
 # into inference tensors ("Inplace update to inference tensor outside InferenceMode").
 @torch.no_grad()
 def run_hf_cb(
-    model: Any,
+    model: GenerationMixin,
     requests: list[BenchRequest],
     eos_ids: set[int],
     block_sharing: bool = True,
@@ -71,8 +76,11 @@ def run_hf_cb(
 
 @torch.no_grad()  # not inference_mode: see run_hf_cb
 def run_hf_continuous(
-    model: Any, requests: list[BenchRequest], device: str, deadline_s: float | None = None
-) -> dict[str, Any]:
+    model: GenerationMixin,
+    requests: list[BenchRequest],
+    device: str,
+    deadline_s: float | None = None,
+) -> dict[str, object]:
     """transformers' continuous batching (the manager behind `generate_batch`), EOS disabled
     (-1), each request with its own max_new_tokens. The clock starts after the manager's
     warm-up (its CUDA-graph capture), as ours starts after the engine's start-up. After
@@ -121,7 +129,9 @@ def run_hf_continuous(
     }
 
 
-def tokens_in_flight(manager: Any, finished: dict[str, Any]) -> int | None:
+def tokens_in_flight(
+    manager: ContinuousBatchingManager, finished: dict[str, GenerationOutput]
+) -> int | None:
     """Tokens generated so far by the requests a transformers continuous-batching manager is
     still running, read from its scheduler (not a public API: None where a release keeps them
     elsewhere). Requests finished but not yet collected are in neither count, which can only
@@ -145,11 +155,11 @@ def sync_device(device: str) -> None:
 
 
 def submit_and_collect(
-    manager: Any,
+    manager: ContinuousBatchingManager,
     requests: list[BenchRequest],
     record_timestamps: bool = False,
     deadline_s: float | None = None,
-) -> dict[str, Any]:
+) -> dict[str, GenerationOutput]:
     """Add every request to a transformers continuous-batching manager (each with its own
     max_new_tokens) and wait for all of them, or until `deadline_s` seconds have passed;
     finished results by request id (a failed request counts as finished: check `.error`)."""
@@ -161,7 +171,7 @@ def submit_and_collect(
             max_new_tokens=req.max_tokens,
             record_timestamps=record_timestamps,
         )
-    results: dict[str, Any] = {}
+    results: dict[str, GenerationOutput] = {}
     while len(results) < len(requests):
         if stop_at is not None and time.perf_counter() > stop_at:
             break

@@ -13,7 +13,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, TypedDict
 
 import httpx
 
@@ -93,9 +93,21 @@ def run_llama_cpp(server: Path, gguf: Path, requests: list[BenchRequest]) -> Pee
     return PeerResult(outputs, wall, prefill, ttft)
 
 
+class LlamaTimings(TypedDict):
+    prompt_n: int  # prompt tokens computed (those not served from its cache)
+    predicted_ms: float  # the answer's tokens, after the first
+
+
+class LlamaAnswer(TypedDict):
+    """The fields of llama-server's /completion answer that the bench reads."""
+
+    tokens: list[int]
+    timings: LlamaTimings
+
+
 def _complete(
     client: httpx.Client, prompt: list[int], max_tokens: int, ignore_eos: bool
-) -> tuple[dict[str, Any], float]:
+) -> tuple[LlamaAnswer, float]:
     """One greedy /completion of token ids; its answer and when it arrived."""
     body = {
         "prompt": prompt,
@@ -113,7 +125,7 @@ def _complete(
     return answer.json(), time.perf_counter()
 
 
-def _wait_ready(client: httpx.Client, proc: subprocess.Popen[bytes], log: Any) -> None:
+def _wait_ready(client: httpx.Client, proc: subprocess.Popen[bytes], log: IO[bytes]) -> None:
     """Until /health says the model is loaded; the server's log tail names a failure."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:

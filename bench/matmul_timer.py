@@ -12,8 +12,8 @@ and the sum is added here.
 from __future__ import annotations
 
 import time
-from typing import Any
 
+import torch
 from torch import nn
 
 from runner.backends.cpu.linear import PackedLinear
@@ -48,13 +48,13 @@ class MatmulTimer:
         in_c = self._layers.product_s - self._layers_start if self._layers is not None else 0.0
         return self._hooked_s + in_c
 
-    def _start(self, *_: Any) -> None:
+    def _start(self, *_: object) -> None:
         self._started = time.perf_counter()
 
-    def _stop(self, *_: Any) -> None:
+    def _stop(self, *_: object) -> None:
         self._hooked_s += time.perf_counter() - self._started
 
-    def _timed_logits(self, hidden: Any) -> Any:
+    def _timed_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self._start()
         logits = self._compute_logits(hidden)
         self._stop()

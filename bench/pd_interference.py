@@ -30,19 +30,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from bench.engine_options import EngineOptions
 from bench.local_redis import AUTO
 from bench.local_redis import redis_url as local_redis
+from bench.pd_results import Stream, SystemResult, WorkloadRow
 from bench.workloads import workload_path
 from runner.disagg.cpus import thread_on_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS: dict[str, dict[str, Any]] = {
+SYSTEMS: dict[str, EngineOptions] = {
     "engine": {},
     "engine-nochunk": {"enable_chunked_prefill": False},
     "engine-pd": {},
@@ -97,8 +98,8 @@ def _process(args: list[str], what: str) -> Iterator[str]:
 
 
 def _worker(
-    model: str | None, role: str, cpus: str, options: dict[str, Any], handover: str = "zmq"
-) -> Any:
+    model: str | None, role: str, cpus: str, options: EngineOptions, handover: str = "zmq"
+) -> AbstractContextManager[str]:
     args = [sys.executable, "-m", "bench.pd_interference_worker", "--role", role, "--cpus", cpus]
     args += ["--options", json.dumps(options), "--handover", handover]
     args += ["--model", model] if model else []
@@ -123,7 +124,7 @@ def _system(name: str, model: str | None, cpus: list[int]) -> Iterator[dict[str,
 @contextmanager
 def _pd_pair(model: str | None, first: str, second: str, handover: str) -> Iterator[dict[str, str]]:
     """A prefill worker on CPU ``first``, a decode worker on ``second``, and the router."""
-    record = {"record_metrics": True}  # both schedules, for the report's two lanes
+    record: EngineOptions = {"record_metrics": True}  # both schedules, for the report's two lanes
     with (
         _worker(model, "prefill", first, record, handover) as prefill,
         _worker(model, "decode", second, record, handover) as d,
@@ -135,9 +136,7 @@ def _pd_pair(model: str | None, first: str, second: str, handover: str) -> Itera
             yield {"url": url, "prefill": prefill, "decode": d}
 
 
-async def _one(
-    client: httpx.AsyncClient, url: str, row: dict[str, Any], t0: float
-) -> dict[str, Any]:
+async def _one(client: httpx.AsyncClient, url: str, row: WorkloadRow, t0: float) -> Stream:
     """Send one request at its arrival time; the times its stream chunks arrived."""
     await asyncio.sleep(max(0.0, t0 + float(row.get("arrival_s", 0.0)) - time.perf_counter()))
     body = {"prompt": row["prompt"], "max_tokens": row["max_tokens"], "temperature": 0}
@@ -163,21 +162,23 @@ async def _one(
             "text": "".join(text)}  # fmt: skip
 
 
-async def _drive(url: str, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float, float]:
+async def _drive(url: str, rows: list[WorkloadRow]) -> tuple[list[Stream], float, float]:
     timeout = httpx.Timeout(600.0, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout) as client:
         # Warm-up as the run goes: one whole answer, then three streamed at once, so the run
         # is never the servers' first streamed chunks or first batch of three.
         warm = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
         (await client.post(f"{url}/v1/completions", json=warm)).raise_for_status()
-        streamed = [{"id": f"warm-{i}", "prompt": f"Hello {i}", "max_tokens": 16} for i in range(3)]
+        streamed: list[WorkloadRow] = [
+            {"id": f"warm-{i}", "prompt": f"Hello {i}", "max_tokens": 16} for i in range(3)
+        ]
         await asyncio.gather(*(_one(client, url, row, time.perf_counter()) for row in streamed))
         t0 = time.perf_counter()
         results = await asyncio.gather(*(_one(client, url, row, t0) for row in rows))
         return list(results), time.perf_counter() - t0, t0
 
 
-def decode_gaps_ms(results: list[dict[str, Any]], since: float = 0.0) -> list[float]:
+def decode_gaps_ms(results: list[Stream], since: float = 0.0) -> list[float]:
     """The decodes' inter-token gaps (ms) that start once every decode has its first token and
     at or after ``since`` (the first long prompt's arrival: the ITL while the long prompts
     arrive and run). The gaps before are the decodes' own start (one joins the batch as
@@ -193,7 +194,7 @@ def decode_gaps_ms(results: list[dict[str, Any]], since: float = 0.0) -> list[fl
     ]
 
 
-def first_long_arrival_s(rows: list[dict[str, Any]]) -> float:
+def first_long_arrival_s(rows: list[WorkloadRow]) -> float:
     """When the workload's first long prompt arrives (s from its start; 0 with none). Pure."""
     return min(
         (float(r.get("arrival_s", 0.0)) for r in rows if r.get("kind") == "long"), default=0.0
@@ -212,7 +213,7 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
 
 
-def run_system(name: str, model: str | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def run_system(name: str, model: str | None, rows: list[WorkloadRow]) -> SystemResult:
     """One system's figures (ms) and its outputs by request id."""
     cpus = sorted(os.sched_getaffinity(0))
     since = first_long_arrival_s(rows)  # engine-pd-alone: the same window, with none arriving
@@ -232,7 +233,7 @@ def run_system(name: str, model: str | None, rows: list[dict[str, Any]]) -> dict
     gaps = decode_gaps_ms(results, t0 + since)
     ttft = [1000 * (r["times"][0] - r["sent"]) for r in results if r["kind"] == "long"]
     tokens = sum(len(r["times"]) for r in results)
-    out: dict[str, Any] = {
+    out: SystemResult = {
         "system": name,
         "itl_p50_ms": _pct(gaps, 0.5),
         "itl_p99_ms": _pct(gaps, 0.99),
@@ -264,7 +265,7 @@ def run_system(name: str, model: str | None, rows: list[dict[str, Any]]) -> dict
 
 def run_pd_bench(
     workload: str, systems: list[str], model: str | None, limit: int | None = None
-) -> list[dict[str, Any]]:
+) -> list[SystemResult]:
     """Every system's figures, in order; ``same_output`` against the first system (on the
     requests both ran: engine-pd-alone runs the decodes only)."""
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -278,7 +279,7 @@ def run_pd_bench(
     return results
 
 
-def format_table(results: list[dict[str, Any]]) -> str:
+def format_table(results: list[SystemResult]) -> str:
     head = (
         "system           ITL p50   p99     max     long TTFT (ms)    tok/s  KV handed over  same"
     )

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from bench.workloads import BenchRequest
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin
 
 
 class Sampling(NamedTuple):
@@ -28,7 +31,7 @@ def samples_per_prompt(sampling: Sampling | None) -> int:
     return sampling.n if sampling else 1
 
 
-def hf_sampling(sampling: Sampling | None) -> dict[str, Any]:
+def hf_sampling(sampling: Sampling | None) -> dict[str, object]:
     """transformers' generate options for `sampling`: its own top-k of 50 is turned off (0), so
     it filters exactly as the engine does."""
     if sampling is None:
@@ -48,7 +51,7 @@ class PeerResult(NamedTuple):
     ttft_s: list[float]  # per request, empty when the system does not expose it
 
 
-def load_hf_model(path: Path, device: str) -> Any:
+def load_hf_model(path: Path, device: str) -> GenerationMixin:
     from transformers import AutoModelForCausalLM
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -84,7 +87,11 @@ def cut_at_eos(tokens: list[int], eos_ids: set[int], max_tokens: int) -> list[in
 
 @torch.inference_mode()
 def run_reference(
-    model: Any, requests: list[BenchRequest], eos_ids: set[int], device: str, **options: Any
+    model: GenerationMixin,
+    requests: list[BenchRequest],
+    eos_ids: set[int],
+    device: str,
+    **options: object,
 ) -> list[list[int]]:
     """Unbatched greedy `generate`, one request at a time: the ground truth. `options` are
     more of generate's arguments (prompt lookup, for hf-lookup)."""
@@ -110,7 +117,7 @@ HF_LOOKUP_TOKENS = 10
 
 
 def run_hf_lookup(
-    model: Any, requests: list[BenchRequest], eos_ids: set[int], device: str
+    model: GenerationMixin, requests: list[BenchRequest], eos_ids: set[int], device: str
 ) -> PeerResult:
     """transformers' `generate(prompt_lookup_num_tokens=...)`, one request at a time."""
     start = time.perf_counter()
@@ -123,13 +130,13 @@ def run_hf_lookup(
 
 @torch.inference_mode()
 def run_hf_static(
-    model: Any,
+    model: GenerationMixin,
     requests: list[BenchRequest],
     eos_ids: set[int],
     device: str,
     batch_size: int,
     sampling: Sampling | None = None,
-    options: dict[str, Any] | None = None,
+    options: dict[str, object] | None = None,
 ) -> PeerResult:
     """Classic static batching: left-padded batches of `batch_size`, each runs until its
     longest member is done (with n samples a prompt, its rows are repeated n times);

@@ -3,12 +3,11 @@ peers it measures against, and what each can be asked to do."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from bench.beams import NO_BEAMS
+from bench.engine_options import EngineOptions
 from bench.external import EXTERNAL_SYSTEMS
 
-ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
+ENGINE_SYSTEMS: dict[str, EngineOptions] = {
     "engine": {},
     "engine-nocache": {"enable_prefix_caching": False},
     "engine-static": {"batching": "static"},

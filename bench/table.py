@@ -3,10 +3,43 @@ them)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NotRequired, TypedDict
 
 
-def format_table(rows: list[dict[str, Any]], peak: float, rss_mib: float) -> str:
+class EngineFigures(TypedDict, total=False):
+    """The figures only some systems have: the engine's own (hit rate, its prefill-only steps,
+    ITL, MFU), an outside peer's tokens equal to the reference's."""
+
+    hit_rate: float
+    prefill_only_tokens: int
+    prefill_only_s: float
+    preemptions: int
+    kv_pool_mib: float
+    decode_outside_matmul: float
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    prefill_mfu: float
+    matching_tokens: int
+    reference_tokens: int
+
+
+class BenchRow(EngineFigures):
+    """One system's row of the table (and of --json)."""
+
+    system: str
+    workload: str
+    requests: int
+    wall_s: float
+    output_tokens: int
+    output_tok_s: float
+    prefill_tokens: int
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    matches_reference: bool | None
+    vs_hf_static: NotRequired[float | None]
+
+
+def format_table(rows: list[BenchRow], peak: float, rss_mib: float) -> str:
     head = [
         "system",
         "wall s",
@@ -51,7 +84,7 @@ def format_table(rows: list[dict[str, Any]], peak: float, rss_mib: float) -> str
     return "\n".join(lines)
 
 
-def _match(row: dict[str, Any]) -> str:
+def _match(row: BenchRow) -> str:
     """True/False, or for a peer outside the process (other arithmetic, so some difference is
     expected) the tokens equal to the reference's before the first difference, of all."""
     if row["matches_reference"] is not False or "matching_tokens" not in row:
@@ -59,5 +92,5 @@ def _match(row: dict[str, Any]) -> str:
     return f"{row['matching_tokens']}/{row['reference_tokens']} tok"
 
 
-def _fmt(value: Any, pattern: str) -> str:
+def _fmt(value: float | bool | None, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import tempfile
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import click
@@ -61,7 +62,7 @@ CLI_NAMES = {"prompts": "--prompts", "prompt_tokens": "--prompt-tokens", "redis"
              "repeat": "--repeat", "chunk_tokens": "--cache-chunk-tokens"}  # fmt: skip
 
 
-def figure_args(figure: str, model: str | None, given: dict[str, Any]) -> list[str]:
+def figure_args(figure: str, model: str | None, given: Mapping[str, str | int | None]) -> list[str]:
     """The figure's command line for `kvcache bench`'s options (those not None). Raises
     ValueError naming an option the figure does not take. Pure."""
     known = FIGURE_OPTIONS[figure]
@@ -71,7 +72,7 @@ def figure_args(figure: str, model: str | None, given: dict[str, Any]) -> list[s
             continue
         if name not in known:
             raise ValueError(f"{CLI_NAMES[name]} does not apply to tiers-{figure}")
-        if name == "redis" and value != "auto" and not value.startswith(_REDIS_SCHEMES):
+        if name == "redis" and value != "auto" and not str(value).startswith(_REDIS_SCHEMES):
             raise ValueError(f"--redis takes redis://host:port/db or auto, got {value!r}")
         args += [known[name], str(value)]
     return [figure, *args]

@@ -10,10 +10,37 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from vllm import RequestOutput, SamplingParams
 
 
-def run(job: dict[str, Any]) -> dict[str, Any]:
+class Request(TypedDict):
+    prompt: list[int]
+    max_tokens: int
+    ignore_eos: bool
+
+
+class Job(TypedDict):
+    """What bench/vllm_cpu.py asks of this driver (as JSON)."""
+
+    model: str
+    requests: list[Request]
+    eos_ids: list[int]
+
+
+class Result(TypedDict):
+    """What it answers (as JSON): each request's tokens, the run's figures."""
+
+    outputs: list[list[int]]
+    wall_s: float
+    ttft_s: list[float]
+    prefill_tokens: int
+    vllm_version: str
+
+
+def run(job: Job) -> Result:
     from vllm import LLM, SamplingParams
 
     requests = job["requests"]
@@ -28,7 +55,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     )
     engine = llm.llm_engine
 
-    def params(max_tokens: int, ignore_eos: bool) -> Any:
+    def params(max_tokens: int, ignore_eos: bool) -> SamplingParams:
         return SamplingParams(
             temperature=0.0,
             max_tokens=max_tokens,
@@ -44,7 +71,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             str(i), {"prompt_token_ids": r["prompt"]}, params(r["max_tokens"], r["ignore_eos"])
         )
     first: dict[str, float] = {}
-    done: dict[str, Any] = {}
+    done: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.outputs and out.outputs[0].token_ids and out.request_id not in first:

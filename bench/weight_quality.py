@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from runner.backends.cpu.quant import quantize_rows, round_matrices
 from runner.engine.config import CPU_WEIGHT_DTYPES
@@ -40,14 +40,14 @@ class Float16KV(DynamicCache):
         key_states: torch.Tensor,
         value_states: torch.Tensor,
         layer_idx: int,
-        *args: Any,
+        *args: Any,  # transformers' own, passed through whole
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rounded = (key_states.half().float(), value_states.half().float())
         return super().update(*rounded, layer_idx, *args, **kwargs)
 
 
-def float16_kv(model: Any) -> dict[str, Float16KV]:
+def float16_kv(model: PreTrainedModel) -> dict[str, Float16KV]:
     """A fresh Float16KV as the keyword this transformers takes (`cache` in 5.x, where
     `past_key_values` is deprecated; `past_key_values` before)."""
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -60,7 +60,7 @@ def round_product_inputs(model: nn.Module) -> None:
     of exact products of bfloat16 values: what `cpu_weight_dtype="bfloat16-dot"` computes (in
     another order of the sum)."""
 
-    def rounded(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def rounded(_: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         return (args[0].to(torch.bfloat16).float(), *args[1:])
 
     for module in model.modules():
@@ -73,7 +73,7 @@ def quantize_product_inputs(model: nn.Module) -> None:
     float32) before its product: with the weights quantized per column too, what
     `cpu_weight_dtype="int8-dot"` computes (its int32 sums are exact)."""
 
-    def quantized(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def quantized(_: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         return (quantize_rows(args[0]), *args[1:])
 
     for module in model.modules():

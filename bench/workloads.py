@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 
@@ -30,7 +33,10 @@ def workload_path(name: str) -> Path:
 
 
 def load_workload(
-    name: str, tokenizer: Any, max_tokens: int | None = None, limit: int | None = None
+    name: str,
+    tokenizer: PreTrainedTokenizerBase | None,
+    max_tokens: int | None = None,
+    limit: int | None = None,
 ) -> list[BenchRequest]:
     """Read a workload file; `messages` lines go through the chat template."""
     requests: list[BenchRequest] = []
@@ -39,13 +45,15 @@ def load_workload(
             if not line.strip():
                 continue
             obj = json.loads(line)
-            if "messages" in obj:
+            if "prompt_token_ids" in obj and "messages" not in obj:
+                ids = list(obj["prompt_token_ids"])
+            elif tokenizer is None:
+                raise ValueError(f"{name} line {line_no}: a text prompt needs a tokenizer")
+            elif "messages" in obj:
                 text = tokenizer.apply_chat_template(
                     obj["messages"], tokenize=False, add_generation_prompt=True
                 )
                 ids = list(tokenizer(text, add_special_tokens=False).input_ids)
-            elif "prompt_token_ids" in obj:
-                ids = list(obj["prompt_token_ids"])
             else:
                 ids = list(tokenizer(obj["prompt"]).input_ids)
             new_tokens = max_tokens or int(obj.get("max_tokens", 32))

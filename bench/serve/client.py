@@ -12,8 +12,9 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import httpx
 
@@ -67,7 +68,7 @@ class RequestResult:
 
 
 async def run_turn(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], result: RequestResult
+    client: httpx.AsyncClient, url: str, body: dict[str, object], result: RequestResult
 ) -> RequestResult:
     last = result.start
     reused: int | None = 0  # None once usage gave cached_tokens itself
@@ -118,7 +119,7 @@ async def run_session(
     endpoint: Endpoint,
     model: str,
     session: Session,
-    extra: dict[str, Any],
+    extra: Mapping[str, object],
 ) -> list[RequestResult]:
     """A session's turns in order, each one's answer (as received) in the next one's prompt."""
     messages = [dict(m) for m in session.opening]
@@ -156,7 +157,7 @@ async def run_benchmark(
     max_concurrency: int,
     request_rate: float,
     seed: int,
-    extra: dict[str, Any],
+    extra: Mapping[str, object],
 ) -> tuple[list[RequestResult], float]:
     """Every session's results, and the wall time the whole run took."""
     gate = asyncio.Semaphore(max_concurrency)

@@ -3,9 +3,9 @@ sessions."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import click
+
+from bench.serve.report import Summary
 
 ROWS = (
     ("successful requests", "successful", "{:.0f}"),
@@ -22,7 +22,7 @@ ROWS = (
 )
 
 
-def print_comparison(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+def print_comparison(ours: Summary, theirs: Summary) -> None:
     line = "{:<28}{:>12}{:>14}"
     click.echo("{:=^54}".format(" kvcache vs llama-server "))
     click.echo(line.format("", "kvcache", "llama-server"))

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from itertools import pairwise
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from bench.serve.client import RequestResult
 
 
 class Turn(NamedTuple):
@@ -32,9 +35,9 @@ class Turn(NamedTuple):
     cached: int = 0  # what the run found cached (a first turn's: the shared prefix)
 
 
-def conversations(results: list[Any]) -> list[list[Turn]]:
+def conversations(results: list[RequestResult]) -> list[list[Turn]]:
     """Each session's turns in order, for the sessions all of whose turns succeeded."""
-    by_session: dict[str, list[Any]] = defaultdict(list)
+    by_session: dict[str, list[RequestResult]] = defaultdict(list)
     for r in results:
         by_session[r.session].append(r)
     out = []

@@ -11,11 +11,16 @@ differs in meaning: our `errors` is the first five distinct error texts, not one
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 import click
 
+if TYPE_CHECKING:
+    from bench.serve.client import RequestResult
+
 PERCENTILES = (50, 90, 99)
+# A run's summary as JSON (the keys above; the series' statistics are named from the series).
+Summary: TypeAlias = dict[str, object]
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -29,13 +34,13 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def summarise(results: list[Any], duration: float, spread: list[int] | None) -> dict[str, Any]:
+def summarise(results: list[RequestResult], duration: float, spread: list[int] | None) -> Summary:
     ok = [r for r in results if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     output = sum(r.completion_tokens for r in ok)
     per_s = 1 / duration if duration else 0.0
-    summary: dict[str, Any] = {
+    summary: Summary = {
         "requests": len(results),
         "successful": len(ok),
         "completed": len(ok),  # vLLM's name
@@ -80,7 +85,7 @@ def summarise(results: list[Any], duration: float, spread: list[int] | None) -> 
     return summary
 
 
-def print_report(summary: dict[str, Any]) -> None:
+def print_report(summary: Summary) -> None:
     line = "{:<40}{:>12}"
     click.echo("{:=^52}".format(" Serving Benchmark Result "))
     rows = [
@@ -119,7 +124,9 @@ def print_report(summary: dict[str, Any]) -> None:
             value = f"{summary[f'p{p}_{name}_ms']:.2f}"
             click.echo(line.format(f"P{p} {name.upper()} (ms):", value))
     click.echo("=" * 52)
-    for error in summary["errors"]:
+    errors = summary["errors"]
+    assert isinstance(errors, list)  # summarise's first five error texts
+    for error in errors:
         click.echo(f"error: {error}", err=True)
 
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import click
 
-from bench.serve.report import print_report, replica_counts, summarise
+from bench.serve.report import Summary, print_report, replica_counts, summarise
+from bench.serve.workload import Session
 
 
 class Load(NamedTuple):
     """What every server of one bench run is sent, and how."""
 
-    sessions: list[Any]
+    sessions: list[Session]
     max_concurrency: int
     request_rate: float
     seed: int
@@ -23,7 +24,7 @@ class Load(NamedTuple):
     path: str = "/v1/chat/completions"  # or /v1/completions (bench/serve/client.py)
 
 
-def run_against(base_url: str, load: Load, api_key: str | None = None) -> dict[str, Any]:
+def run_against(base_url: str, load: Load, api_key: str | None = None) -> Summary:
     """The load run once against `base_url` (every request carrying `api_key`, if any): the
     summary, with the spread behind a router and the hit-rate models of a multi-turn run."""
     import httpx
@@ -76,8 +77,8 @@ def run_against(base_url: str, load: Load, api_key: str | None = None) -> dict[s
 
 
 def compare_with_llama_server(
-    binary: str, gguf: str | None, load: Load, ours: dict[str, Any], args: str
-) -> dict[str, Any]:
+    binary: str, gguf: str | None, load: Load, ours: Summary, args: str
+) -> Summary:
     """The same sessions against a llama-server started here; its report, then both side by
     side."""
     from bench.serve.compare import print_comparison

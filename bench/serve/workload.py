@@ -9,7 +9,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from bench.serve.system_prompt import SYSTEM_PROMPT
 
@@ -28,6 +28,15 @@ PASSAGE_QUESTIONS = (  # after a quoted passage
 )
 
 
+class WorkloadLine(TypedDict, total=False):
+    """A line of a data/ workload file: `prompt` or `messages` (read_lines checks one is
+    there), its own max_tokens perhaps; other fields are not read."""
+
+    prompt: str
+    messages: list[dict[str, str]]
+    max_tokens: int
+
+
 @dataclass
 class Session:
     """One conversation: its opening messages, then one follow-up question a turn."""
@@ -42,13 +51,13 @@ class Session:
         return 1 + len(self.follow_ups)
 
 
-def read_lines(path: Path) -> list[dict[str, Any]]:
+def read_lines(path: Path) -> list[WorkloadLine]:
     """A data/ workload file: one JSON object a line, with `prompt` or `messages`."""
     rows = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        row: WorkloadLine = json.loads(line)  # checked next
         if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
             raise ValueError(f"{path}:{number}: needs a prompt or messages")
         rows.append(row)
@@ -57,7 +66,7 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def as_messages(row: dict[str, Any]) -> list[dict[str, str]]:
+def as_messages(row: WorkloadLine) -> list[dict[str, str]]:
     if "messages" in row:
         return [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
     return [{"role": "user", "content": str(row["prompt"])}]
@@ -74,7 +83,7 @@ def as_prompt(messages: list[dict[str, str]]) -> str:
 
 
 def multi_turn_sessions(
-    rows: list[dict[str, Any]],
+    rows: list[WorkloadLine],
     conversations: int,
     turns: int,
     max_tokens: int,
@@ -116,9 +125,7 @@ def multi_turn_sessions(
     return sessions
 
 
-def single_requests(
-    rows: list[dict[str, Any]], count: int, max_tokens: int | None
-) -> list[Session]:
+def single_requests(rows: list[WorkloadLine], count: int, max_tokens: int | None) -> list[Session]:
     """`count` one-turn sessions from the rows, cycled; each keeps its own max_tokens unless
     one is given."""
     sessions = []
