@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenizers import decoders
 
@@ -35,6 +35,9 @@ try:  # tokenizers 0.21+; an older one decodes byte-level outputs whole
     from tokenizers.decoders import DecodeStream
 except ImportError:
     DecodeStream = None  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # The decoder steps whose output is each token's own, except at the text's start and inside
 # runs of byte tokens (see above). A Strip that cuts the text's end is not among them.
@@ -46,7 +49,7 @@ class TextDecoder(Protocol):
     """What the running text needs of the stop checker (runner/engine/io/stopping.py): the
     tokenizer and how it decodes. A Protocol, so that the checker may import this module."""
 
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase | None
     cleans_up_spaces: bool
     decode_anchor: int | None
     textless_ids: set[int]
@@ -164,7 +167,7 @@ class PiecewiseText:
         return isinstance(piece, str) and not (len(piece) == 6 and piece.startswith("<0x"))
 
 
-def decode_anchor(tokenizer: Any) -> int | None:
+def decode_anchor(tokenizer: PreTrainedTokenizerBase) -> int | None:
     """A token that lets a SentencePiece-style tokenizer's output be decoded piecewise: one
     whose text is its own piece, alone and repeated. None for another kind of decoder (or a
     tokenizer without one), where PiecewiseText would not give the whole decode's text."""

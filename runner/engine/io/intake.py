@@ -12,7 +12,7 @@ import hashlib
 import itertools
 from array import array
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -23,6 +23,9 @@ from runner.engine.io.validation import Prompt, RequestValidator, prompt_token_i
 from runner.engine.sequence import Sequence
 from runner.sampling.logit_rules import bad_word_ids
 from runner.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 from runner.sampling.prompt_bytes import check_prompt_bytes, max_prompt_bytes
 from runner.sampling.sampler import request_generator
 from runner.sampling.structured_outputs import GrammarBook
@@ -43,7 +46,7 @@ class RequestIntake:
     def __init__(
         self,
         *,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase | None,
         fingerprint: str,
         block_size: int,
         validator: RequestValidator,

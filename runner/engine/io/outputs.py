@@ -123,7 +123,7 @@ class CompletionOutput:
         reason."""
         return self.finish_reason is not None
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> dict[str, object]:
         return {
             "index": self.index,
             "text": self.text,
@@ -221,7 +221,7 @@ class RequestOutput:
         """The log-probability of the whole output under the model (None without logprobs)."""
         return self.outputs[0].cumulative_logprob
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> dict[str, object]:
         """A JSON-ready dict, the shape `kvcache generate` writes per line; a request of
         several samples also lists each under "outputs"."""
         sample = self.outputs[0].to_record()  # the flat fields are sample 0's
@@ -249,7 +249,7 @@ class RequestOutput:
 
 def logprob_records(
     token_ids: list[int], logprobs: Sequence[TokenLogprobs | None] | None
-) -> list[dict[str, Any] | None]:
+) -> list[dict[str, object] | None]:
     """Per token: its id, its log-probability and the likeliest [id, logprob] (None where
     there is none: a prompt's first token)."""
     return [

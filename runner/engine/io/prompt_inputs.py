@@ -102,8 +102,8 @@ def chat_template_options(
     chat_template: str | None,
     add_generation_prompt: bool,
     continue_final_message: bool,
-    tools: list[dict[str, Any]] | None,
-    chat_template_kwargs: Mapping[str, Any] | None,
+    tools: list[dict[str, object]] | None,
+    chat_template_kwargs: Mapping[str, object] | None,
 ) -> dict[str, Any]:
     """What the chat template is called with, as vLLM's `chat` builds it: its keywords, then
     `chat_template_kwargs` over them. `continue_final_message` leaves the last (assistant)

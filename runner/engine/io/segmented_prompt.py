@@ -9,8 +9,12 @@ tokenizer's special tokens (its BOS), the others without, so nothing is inserted
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from runner.engine.io.validation import prompt_token_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # The most segments one prompt may have: each costs a lookup at admission.
 MAX_SEGMENTS = 256
@@ -63,7 +67,7 @@ class SegmentedPrompt:
         return None
 
     def token_ids(
-        self, tokenizer: object, add_special_tokens: bool
+        self, tokenizer: PreTrainedTokenizerBase | None, add_special_tokens: bool
     ) -> tuple[list[int], tuple[tuple[int, int], ...]]:
         """The prompt's tokens and the [start, end) of each segment after the first."""
         tokens: list[int] = []

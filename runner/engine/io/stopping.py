@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from runner.engine.io.incremental_text import decode_anchor
 from runner.engine.sequence import Sequence
 from runner.sampling.logprobs import TokenLogprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Tokens beyond a stop string's UTF-8 length in the tail that is decoded each step. A token
 # that is not special yields at least one byte, so a stop string of n bytes that ends in the
@@ -20,8 +23,8 @@ class StopChecker:
 
     def __init__(
         self,
-        config: Any,
-        tokenizer: Any,
+        config: object,
+        tokenizer: PreTrainedTokenizerBase | None,
         max_model_len: int,
         generation_eos: set[int] | None = None,
     ) -> None:
@@ -160,7 +163,7 @@ class StopChecker:
         return text if seq.stop_text_cut is None else text[: seq.stop_text_cut]
 
 
-def cleans_up_spaces(tokenizer: Any) -> bool:
+def cleans_up_spaces(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether decoding drops the space before punctuation (`clean_up_tokenization_spaces`,
     which recent transformers ignores for BPE tokenizers): asked of the decoder itself, since
     the attribute alone does not say. True when the probe fails, the cautious answer."""
@@ -179,7 +182,7 @@ def first_stop(text: str, stops: tuple[str, ...], floor: int = 0) -> tuple[int, 
     return min(found, key=lambda hit: hit[0]) if found else None
 
 
-def eos_ids(config: Any, tokenizer: Any) -> set[int]:
+def eos_ids(config: object, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
     """The model's end-of-sequence ids, from its config and its tokenizer."""
     ids: set[int] = set()
     eos = getattr(config, "eos_token_id", None)

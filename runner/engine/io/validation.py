@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.sampling.logit_rules import stop_ids_of
 from runner.sampling.params import SamplingParams
 from runner.sampling.text_checks import check_text
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -25,7 +28,7 @@ class RequestValidator:
     has_tokenizer: bool = True
     eos_ids: frozenset[int] = frozenset()
 
-    def fit(self, token_ids: list[Any], params: Any) -> tuple[list[Any], SamplingParams]:
+    def fit(self, token_ids: list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
         """The prompt and params a request runs with: the prompt cut to its last
         `truncate_prompt_tokens`, `max_tokens` None made the room the context leaves (in a
         copy: the caller's params stay as they are); both then `check`ed."""
@@ -38,12 +41,12 @@ class RequestValidator:
         self.check(token_ids, params)
         return token_ids, params
 
-    def room(self, token_ids: list[Any], max_tokens: int | None) -> int:
+    def room(self, token_ids: Sequence[object], max_tokens: int | None) -> int:
         """The new tokens a request may make: `max_tokens`, or for None the room the context
         leaves after the prompt (at least 1: a prompt that fills it fails `check`)."""
         return max_tokens if max_tokens is not None else max(1, self.max_model_len - len(token_ids))
 
-    def check(self, token_ids: list[Any], params: Any) -> None:
+    def check(self, token_ids: Sequence[object], params: object) -> None:
         """Raise ValueError naming the problem; returns quietly when the request can run."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -105,7 +108,7 @@ class RequestValidator:
                 )
 
     @staticmethod
-    def check_messages(messages: Any) -> None:
+    def check_messages(messages: object) -> None:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
         for i, message in enumerate(messages):
@@ -135,7 +138,9 @@ def check_template_kwargs(template_kwargs: object) -> dict[str, Any]:
     return {"add_generation_prompt": True, **template_kwargs}
 
 
-def prompt_token_ids(prompt: object, tokenizer: Any, add_special_tokens: bool) -> list[int]:
+def prompt_token_ids(
+    prompt: object, tokenizer: PreTrainedTokenizerBase | None, add_special_tokens: bool
+) -> list[int]:
     """Token ids of a text prompt (through the tokenizer) or of a list/tuple of ids."""
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -156,7 +161,7 @@ def _plain_int(token: Any) -> Any:
     return token
 
 
-def prompt_batch(prompts: Any) -> list[Prompt]:
+def prompt_batch(prompts: object) -> list[Prompt]:
     """`generate`'s prompts as a list: one text or one list of ids is a batch of one."""
     if not isinstance(prompts, str | list | tuple):
         raise ValueError(
@@ -168,7 +173,7 @@ def prompt_batch(prompts: Any) -> list[Prompt]:
     return [prompts] if single else list(prompts)  # type: ignore[list-item]
 
 
-def conversation_batch(conversations: Any) -> list[Messages]:
+def conversation_batch(conversations: object) -> list[Messages]:
     """`chat`'s conversations as a list: one list of messages is a batch of one."""
     if not isinstance(conversations, list | tuple):
         raise ValueError(
@@ -179,7 +184,7 @@ def conversation_batch(conversations: Any) -> list[Messages]:
     return [list(conversations)] if single else list(conversations)
 
 
-def params_per_prompt(params: Any, num_prompts: int) -> list[SamplingParams]:
+def params_per_prompt(params: object, num_prompts: int) -> list[SamplingParams]:
     """One SamplingParams per prompt: None (defaults) or one for all, or a list of that length."""
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * num_prompts
@@ -217,7 +222,9 @@ def joined_text_parts(messages: Messages) -> Messages:
 
 
 def render_chat(
-    tokenizer: Any, messages: Messages, template_kwargs: Mapping[str, Any] | None = None
+    tokenizer: PreTrainedTokenizerBase | None,
+    messages: Messages,
+    template_kwargs: Mapping[str, object] | None = None,
 ) -> str:
     """The prompt text of one conversation, through the model's chat template, which also
     sees `template_kwargs` (such as Qwen3's `enable_thinking`; `add_generation_prompt`, True
