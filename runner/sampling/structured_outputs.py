@@ -22,9 +22,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar, GrammarMatcher
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 GRAMMAR_CACHE_BYTES = 64 * 2**20  # compiled grammars kept, with their structures' text
@@ -102,7 +105,7 @@ def choice_grammar(choices: Sequence[str]) -> str:
 class GrammarState:
     """One sequence's place in its grammar."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: GrammarMatcher) -> None:
         self.matcher = matcher
         # Set when a token had to be taken that the grammar refuses: its mask allowed none
         # (a dead end no answer leads out of), so the request ends there.
@@ -125,7 +128,7 @@ class _Compiled:
     """A compiled grammar as the book keeps it: its size, and whether its structure has an
     answer that ends once that has been read (`finite`, None: it could not be read)."""
 
-    grammar: Any
+    grammar: CompiledGrammar
     nbytes: int
     finite: bool | None = None
     finite_read: bool = False
@@ -163,7 +166,7 @@ class GrammarBook:
     def cached_count(self) -> int:
         return len(self._compiled)
 
-    def compile(self, params: StructuredOutputsParams | None) -> Any:
+    def compile(self, params: StructuredOutputsParams | None) -> CompiledGrammar | None:
         """The compiled grammar of `params` (None for none), compiled on first use. Raises
         ValueError naming the problem for a schema, expression or grammar that does not
         compile, or a model without a tokenizer."""
@@ -235,7 +238,7 @@ class GrammarBook:
 
         return GrammarState(xgr.GrammarMatcher(compiled))
 
-    def _compile(self, key: tuple[str, str]) -> Any:
+    def _compile(self, key: tuple[str, str]) -> CompiledGrammar:
         try:
             import xgrammar as xgr
         except ImportError as err:

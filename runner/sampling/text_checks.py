@@ -6,7 +6,6 @@ enters, as the ValueError every other bad field gets."""
 from __future__ import annotations
 
 import re
-from typing import Any
 
 # JSON text decoded from UTF-8 holds no surrogate itself: one can only come from an escape.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -29,11 +28,11 @@ def may_hold_surrogates(json_text: str) -> bool:
     return _SURROGATE_ESCAPE.search(json_text) is not None
 
 
-def first_bad_text(value: Any, name: str) -> str | None:
+def first_bad_text(value: object, name: str) -> str | None:
     """The path (`name`, then `.key` and `[i]`) of the first string in a parsed JSON value
     (its keys too) that holds a lone surrogate, or None. Walks without recursion, so a value
     nested as deep as the JSON parser took costs no stack."""
-    todo: list[tuple[Any, str]] = [(value, name)]
+    todo: list[tuple[object, str]] = [(value, name)]
     while todo:
         item, where = todo.pop()
         if isinstance(item, str):
