@@ -10,9 +10,10 @@ Unicode text (a lone surrogate such as "\\ud800" cannot be encoded to hash)."""
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from fastapi import Request
+
+from runner.serve.json_types import JSONObject
 
 
 class BadBody(Exception):
@@ -23,7 +24,7 @@ class BadBody(Exception):
         self.message, self.param = message, param
 
 
-async def read_body(request: Request) -> tuple[bytes, dict[str, Any]]:
+async def read_body(request: Request) -> tuple[bytes, JSONObject]:
     """(the body's bytes, to forward as they are; the JSON object they hold). Raises BadBody."""
     raw = await request.body()
     try:

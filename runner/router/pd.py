@@ -20,18 +20,18 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from runner.router.bodies import read_body
+from runner.router.pd_messages import KVTransferParams, PrefillLine, PullAnswer
 from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
 from runner.router.relay import Hooks, Timeouts, UpstreamSilent, relay, send
 from runner.router.replicas import Replica, ReplicaSet
 from runner.router.worker_choice import PromptTokens, WorkerChoice
-from runner.serve.json_types import JSONBody
+from runner.serve.json_types import JSONBody, JSONObject
 from runner.serve.responses import error_body
 
 
@@ -68,7 +68,7 @@ class PDRouter:
         await asyncio.gather(self.prefill.run_health_checks(), self.decode.run_health_checks())
 
     async def _post_prefill(
-        self, path: str, body: dict[str, Any], headers: dict[str, str]
+        self, path: str, body: JSONObject, headers: dict[str, str]
     ) -> tuple[Replica, httpx.Response]:
         """POST to a prefill worker (worker_choice.py), retried on another when one cannot be
         reached or is draining. Raises Unavailable."""
@@ -103,12 +103,12 @@ class PDRouter:
 
     async def _prefill_answers(
         self, answer: httpx.Response, headers: dict[str, str]
-    ) -> tuple[dict[str, Any], tuple[Replica, asyncio.Task[httpx.Response]] | None]:
+    ) -> tuple[PrefillLine, tuple[Replica, asyncio.Task[httpx.Response]] | None]:
         """Read a prefill worker's answer lines: (its last line, the pull started on a decode
         worker when the first line was an open handover's params). Raises httpx.TransportError
         (or ValueError) when the prefill worker died mid-answer."""
         lines = answer.aiter_lines()
-        first = json.loads(await anext(lines))
+        first: PrefillLine = json.loads(await anext(lines))
         params = first.get("kv_transfer_params") or {}
         if "prefill" in first or not params.get("open"):
             return first, None
@@ -120,7 +120,7 @@ class PDRouter:
             raise
 
     def _start_pull(
-        self, params: dict[str, Any], headers: dict[str, str], tried: set[str] | None = None
+        self, params: KVTransferParams, headers: dict[str, str], tried: set[str] | None = None
     ) -> tuple[Replica, asyncio.Task[httpx.Response]] | None:
         """POST the handover's params to a decode worker (worker_choice.py), in the
         background."""
@@ -182,9 +182,9 @@ class PDRouter:
     async def _decode(
         self,
         path: str,
-        body: dict[str, Any],
+        body: JSONObject,
         headers: dict[str, str],
-        params: dict[str, Any],
+        params: KVTransferParams,
         pulling: tuple[Replica, asyncio.Task[httpx.Response]] | None,
         ended: float,
     ) -> Response:
@@ -228,7 +228,7 @@ class PDRouter:
             tried.add(worker.url)
         raise Unavailable
 
-    def _count(self, pulled: dict[str, Any]) -> None:
+    def _count(self, pulled: PullAnswer) -> None:
         self.handover["blocks"] += int(pulled.get("blocks", 0))
         self.handover["bytes"] += int(pulled.get("bytes", 0))
         self.handover["pull_ms"] += float(pulled.get("ms", 0.0))

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvcache import block_hashes, namespace_root
 from runner.engine.io.validation import render_chat
 from runner.router.replicas import BlockNaming, Replica
+from runner.serve.json_types import JSONObject
 from runner.serve.protocol import ChatMessage
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class PromptHasher:
@@ -20,30 +24,38 @@ class PromptHasher:
     read, or asks for its own chat template (the replica then answers it, with its 400 if it
     is bad)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
         self._roots: dict[tuple[str, str | None], int] = {}
 
-    def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
+    def token_ids(self, path: str, body: JSONObject) -> list[int] | None:
         try:
             if path.endswith("/chat/completions"):
-                if "chat_template" in (body.get("chat_template_kwargs") or {}):
+                template_kwargs = body.get("chat_template_kwargs")
+                if template_kwargs is not None and not isinstance(template_kwargs, dict):
+                    return None  # not a dict of names: the replica refuses it
+                if "chat_template" in (template_kwargs or {}):
                     # A client's own template is code the router does not run: a loop in it
                     # could hold a thread for minutes (issue 42). The request is routed by
                     # load alone, and the replica renders it, or refuses it.
                     return None
-                messages = [
-                    ChatMessage.model_validate(m).as_template_message() for m in body["messages"]
-                ]
-                text = render_chat(self.tokenizer, messages, body.get("chat_template_kwargs"))
+                given = body["messages"]
+                if not isinstance(given, list):
+                    return None  # no conversation: the replica refuses it
+                messages = [ChatMessage.model_validate(m).as_template_message() for m in given]
+                text = render_chat(self.tokenizer, messages, template_kwargs)
+                assert self.tokenizer is not None  # render_chat needs one
                 return list(self.tokenizer(text, add_special_tokens=False).input_ids)
             prompt = body["prompt"]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
                 prompt = prompt[0]  # a batch is routed by its first prompt
             if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    return None  # hashes only: no text is tokenized
                 return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return list(prompt)
+            if isinstance(prompt, list):
+                ids = [t for t in prompt if isinstance(t, int)]
+                return ids if len(ids) == len(prompt) else None
         except (KeyError, TypeError, ValueError):
             return None
         return None

@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import httpx
 from fastapi import FastAPI, Request
@@ -79,7 +79,7 @@ def proxy_app(
     router: Forwarder,
     client: httpx.AsyncClient,
     start: Callable[[], Awaitable[None]],
-    health_loop: Callable[[], Coroutine[Any, Any, None]],
+    health_loop: Callable[[], Coroutine[object, object, None]],
     api_key: str | None = None,
 ) -> FastAPI:
     """An app whose OpenAI routes go through `router`: `start` runs at startup, the health

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 from runner.router.policy import policy_for
 from runner.router.prompt_hashes import PromptHasher, load_prompt_hasher, replica_hashes
 from runner.router.proxy import RouterSettings
 from runner.router.replicas import Replica
+from runner.serve.json_types import JSONObject
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,7 @@ class PromptTokens:
                 log.warning("no tokenizer for the cache-aware choice (least busy instead): %s", err)
         return self.hasher
 
-    async def of(
-        self, path: str, body: dict[str, Any], workers: Sequence[Replica]
-    ) -> list[int] | None:
+    async def of(self, path: str, body: JSONObject, workers: Sequence[Replica]) -> list[int] | None:
         hasher = await self.load(workers)
         if hasher is None:
             return None
