@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from kvcache.hashing import unpack_tokens
 from kvcache.redaction import redact_text
@@ -36,6 +36,23 @@ LOAD_YIELD_S = 0.005  # between two holds: the decodes' next step takes the lock
 # handover is open, a long prompt's whole prefill): on the event loop's default executor (six
 # threads on two cores) a seventh long prefill's pull waited for one of the six to end.
 MAX_PULLS = 64
+
+
+class Fetched(TypedDict):
+    """What the blocks' transfer did: blocks and bytes put in, and why it stopped short."""
+
+    blocks: int
+    bytes: int
+    reason: str | None  # None: every block asked for came
+
+
+class PullResult(Fetched):
+    """A pull's answer to the router: the prompt's blocks, those held here already, the
+    transfer and its milliseconds."""
+
+    wanted: int
+    skipped: int
+    ms: float
 
 
 @dataclass
@@ -79,7 +96,7 @@ class Puller:
         self._active_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(MAX_PULLS, thread_name_prefix="kv-pull")
 
-    def pull(self, params: dict[str, Any]) -> dict[str, Any]:
+    def pull(self, params: dict[str, Any]) -> PullResult:
         """Pull the handover ``params`` describe (a prefill worker's kv_transfer_params);
         returns what this pull did. Never raises for the other side's faults: a block that
         does not come is a block computed here. Raises ValueError for params that are not a
@@ -105,7 +122,7 @@ class Puller:
 
     def _pull(
         self, tokens: list[int], transport: str, handover_id: str, endpoint: str, salt: str | None
-    ) -> dict[str, Any]:
+    ) -> PullResult:
         started = time.perf_counter()
         llm, chain = self.llm, prompt_chain(self.llm, tokens, salt)
         keys = [storage_key(llm.block_spec, h) for h in chain.hashes]
@@ -114,8 +131,8 @@ class Puller:
             if value is None:
                 break
             start += 1  # held in the host tier already (checked again at admission)
-        out: dict[str, Any] = {"wanted": len(keys), "skipped": start, "blocks": 0, "bytes": 0}
-        out["reason"] = None
+        out: PullResult = {"wanted": len(keys), "skipped": start, "blocks": 0, "bytes": 0,
+                           "reason": None, "ms": 0.0}  # fmt: skip
         try:
             out |= self._fetch(transport, endpoint, handover_id, chain, salt, start, keys)
         except (HandoverUnreachable, TierDown, OSError) as err:
@@ -133,7 +150,7 @@ class Puller:
     def _fetch(
         self, transport: str, endpoint: str, handover_id: str, chain: PromptChain,
         salt: str | None, start: int, keys: list[str],
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> Fetched:  # fmt: skip
         hashes = chain.hashes[start:]
         client = None
         if transport == "redis":
@@ -222,7 +239,7 @@ class Puller:
                 return
             done = upto
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         return asdict(self.counters) | {"active": self.active}
 
     def close(self) -> None:

@@ -25,7 +25,6 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -254,7 +253,7 @@ def add_info_routes(app: FastAPI, parts: RoleParts) -> None:
         return out
 
 
-def worker_metrics(llm: EngineInterface) -> dict[str, Any]:
+def worker_metrics(llm: EngineInterface) -> JSONBody:
     """``llm.metrics()`` with ``t0_unix_s``: the wall-clock time its ``t_start_s`` count from."""
     out = llm.metrics()
     out["t0_unix_s"] = time.time() - (time.perf_counter() - llm.metrics_t0)

@@ -18,12 +18,12 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 import zmq
 
 from runner.disagg.held import HeldHandovers
+from runner.serve.json_types import JSONObject
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class ZmqHandoverClient:
         socket.connect(self.endpoint)
         return socket
 
-    def _call(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[memoryview]]:
+    def _call(self, request: Mapping[str, object]) -> tuple[JSONObject, list[memoryview]]:
         """The answer's head and its frames, as views of ZeroMQ's own buffers (no copy). The
         pull copies each once into the pool and drops it, so the next frames reuse its memory:
         0.17 ms CPU a block of the default model on the decode worker's core, against 0.47 ms
