@@ -25,6 +25,7 @@ from runner.serve.command import serve_command
 if TYPE_CHECKING:
     from runner.cli.batch_run import BatchRun
     from runner.cli.output_lock import LockedOutput
+    from runner.cli.sampling_defaults import SamplingDefaults
     from runner.sampling.structured_outputs import StructuredOutputsParams
 
 
@@ -195,7 +196,7 @@ def generate(
             "--prefix-cache needs the prefix cache on and an existing folder"
             f" ({Path(prefix_cache_path).parent})"
         )
-    defaults: dict[str, Any] = {
+    defaults: SamplingDefaults = {
         "max_tokens": max_tokens,
         "temperature": temperature,
         "top_p": top_p,
@@ -264,7 +265,7 @@ def _json_schema(path: str | None) -> StructuredOutputsParams | None:
 def _start_batch_run(
     model: str | None,
     engine_options: dict[str, Any],
-    defaults: dict[str, Any],
+    defaults: SamplingDefaults,
     beam_width: int | None,
 ) -> BatchRun:
     from runner.cli.batch_run import BatchRun

@@ -18,6 +18,7 @@ from runner.cli.batch_records import (
     request_hash,
 )
 from runner.cli.output_lock import LockedOutput, OutputInUse
+from runner.cli.sampling_defaults import SamplingDefaults
 from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.engine.io.validation import check_template_kwargs
 from runner.sampling.params import SamplingParams
@@ -98,7 +99,9 @@ def read_lines(stream: IO[bytes], is_text_file: bool) -> Iterator[tuple[int, str
         yield line_no, text, ""
 
 
-def parse_line(line_no: int, text: str, defaults: dict[str, Any], is_text_file: bool) -> BatchLine:
+def parse_line(
+    line_no: int, text: str, defaults: SamplingDefaults, is_text_file: bool
+) -> BatchLine:
     """Turn one line into a request; any problem becomes `error`, naming line and field."""
     if is_text_file:
         return _with_params(BatchLine(line_no, str(line_no), prompt=text), {}, defaults)
@@ -199,7 +202,7 @@ def _failed(line_no: int, request_id: str | None, error: str) -> BatchLine:
     return BatchLine(line_no, request_id, id_given=True, error=error)
 
 
-def _with_params(line: BatchLine, given: dict[str, Any], defaults: dict[str, Any]) -> BatchLine:
+def _with_params(line: BatchLine, given: dict[str, Any], defaults: SamplingDefaults) -> BatchLine:
     try:
         line.request_hash = request_hash(line, {**defaults, **given})
         structure = given.get("structured_outputs")

@@ -20,6 +20,7 @@ from runner.cli.batch_file import (
 )
 from runner.cli.batch_records import Record, RecordsNotWritten
 from runner.cli.output_lock import LockedOutput
+from runner.cli.sampling_defaults import SamplingDefaults
 from runner.cli.stdout import StdoutFailed, silence_stdout
 from runner.engine.api.interface import EngineInterface
 from runner.engine.api.llm import LLM
@@ -33,7 +34,7 @@ class BatchRun:
         self,
         model: str | None,
         engine_options: dict[str, Any],
-        defaults: dict[str, Any],
+        defaults: SamplingDefaults,
         beam_width: int | None = None,
     ) -> None:
         self.llm: EngineInterface = LLM(model, **engine_options)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import IO, Any
+from collections.abc import Sequence
+from typing import IO, Literal, NoReturn, overload
 
 import click
 
@@ -64,12 +65,39 @@ class Commands(click.Group):
     """The kvcache group: an OSError that escapes a command because stdout is broken ends in
     StdoutFailed's one line instead of a traceback."""
 
-    # Click's own signature (overloaded on standalone_mode), passed through whole.
-    def main(self, *args: Any, **kwargs: Any) -> Any:
+    # Click's signature: standalone (the default) never returns, it exits.
+    @overload
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: Literal[True] = True,
+        **extra: object,
+    ) -> NoReturn: ...
+
+    @overload
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: object,
+    ) -> object: ...
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: object,
+    ) -> object:
         try:
-            return super().main(*args, **kwargs)
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         except OSError as err:  # click's standalone mode lets it through (all but EPIPE)
-            if not (kwargs.get("standalone_mode", True) and stdout_is_broken()):
+            if not (standalone_mode and stdout_is_broken()):
                 raise
             failed = StdoutFailed(err)
             failed.show()
