@@ -97,7 +97,7 @@ def run_engine(
     prefill = sum(s.num_prefill_tokens for s in steps)
     # Every sample of every request (one each unless the run asks for several), with its request.
     samples = [(sample, r) for o, r in zip(outs, requests, strict=True) for sample in o.outputs]
-    ttft = [s.metrics["ttft_s"] for s, _ in samples if s.metrics.get("ttft_s") is not None]
+    ttft = [t for s, _ in samples if isinstance(t := s.metrics.get("ttft_s"), float)]
     pure_prefill = [s for s in steps if s.num_decode_tokens == 0 and s.num_prefill_tokens]
     extra: EngineFigures = {
         "hit_rate": hits / query if query else 0.0,
@@ -116,7 +116,9 @@ def run_engine(
         inside = sum(matmul_s.get(i, 0.0) for i, _ in decode)
         extra["decode_outside_matmul"] = 1 - inside / decode_s
     # Inter-token latency of the requests present from the start (the running decodes).
-    itl = [x for s, r in samples if not r.arrive_after_steps for x in s.metrics.get("itl_s", [])]
+    itl = [
+        x for s, r in samples if not r.arrive_after_steps for x in _floats(s.metrics.get("itl_s"))
+    ]
     extra["itl_p50_ms"] = _ms(_percentile(itl, 0.5))
     extra["itl_p99_ms"] = _ms(_percentile(itl, 0.99))
     outputs = [list(sample.token_ids) for sample, _ in samples]
@@ -160,6 +162,11 @@ def _run_with_arrivals(
             matmul_s[recorded - 1] = timer.total_s - before
         steps += 1
     return [done[r.request_id] for r in requests]
+
+
+def _floats(value: object) -> list[float]:
+    """A sample's recorded list of seconds (its inter-token gaps); [] where none was recorded."""
+    return [x for x in value if isinstance(x, float)] if isinstance(value, list) else []
 
 
 def _percentile(values: list[float], q: float) -> float | None:

@@ -33,6 +33,9 @@ def test_bench_rows_on_a_tiny_model(tiny_llama_tok_dir: Path, prepack: bool) -> 
         assert row["output_tokens"] == 4 * 6  # mixed_lengths ignores EOS
         assert 0.0 < row["decode_outside_matmul"] < 1.0
         assert row["prefill_mfu"] > 0
+        # The engine's own timings of each request: its first token and the gaps after it.
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
     assert rows["hf-static"]["vs_hf_static"] == pytest.approx(1.0)
     assert "decode outside matmul" in result["table"].splitlines()[0]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runner.engine.sequence import Sequence as Seq
 from runner.sampling.logprobs import TokenLogprobs
@@ -109,7 +109,7 @@ class CompletionOutput:
     finish_reason: str | None
     num_cached_tokens: int = 0  # prompt tokens this sample found in the cache
     logprobs: list[PositionLogprobs] | None = None
-    metrics: dict[str, Any] = field(default_factory=dict, repr=False)  # its own timings
+    metrics: dict[str, object] = field(default_factory=dict, repr=False)  # its own timings
     stop_reason: int | str | None = None
     token_logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)
 
@@ -158,7 +158,7 @@ class RequestOutput:
     text: str
     num_cached_tokens: int
     finish_reason: str | None  # "stop" | "length" | "error" | "abort"
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, object] = field(default_factory=dict)
     error: str | None = None  # why the request failed, when finish_reason is "error"
     # Per token of token_ids, when SamplingParams.logprobs asked for them (vLLM's shape).
     logprobs: list[PositionLogprobs] | None = None
@@ -191,7 +191,7 @@ class RequestOutput:
 
     @classmethod
     def of(
-        cls, seq: Seq, text: str, metrics: dict[str, Any], token_texts: TokenTexts | None = None
+        cls, seq: Seq, text: str, metrics: dict[str, object], token_texts: TokenTexts | None = None
     ) -> RequestOutput:
         """A finished (or aborted, or failed) sequence's output, with its decoded text;
         `token_texts` gives each log-probability's token its text (vLLM's decoded_token)."""
