@@ -142,10 +142,11 @@ def working_set(
                 walls[name].append(_run(llm, prompts, wave))
                 if round_ == repeat - 1:
                     top = min(walls["unbounded pool"])
-                    click.echo(_row(name, llm.stats(), min(walls[name]), top))
+                    click.echo(_row(name, llm, min(walls[name]), top))
 
 
-def _row(name: str, s: dict[str, Any], wall: float, top: float) -> str:
+def _row(name: str, llm: EngineInterface, wall: float, top: float) -> str:
+    s = llm.stats()
     computed = s["query_tokens"] - s["hit_tokens"] + s["readmit_query_tokens"]
     computed -= s["readmit_hit_tokens"]
     tiers = s.get("cache_tiers") or {}
