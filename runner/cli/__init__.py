@@ -1,5 +1,6 @@
 """The command line's parts (cli.py at the top level is the entry point): `kvcache generate`
-over batch files (reading, path checks, the crash-safe output and its lock), the one check on
+over batch files (reading, path checks, the crash-safe output and its lock, the sampling
+defaults of sampling_defaults.py), the one check on
 every file a command writes, the engine's options, the `report` command, a stdout that fails,
 and process start-up. The `bench` and `bench-serve` commands live in bench/ (top level).
 

@@ -5,7 +5,8 @@ has been sent as chained block hashes (prefix_index.py), or, with --kv-events, w
 events say it caches (event_index.py, fed by event_feed.py), how many conversations share each
 block (shared_prefix.py), the work each replica has in flight (load.py), a request's hashes
 computed as the engine computes them (prompt_hashes.py), the policies (policy.py), the proxy
-routes with streaming pass-through and retries (app.py) and the click command (command.py).
+routes with streaming pass-through and retries (app.py) and the click command (command.py);
+the disaggregated router (pd.py) reads its workers' answers as pd_messages.py types them.
 May import: kvcache (its hashing), engine (only requests.py's chat rendering), serve (its
 request models), kv_events (the events' schema); never the engine itself: a router loads no
 model, only its tokenizer.
