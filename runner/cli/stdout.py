@@ -13,7 +13,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import IO, Literal, NoReturn, overload
+from typing import IO, Any
 
 import click
 
@@ -65,18 +65,6 @@ class Commands(click.Group):
     """The kvcache group: an OSError that escapes a command because stdout is broken ends in
     StdoutFailed's one line instead of a traceback."""
 
-    # Click's signature: standalone (the default) never returns, it exits.
-    @overload
-    def main(
-        self,
-        args: Sequence[str] | None = None,
-        prog_name: str | None = None,
-        complete_var: str | None = None,
-        standalone_mode: Literal[True] = True,
-        **extra: object,
-    ) -> NoReturn: ...
-
-    @overload
     def main(
         self,
         args: Sequence[str] | None = None,
@@ -84,16 +72,7 @@ class Commands(click.Group):
         complete_var: str | None = None,
         standalone_mode: bool = True,
         **extra: object,
-    ) -> object: ...
-
-    def main(
-        self,
-        args: Sequence[str] | None = None,
-        prog_name: str | None = None,
-        complete_var: str | None = None,
-        standalone_mode: bool = True,
-        **extra: object,
-    ) -> object:
+    ) -> Any:  # click's: standalone (the default) never returns, it exits
         try:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         except OSError as err:  # click's standalone mode lets it through (all but EPIPE)

@@ -154,7 +154,7 @@ def prompt_token_ids(
     raise ValueError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
 
 
-def _plain_int(token: Any) -> Any:
+def _plain_int(token: object) -> Any:
     """A numpy (or other) integer as the int it is; anything else as it is, for `check`."""
     if isinstance(token, numbers.Integral) and not isinstance(token, int | bool):
         return int(token)
