@@ -128,13 +128,20 @@ class EngineConfig:
     # Prompts given as segments: the fraction of the reused segments' tokens recomputed with
     # the full context (runner/engine/step/segments.py). 1 recomputes all: the plain engine.
     blend_ratio: float = DEFAULT_BLEND_RATIO
+    # Tensor parallelism (runner/model/tensor_parallel.py): the model's heads, MLP and
+    # vocabulary split over this many ranks, each a process of its own joined by
+    # torch.distributed (gloo on the CPU, NCCL on CUDA; runner/engine/executor/multiproc.py).
+    # The ranks meet at a free loopback port, at `distributed_init_method` (tcp://host:port),
+    # or as torchrun's environment says.
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
 
     @property
     def overlaps_steps(self) -> bool:
         """Whether the engine runs the overlapped loop (async_scheduling resolved)."""
         wanted = self.async_scheduling
         if wanted is None:
-            wanted = str(self.device).startswith("cuda")
+            wanted = str(self.device).startswith("cuda") and self.tensor_parallel_size == 1
         return wanted and not self.speculative_tokens
 
     @property
@@ -186,6 +193,10 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling runs one worker: it needs tensor_parallel_size=1")
         if self.attention_backend not in (None, "torch", "cpu", "triton"):
             raise ValueError(
                 "attention_backend must be 'torch', 'cpu' or 'triton', "

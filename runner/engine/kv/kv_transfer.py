@@ -18,11 +18,14 @@ from kvcache.tiers import BlockSpec
 _BLOCKS_PER_COPY = 256
 
 
-def block_spec(kv: KVStore, identity: str) -> BlockSpec:
-    """What a stored block must agree with to be loaded into ``kv``."""
+def block_spec(kv: KVStore, identity: str, shard_nbytes: list[int] | None = None) -> BlockSpec:
+    """What a stored block must agree with to be loaded into ``kv``; `shard_nbytes`: with
+    tensor parallelism, one block's bytes on each rank (a stored block holds them all)."""
     nbytes = KVStore.bytes_per_block(
         kv.num_layers, kv.block_size, kv.num_kv_heads, kv.head_dim, kv.dtype
     )
+    if shard_nbytes is not None:
+        nbytes = sum(shard_nbytes)
     return BlockSpec(
         identity, kv.dtype_name, kv.block_size, kv.num_layers, kv.num_kv_heads, kv.head_dim,
         nbytes,

@@ -53,6 +53,8 @@ class Engine:
         self.kv, self.block_manager, self.runner = parts.kv, parts.block_manager, parts.runner
         self.block_spec, self.tiers = parts.block_spec, parts.tiers
         self.cache_mac_key = parts.cache_mac_key
+        # The worker in this process, or N tensor-parallel ranks (runner/engine/executor).
+        self.executor = parts.executor
         # vLLM's KV events: a listener on the pool's tree, its own thread publishing.
         self.kv_events: KVEventPublisher | None = None
         events = self.config.kv_events_config
@@ -267,7 +269,7 @@ class Engine:
     def _copy_slots(self, src_block: int, dst_block: int, num_tokens: int) -> None:
         """The scheduler's slot copy, after the device work queued so far (a step in flight
         may still be writing the source block)."""
-        self._run_ordered(lambda: self.kv.copy_slots(src_block, dst_block, num_tokens))
+        self._run_ordered(lambda: self.executor.copy_slots(src_block, dst_block, num_tokens))
 
     def _run_ordered(self, op: Callable[[], None]) -> None:
         """A K/V operation the host issues, after the device work queued so far."""
