@@ -59,6 +59,9 @@ class CausalLM(nn.Module):
         # widths of every rank's, and the group the head's logits are gathered over.
         self.tp: TensorParallel | None = None
         self.vocab_widths: list[int] = [config.vocab_size]
+        # Whether this rank's KV heads count in a sum over all of them (a KV head replicated
+        # on several ranks counts on the first alone).
+        self.counts_kv = True
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         layer_class = (
             SandwichNormLayer

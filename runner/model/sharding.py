@@ -21,6 +21,7 @@ from runner.model.tensor_parallel import (
 def shard_model(model: CausalLM, tp: TensorParallel) -> None:
     """Cut `model` (a loaded runner.model.decoder.CausalLM) down to rank tp.rank's share, in
     place; the layers then all-reduce their outputs and the LM head gathers on rank 0."""
+    first_heads, first_kv_heads = model.num_heads, model.num_kv_heads
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         assert isinstance(attn, Attention) and isinstance(mlp, MLP)
@@ -41,6 +42,7 @@ def shard_model(model: CausalLM, tp: TensorParallel) -> None:
     first: Attention = model.layers[0].self_attn  # type: ignore[assignment]
     model.num_heads, model.num_kv_heads = first.num_heads, first.num_kv_heads
     model.tp = tp
+    model.counts_kv = head_share(first_heads, first_kv_heads, tp.size, tp.rank).owns_kv
 
 
 def shard_attention(attn: Attention, tp: TensorParallel) -> None:

@@ -38,7 +38,8 @@ from runner.engine.executor.build import ModelShare, load_share, make_worker, po
 from runner.engine.executor.plan import StepOutput, StepPlan
 from runner.engine.executor.worker import Worker
 from runner.model.blend import BlendRegion, Placement
-from runner.model.tensor_parallel import Collectives, TensorParallel
+from runner.model.loader import read_config, resolve_model_dir
+from runner.model.tensor_parallel import Collectives, TensorParallel, head_share
 
 log = logging.getLogger(__name__)
 
@@ -310,6 +311,7 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device) -> Launche
     """Rank 0 of `config.tensor_parallel_size` ranks: the others spawned here, or already
     started by torchrun (a process whose RANK is not 0 serves that rank, then exits)."""
     size = config.tensor_parallel_size
+    check_heads(config, size)  # before any process starts
     meet = Rendezvous.from_environment(size)
     processes: list[BaseProcess] = []
     spawn = meet is None
@@ -347,6 +349,15 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device) -> Launche
             process.join(timeout=10)
         raise
     return Launched(MultiprocExecutor(worker, groups, processes, shard_nbytes), share)
+
+
+def check_heads(config: EngineConfig, size: int) -> None:
+    """ValueError where the model's heads cannot be split over `size` ranks."""
+    hf = read_config(resolve_model_dir(config.model))
+    heads = int(hf.num_attention_heads)
+    kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
+    for rank in range(size):
+        head_share(heads, kv_heads, size, rank)
 
 
 def spawn_ranks(

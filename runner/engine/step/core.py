@@ -266,6 +266,11 @@ class Engine:
             except Exception as err:  # noqa: BLE001 - as a failed forward pass: the step's end
                 self.settler.fail_unfinished(out, err)
 
+    def shutdown(self) -> None:
+        """Stop the engine's other processes (tensor-parallel ranks); the engine cannot step
+        afterwards. An engine that is collected stops them too."""
+        self.executor.shutdown()
+
     def _copy_slots(self, src_block: int, dst_block: int, num_tokens: int) -> None:
         """The scheduler's slot copy, after the device work queued so far (a step in flight
         may still be writing the source block)."""
