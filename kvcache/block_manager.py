@@ -121,6 +121,12 @@ class BlockManager:
         """Changes whenever a block enters or leaves the cache; matches hold until then. Pure."""
         return self._cache.version
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether requests share cached blocks (prefix caching) or each computes its own, so
+        a caller need not know the flag the manager was built with. Pure."""
+        return self.enable_prefix_caching
+
     def num_available_blocks(self) -> int:
         """Free blocks plus cached ones no request holds (all reclaimable). Pure."""
         return self._cache.num_available()

@@ -65,6 +65,7 @@ DEFAULT_TESTS="$DEFAULT_TESTS tests/engine/test_async_scheduling_cuda.py tests/m
 DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_attention.py"
 DEFAULT_TESTS="$DEFAULT_TESTS tests/backends/triton/test_triton_rms_norm.py"
 DEFAULT_TESTS="$DEFAULT_TESTS tests/model/test_blend.py::test_placing_and_blending_on_cuda"
+DEFAULT_TESTS="$DEFAULT_TESTS tests/tiers/test_deferred_copies.py::test_cuda_host_tier_overlapped_equals_tierless"
 TESTS="${GPU_CHECK_TESTS:-$DEFAULT_TESTS}"
 TOY=""  # the dry run's flags: CPU, toy sizes
 # Deterministic mode: 256 requests behind a 512-token prompt, 16 tokens each, every one alone

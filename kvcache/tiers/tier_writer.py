@@ -2,7 +2,14 @@
 (in chunks of consecutive blocks, one value each), blocks evicted from the device pool back to
 the host tier, all on one daemon thread fed by a queue bounded in blocks. When the queue is
 full a write is dropped and counted, never waited for: a step must not stall on a slow disk or
-a slow Redis, and a block not written is only a later miss."""
+a slow Redis, and a block not written is only a later miss.
+
+A block's K/V may come as ``DeferredBytes``: a copy off a GPU queued behind the step in flight
+(runner/engine/kv/kv_transfer.py). The writer thread waits for it, when it encodes the value;
+the engine's thread never does. A copy that fails is a value not written (counted as failed),
+never a value with other bytes. A lookup of a block whose value is queued and not written yet
+waits for that write (``wait_written``): the engine never misses a block it has just let go,
+nor recomputes it, for want of a few milliseconds."""
 
 from __future__ import annotations
 
@@ -33,14 +40,31 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
+class DeferredBytes(Protocol):
+    """Bytes being copied (a block's K/V on its way off a GPU, behind the step in flight)."""
+
+    def result(self) -> bytes | memoryview:
+        """Wait for the copy to complete and return its bytes; raises if the copy failed."""
+        ...
+
+
+Payload = bytes | memoryview | DeferredBytes
+
+
+def payload_bytes(kv: Payload) -> bytes | memoryview:
+    """A payload's bytes, waiting for them when they are still being copied."""
+    return kv if isinstance(kv, bytes | memoryview) else kv.result()
+
+
 class Pending(NamedTuple):
-    """A block to write: its place in the chain and its K/V bytes (copied off the pool)."""
+    """A block to write: its place in the chain and its K/V bytes (copied off the pool, or
+    being copied: the writer thread waits for them)."""
 
     key: int
     parent: int
     tokens: bytes
     top: bool
-    kv: bytes
+    kv: Payload
 
 
 class _Job(NamedTuple):
@@ -77,7 +101,9 @@ class TierWriter:
         self._queue: queue.Queue[list[_Job] | None] = queue.Queue()
         self._capacity = queue_blocks
         self._queued_blocks = 0
+        self._queued_keys: dict[int, int] = {}  # block hash -> queued values holding it
         self._lock = threading.Lock()
+        self._written_some = threading.Condition(self._lock)  # a batch of values went
         self._thread = threading.Thread(target=self._write_loop, name="kv-tiers", daemon=True)
         self._thread.start()
 
@@ -95,6 +121,8 @@ class TierWriter:
                 if self._queued_blocks + len(chunk) <= self._capacity:
                     self._queued_blocks += len(chunk)
                     accepted.append(_Job(names, tuple(chunk)))
+                    for block in chunk:
+                        self._queued_keys[block.key] = self._queued_keys.get(block.key, 0) + 1
                 else:
                     dropped += len(chunk)
         if accepted:
@@ -110,6 +138,24 @@ class TierWriter:
     def space(self) -> int:
         """How many blocks the queue has room for now. Pure."""
         return max(0, self._capacity - self._queued_blocks)
+
+    def wait_written(self, keys: Sequence[int]) -> None:
+        """Wait until no value holding one of the blocks ``keys`` is queued: each one queued is
+        then in its tiers (or failed). What a lookup of those blocks must see: a block the pool
+        let go a moment ago is otherwise found in no tier while its copy is on its way."""
+        with self._written_some:
+            while self._queued_keys and any(key in self._queued_keys for key in keys):
+                self._written_some.wait()
+
+    def _forget(self, jobs: list[_Job]) -> None:
+        """The written (or failed) jobs' blocks are queued no longer. Under the lock."""
+        for job in jobs:
+            for block in job.blocks:
+                left = self._queued_keys[block.key] - 1
+                if left:
+                    self._queued_keys[block.key] = left
+                else:
+                    del self._queued_keys[block.key]
 
     def _write_loop(self) -> None:
         """Take the queued jobs (each queue item is one call's), up to about _BATCH, and write
@@ -128,6 +174,8 @@ class TierWriter:
             finally:
                 with self._lock:
                     self._queued_blocks -= sum(len(job.blocks) for job in jobs)
+                    self._forget(jobs)
+                    self._written_some.notify_all()
                 for _ in items:
                     self._queue.task_done()
             if items[-1] is None:
@@ -140,8 +188,11 @@ class TierWriter:
                 encoded.append((job, self._encode(job.blocks)))
             except Exception:  # noqa: BLE001 - the writer thread must outlive any one value
                 # A dead writer would leave every later write queued and every flush waiting.
+                # A copy off the device that failed lands here too: a miss, never other K/V.
                 if not self.failed:  # the first one with its traceback; the rest counted
-                    log.exception("kv-tiers: a value could not be encoded; it is not written")
+                    log.exception(
+                        "kv-tiers: a value could not be copied or encoded; it is not written"
+                    )
                 self.failed += len(job.blocks)
         for tier in self.tiers:
             batch = [value for job, value in encoded if tier.name in job.targets]

@@ -11,7 +11,9 @@ never shown); it never fails the request.
 
 Writes: committed blocks through to disk and remote, evicted ones back to the host tier, on
 the bounded background writer (tier_writer.py), which drops a write rather than wait for it
-(the engine keeps what does not fit yet waiting in its pool: write_backlog.py).
+(the engine keeps what does not fit yet waiting in its pool: write_backlog.py). A block's K/V
+may still be on its way off the GPU when it is queued (``DeferredBytes``): the writer thread
+waits for it, and a lookup of a block whose write is queued waits for that write first.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from kvcache.tiers.block_value import (
     value_blocks,
 )
 from kvcache.tiers.chain_reads import plan_reads
-from kvcache.tiers.tier_writer import Pending, Tier, TierDown, TierWriter
+from kvcache.tiers.tier_writer import Pending, Tier, TierDown, TierWriter, payload_bytes
 
 T = TypeVar("T")  # what a guarded tier call returns
 
@@ -115,6 +117,9 @@ class TieredStore:
         shorter than the plan assumed (the host tier's single blocks) is kept for its own
         place."""
         n = len(hashes)
+        # A block let go a moment ago may be queued still (its K/V maybe still being copied
+        # off the GPU): wait for its write, which is then in its tier, rather than miss it.
+        self.writer.wait_written(hashes)
         keys = [self.key_of(h) for h in hashes]
         holders = self._holders(keys)
         tried: set[int] = set()  # places whose value was asked for: never asked again
@@ -280,8 +285,13 @@ class TieredStore:
         return self.writer.dropped
 
     def _encode(self, blocks: tuple[Pending, ...]) -> tuple[str, bytes]:
+        """On the writer thread: a payload still being copied off the GPU is waited for here,
+        and a failed copy raises (the value is not written)."""
         links = [Link(b.key, b.parent, b.tokens) for b in blocks]
-        kv = blocks[0].kv if len(blocks) == 1 else b"".join(b.kv for b in blocks)
+        if len(blocks) == 1:
+            kv = payload_bytes(blocks[0].kv)
+        else:
+            kv = b"".join(payload_bytes(b.kv) for b in blocks)
         value = encode_chunk(self.spec, links, kv, top=blocks[0].top, mac_key=self.mac_key)
         return self.key_of(blocks[-1].key), value
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from kvcache.redaction import redact_url
 from kvcache.tiers import TierDown
@@ -25,6 +24,7 @@ from runner.disagg.redis_stream import RedisStream
 from runner.disagg.redis_transport import RedisHandover
 from runner.disagg.zmq_transport import ZmqHandoverServer
 from runner.engine.api.interface import EngineInterface
+from runner.serve.json_types import JSONBody
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Publisher:
 
     def begin(
         self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None
-    ) -> dict[str, Any] | None:
+    ) -> JSONBody | None:
         """``open`` and ``announce`` at once."""
         self.open(handover_id, token_ids, cache_salt)
         return self.announce(handover_id, token_ids, cache_salt)
@@ -71,7 +71,7 @@ class Publisher:
 
     def announce(
         self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None
-    ) -> dict[str, Any] | None:
+    ) -> JSONBody | None:
         """The params a decode worker may pull an opened handover with meanwhile (``open``:
         the values may still come), once (over Redis) its marker says open; None when Redis
         cannot be reached now (the handover is then written whole when the prefill ends, or
@@ -89,7 +89,7 @@ class Publisher:
 
     def publish(
         self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None
-    ) -> dict[str, Any]:
+    ) -> JSONBody:
         """Make the prompt's cached blocks available under ``handover_id`` (after its prefill;
         an open handover is closed); returns the kv_transfer_params. When Redis cannot take
         them, the params name no block (the decode worker then computes the prompt)."""
@@ -132,7 +132,7 @@ class Publisher:
     def _params(
         self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None, blocks: int,
         nbytes: int, seconds: float,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> JSONBody:  # fmt: skip
         return {
             "transport": "zmq" if self.server is not None else "redis",
             "endpoint": self.server.endpoint if self.server is not None else self.redis_url,
@@ -164,8 +164,8 @@ class Publisher:
             self.stream.cancel(handover_id)
         return self.held.release(handover_id)
 
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = asdict(self.counters) | self.held.stats()
+    def stats(self) -> JSONBody:
+        out: JSONBody = asdict(self.counters) | self.held.stats()
         if self.server is not None:
             out |= {"served_blocks": self.server.served_blocks}
             out |= {"served_bytes": self.server.served_bytes}

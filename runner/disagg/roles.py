@@ -6,7 +6,6 @@ before the request itself (routes.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from kvcache.redaction import redact_url
 from runner.disagg.held import DEFAULT_TTL_S, HeldHandovers
@@ -54,7 +53,9 @@ class RoleOptions:
         return host, int(port)
 
 
-def engine_options_for(options: RoleOptions, engine_options: dict[str, Any]) -> dict[str, Any]:
+def engine_options_for(
+    options: RoleOptions, engine_options: dict[str, object]
+) -> dict[str, object]:
     """The engine's options for the role: a decode worker pulls into a host tier (1 GiB
     unless --host-cache-bytes says otherwise)."""
     if options.role == "decode" and not engine_options.get("host_cache_bytes"):

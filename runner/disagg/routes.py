@@ -1,4 +1,4 @@
-"""A worker's extra routes for its role, on the `kvcache serve` app (runner/serve/app.py):
+"""A worker's extra routes for its role, on the `kvcache serve` app:
 
 * prefill: POST /kvcache/prefill/v1/completions and /kvcache/prefill/v1/chat/completions take
   the client's body, run it with max_tokens 1 (the prompt and its first token) and answer the
@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +33,8 @@ from pydantic import ValidationError
 from starlette.middleware.base import RequestResponseEndpoint
 
 from kvcache.redaction import redact_url
+from runner.disagg.publish import Publisher
+from runner.disagg.pull import Puller
 from runner.disagg.roles import RoleParts
 from runner.engine.api.interface import EngineInterface
 from runner.engine.sequence import Sequence
@@ -40,7 +42,9 @@ from runner.serve.app import admit  # the server's own checks: draining, model, 
 from runner.serve.auth import key_matches, unauthorized
 from runner.serve.calls import Call, CallError
 from runner.serve.events import Submission
+from runner.serve.json_types import JSONBody
 from runner.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from runner.serve.state import ServerState
 
 # Fields of the client's body a prefill does not take: it answers once, with one sample.
 _PREFILL_DROPPED = (
@@ -58,7 +62,7 @@ _GUARDED = (
 )  # fmt: skip
 
 
-def prefill_body(kind: str, raw: dict[str, Any]) -> SamplingFields:
+def prefill_body(kind: str, raw: dict[str, object]) -> SamplingFields:
     """The client's body as a prefill runs it: max_tokens 1, not streamed, one sample.
     Raises CallError 400 naming the problem."""
     if not isinstance(raw, dict):
@@ -82,13 +86,19 @@ def prefill_body(kind: str, raw: dict[str, Any]) -> SamplingFields:
 def attach_role(app: FastAPI, parts: RoleParts) -> None:
     """Add the role's routes to a `kvcache serve` app. With --api-key they take the same key
     as /v1/*."""
-    state = app.state.serve
-    publisher, puller = parts.publisher, parts.puller
+    state: ServerState = app.state.serve
+    guard_role_routes(app, state, parts.publisher)
+    add_prefill_routes(app, state, parts.publisher)
+    add_pull_route(app, state, parts.puller)
+    add_info_routes(app, parts)
+
+
+def guard_role_routes(app: FastAPI, state: ServerState, publisher: Publisher | None) -> None:
+    """The API key on the role's routes; /health says 503 when the handover's thread is gone
+    (a router then sends the worker nothing: its handovers would all be computed)."""
 
     @app.middleware("http")
     async def guard(request: Request, call_next: RequestResponseEndpoint) -> Response:
-        """The API key on the role's routes; /health says 503 when the handover's thread is
-        gone (a router then sends the worker nothing: its handovers would all be computed)."""
         key, path = state.settings.api_key, request.url.path
         if key is not None and path.startswith(_GUARDED):
             # key_matches: Bearer in any case, compared in constant time (hmac.compare_digest)
@@ -98,83 +108,120 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
             return JSONResponse({"status": "handover server down"}, 503)
         return await call_next(request)
 
-    async def prefill(kind: str, raw: dict[str, Any], request: Request) -> Response:
-        if publisher is None:
-            raise CallError(404, "this worker is not a prefill worker", "invalid_request_error")
-        body = prefill_body(kind, raw)
-        params = await admit(state, body, 1)
-        salt = body.cache_salt
-        opened: list[list[int]] = []  # the prompt's token ids, once its handover is open
 
-        def open_handover(seqs: list[Sequence]) -> None:
-            """The queued prompt's handover opens before its first step, and fills as its
-            blocks commit (on the engine's thread: Submission.on_queued)."""
-            tokens = list(seqs[0].prompt_token_ids)
-            publisher.open(call.id, tokens, salt)
-            opened.append(tokens)
-
-        if isinstance(body, ChatCompletionRequest):
-            sub = Submission(
-                "", 0, params, messages=body.template_messages(),
-                template_kwargs=body.chat_template_kwargs, cache_salt=salt,
-                on_queued=open_handover,
-            )  # fmt: skip
-        else:
-            assert isinstance(body, CompletionRequest)
-            prompt = body.prompts()[0]
-            sub = Submission("", 0, params, prompt=prompt, cache_salt=salt, on_queued=open_handover)
-        call = Call(state.engine, request, [sub], "messages" if kind == "chat" else "prompt")
-        sub.request_id = f"{call.id}-0"
-        await call.start()  # Accepted comes after the hook ran
-        early = None
-        if opened:  # (off the event loop: over Redis, the marker's round trip)
-            early = await asyncio.to_thread(publisher.announce, call.id, opened[0], salt)
-
-        async def answer() -> dict[str, Any]:
-            try:
-                (output,) = await call.outputs()
-            except BaseException:
-                if early is not None:
-                    publisher.release(call.id)
-                raise
-            tokens = output.prompt_token_ids
-            kv = await asyncio.to_thread(publisher.publish, call.id, tokens, salt)
-            first = output.outputs[0]
-            usage = {"prompt_tokens": len(tokens), "cached_tokens": output.num_cached_tokens}
-            done = {"id": call.id, "text": first.text, "token_ids": list(first.token_ids)}
-            return {"kv_transfer_params": kv, "prefill": done | usage}
-
-        if request.query_params.get("early") != "1" or early is None:
-            return JSONResponse(await answer())
-
-        async def lines() -> AsyncIterator[bytes]:
-            yield (json.dumps({"kv_transfer_params": early}) + "\n").encode()
-            try:
-                yield (json.dumps(await answer()) + "\n").encode()
-            except CallError as err:
-                yield (json.dumps(err.body) + "\n").encode()
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+def add_prefill_routes(app: FastAPI, state: ServerState, publisher: Publisher | None) -> None:
+    """The prefill worker's routes: its two endpoints and the release of a handover."""
 
     @app.post("/kvcache/prefill/v1/completions")
-    async def prefill_completion(raw: dict[str, Any], request: Request) -> Response:
-        return await prefill("completion", raw, request)
+    async def prefill_completion(raw: dict[str, object], request: Request) -> Response:
+        return await run_prefill(state, prefill_worker(publisher), "completion", raw, request)
 
     @app.post("/kvcache/prefill/v1/chat/completions")
-    async def prefill_chat(raw: dict[str, Any], request: Request) -> Response:
-        return await prefill("chat", raw, request)
+    async def prefill_chat(raw: dict[str, object], request: Request) -> Response:
+        return await run_prefill(state, prefill_worker(publisher), "chat", raw, request)
 
     @app.post("/kvcache/release")
-    async def release(raw: dict[str, Any]) -> JSONResponse:
-        if publisher is None:
-            raise CallError(404, "this worker is not a prefill worker", "invalid_request_error")
+    async def release(raw: dict[str, object]) -> JSONResponse:
+        publisher_ = prefill_worker(publisher)
         handover_id = raw.get("handover_id") if isinstance(raw, dict) else None
         if not isinstance(handover_id, str):
             raise CallError(400, "handover_id: a string", "invalid_request_error", "handover_id")
-        return JSONResponse({"released": publisher.release(handover_id)})
+        return JSONResponse({"released": publisher_.release(handover_id)})
+
+
+def prefill_worker(publisher: Publisher | None) -> Publisher:
+    if publisher is None:
+        raise CallError(404, "this worker is not a prefill worker", "invalid_request_error")
+    return publisher
+
+
+async def run_prefill(
+    state: ServerState, publisher: Publisher, kind: str, raw: dict[str, object], request: Request
+) -> Response:
+    """One prefill: the body checked and admitted, its prompt queued with its handover open,
+    then the answer whole, or (``?early=1``) the open handover's params first."""
+    body = prefill_body(kind, raw)
+    handover = PrefillHandover(publisher, body.cache_salt)
+    sub = await admitted_submission(state, body, handover.open)
+    call = Call(state.engine, request, [sub], "messages" if kind == "chat" else "prompt")
+    sub.request_id = f"{call.id}-0"
+    handover.id = call.id
+    await call.start()  # Accepted comes after the hook ran
+    await handover.announce()
+    if request.query_params.get("early") != "1" or handover.early is None:
+        return JSONResponse(await handover.answer(call))
+    return StreamingResponse(handover.lines(call), media_type="application/x-ndjson")
+
+
+async def admitted_submission(
+    state: ServerState, body: SamplingFields, on_queued: Callable[[list[Sequence]], None]
+) -> Submission:
+    """The prefill's one submission, admitted by the server's own checks: the conversation or
+    the one prompt, `on_queued` called on the engine's thread once it is queued."""
+    params = await admit(state, body, 1)
+    salt = body.cache_salt
+    if isinstance(body, ChatCompletionRequest):
+        return Submission(
+            "", 0, params, messages=body.template_messages(),
+            template_kwargs=body.chat_template_kwargs, cache_salt=salt, on_queued=on_queued,
+        )  # fmt: skip
+    assert isinstance(body, CompletionRequest)
+    prompt = body.prompts()[0]
+    return Submission("", 0, params, prompt=prompt, cache_salt=salt, on_queued=on_queued)
+
+
+class PrefillHandover:
+    """A prefill's handover: opened before the prompt's first step, filled as its blocks commit,
+    announced (the direct transport's early params) and published once the prefill is done."""
+
+    def __init__(self, publisher: Publisher, cache_salt: str | None) -> None:
+        self.publisher, self.salt = publisher, cache_salt
+        self.id = ""  # the call's id, set before it starts
+        self.opened: list[list[int]] = []  # the prompt's token ids, once the handover is open
+        self.early: JSONBody | None = None
+
+    def open(self, seqs: list[Sequence]) -> None:
+        """On the engine's thread, when the prompt is queued (Submission.on_queued)."""
+        tokens = list(seqs[0].prompt_token_ids)
+        self.publisher.open(self.id, tokens, self.salt)
+        self.opened.append(tokens)
+
+    async def announce(self) -> None:
+        if self.opened:  # (off the event loop: over Redis, the marker's round trip)
+            self.early = await asyncio.to_thread(
+                self.publisher.announce, self.id, self.opened[0], self.salt
+            )
+
+    async def answer(self, call: Call) -> JSONBody:
+        """The prefill's answer with its published handover's params; the handover released
+        when the prefill fails after it was announced."""
+        try:
+            (output,) = await call.outputs()
+        except BaseException:
+            if self.early is not None:
+                self.publisher.release(call.id)
+            raise
+        tokens = output.prompt_token_ids
+        kv = await asyncio.to_thread(self.publisher.publish, call.id, tokens, self.salt)
+        first = output.outputs[0]
+        usage = {"prompt_tokens": len(tokens), "cached_tokens": output.num_cached_tokens}
+        done = {"id": call.id, "text": first.text, "token_ids": list(first.token_ids)}
+        return {"kv_transfer_params": kv, "prefill": done | usage}
+
+    async def lines(self, call: Call) -> AsyncIterator[bytes]:
+        """The early answer: the open handover's params, then the whole answer (or its error)."""
+        yield (json.dumps({"kv_transfer_params": self.early}) + "\n").encode()
+        try:
+            yield (json.dumps(await self.answer(call)) + "\n").encode()
+        except CallError as err:
+            yield (json.dumps(err.body) + "\n").encode()
+
+
+def add_pull_route(app: FastAPI, state: ServerState, puller: Puller | None) -> None:
+    """The decode worker's route: pull a handover's blocks into its host tier."""
 
     @app.post("/kvcache/pull")
-    async def pull(raw: dict[str, Any]) -> JSONResponse:
+    async def pull(raw: dict[str, object]) -> JSONResponse:
         if puller is None:
             raise CallError(404, "this worker is not a decode worker", "invalid_request_error")
         if state.draining:
@@ -185,6 +232,10 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
         except ValueError as err:
             raise CallError(400, str(err), "invalid_request_error") from err
 
+
+def add_info_routes(app: FastAPI, parts: RoleParts) -> None:
+    """Both roles' routes: the engine's recorded metrics and what the handovers did."""
+
     @app.get("/kvcache/metrics")
     async def metrics() -> JSONResponse:
         llm = parts.llm
@@ -192,14 +243,14 @@ def attach_role(app: FastAPI, parts: RoleParts) -> None:
             raise CallError(404, "this worker records no metrics", "invalid_request_error")
         return JSONResponse(await asyncio.to_thread(worker_metrics, llm))
 
-    @app.get("/kvcache/disagg")
-    async def disagg() -> dict[str, Any]:
+    @app.get("/kvcache/disagg", response_model=None)
+    async def disagg() -> JSONBody:
         handover = redact_url(parts.options.handover)  # never the Redis password
-        out: dict[str, Any] = {"role": parts.options.role, "handover": handover}
-        if publisher is not None:
-            out["published"] = publisher.stats()
-        if puller is not None:
-            out["pulled"] = puller.stats()
+        out: JSONBody = {"role": parts.options.role, "handover": handover}
+        if parts.publisher is not None:
+            out["published"] = parts.publisher.stats()
+        if parts.puller is not None:
+            out["pulled"] = parts.puller.stats()
         return out
 
 

@@ -8,20 +8,22 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runner.engine.api.interface import EngineInterface
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from runner.serve.command import MakeEngine
+
 
 def start_role(
     role: str,
     handover: str,
     cpus: str | None,
-    make_llm: Callable[[dict[str, Any]], EngineInterface],
-    engine_options: dict[str, Any],
+    make_llm: MakeEngine,
+    engine_options: dict[str, object],
 ) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]:
     """(the engine, app -> app with the role's routes). Raises ValueError naming a bad
     option."""

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
 
 from kvcache.redaction import redact_url
 from runner.backends.cpu.quant import CPU_WEIGHT_DTYPES
 from runner.kv_events.config import KVEventsConfig
 
-Batching = Literal["continuous", "static"]
 # Default tokens per step. On the CPU a step's time grows with its tokens, and prefill runs as
 # fast in chunks of 512 as of 2,048, so a prompt that arrives among running answers delays them
 # ~0.8 s a step instead of ~3 s (measured with kvcache bench: docs/BENCHMARKS.md). On a GPU a step
@@ -48,7 +46,9 @@ class EngineConfig:
     dtype: str | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
-    batching: Batching = "continuous"
+    # The scheduling policy by name: "continuous" or "static" (runner/engine/step/policies/,
+    # which checks the name when the engine is built).
+    batching: str = "continuous"
     # Tokens one step may compute (decodes first, then prefill chunks); None: `token_budget`.
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
@@ -173,8 +173,8 @@ class EngineConfig:
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.batching not in ("continuous", "static"):
-            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if not isinstance(self.batching, str) or not self.batching:
+            raise ValueError(f"batching must name a scheduling policy, got {self.batching!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -28,6 +27,7 @@ from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, up
 from runner.router.relay import Hooks, Timeouts, UpstreamSilent, relay, send
 from runner.router.replicas import Replica, ReplicaSet
 from runner.router.worker_choice import PromptTokens
+from runner.serve.json_types import JSONBody
 from runner.serve.responses import error_body
 
 PASSED_BACK_HEADERS = ("retry-after",)
@@ -157,7 +157,7 @@ class Router:
             lambda err: self._failed(work.replica, err),
         )
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> JSONBody:
         return {
             "policy": self.settings.policy,
             "reasons": dict(self.reasons),
@@ -176,7 +176,7 @@ class Router:
         }
 
 
-def _events_stats(index: PrefixIndex | EventIndex) -> dict[str, Any]:
+def _events_stats(index: PrefixIndex | EventIndex) -> JSONBody:
     """A view fed by KV events: its blocks per medium and the last batch's number."""
     if not isinstance(index, EventIndex):
         return {}
@@ -231,8 +231,8 @@ def build_router_app(urls: list[str], settings: RouterSettings) -> FastAPI:
             {"status": "ok" if up else "down", "replicas_up": up}, 200 if up else 503
         )
 
-    @app.get("/router/stats")
-    async def stats() -> dict[str, Any]:
+    @app.get("/router/stats", response_model=None)
+    async def stats() -> JSONBody:
         return router.stats()
 
     @app.get("/metrics")

@@ -22,7 +22,7 @@ UNSPECIFIED_ANSWER_TOKENS = 256  # a request without max_tokens: the context's r
 DEFAULT_BLOCK_SIZE = 16  # a replica whose /kvcache/info is not known yet
 
 
-def answer_blocks(body: Any, replica: Replica) -> int:
+def answer_blocks(body: object, replica: Replica) -> int:
     """The blocks of answer a request body asks for, capped at MAX_ANSWER_BLOCKS."""
     tokens: Any = None
     if isinstance(body, dict):

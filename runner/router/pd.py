@@ -31,6 +31,7 @@ from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, up
 from runner.router.relay import Hooks, Timeouts, UpstreamSilent, relay, send
 from runner.router.replicas import Replica, ReplicaSet
 from runner.router.worker_choice import PromptTokens, WorkerChoice
+from runner.serve.json_types import JSONBody
 from runner.serve.responses import error_body
 
 
@@ -256,14 +257,15 @@ class PDRouter:
         hooks = Hooks("the decode worker", lambda: None, end, failed)
         return await relay(response, sent_at, self.timeouts, hooks)
 
-    def stats(self) -> dict[str, Any]:
-        def workers(rs: ReplicaSet) -> list[dict[str, Any]]:
+    def stats(self) -> JSONBody:
+        def workers(rs: ReplicaSet) -> list[JSONBody]:
             return [
                 {"url": r.name, "healthy": r.healthy, "in_flight": r.in_flight, "sent": r.sent}
                 for r in rs.replicas
             ]
 
-        return self.counts | {
+        return {
+            **self.counts,
             "handover": dict(self.handover),
             "prefill": workers(self.prefill),
             "decode": workers(self.decode),
@@ -285,8 +287,8 @@ def build_pd_router_app(prefill: list[str], decode: list[str], settings: RouterS
         up = bool(router.prefill.healthy()) and bool(router.decode.healthy())
         return JSONResponse({"status": "ok" if up else "down"}, 200 if up else 503)
 
-    @app.get("/router/stats")
-    async def stats() -> dict[str, Any]:
+    @app.get("/router/stats", response_model=None)
+    async def stats() -> JSONBody:
         return router.stats()
 
     return app

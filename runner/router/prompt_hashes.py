@@ -48,7 +48,7 @@ class PromptHasher:
             return None
         return None
 
-    def hashes(self, token_ids: list[int], naming: BlockNaming, cache_salt: Any) -> list[int]:
+    def hashes(self, token_ids: list[int], naming: BlockNaming, cache_salt: object) -> list[int]:
         """The chained hashes of the prompt's full blocks on a replica that names its blocks
         by `naming`."""
         salt = cache_salt if isinstance(cache_salt, str) else None
@@ -59,7 +59,7 @@ class PromptHasher:
 
 
 def replica_hashes(
-    hasher: PromptHasher | None, token_ids: list[int] | None, cache_salt: Any
+    hasher: PromptHasher | None, token_ids: list[int] | None, cache_salt: object
 ) -> Callable[[Replica], list[int]]:
     """A replica -> the prompt's block hashes as it names them (computed once per replica:
     replicas may name blocks otherwise); [] where the prompt or the replica's naming is not

@@ -6,6 +6,7 @@ caches: what was routed to it, or what its KV events say (`kvcache router --kv-e
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,7 @@ class BlockNaming:
     block_size: int
 
 
-def block_naming(info: dict[str, Any] | None) -> BlockNaming | None:
+def block_naming(info: Mapping[str, object] | None) -> BlockNaming | None:
     """The naming a replica's /kvcache/info gives: a non-empty fingerprint string and a
     positive integer block size; None for anything else (a replica that leaves them out or
     gives `block_size: 0` must not fail the requests routed among it and the others). Pure."""

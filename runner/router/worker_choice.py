@@ -63,7 +63,7 @@ class WorkerChoice:
         self.hasher = PromptHasher(tokenizer=None)  # hashes only: token ids come given
         self.reasons: dict[str, int] = {}
 
-    def choose(self, candidates: list[Replica], tokens: Any, cache_salt: Any) -> Replica:
+    def choose(self, candidates: list[Replica], tokens: object, cache_salt: object) -> Replica:
         """The worker among ``candidates`` (healthy, not empty) for a prompt of ``tokens``
         (token ids, or None where unknown); what it was sent is indexed as its cache's."""
         if not self.policy.uses_prefixes or not isinstance(tokens, list):

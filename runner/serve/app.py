@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +27,7 @@ from runner.serve.chat_route import chat
 from runner.serve.completion_route import complete
 from runner.serve.engine_loop import EngineLoop
 from runner.serve.grammar_work import GrammarWork
+from runner.serve.json_types import JSONBody
 from runner.serve.metrics import ServeMetrics
 from runner.serve.protocol import (
     ChatCompletionRequest,
@@ -73,15 +73,15 @@ def build_app(llm: EngineInterface, settings: ServeSettings) -> FastAPI:
     async def metrics_route() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card: dict[str, Any] = {"id": settings.model_name, "object": "model", "owned_by": "kvcache"}
+    @app.get("/v1/models", response_model=None)
+    async def models() -> JSONBody:
+        card: JSONBody = {"id": settings.model_name, "object": "model", "owned_by": "kvcache"}
         card |= {"created": 0, "max_model_len": llm.max_model_len, "kvcache": _info(state)}
         aliases = [card | {"id": name} for name in settings.model_aliases]
         return {"object": "list", "data": [card, *aliases]}
 
-    @app.get("/kvcache/info")
-    async def info() -> dict[str, Any]:
+    @app.get("/kvcache/info", response_model=None)
+    async def info() -> JSONBody:
         return _info(state) | {"queued": state.engine.queued(), "live": state.engine.live()}
 
     @app.post("/v1/completions")
@@ -100,7 +100,7 @@ def build_app(llm: EngineInterface, settings: ServeSettings) -> FastAPI:
     return app
 
 
-def _info(state: ServerState) -> dict[str, Any]:
+def _info(state: ServerState) -> JSONBody:
     """How this replica names cache blocks: enough for a router to compute the same hashes."""
     llm = state.llm
     return {

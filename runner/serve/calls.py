@@ -1,7 +1,7 @@
 """One HTTP call's life on the engine: submit its requests to the engine loop, wait until the
 loop has queued them (so a bad prompt is still a 400), then collect the whole answer or stream
 it as OpenAI's chunks. A conversation is rendered through its chat template first, on the
-renderer's threads (bounded: runner/serve/templates.py), never on the engine's.
+renderer's threads (within the renderer's bounds), never on the engine's.
 
 A client that goes away has its requests aborted at once: a stream's generator is cancelled
 by Starlette when the connection drops, and a call that collects the whole answer has a task
@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from starlette.requests import Request
 
@@ -23,6 +22,7 @@ from runner.engine.io.outputs import RequestOutput
 from runner.sampling.prompt_bytes import check_prompt_bytes
 from runner.serve.engine_loop import EngineLoop
 from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Submission
+from runner.serve.json_types import JSONBody
 from runner.serve.protocol import field_named
 from runner.serve.responses import error_body, sse, usage_of
 
@@ -157,9 +157,9 @@ class Call:
 
     async def stream(
         self,
-        chunks_of: Callable[[Delta], list[dict[str, Any]]],
-        first_chunks: list[dict[str, Any]],
-        usage_chunk: Callable[[dict[str, Any]], dict[str, Any]] | None,
+        chunks_of: Callable[[Delta], list[JSONBody]],
+        first_chunks: list[JSONBody],
+        usage_chunk: Callable[[JSONBody], JSONBody] | None,
         keepalive_s: float = KEEPALIVE_S,
     ) -> AsyncIterator[str]:
         """The SSE body: `first_chunks`, the chunks of each delta, a request's failure as an error

@@ -1,10 +1,10 @@
 """POST /v1/chat/completions once admitted: the conversation rendered with the request's
 template options and tools, submitted, and answered whole or streamed as OpenAI's chunks, its
-tool calls read out of the text (runner/serve/tool_answers.py)."""
+tool calls read out of the text by its ToolPlan."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
@@ -12,6 +12,7 @@ from starlette.requests import Request
 from runner.sampling.params import SamplingParams
 from runner.serve.calls import CallError, start_call
 from runner.serve.events import Delta, Submission
+from runner.serve.json_types import JSONBody
 from runner.serve.protocol import ChatCompletionRequest
 from runner.serve.responses import chat_chunk, chat_response
 from runner.serve.state import ServerState
@@ -45,7 +46,7 @@ def chat_submission(
 
 
 def tool_plan(
-    state: ServerState, body: ChatCompletionRequest, options: dict[str, Any]
+    state: ServerState, body: ChatCompletionRequest, options: Mapping[str, object]
 ) -> ToolPlan | None:
     """How the answers are read for calls; None when the request offers no tools or
     tool_choice is "none"."""
@@ -74,13 +75,13 @@ async def chat(
         return JSONResponse(chat_response(call.id, model, call.created, output, fmt, plan, echo))
     streams: dict[int, ToolStream] = {}
 
-    def chunks_of(delta: Delta) -> list[dict[str, Any]]:
+    def chunks_of(delta: Delta) -> list[JSONBody]:
         logprobs = None
         if delta.logprobs is not None:
             logprobs = fmt.chat(delta.token_ids, delta.logprobs)
         reason = delta.finish_reason
         if plan is None:
-            deltas: list[dict[str, Any]] = [{"content": delta.text}]
+            deltas: list[JSONBody] = [{"content": delta.text}]
         else:
             stream = streams.setdefault(delta.sample_index, plan.stream())
             deltas = stream.feed(delta.text)
@@ -89,7 +90,7 @@ async def chat(
                 reason = finish_reason(reason, stream.calls)
             if not deltas and (logprobs is not None or reason is not None):
                 deltas = [{}]  # the logprobs or the finish still go out
-        entries: list[dict[str, Any]] = [
+        entries: list[JSONBody] = [
             {"index": delta.sample_index, "delta": d, "logprobs": None, "finish_reason": None}
             for d in deltas
         ]
@@ -98,7 +99,7 @@ async def chat(
             entries[-1]["finish_reason"] = reason
         return [chat_chunk(call.id, model, call.created, [entry]) for entry in entries]
 
-    role = [
+    role: list[JSONBody] = [
         {
             "index": j,
             "delta": {"role": "assistant", "content": echo},
@@ -109,7 +110,7 @@ async def chat(
     ]
     first = [chat_chunk(call.id, model, call.created, role)]
 
-    def usage_chunk(usage: dict[str, Any]) -> dict[str, Any]:
+    def usage_chunk(usage: JSONBody) -> JSONBody:
         return chat_chunk(call.id, model, call.created, [], usage)
 
     usage = usage_chunk if body.include_usage else None

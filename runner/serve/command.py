@@ -5,7 +5,7 @@ fast."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,16 +21,17 @@ if TYPE_CHECKING:
     from runner.engine.api.interface import EngineInterface
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+Command = Callable[..., None]  # a click command's function, before click.command makes it one
 
 
 # What a role's engine is built by: its options (the role may add some) -> the engine.
-MakeEngine = Callable[[dict[str, Any]], "EngineInterface"]
+MakeEngine = Callable[[dict[str, object]], "EngineInterface"]
 
 
 class RoleStarter(Protocol):
     """Starts a worker in its role (--role, --handover, --cpus): builds the engine through
     `make_llm` and gives it back with the step that adds the role's routes to the app; a
-    ValueError names a bad option. runner/disagg/serve_role.py has the roles; cli.py, where
+    ValueError names a bad option. disagg's serve_role has the roles; cli.py, where
     the commands are put together, hands its `start_role` to `serve_command`, so the server
     never imports the package that extends it."""
 
@@ -40,7 +41,7 @@ class RoleStarter(Protocol):
         handover: str,
         cpus: str | None,
         make_llm: MakeEngine,
-        engine_options: dict[str, Any],
+        engine_options: dict[str, object],
     ) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]: ...
 
 
@@ -49,7 +50,7 @@ def colocated(
     handover: str,
     cpus: str | None,
     make_llm: MakeEngine,
-    engine_options: dict[str, Any],
+    engine_options: dict[str, object],
 ) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]:
     """The one role a serve command without the disaggregation roles has: both, unpinned."""
     if role != "both" or cpus is not None:
@@ -62,126 +63,132 @@ def _unchanged(app: FastAPI) -> FastAPI:
     return app
 
 
-def serve_command(start_role: RoleStarter) -> click.Command:
-    """`kvcache serve`, whose worker `start_role` starts in the role --role names (cli.py
-    hands it runner/disagg's; `serve` below has the colocated engine only)."""
-
-    @click.command("serve")
-    @click.argument("model_args", metavar="[MODEL]", nargs=-1)
-    @click.option(
+# The command's options, in --help's order; the engine's (engine_options) come last.
+_OPTIONS: list[Callable[[Command], Command]] = [
+    click.argument("model_args", metavar="[MODEL]", nargs=-1),
+    click.option(
         "--model",
         default=None,
         help="HF folder, .gguf file or a Hub id in the local cache (or the MODEL argument, as "
         "`vllm serve MODEL`); default: SmolLM2-135M.",
-    )
-    @click.option("--host", default="127.0.0.1", show_default=True)
-    @click.option("--port", type=int, default=8000, show_default=True)
-    @click.option(
+    ),
+    click.option("--host", default="127.0.0.1", show_default=True),
+    click.option("--port", type=int, default=8000, show_default=True),
+    click.option(
         "--api-key",
         default=None,
         envvar="KVCACHE_API_KEY",
         help="Clients must send 'Authorization: Bearer KEY' to every route but /health "
         "(or $KVCACHE_API_KEY).",
-    )
-    @click.option(
+    ),
+    click.option(
         "--served-model-name",
         default=None,
         help="The model's name in the API [default: its folder]. As vLLM's, it may be followed "
         "by more names (`--served-model-name a b`): requests may use any, answers the first.",
-    )
-    @click.option(
+    ),
+    click.option(
         "--max-queued-requests",
         type=click.IntRange(min=1),
         default=1024,
         show_default=True,
         help="Past this many samples (prompts x n) waiting to start, new requests get 429 with "
         "Retry-After; one request holding more gets 400.",
-    )
-    @click.option(
+    ),
+    click.option(
         "--trust-request-chat-template",
         is_flag=True,
         help="Render a client's own chat_template (top-level or in chat_template_kwargs); "
         "refused otherwise.",
-    )
-    @click.option(
+    ),
+    click.option(
         "--chat-template",
         default=None,
         help="The chat template to render conversations with instead of the model's: a file's "
         "path, or the Jinja text itself.",
-    )
-    @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
-    @click.option(
+    ),
+    click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
+    click.option(
         "--tool-call-parser",
         type=click.Choice(sorted(TOOL_PARSERS)),
         default=None,
         help="How tool calls are read out of answers (tool_choice auto) [default: the format the "
         "chat template teaches, else hermes].",
-    )
-    @click.option(
+    ),
+    click.option(
         "--enable-auto-tool-choice",
         is_flag=True,
         help="vLLM's flag, accepted: tool_choice auto is always on here.",
-    )
-    @click.option(
+    ),
+    click.option(
         "--trust-remote-code",
         is_flag=True,
         help="vLLM's flag, accepted: no repository code is ever run here.",
-    )
-    @click.option(
+    ),
+    click.option(
         "--tensor-parallel-size",
         "-tp",
         type=click.IntRange(1, 1),
         default=1,
         help="vLLM's flag: one device is all this engine runs on.",
-    )
-    @click.option(
+    ),
+    click.option(
         "--disable-log-requests", is_flag=True, help="vLLM's flag, accepted: none logged."
-    )
-    @click.option("--disable-log-stats", is_flag=True, help="vLLM's flag, accepted: none logged.")
-    @vllm_serve_options
-    @click.version_option(package_name="kvcache", message="%(version)s")
-    @click.option(
+    ),
+    click.option("--disable-log-stats", is_flag=True, help="vLLM's flag, accepted: none logged."),
+    vllm_serve_options,
+    click.version_option(package_name="kvcache", message="%(version)s"),
+    click.option(
         "--body-timeout",
         type=click.FloatRange(min=0, min_open=True),
         default=30.0,
         show_default=True,
         help="Seconds a request's body may take to arrive; a slower one gets 408.",
-    )
-    @click.option(
+    ),
+    click.option(
         "--head-timeout",
         type=click.FloatRange(min=0, min_open=True),
         default=10.0,
         show_default=True,
         help="Seconds a request's head (request line and headers) may take; past it a 408.",
-    )
-    @click.option(
+    ),
+    click.option(
         "--max-body-bytes",
         type=click.IntRange(min=1),
         default=32 * 2**20,
         show_default=True,
         help="The largest request body taken, in bytes; a larger one gets 413.",
-    )
-    @click.option(
+    ),
+    click.option(
         "--drain-timeout",
         type=click.FloatRange(min=0),
         default=30.0,
         show_default=True,
         help="On SIGTERM, seconds running requests get to finish before they are aborted.",
-    )
-    @click.option(
+    ),
+    click.option(
         "--role",
         type=click.Choice(["both", "prefill", "decode"]),
         default="both",
         show_default=True,
         help="prefill/decode: one half of a disaggregated pair (docs/DISAGGREGATION.md).",
-    )
-    @click.option(
+    ),
+    click.option(
         "--handover",
         default="zmq",
         show_default=True,
         help="How prefill hands KV to decode: zmq, zmq://HOST:PORT (direct) or redis://HOST:PORT/DB.",
-    )
-    @click.option("--cpus", default=None, help="Pin this worker to these CPUs (0 or 0-3,6).")
+    ),
+    click.option("--cpus", default=None, help="Pin this worker to these CPUs (0 or 0-3,6)."),
+]
+
+
+def serve_command(start_role: RoleStarter) -> click.Command:
+    """`kvcache serve`, whose worker `start_role` starts in the role --role names (cli.py
+    hands it disagg's roles; `serve` below has the colocated engine only)."""
+
+    @click.command("serve")
+    @serve_options
     @engine_options
     def serve(
         model_args: tuple[str, ...],
@@ -208,42 +215,24 @@ def serve_command(start_role: RoleStarter) -> click.Command:
         role: str,
         handover: str,
         cpus: str | None,
-        engine_options: dict[str, Any],
+        engine_options: dict[str, object],
     ) -> None:
         """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) and vLLM's
         routes (/tokenize, /detokenize, /version, /ping) with /health and Prometheus /metrics,
         over one engine that batches every request continuously. vLLM's flag names work."""
-        if api_key is not None and not api_key.strip():  # an unset $SECRET: not "no key"
-            raise click.BadParameter("the key is empty", param_hint="--api-key")
-        model_arg, more_names = split_positionals(model_args, model, served_model_name)
-        if model_arg is not None and model is not None and model_arg != model:
-            raise click.BadParameter(
-                f"names {model!r} but the MODEL argument is {model_arg!r}", param_hint="--model"
-            )
-        model = model or model_arg
+        check_api_key(api_key)
+        model, more_names = model_and_names(model_args, model, served_model_name)
         template = read_chat_template(chat_template) if chat_template is not None else None
-        from runner.cli.startup import start_up_without_gc
-        from runner.engine.api.frozen_heap import freeze_server_heap
-        from runner.engine.api.llm import LLM
+        secret_urls = secret_urls_of(engine_options, handover)
+        make = engine_maker(model, seed, vllm)
+        llm, attach = start_engine(
+            start_role, make, (role, handover, cpus), engine_options, secret_urls
+        )
         from runner.serve.app import ServeSettings, build_app
-        from runner.serve.masking import Masker
         from runner.serve.server import run_server
 
-        name = served_model_name or (Path(model).stem if model else DEFAULT_MODEL_NAME)
-        engine_options["record_metrics"] = False  # a server's memory must not grow per token
-        engine_options["prefault_kv_cache"] = True  # its pool's page faults at start, not in steps
-        with start_up_without_gc():
-            try:
-                extra = vllm.llm_arguments()
-                make = lambda options: LLM(model, seed=seed, **extra, **options)  # noqa: E731
-                llm, attach = start_role(role, handover, cpus, make, engine_options)
-            except ValueError as err:  # its text may quote a URL it was given
-                urls = [u for u in (engine_options.get("remote_cache_url"), handover) if u]
-                raise click.ClickException(Masker(tuple(urls)).mask(str(err))) from err
-            freeze_server_heap()  # inside: its collection is the start-up's one, not a second
-        secret_urls = tuple(u for u in (engine_options.get("remote_cache_url"), handover) if u)
         settings = ServeSettings(
-            name,
+            served_model_name or (Path(model).stem if model else DEFAULT_MODEL_NAME),
             api_key=api_key,
             max_queued_requests=max_queued_requests,
             trust_request_chat_template=trust_request_chat_template,
@@ -254,13 +243,85 @@ def serve_command(start_role: RoleStarter) -> click.Command:
             tool_call_parser=tool_call_parser,
             model_aliases=more_names,
         )
-        banner = f"kvcache serve ({role}): {name} on http://{host}:{port}/v1"
+        banner = f"kvcache serve ({role}): {settings.model_name} on http://{host}:{port}/v1"
         click.echo(settings.masker().mask(banner), err=True)
         app = attach(build_app(llm, settings))
         log_level, access_log = vllm.uvicorn_log_level, vllm.access_log
         run_server(app, host, port, drain_timeout, log_level, access_log, head_timeout)
 
     return serve
+
+
+def serve_options(command: Command) -> Command:
+    """Add the serve command's own options (vLLM's serve flags among them) to `command`."""
+    for option in reversed(_OPTIONS):
+        command = option(command)
+    return command
+
+
+def check_api_key(api_key: str | None) -> None:
+    if api_key is not None and not api_key.strip():  # an unset $SECRET: not "no key"
+        raise click.BadParameter("the key is empty", param_hint="--api-key")
+
+
+def model_and_names(
+    model_args: tuple[str, ...], model: str | None, served_model_name: str | None
+) -> tuple[str | None, tuple[str, ...]]:
+    """The model (--model or the MODEL argument, which must agree) and the further served
+    names."""
+    model_arg, more_names = split_positionals(model_args, model, served_model_name)
+    if model_arg is not None and model is not None and model_arg != model:
+        raise click.BadParameter(
+            f"names {model!r} but the MODEL argument is {model_arg!r}", param_hint="--model"
+        )
+    return model or model_arg, more_names
+
+
+def secret_urls_of(engine_options: Mapping[str, object], handover: str) -> tuple[str, ...]:
+    """The URLs given that may hold a password: shown masked wherever they appear."""
+    urls = (engine_options.get("remote_cache_url"), handover)
+    return tuple(u for u in urls if isinstance(u, str) and u)
+
+
+def engine_maker(model: str | None, seed: int, vllm: VllmServeOptions) -> MakeEngine:
+    """The engine's builder a role calls with its options: LLM(model, ...) with vLLM's LLM
+    arguments given on the command line."""
+
+    def make(options: dict[str, object]) -> EngineInterface:
+        from runner.engine.api.llm import LLM
+
+        # LLM takes EngineConfig's and vLLM's arguments by name and checks them itself.
+        extra: dict[str, Any] = vllm.llm_arguments()
+        engine: dict[str, Any] = options
+        return LLM(model, seed=seed, **extra, **engine)
+
+    return make
+
+
+def start_engine(
+    start_role: RoleStarter,
+    make: MakeEngine,
+    placement: tuple[str, str, str | None],
+    engine_options: dict[str, object],
+    secret_urls: tuple[str, ...],
+) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]:
+    """The worker's engine, started by `start_role` in its role (`placement`: --role,
+    --handover, --cpus) with the server's engine settings; a bad option is a usage error,
+    its text masked."""
+    from runner.cli.startup import start_up_without_gc
+    from runner.engine.api.frozen_heap import freeze_server_heap
+    from runner.serve.masking import Masker
+
+    engine_options["record_metrics"] = False  # a server's memory must not grow per token
+    engine_options["prefault_kv_cache"] = True  # its pool's page faults at start, not in steps
+    role, handover, cpus = placement
+    with start_up_without_gc():
+        try:
+            started = start_role(role, handover, cpus, make, engine_options)
+        except ValueError as err:  # its text may quote a URL it was given
+            raise click.ClickException(Masker(secret_urls).mask(str(err))) from err
+        freeze_server_heap()  # inside: its collection is the start-up's one, not a second
+    return started
 
 
 def split_positionals(

@@ -4,8 +4,6 @@ with its prompt, as vLLM's server gives it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
@@ -13,6 +11,7 @@ from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.sampling.params import SamplingParams
 from runner.serve.calls import start_call
 from runner.serve.events import Delta, Submission
+from runner.serve.json_types import JSONBody
 from runner.serve.protocol import CompletionRequest
 from runner.serve.responses import completion_chunk, completion_response
 from runner.serve.state import ServerState
@@ -33,7 +32,7 @@ async def complete(
         answer = completion_response(call.id, model, call.created, outputs, fmt, body.echo)
         return JSONResponse(answer)
     offsets: dict[int, int] = {}
-    first: list[dict[str, Any]] = []
+    first: list[JSONBody] = []
     if body.echo:  # each choice's prompt first, in a chunk of its own
         for i, prompt in enumerate(prompts):
             text = prompt if isinstance(prompt, str) else _decoded(state, prompt)
@@ -42,7 +41,7 @@ async def complete(
                 first.append(completion_chunk(call.id, model, call.created, [entry]))
                 offsets[i * n + j] = len(text)
 
-    def chunks_of(delta: Delta) -> list[dict[str, Any]]:
+    def chunks_of(delta: Delta) -> list[JSONBody]:
         choice = delta.index * n + delta.sample_index
         logprobs = None
         if delta.logprobs is not None:
@@ -53,7 +52,7 @@ async def complete(
         entry["finish_reason"] = delta.finish_reason
         return [completion_chunk(call.id, model, call.created, [entry])]
 
-    def usage_chunk(usage: dict[str, Any]) -> dict[str, Any]:
+    def usage_chunk(usage: JSONBody) -> JSONBody:
         return completion_chunk(call.id, model, call.created, [], usage)
 
     body_iter = call.stream(chunks_of, first, usage_chunk if body.include_usage else None)

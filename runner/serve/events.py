@@ -62,7 +62,7 @@ class Submission:
     params: SamplingParams
     prompt: str | list[int] | SegmentedPrompt | None = None
     messages: list[dict[str, Any]] | None = None
-    template_kwargs: dict[str, Any] | None = None
+    template_kwargs: dict[str, object] | None = None
     tools: list[dict[str, Any]] | None = None  # what the chat template shows the model
     cache_salt: str | None = None
     # Called on the engine's thread with the request's sequences once it is queued, before a

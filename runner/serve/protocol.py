@@ -1,7 +1,7 @@
 """The OpenAI request bodies the server takes, with OpenAI's field names and vLLM's extra ones
 (sampling, structured outputs, echo, prompt_logprobs, the chat template's options, tools), and
 how each maps onto SamplingParams. A field the server does not know is ignored, as vLLM's
-server ignores it (the app logs it once: runner/serve/messages.py's Lenient); a known field
+server ignores it (the app logs it once: messages' Lenient); a known field
 with a bad value is a 400 naming it."""
 
 from __future__ import annotations
@@ -217,10 +217,10 @@ class ChatCompletionRequest(SamplingFields):
         """The messages as the chat template gets them; ValueError naming a bad one."""
         return template_messages(self.messages)
 
-    def template_options(self) -> dict[str, Any]:
+    def template_options(self) -> dict[str, object]:
         """The chat template's keyword arguments, as vLLM builds them: the request's own
         options, then chat_template_kwargs over them (the tools are added by the renderer)."""
-        options: dict[str, Any] = {"add_generation_prompt": self.add_generation_prompt}
+        options: dict[str, object] = {"add_generation_prompt": self.add_generation_prompt}
         if self.continue_final_message:
             options["continue_final_message"] = True
         if self.chat_template is not None:

@@ -5,25 +5,46 @@ in each endpoint's own shape, and the error object."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 from runner.engine.io.outputs import RequestOutput
 from runner.sampling.logprobs import TokenLogprobs
+from runner.serve.json_types import JSONBody
 from runner.serve.tool_answers import ToolPlan, finish_reason
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+class ErrorObject(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(TypedDict):
+    error: ErrorObject
+
+
+class CompletionLogprobs(TypedDict):
+    """The completions endpoint's log-probabilities: parallel lists, a token each."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 def error_body(
     message: str, kind: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
+) -> ErrorBody:
     """OpenAI's error object: {"error": {message, type, param, code}}."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def sse(payload: dict[str, Any] | str) -> str:
+def sse(payload: Mapping[str, object] | str) -> str:
     """One server-sent event: `data: <json>` (or the final `[DONE]`) and a blank line."""
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n"
@@ -31,7 +52,7 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 def usage(
     prompt_tokens: int, completion_tokens: int, cached_tokens: int, reused_segment_tokens: int = 0
-) -> dict[str, Any]:
+) -> JSONBody:
     details: dict[str, int] = {"cached_tokens": cached_tokens}
     if reused_segment_tokens:  # ours, beside OpenAI's: tokens of later segments reused
         details["reused_segment_tokens"] = reused_segment_tokens
@@ -43,7 +64,7 @@ def usage(
     }
 
 
-def usage_of(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+def usage_of(outputs: Sequence[RequestOutput]) -> JSONBody:
     """Usage of one call's requests: every sample's tokens; a prompt (and its cached tokens,
     sample 0's) counted once per request."""
     return usage(
@@ -75,7 +96,7 @@ class LogprobFormat:
 
     def completion(
         self, token_ids: list[int], logprobs: Sequence[TokenLogprobs | None], offset: int
-    ) -> dict[str, Any]:
+    ) -> CompletionLogprobs:
         """The completions shape: parallel lists, `text_offset` from `offset` characters (an
         echoed prompt's first token has no log-probability: None, as vLLM's)."""
         tokens = [self.token(t) for t in token_ids]
@@ -94,26 +115,26 @@ class LogprobFormat:
 
     def prompt(
         self, token_ids: list[int], logprobs: Sequence[TokenLogprobs | None] | None
-    ) -> list[dict[str, Any] | None] | None:
+    ) -> list[JSONBody | None] | None:
         """vLLM's `prompt_logprobs`: per prompt token (None for the first) {token id:
         {logprob, rank, decoded_token}} for the token and the likeliest of its position."""
         if logprobs is None:
             return None
-        out: list[dict[str, Any] | None] = []
+        out: list[JSONBody | None] = []
         for token_id, entry in zip(token_ids, logprobs, strict=True):
             if entry is None:
                 out.append(None)
                 continue
-            position = {str(token_id): self._vllm(entry.logprob, entry.rank, token_id)}
+            position: JSONBody = {str(token_id): self._vllm(entry.logprob, entry.rank, token_id)}
             for rank, (top_id, value) in enumerate(entry.top, start=1):
                 position.setdefault(str(top_id), self._vllm(value, rank, top_id))
             out.append(position)
         return out
 
-    def _vllm(self, logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
+    def _vllm(self, logprob: float, rank: int | None, token_id: int) -> JSONBody:
         return {"logprob": logprob, "rank": rank, "decoded_token": self.token(token_id)}
 
-    def chat(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+    def chat(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> JSONBody:
         """The chat shape: one entry per token, with its bytes and its top alternatives."""
         return {
             "content": [
@@ -125,7 +146,7 @@ class LogprobFormat:
             ]
         }
 
-    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+    def _entry(self, token_id: int, logprob: float) -> JSONBody:
         text = self.token(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
@@ -137,10 +158,10 @@ def completion_response(
     outputs: list[RequestOutput],
     fmt: LogprobFormat,
     echo: bool = False,
-) -> dict[str, Any]:
+) -> JSONBody:
     """The whole answer of POST /v1/completions: choice i * n + j is prompt i's sample j; with
     `echo` each text (and its log-probabilities) begins with its prompt's."""
-    choices: list[dict[str, Any]] = []
+    choices: list[JSONBody] = []
     for output in outputs:
         prompt_ids = list(output.prompt_token_ids)
         prompt_text = fmt.prompt_text(output) if echo else ""
@@ -180,24 +201,28 @@ def chat_response(
     fmt: LogprobFormat,
     tools: ToolPlan | None = None,
     echo: str = "",
-) -> dict[str, Any]:
+) -> JSONBody:
     """The whole answer of POST /v1/chat/completions: one choice per sample, its tool calls
     read out of its text when the request offered `tools` (content None when the answer is
     only calls); `echo`, the text the answer goes on from, begins each content."""
-    choices: list[dict[str, Any]] = []
+    choices: list[JSONBody] = []
     for sample in output.outputs:
         logprobs = None
         if sample.token_logprobs is not None:
             logprobs = fmt.chat(sample.token_ids, sample.token_logprobs)
-        message: dict[str, Any] = {"role": "assistant", "content": sample.text}
+        content: str | None = sample.text
+        calls: list[JSONBody] | None = None
         reason = sample.finish_reason
         if tools is not None:
             parsed = tools.answer(sample.text)
-            message["content"] = parsed.content
-            message["tool_calls"] = [call.as_openai() for call in parsed.calls]
+            content = parsed.content
+            calls = [call.as_openai() for call in parsed.calls]
             reason = finish_reason(reason, len(parsed.calls))
         if echo:
-            message["content"] = echo + (message["content"] or "")
+            content = echo + (content or "")
+        message: JSONBody = {"role": "assistant", "content": content}
+        if calls is not None:
+            message["tool_calls"] = calls
         choices.append(
             {
                 "index": sample.index,
@@ -225,9 +250,9 @@ def completion_chunk(
     call_id: str,
     model: str,
     created: int,
-    choices: list[dict[str, Any]],
-    usage: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    choices: list[JSONBody],
+    usage: JSONBody | None = None,
+) -> JSONBody:
     return _chunk("text_completion", call_id, model, created, choices, usage)
 
 
@@ -235,9 +260,9 @@ def chat_chunk(
     call_id: str,
     model: str,
     created: int,
-    choices: list[dict[str, Any]],
-    usage: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    choices: list[JSONBody],
+    usage: JSONBody | None = None,
+) -> JSONBody:
     return _chunk("chat.completion.chunk", call_id, model, created, choices, usage)
 
 
@@ -246,11 +271,11 @@ def _chunk(
     call_id: str,
     model: str,
     created: int,
-    choices: list[dict[str, Any]],
-    usage: dict[str, Any] | None,
-) -> dict[str, Any]:
+    choices: list[JSONBody],
+    usage: JSONBody | None,
+) -> JSONBody:
     """One streamed chunk in OpenAI's shape; the usage only where it is sent (the last)."""
-    chunk: dict[str, Any] = {
+    chunk: JSONBody = {
         "id": call_id,
         "object": kind,
         "created": created,

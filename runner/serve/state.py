@@ -6,8 +6,8 @@ way): a client that sends `store=False` on every call gets one line, not one per
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -71,7 +71,7 @@ class ServerState:
                 self.warned.add(name)
                 log.warning("the request field %r is not known here and is ignored", name)
 
-    def tool_parser(self, template_kwargs: dict[str, Any]) -> str:
+    def tool_parser(self, template_kwargs: Mapping[str, object]) -> str:
         """The tool-call format answers are read in: --tool-call-parser, else the one the
         chat template (the request's, the server's or the model's) teaches."""
         if self.settings.tool_call_parser:

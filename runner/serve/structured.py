@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field
@@ -134,14 +135,14 @@ class StructureFields(Lenient):
             raise ValueError(f"{name}: {err}") from err
 
 
-def compact_json_grammar(schema: dict[str, Any] | str, field: str) -> str:
+def compact_json_grammar(schema: Mapping[str, object] | str, field: str) -> str:
     """An EBNF grammar (xgrammar's) of the JSON texts `schema` holds, written compactly: one
     space after each separator and no other whitespace. Tool calls are held to it rather than
     to the schema itself, whose grammar takes any whitespace anywhere: a model unsure of the
     next token (a small or untrained one) can pad an argument with tabs until max_tokens, and
     the call is then never complete; vLLM's `disable_any_whitespace` asks for the same.
     ValueError naming `field` for a schema xgrammar cannot read. (xgrammar is imported here,
-    only when a request asks for this: it takes over a second to import.)"""
+    only when a request asks for this: it is slow to import.)"""
     import xgrammar
 
     text = schema if isinstance(schema, str) else json.dumps(schema)

@@ -2,16 +2,16 @@
 which every stream waits on, nor the event loop), each render bounded in time and in the size
 of the text it builds.
 
-A jinja template is a program: two nested loops of 8,000 froze every stream for 2.6 s on the
-engine thread, three hang it, and a template that doubles a string builds 64 MB in 0.15 s. A
-thread cannot be killed, so the bound is kept from inside: while a render runs, its thread
-has a trace function on the template's own frames (jinja compiles a template to Python code
-named "<template>"), which at each line looks at the clock and at the strings the template
-holds, and stops the render when either is past its bound. Frames outside the template are
-not traced, and the text rendered is the same as without the bound. What is not bounded:
-one C-level operation inside a line (a single `"x" * n` builds its string before the next
-line is seen), which only a template the server trusts (`--trust-request-chat-template`) or
-its own can contain.
+A jinja template is a program: two nested loops of some thousands freeze every stream for
+seconds on the engine thread, three hang it, and a template that doubles a string builds tens of
+megabytes in a fraction of a second. A thread cannot be killed, so the bound is kept from
+inside: while a render runs, its thread has a trace function on the template's own frames (jinja
+compiles a template to Python code named "<template>"), which at each line looks at the clock
+and at the strings the template holds, and stops the render when either is past its bound.
+Frames outside the template are not traced, and the text rendered is the same as without the
+bound. What is not bounded: one C-level operation inside a line (a single `"x" * n` builds its
+string before the next line is seen), which only a template the server trusts
+(`--trust-request-chat-template`) or its own can contain.
 """
 
 from __future__ import annotations
@@ -23,18 +23,23 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import TypeAlias
 
 from jinja2.utils import Namespace
 
+from runner.serve.json_types import JSONObject
+from runner.serve.messages import JsonObject
 from runner.serve.tool_calls import with_tool_prompt
 
 TEMPLATE_FILENAME = "<template>"  # jinja's name for the code of a template made from a string
 RENDER_THREADS = 2
 YIELD_EVERY = 64  # template lines between two hand-overs of the interpreter's lock
 
-Messages = list[dict[str, Any]]
-Render = Callable[[Messages, dict[str, Any] | None], str]  # the engine's apply_chat_template
+Messages = list[JsonObject]  # as template_messages gives them
+Render = Callable[[Messages, dict[str, object] | None], str]  # the engine's apply_chat_template
+# sys.settrace's trace function: called with a frame, an event and its argument, it gives the
+# trace function for the frame's lines (None: none).
+Tracer: TypeAlias = "Callable[[FrameType, str, object], Tracer | None]"
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,8 @@ class ChatRenderer:
     async def render_async(
         self,
         messages: Messages,
-        template_kwargs: Mapping[str, Any] | None,
-        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, object] | None,
+        tools: list[JSONObject] | None = None,
     ) -> str:
         """The prompt text; ValueError naming the bound a render went past, or what the
         template rejected."""
@@ -76,8 +81,8 @@ class ChatRenderer:
     def render_with_tools(
         self,
         messages: Messages,
-        template_kwargs: Mapping[str, Any] | None,
-        tools: list[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, object] | None,
+        tools: list[JSONObject] | None,
     ) -> str:
         """The prompt with the `tools` a request offers: a template that shows tools gets
         them as `tools` (as vLLM passes them); one that ignores them (the same text with and
@@ -91,7 +96,9 @@ class ChatRenderer:
             return shown
         return self.render_bounded(with_tool_prompt(messages, tools), options)
 
-    def render_bounded(self, messages: Messages, template_kwargs: Mapping[str, Any] | None) -> str:
+    def render_bounded(
+        self, messages: Messages, template_kwargs: Mapping[str, object] | None
+    ) -> str:
         """Render on the calling thread, within the bounds (what the pool's threads run)."""
         bounds = self.bounds
         previous = sys.gettrace()
@@ -128,16 +135,16 @@ def _size(value: object) -> int:
     return 0
 
 
-def _tracer(deadline: float, bounds: RenderBounds) -> Callable[[FrameType, str, Any], Any]:
+def _tracer(deadline: float, bounds: RenderBounds) -> Tracer:
     """A trace function that follows only template frames, and in them stops the render
     past `deadline` or once a string of the template holds more than `bounds.max_chars`.
     Every YIELD_EVERY lines it lets go of the interpreter's lock: a render that keeps it
     for its whole switch interval (5 ms) makes the engine thread, which takes it back after
-    each device call, wait that long each time (a stream's gaps grew 3-4x beside a long
-    render)."""
+    each device call, wait that long each time (a stream's gaps grew several
+    times beside a long render)."""
     lines = 0
 
-    def in_template(frame: FrameType, event: str, arg: Any) -> Any:
+    def in_template(frame: FrameType, event: str, arg: object) -> Tracer | None:
         nonlocal lines
         if event == "line":
             lines += 1
@@ -152,7 +159,7 @@ def _tracer(deadline: float, bounds: RenderBounds) -> Callable[[FrameType, str, 
                 raise _OverBound(_size_message(bounds))
         return in_template
 
-    def on_call(frame: FrameType, event: str, arg: Any) -> Any:
+    def on_call(frame: FrameType, event: str, arg: object) -> Tracer | None:
         return in_template if frame.f_code.co_filename == TEMPLATE_FILENAME else None
 
     return on_call

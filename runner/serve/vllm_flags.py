@@ -1,20 +1,19 @@
 """`vllm serve`'s flags that are not the engine's options, on `kvcache serve`: each one does what
-vLLM's does (the uvicorn ones), reaches `LLM(...)` as vLLM's argument of the same name (taken as
-runner/engine/api/vllm_args.py says: honoured, ignored with one warning, or refused by name), or
-is accepted where its value is what this server does anyway and refused with a usage error
-naming it where it is not (nothing aborts on a flag's name alone)."""
+vLLM's does (the uvicorn ones), reaches `LLM(...)` as vLLM's argument of the same name (where
+LLM honours it, ignores it with one warning, or refuses it by name), or is accepted where its
+value is what this server does anyway and refused with a usage error naming it where it is not
+(nothing aborts on a flag's name alone)."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import click
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-MAX_LOGPROBS = 20  # runner/sampling/params.py's cap (vLLM's default --max-logprobs)
+MAX_LOGPROBS = 20  # SamplingParams' cap (vLLM's default --max-logprobs)
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,7 @@ class VllmServeOptions:
     access_log: bool = True
     llm: tuple[tuple[str, object], ...] = ()  # vLLM's LLM arguments given on the command line
 
-    def llm_arguments(self) -> dict[str, Any]:  # LLM(...)'s keywords, of their types
+    def llm_arguments(self) -> dict[str, object]:  # LLM(...)'s keywords, of their types
         return dict(self.llm)
 
 
@@ -43,7 +42,10 @@ _LLM_FLAGS: dict[str, tuple[tuple[str, ...], click.ParamType]] = {
 }
 
 
-def _refuse_unless(flag: str, accepted: tuple[str, ...], why: str) -> Callable[..., Any]:
+ClickCallback = Callable[[click.Context, click.Parameter, str | None], str | None]
+
+
+def _refuse_unless(flag: str, accepted: tuple[str, ...], why: str) -> ClickCallback:
     def check(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
         if value is not None and value not in accepted:
             raise click.BadParameter(f"{value!r}: {why}", param_hint=flag)
@@ -123,17 +125,17 @@ _OPTIONS = [
 ]
 
 
-def vllm_serve_options(command: Callable[..., Any]) -> Callable[..., Any]:
+def vllm_serve_options(command: Callable[..., None]) -> Callable[..., None]:
     """Add vLLM's serve flags to `command`, which receives them as `vllm`, a
     VllmServeOptions."""
 
     @functools.wraps(command)
-    def with_vllm_flags(**kwargs: Any) -> Any:
-        level = kwargs.pop("uvicorn_log_level")
+    def with_vllm_flags(**kwargs: object) -> None:
+        level = str(kwargs.pop("uvicorn_log_level"))  # a choice, with a default
         access = not kwargs.pop("disable_uvicorn_access_log")
         given = {name: kwargs.pop(name) for name in _LLM_FLAGS}
         llm = tuple((k, v) for k, v in given.items() if v is not None)
-        return command(vllm=VllmServeOptions(level, access, llm), **kwargs)
+        command(vllm=VllmServeOptions(level, access, llm), **kwargs)
 
     for option in reversed(_OPTIONS):
         with_vllm_flags = option(with_vllm_flags)

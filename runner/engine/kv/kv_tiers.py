@@ -5,7 +5,9 @@ and how hits come back up.
   write-through tiers (disk, remote), in chunks of ``cache_chunk_tokens`` (``_chunks``); each
   block about to be evicted from the pool, for the host tier (write-back). The copy is made at
   once, while the block still holds its K/V; encoding, checksums, MACs and I/O run on the
-  store's writer thread. What the write queue has no room for waits in the pool
+  store's writer thread. On a GPU the copy is queued behind the step in flight and the writer
+  thread waits for it (kv_transfer.py's ``BlockReads``): a commit or an eviction never waits
+  for the device. What the write queue has no room for waits in the pool
   (``WriteBacklog``: a long prompt committed in one step) and is copied at the next commit,
   eviction or flush, oldest first; only a block evicted before then is dropped.
 * At admission (``load``, before the block manager's allocate) the request's chain of block
@@ -29,9 +31,10 @@ from kvcache.radix_tree import Node
 from kvcache.store import KVStore
 from kvcache.tiers import BlockSpec, DiskTier, HostTier, Pending, RemoteTier, TieredStore
 from kvcache.tiers.prefetch import Prefetcher
+from kvcache.tiers.tier_writer import Payload
 from kvcache.tiers.write_backlog import WriteBacklog
 from runner.engine.config import EngineConfig
-from runner.engine.kv.kv_transfer import read_blocks, write_blocks
+from runner.engine.kv.kv_transfer import BlockReads, block_reads, write_blocks
 
 if TYPE_CHECKING:  # ZeroMQ and msgspec are imported only by an engine that publishes
     from runner.kv_events.publisher import KVEventPublisher
@@ -80,6 +83,8 @@ class TierLoader:
             Prefetcher(self.store, host) if host is not None and len(tiers) > 1 else None
         )
         self.bm, self.kv = bm, kv
+        # The copies off the pool at commit and eviction: queued on a GPU, at once on the CPU.
+        self.reads = block_reads(kv.device)
         self.block_size = config.block_size
         self._loading = False  # blocks committed by a load came from the tiers: not written back
         self.loaded_blocks = 0
@@ -90,7 +95,7 @@ class TierLoader:
         # At exit, at close (or when this loader is collected) the queued writes still land,
         # and the waiting ones with them.
         self._close = weakref.finalize(
-            self, _close, self.prefetcher, self.store, self.backlog, self.kv
+            self, _close, self.prefetcher, self.store, self.backlog, self.reads, self.kv
         )
         if self._write_through:
             bm.add_listener(self.backlog)
@@ -99,7 +104,7 @@ class TierLoader:
 
     # -- down ----------------------------------------------------------------------------------
     @staticmethod
-    def _pending(node: Node, kv: bytes) -> Pending:
+    def _pending(node: Node, kv: Payload) -> Pending:
         parent = node.parent.key if node.parent is not None else node.namespace
         return Pending(node.key, parent, node.tokens, node.parent is None, kv)
 
@@ -110,7 +115,7 @@ class TierLoader:
         self._write_backlog()
 
     def _write_backlog(self) -> None:
-        _write_backlog(self.backlog, self.store, self.kv)
+        _write_backlog(self.backlog, self.store, self.reads, self.kv)
 
     def write_waiting(self) -> None:
         """Queue what waits in the pool and the write queue has room for now. An idle
@@ -159,7 +164,7 @@ class TierLoader:
         if not room:
             return
         fresh = fresh[:room]
-        payloads = read_blocks(self.kv, [n.block_id for n in fresh])
+        payloads = self.reads(self.kv, [n.block_id for n in fresh])
         store.write(("host",), [self._pending(n, p) for n, p in zip(fresh, payloads, strict=True)])
 
     # -- up ------------------------------------------------------------------------------------
@@ -308,14 +313,16 @@ def _depth(node: Node) -> int:
     return depth
 
 
-def _write_backlog(backlog: WriteBacklog, store: TieredStore, kv: KVStore) -> None:
+def _write_backlog(
+    backlog: WriteBacklog, store: TieredStore, reads: BlockReads, kv: KVStore
+) -> None:
     """Copy off the pool and queue, in one copy, the oldest waiting values the write queue
     has room for; the rest wait (their blocks stay in the pool)."""
     chunks, dropped = backlog.take(store.space(), store.capacity)
     store.count_dropped(dropped)
     if not chunks:
         return
-    payloads = iter(read_blocks(kv, [n.block_id for chunk in chunks for n in chunk]))
+    payloads = iter(reads(kv, [n.block_id for chunk in chunks for n in chunk]))
     store.write_chunks(
         WRITE_THROUGH,
         [[TierLoader._pending(n, next(payloads)) for n in chunk] for chunk in chunks],
@@ -323,11 +330,15 @@ def _write_backlog(backlog: WriteBacklog, store: TieredStore, kv: KVStore) -> No
 
 
 def _close(
-    prefetcher: Prefetcher | None, store: TieredStore, backlog: WriteBacklog, kv: KVStore
+    prefetcher: Prefetcher | None,
+    store: TieredStore,
+    backlog: WriteBacklog,
+    reads: BlockReads,
+    kv: KVStore,
 ) -> None:
     if prefetcher is not None:
         prefetcher.close()
     while len(backlog):  # each round frees the queue, so the next takes a value at least
-        _write_backlog(backlog, store, kv)
+        _write_backlog(backlog, store, reads, kv)
         store.flush()
     store.close()

@@ -1,17 +1,26 @@
 """Copying whole blocks' K/V between the pool (kvcache/store.py) and bytes, for the tiers below
 the device pool and the prefix-cache file (kvcache/tiers/block_value.py). One block's bytes
 are its slice ``[layers, 2, block_size, kv_heads, head_dim]`` of the pool, C-contiguous, in the
-pool's dtype: what ``BlockSpec.block_nbytes`` counts."""
+pool's dtype: what ``BlockSpec.block_nbytes`` counts.
+
+The tiers' copies at commit and eviction (``BlockReads``) never wait for the device on a GPU:
+each is queued on the current stream into pinned memory with an event recorded behind it,
+and its bytes are waited for by whoever needs them (the tiers' writer thread), not by the
+engine's thread, which would otherwise wait for the step in flight (asynchronous scheduling
+queues the next step before the last one settles). On the CPU they are bytes at once."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from kvcache.store import KVStore
 from kvcache.tiers import BlockSpec
+from kvcache.tiers.tier_writer import Payload
 
 # Blocks copied per transfer: on a GPU whose memory the pool fills, a copy of every block at
 # once might not fit.
@@ -66,6 +75,109 @@ def read_blocks(kv: KVStore, block_ids: Sequence[int]) -> list[bytes]:
         raw = blocks.view(torch.uint8).reshape(len(ids), -1).numpy()
         out.extend(row.tobytes() for row in raw)
     return out
+
+
+class CopyDone(Protocol):
+    """The point a queued copy has completed at (a CUDA event recorded behind it)."""
+
+    def synchronize(self) -> None:
+        """Wait until the copy has completed; raises if it failed."""
+        ...
+
+
+class HostCopies(Protocol):
+    """Where a copy of device blocks into host memory is queued."""
+
+    def queue(self, source: torch.Tensor) -> tuple[torch.Tensor, CopyDone]:
+        """A host tensor that will hold ``source`` once the returned point completes."""
+        ...
+
+
+class CudaCopies:
+    """Copies queued on the current stream (the one the engine's steps run on) into pinned
+    memory, without waiting: a non-blocking copy into pageable memory would wait anyway."""
+
+    def queue(self, source: torch.Tensor) -> tuple[torch.Tensor, CopyDone]:
+        host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        host.copy_(source, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+
+class _HostCopy:
+    """One queued copy of several blocks, shared by their payloads: waited for once."""
+
+    def __init__(self, host: torch.Tensor, done: CopyDone, count: int) -> None:
+        self._host, self._done, self._count = host, done, count
+        self._rows: np.ndarray | None = None
+        self._lock = threading.Lock()  # two threads may ask at once (a writer, a flush)
+
+    def rows(self) -> np.ndarray:
+        """[blocks, block bytes] uint8, once the copy has completed (raises if it failed)."""
+        with self._lock:
+            if self._rows is None:
+                self._done.synchronize()
+                self._rows = self._host.view(torch.uint8).reshape(self._count, -1).numpy()
+            return self._rows
+
+
+class DeferredBlock:
+    """One block's K/V on its way to host memory (kvcache.tiers' ``DeferredBytes``)."""
+
+    def __init__(self, copy: _HostCopy, row: int) -> None:
+        self._copy, self._row = copy, row
+
+    def result(self) -> memoryview:
+        """The block's bytes, waiting for the copy (a view of the pinned buffer: no copy)."""
+        return memoryview(self._copy.rows()[self._row])
+
+
+class BlockReads:
+    """How the tiers copy blocks off the pool at commit and eviction: with ``copies`` (a
+    GPU's stream) queued, the payloads deferred; without (the CPU), as bytes at once, just as
+    ``read_blocks`` gives them. Tests put a device of their own in ``copies``."""
+
+    def __init__(self, copies: HostCopies | None) -> None:
+        self.copies = copies
+
+    def __call__(self, kv: KVStore, block_ids: Sequence[int]) -> Sequence[Payload]:
+        if self.copies is None:
+            return read_blocks(kv, block_ids)
+        return read_deferred(kv, block_ids, self.copies)
+
+
+def block_reads(device: torch.device) -> BlockReads:
+    """The tiers' copies for a pool on ``device``: queued on CUDA, immediate elsewhere."""
+    return BlockReads(CudaCopies() if device.type == "cuda" else None)
+
+
+def read_deferred(kv: KVStore, block_ids: Sequence[int], copies: HostCopies) -> list[DeferredBlock]:
+    """Each block's K/V, copied off the pool by a copy queued on ``copies`` (nothing waits).
+
+    Safe though the pool may give a block to another request and the next step overwrite it
+    before the copy has run: the gather and the copy are queued on the stream the steps run on,
+    now, so they run after every step queued before (whose K/V they must see: a commit's
+    blocks are written by the step just queued) and before every step queued after (which
+    may write the block again). The device runs a stream's work in the order it was queued."""
+    out: list[DeferredBlock] = []
+    for start in range(0, len(block_ids), _BLOCKS_PER_COPY):
+        chunk = block_ids[start : start + _BLOCKS_PER_COPY]
+        ids = _index_on(chunk, kv.device)
+        # [layers, 2, n, B, H, D] -> [n, layers, 2, B, H, D]: one block's bytes contiguous
+        blocks = kv.tensor.index_select(2, ids).movedim(2, 0).contiguous()
+        copy = _HostCopy(*copies.queue(blocks), len(chunk))
+        out.extend(DeferredBlock(copy, row) for row in range(len(chunk)))
+    return out
+
+
+def _index_on(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``values`` as int64 on ``device``; on CUDA from pinned memory without blocking
+    (``torch.tensor(values, device=...)`` waits for every kernel queued before it)."""
+    host = torch.tensor(list(values), dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def write_blocks(

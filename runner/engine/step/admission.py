@@ -34,7 +34,7 @@ class Admission:
     def inflight_hashes(self, running: list[Sequence]) -> set[int]:
         """Hashes of full blocks that running prefills are computing but have not cached yet."""
         inflight: set[int] = set()
-        if self.config.enable_prefix_caching:
+        if self.bm.shares_prefixes:
             for seq in running:
                 if seq.in_prefill:  # a blended prompt publishes its exact prefix alone
                     hashes = self.prompt_hashes(seq)
@@ -54,7 +54,7 @@ class Admission:
         computing it again."""
         oldest = waiting[0]
         if (
-            not self.config.enable_prefix_caching
+            not self.bm.shares_prefixes  # nothing cached to order by, nothing to wait for
             or step_count - oldest.wait_since_step >= self.config.max_wait_steps
         ):
             return oldest

@@ -243,7 +243,7 @@ class OverlappedLoop:
                 self.inflight = None
                 self._fail(flight.out, err)
                 # What it and the step after it cached may hold K/V it never wrote.
-                self.scheduler.bm.drop_cached()
+                self.scheduler.drop_cached()
             return
         with interrupts_held():
             self.inflight = None

@@ -1,81 +1,33 @@
-"""Continuous (and static) batching over a per-step token budget, with chunked prefill,
-preemption by recompute, cache-aware admission (admission.py) and speculative drafts
-for decoding sequences (runner/engine/step/speculative.py)."""
+"""The scheduler's machinery, shared by every scheduling rule: the waiting and running queues,
+admission and freeing, preemption by recompute, chunked prefill, speculative drafts for decoding
+sequences (runner/engine/step/speculative.py) and prompts' reused segments. The rule (what is
+admitted, in what order, when to decode and when to prefill) is the policy named by
+`EngineConfig.batching` (runner/engine/step/policies/: continuous or static batching)."""
 
 from __future__ import annotations
 
 import time
-from collections import abc, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvcache import BlockManager, Purpose
 from runner.engine.config import EngineConfig
 from runner.engine.kv.kv_tiers import TierLoader
 from runner.engine.sequence import SeqStatus, Sequence
 from runner.engine.step.admission import Admission
+from runner.engine.step.policies.registry import policy_for
+from runner.engine.step.scheduled import ScheduledSeq, SchedulerOutput
 from runner.engine.step.segments import SegmentReuse
 from runner.engine.step.speculative import draft_for
 
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    # True when this chunk ends at the sequence's newest token: its logits pick the next token.
-    sample: bool
-    # K/V positions [start, start + num_new_tokens) are computed this step. Of a drafted
-    # item's, `commit` caches only those whose tokens were output (the newest token and the
-    # accepted guesses: StepResult.computed).
-    start: int = 0
-    # Guessed tokens fed after a decoding sequence's newest one (speculative.py): the
-    # step computes 1 + len(draft) positions, and the engine keeps those the model agrees with.
-    draft: list[int] = field(default_factory=list)
-    # The sequence's block table as the block manager holds it (read only), set once the step
-    # is scheduled: the model runner reads its slots from here, never from the manager.
-    block_table: abc.Sequence[int] = ()
-
-    @property
-    def decodes(self) -> bool:
-        return self.sample and (bool(self.draft) or self.num_new_tokens == 1)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    admitted: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if not s.decodes)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        """Decode positions computed, drafts included."""
-        return sum(1 + len(s.draft) for s in self.scheduled if s.decodes)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    def without(self, gone: list[Sequence]) -> SchedulerOutput:
-        """The step as it ran once these sequences failed out of it (for the step's record)."""
-        ids = {id(seq) for seq in gone}
-        return SchedulerOutput(
-            [item for item in self.scheduled if id(item.seq) not in ids],
-            [seq for seq in self.admitted if id(seq) not in ids],
-            list(self.preempted),
-        )
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
-    """Owns the waiting and running queues; the block manager owns the blocks.
-
-    Continuous mode per step: running decodes first (preempting the most recently admitted
-    sequence when blocks run out), then running chunked prefills, then new admissions, all under
-    `max_num_batched_tokens`. Static mode admits a batch only when the last one is done, and a
-    finished member holds its slot until every member finishes.
+    """Owns the waiting and running queues; the block manager owns the blocks; the policy
+    (chosen once, by `config.batching`) decides each step's work through the primitives here
+    (`admit`, `schedule_decode`, `schedule_prefill_chunk`, `add_drafts`: the
+    SchedulerMachinery of runner/engine/step/policies/policy.py).
     """
 
     def __init__(
@@ -96,10 +48,12 @@ class Scheduler:
         self.copy_slots = copy_slots
         self.tiers = tiers  # the KV tiers below the pool (runner/engine/kv/kv_tiers.py), if any
         self.admission = Admission(config, block_manager)
+        self.policy = policy_for(config.batching)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
-        self.held: list[Sequence] = []  # static mode: finished but still in the batch
+        # Finished but still in the batch, as the policy says (static batching's members).
+        self.held: list[Sequence] = []
         self.step_count = 0
         self.num_preemptions = 0
         self.last_step_tokens = 0  # positions the latest step computes (vLLM's iteration tokens)
@@ -119,8 +73,9 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence wherever it is, for `reason`: out of the queue, or out of the batch
         with its blocks freed (its full blocks stay cached). A static batch's member that
-        stopped or reached its length holds its slot until the batch is done; one that was
-        aborted or failed gives its blocks back at once."""
+        stopped or reached its length holds its slot until the batch is done, if the policy
+        says so (static batching); one that was aborted or failed gives its blocks back at
+        once."""
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if seq in self.waiting:
@@ -129,7 +84,7 @@ class Scheduler:
         if seq not in self.running:
             return
         self.running.remove(seq)
-        if self.config.batching == "static" and reason in ("stop", "length"):
+        if self.policy.holds_finished(reason):
             self.held.append(seq)
         else:
             self._free(seq)
@@ -138,7 +93,8 @@ class Scheduler:
     def _release_held(self) -> None:
         """Once no member of a static batch runs (whether the last one finished, failed, was
         aborted or preempted), the finished members held in it give back their blocks, and the
-        next batch can be admitted. Nothing is ever held in continuous mode."""
+        next batch can be admitted. Nothing is held under a policy that holds no finished
+        sequence (continuous batching)."""
         if not self.running:
             for done in self.held:
                 self._free(done)
@@ -172,12 +128,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.step_count += 1
-        if self.config.batching == "static":
-            self._schedule_static(out)
-            if out.is_empty and self.waiting and not self.running and not self.held:
-                self._schedule_static(out)  # a preemption released the batch: the next one
-        else:
-            self._schedule_continuous(out)
+        self.policy.schedule(self, out)
         if out.is_empty and self.waiting and not self.running:
             # Every block is free or evictable now, so the head of the queue can never run.
             raise RuntimeError(
@@ -199,68 +150,14 @@ class Scheduler:
             seq.num_computed_tokens = item.start + kept
             self.bm.commit(seq.seq_id, seq.token_ids, seq.num_exact_tokens)
 
-    def _schedule_continuous(self, out: SchedulerOutput) -> None:
-        budget = self.config.token_budget
-        decoding: list[Sequence] = []
-        prefilling: list[Sequence] = []
-        for seq in self.running:
-            (prefilling if seq.in_prefill else decoding).append(seq)
-        for seq in decoding:
-            if budget <= 0:
-                break
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            if self._reserve_decode_slot(seq, out):
-                out.scheduled.append(ScheduledSeq(seq, 1, True, seq.num_computed_tokens))
-                budget -= 1
-        for seq in prefilling:
-            if budget <= 0:
-                break
-            if seq.status is SeqStatus.RUNNING:  # not preempted by a decode above
-                budget -= self._schedule_prefill_chunk(seq, budget, out)
-        inflight: set[int] | None = None  # built only when something can be admitted
-        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
-            if inflight is None:
-                inflight = self.admission.inflight_hashes(self.running)
-            chosen = self.admission.pick(self.waiting, inflight, self.step_count)
-            if chosen is None or not self.bm.can_allocate(
-                chosen.token_ids, chosen.root, reads_cache=chosen.reuses_cache
-            ):
-                break
-            self.waiting.remove(chosen)
-            self._admit(chosen, out)
-            budget -= self._schedule_prefill_chunk(chosen, budget, out)
-            inflight.update(self.admission.prompt_hashes(chosen))
-        self._add_drafts(out, budget)
+    def drop_cached(self) -> int:
+        """Forget every cached block no request holds (after a device step failed,
+        what it and the step after it cached may hold K/V never written); returns the blocks
+        freed."""
+        return self.bm.drop_cached()
 
-    def _schedule_static(self, out: SchedulerOutput) -> None:
-        if not self.running and not self.held:
-            reserved = 0
-            while self.waiting and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting[0]
-                # Reserve room for the whole answer: a static batch should never preempt.
-                total = min(seq.num_prompt_tokens + seq.max_tokens, self.max_model_len)
-                need = -(-total // self.bm.block_size)
-                if reserved + need > self.bm.num_available_blocks():
-                    break
-                reserved += need
-                self._admit(self.waiting.popleft(), out)
-        budget = self.config.token_budget
-        prefilling = [s for s in self.running if s.in_prefill]
-        for seq in prefilling:
-            if budget <= 0:
-                break
-            budget -= self._schedule_prefill_chunk(seq, budget, out)
-        if prefilling:
-            return  # a padded batch decodes only once every member has its prompt in
-        for seq in self.running:
-            if self._reserve_decode_slot(seq, out):
-                out.scheduled.append(ScheduledSeq(seq, 1, True, seq.num_computed_tokens))
-                budget -= 1
-        self._add_drafts(out, budget)
-
-    # ----------------------------------------------------------------- helpers
-    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+    # ----------------------------------------------------------------- the policy's primitives
+    def add_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Give the step's decoding sequences guessed tokens (speculative.py) out of
         what the budget and the pool leave once every decode, prefill chunk and admission has
         its share: a guess never delays or preempts another request (its blocks may evict
@@ -277,6 +174,15 @@ class Scheduler:
                 item.draft, item.num_new_tokens = draft, 1 + len(draft)
                 budget -= len(draft)
 
+    def schedule_decode(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Schedule one decode position of a running sequence, once the pool has room for its
+        token (preempting the newest other sequences if needed); False when `seq` itself was
+        preempted."""
+        if not self._reserve_decode_slot(seq, out):
+            return False
+        out.scheduled.append(ScheduledSeq(seq, 1, True, seq.num_computed_tokens))
+        return True
+
     def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Make room for one more token, preempting the newest other sequences if needed."""
         while not self.bm.grow(seq.seq_id, seq.num_tokens):
@@ -286,7 +192,7 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_prefill_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+    def schedule_prefill_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Schedule the next chunk of a prefill; returns the tokens it takes from the budget.
         A prompt with a blend to run is computed up to the blend's region, the blend is run
         (at once, as a slot copy is), then the rest is computed."""
@@ -306,7 +212,9 @@ class Scheduler:
         out.scheduled.append(ScheduledSeq(seq, size, size == remaining, start))
         return size
 
-    def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def admit(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Allocate a sequence's blocks (its cached prefix matched, a blend's segments held)
+        and run it; the caller took it out of `waiting` and checked `bm.can_allocate`."""
         if self.tiers is not None and seq.reuses_cache:
             self.tiers.load(seq.token_ids, seq.root)
         purpose = Purpose.READMISSION if seq.admitted else Purpose.ADMISSION
