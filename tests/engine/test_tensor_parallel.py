@@ -217,3 +217,53 @@ def test_bad_sizes_are_refused(tiny_llama_dir: Path) -> None:
         LLM(str(tiny_llama_dir), tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size=8 is more than"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=8)
+
+
+def test_a_disk_tier_after_a_restart_is_found_by_the_same_size_only(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """A TP=2 engine's blocks, written to a disk tier, come back to the next TP=2 engine
+    after a restart (each value holds both ranks' shards); a TP=1 engine on the same
+    directory misses them cleanly and computes the same tokens."""
+    prompts = [[7 + i % 5 for i in range(70)] + [i] for i in range(3)]
+    options = dict(disk_cache_dir=str(tmp_path), block_size=16, num_kv_blocks=24)
+    first = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **options)
+    want = [o.outputs[0].token_ids for o in first.generate(prompts, GREEDY)]
+    first.flush_cache_tiers()
+    first.shutdown()
+    del first
+    gc.collect()
+    again = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **options)
+    outs = again.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert outs[0].num_cached_tokens == 64  # from the disk: the pool started empty
+    again.check_integrity()
+    one = LLM(str(tiny_llama_dir), **options)
+    outs = one.generate(prompts, GREEDY)
+    assert outs[0].num_cached_tokens == 0  # another sharding: a miss, never wrong K/V
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_blocks_handed_over_between_two_rank_engines(tiny_llama_tok_dir: Path) -> None:
+    """A prefill engine's cached blocks (every rank's shard) pass the decode side's checks
+    and, installed into another TP=2 engine's pool, serve its prompt; a TP=1 engine refuses
+    them (another layout)."""
+    from runner.disagg.blocks import check_values, prompt_chain
+
+    tokens = list(range(5, 60))
+    options = dict(block_size=4, num_kv_blocks=64, host_cache_bytes=1 << 22)
+    prefill = LLM(str(tiny_llama_tok_dir), tensor_parallel_size=2, **options)
+    params = SamplingParams(max_tokens=6, temperature=0)
+    (want,) = prefill.generate([tokens], params)
+    values = prefill.cached_block_values(tokens, None)
+    decode = LLM(str(tiny_llama_tok_dir), tensor_parallel_size=2, **options)
+    checked = check_values(decode, prompt_chain(decode, tokens, None), 0, values)
+    assert checked.passed == len(values) > 3
+    assert decode.install_blocks(tokens, None, 0, checked.kvs).loaded == len(values)
+    (got,) = decode.generate([tokens], params)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.num_cached_tokens == len(values) * 4
+    one = LLM(str(tiny_llama_tok_dir), **options)
+    assert check_values(one, prompt_chain(one, tokens, None), 0, values).passed == 0
+    with pytest.raises(ValueError, match="save_prefix_cache takes one rank's pool"):
+        decode.save_prefix_cache("/nonexistent/cache.kv")

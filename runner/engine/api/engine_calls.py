@@ -23,7 +23,6 @@ from runner.engine.api.interface import (
     StepRecord,
 )
 from runner.engine.api.streaming import TextStream
-from runner.engine.kv.kv_transfer import read_blocks
 from runner.engine.sequence import Sequence
 from runner.engine.step.core import Engine
 from runner.engine.step.lock import locked
@@ -145,7 +144,7 @@ class EngineCalls(Engine):
 
     def _read_nodes(self, nodes: Seq[Node]) -> tuple[list[tuple[Link, bool]], list[bytes]]:
         """Each node's place in its chain and its K/V copied off the pool (under the lock)."""
-        return [_link_of(n) for n in nodes], read_blocks(self.kv, [n.block_id for n in nodes])
+        return [_link_of(n) for n in nodes], self.executor.read_blocks([n.block_id for n in nodes])
 
     def _encode(self, links: list[tuple[Link, bool]], payloads: list[bytes]) -> list[bytes]:
         spec, key = self.block_spec, self.cache_mac_key

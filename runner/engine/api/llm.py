@@ -366,6 +366,7 @@ class LLM(EngineCalls):
     def save_prefix_cache(self, path: str | Path) -> int:
         """Write the prefix cache (every cached block, its tokens and its K/V) to one file, for
         `load_prefix_cache` in a later engine of the same model; returns the blocks saved."""
+        self._one_rank("save_prefix_cache")
         identity, spec, key = self._cache_identity(), self.block_spec, self.cache_mac_key
         return save_prefix_cache(self.block_manager, self.kv, identity, Path(path), spec, key)
 
@@ -377,6 +378,7 @@ class LLM(EngineCalls):
         blocks below them, with a warning). Raises ValueError for a file saved for another
         model, weight rounding, block size or K/V layout, or one that is not a cache file;
         nothing is loaded then."""
+        self._one_rank("load_prefix_cache")
         identity, request_id = self._cache_identity(), next(self.intake.seq_ids)
         bm, spec, key = self.block_manager, self.block_spec, self.cache_mac_key
         vocab = int(self.hf_config.vocab_size)  # its token ids are checked against it
@@ -396,6 +398,16 @@ class LLM(EngineCalls):
         now, without waiting (an idle server's engine thread calls it)."""
         if self.tiers is not None:
             self.tiers.write_waiting()
+
+    def _one_rank(self, call: str) -> None:
+        """The prefix-cache file holds one pool's blocks: a tensor-parallel engine keeps its
+        blocks across restarts in a disk tier instead (its values hold every rank's shard)."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"{call} takes one rank's pool; with tensor_parallel_size="
+                f"{self.config.tensor_parallel_size}, a disk tier (disk_cache_dir) keeps the "
+                "cache across restarts"
+            )
 
     def _cache_identity(self) -> dict[str, str]:
         return cache_identity(self.kv, self.fingerprint, self.config.cpu_weight_dtype)

@@ -221,13 +221,15 @@ class MultiprocExecutor:
 
         return self._call("read_blocks", read, list(block_ids))
 
-    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+    def write_blocks(
+        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
+    ) -> None:
         """`read_blocks`' bytes back: each rank takes its shard of each payload."""
 
-        def write(ids: list[int], whole: list[bytes]) -> None:
+        def write(ids: list[int], whole: list[bytes | memoryview]) -> None:
             self._local.write_blocks(ids, [shard_of(p, 0, self.shard_nbytes) for p in whole])
 
-        self._call("write_blocks", write, list(block_ids), list(payloads))
+        self._call("write_blocks", write, list(block_ids), [bytes(p) for p in payloads])
 
     def shutdown(self) -> None:
         """Stop the other ranks (and join the processes this one spawned)."""
@@ -274,12 +276,12 @@ def stop_ranks(groups: Groups, processes: list[BaseProcess]) -> None:
             process.join(timeout=10)
 
 
-def shard_of(payload: bytes, rank: int, shard_nbytes: list[int]) -> bytes:
+def shard_of(payload: bytes | memoryview, rank: int, shard_nbytes: list[int]) -> bytes:
     """Rank `rank`'s part of one block's bytes (`read_blocks` joins the ranks' in order)."""
     if len(payload) != sum(shard_nbytes):
         raise ValueError(f"a block of {len(payload)} bytes; this pool's are {sum(shard_nbytes)}")
     start = sum(shard_nbytes[:rank])
-    return payload[start : start + shard_nbytes[rank]]
+    return bytes(payload[start : start + shard_nbytes[rank]])
 
 
 def serve_rank(worker: Worker, groups: Groups, shard_nbytes: list[int]) -> None:

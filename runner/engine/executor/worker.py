@@ -154,7 +154,9 @@ class Worker:
         """This worker's share of each block's K/V, as bytes."""
         return read_blocks(self.kv, block_ids)
 
-    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+    def write_blocks(
+        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
+    ) -> None:
         write_blocks(self.kv, block_ids, payloads)
 
     def shutdown(self) -> None:

@@ -19,10 +19,11 @@ and how hits come back up.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcache import BlockManager, Purpose, block_hashes
@@ -34,7 +35,7 @@ from kvcache.tiers.prefetch import Prefetcher
 from kvcache.tiers.tier_writer import Payload
 from kvcache.tiers.write_backlog import WriteBacklog
 from runner.engine.config import EngineConfig
-from runner.engine.kv.kv_transfer import BlockReads, block_reads, write_blocks
+from runner.engine.kv.kv_transfer import RankBlocks, block_reads, write_blocks
 
 if TYPE_CHECKING:  # ZeroMQ and msgspec are imported only by an engine that publishes
     from runner.kv_events.publisher import KVEventPublisher
@@ -63,8 +64,15 @@ class TierLoader:
     """Moves blocks between one engine's pool and its tiers."""
 
     def __init__(
-        self, config: EngineConfig, bm: BlockManager, kv: KVStore, spec: BlockSpec
+        self,
+        config: EngineConfig,
+        bm: BlockManager,
+        kv: KVStore,
+        spec: BlockSpec,
+        ranks: RankBlocks | None = None,
     ) -> None:
+        """`ranks`: with tensor parallelism, where blocks are read and written (each rank's
+        shard of a block, joined in rank order); None: straight from `kv`."""
         tiers: list[Any] = []
         host = HostTier(config.host_cache_bytes) if config.host_cache_bytes else None
         if host is not None:
@@ -85,6 +93,12 @@ class TierLoader:
         self.bm, self.kv = bm, kv
         # The copies off the pool at commit and eviction: queued on a GPU, at once on the CPU.
         self.reads = block_reads(kv.device)
+        self._read: Callable[[Sequence[int]], Sequence[Payload]] = (
+            functools.partial(self.reads, kv) if ranks is None else ranks.read_blocks
+        )
+        self._write: Callable[[Sequence[int], Sequence[bytes | memoryview]], None] = (
+            functools.partial(write_blocks, kv) if ranks is None else ranks.write_blocks
+        )
         self.block_size = config.block_size
         self._loading = False  # blocks committed by a load came from the tiers: not written back
         self.loaded_blocks = 0
@@ -95,7 +109,7 @@ class TierLoader:
         # At exit, at close (or when this loader is collected) the queued writes still land,
         # and the waiting ones with them.
         self._close = weakref.finalize(
-            self, _close, self.prefetcher, self.store, self.backlog, self.reads, self.kv
+            self, _close, self.prefetcher, self.store, self.backlog, self._read
         )
         if self._write_through:
             bm.add_listener(self.backlog)
@@ -115,7 +129,7 @@ class TierLoader:
         self._write_backlog()
 
     def _write_backlog(self) -> None:
-        _write_backlog(self.backlog, self.store, self.reads, self.kv)
+        _write_backlog(self.backlog, self.store, self._read)
 
     def write_waiting(self) -> None:
         """Queue what waits in the pool and the write queue has room for now. An idle
@@ -164,7 +178,7 @@ class TierLoader:
         if not room:
             return
         fresh = fresh[:room]
-        payloads = self.reads(self.kv, [n.block_id for n in fresh])
+        payloads = self._read([n.block_id for n in fresh])
         store.write(("host",), [self._pending(n, p) for n, p in zip(fresh, payloads, strict=True)])
 
     # -- up ------------------------------------------------------------------------------------
@@ -244,7 +258,7 @@ class TierLoader:
             try:
                 fresh = alloc.block_table[on_device : on_device + n]
                 copy_started = time.perf_counter()
-                write_blocks(self.kv, fresh, kvs[:n])
+                self._write(fresh, kvs[:n])
                 elapsed += time.perf_counter() - copy_started
                 self._loading = True
                 bm.commit(_LOADING_ID, probe, (on_device + n) * B)
@@ -314,7 +328,7 @@ def _depth(node: Node) -> int:
 
 
 def _write_backlog(
-    backlog: WriteBacklog, store: TieredStore, reads: BlockReads, kv: KVStore
+    backlog: WriteBacklog, store: TieredStore, read: Callable[[Sequence[int]], Sequence[Payload]]
 ) -> None:
     """Copy off the pool and queue, in one copy, the oldest waiting values the write queue
     has room for; the rest wait (their blocks stay in the pool)."""
@@ -322,7 +336,7 @@ def _write_backlog(
     store.count_dropped(dropped)
     if not chunks:
         return
-    payloads = iter(reads(kv, [n.block_id for chunk in chunks for n in chunk]))
+    payloads = iter(read([n.block_id for chunk in chunks for n in chunk]))
     store.write_chunks(
         WRITE_THROUGH,
         [[TierLoader._pending(n, next(payloads)) for n in chunk] for chunk in chunks],
@@ -333,12 +347,11 @@ def _close(
     prefetcher: Prefetcher | None,
     store: TieredStore,
     backlog: WriteBacklog,
-    reads: BlockReads,
-    kv: KVStore,
+    read: Callable[[Sequence[int]], Sequence[Payload]],
 ) -> None:
     if prefetcher is not None:
         prefetcher.close()
     while len(backlog):  # each round frees the queue, so the next takes a value at least
-        _write_backlog(backlog, store, reads, kv)
+        _write_backlog(backlog, store, read)
         store.flush()
     store.close()

@@ -27,6 +27,17 @@ from kvcache.tiers.tier_writer import Payload
 _BLOCKS_PER_COPY = 256
 
 
+class RankBlocks(Protocol):
+    """Blocks of a pool split over tensor-parallel ranks: each block's bytes are every rank's
+    shard of it, in rank order (runner/engine/executor/multiproc.py)."""
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]: ...
+
+    def write_blocks(
+        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
+    ) -> None: ...
+
+
 def block_spec(kv: KVStore, identity: str, shard_nbytes: list[int] | None = None) -> BlockSpec:
     """What a stored block must agree with to be loaded into ``kv``; `shard_nbytes`: with
     tensor parallelism, one block's bytes on each rank (a stored block holds them all)."""

@@ -59,7 +59,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     # engine's blocks hold every rank's shard, in rank order, and name the ranks' sizes.
     identity = cache_identity_string(share.loaded.fingerprint, config.cpu_weight_dtype) + shards
     spec = block_spec(kv, identity, executor.shard_nbytes)
-    tiers = TierLoader(config, block_manager, kv, spec) if config.has_tiers else None
+    ranks = executor if config.tensor_parallel_size > 1 else None
+    tiers = TierLoader(config, block_manager, kv, spec, ranks) if config.has_tiers else None
     return EngineParts(
         share.loaded,
         device,
