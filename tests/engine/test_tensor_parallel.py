@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvcache import LLM, SamplingParams
 from runner.engine.executor.multiproc import MultiprocExecutor, WorkersFailed
@@ -267,3 +268,18 @@ def test_blocks_handed_over_between_two_rank_engines(tiny_llama_tok_dir: Path) -
     assert check_values(one, prompt_chain(one, tokens, None), 0, values).passed == 0
     with pytest.raises(ValueError, match="save_prefix_cache takes one rank's pool"):
         decode.save_prefix_cache("/nonexistent/cache.kv")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+def test_two_gpus_give_one_gpus_tokens(tiny_llama_dir: Path) -> None:
+    """NCCL between cuda:0 and cuda:1 (scripts/gpu_tp_check.sh): the tokens of one GPU."""
+    prompts = [[5 + i, 9, 40 + 3 * i] * (4 + 3 * i) for i in range(6)]
+    options = dict(device="cuda", dtype="float32")
+    one = [
+        o.outputs[0].token_ids
+        for o in LLM(str(tiny_llama_dir), **options).generate(prompts, GREEDY)
+    ]
+    two = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **options)
+    assert [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY)] == one

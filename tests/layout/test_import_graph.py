@@ -24,8 +24,18 @@ ALLOWED: dict[str, set[str]] = {
     "runner.engine": {"kvcache", "runner.backends", "runner.kv_events", "runner.sampling"},
     "runner.engine.kv": {"runner.engine", "kvcache", "kvcache.store", "runner.kv_events"},
     "runner.engine.io": {"runner.engine", "kvcache", "runner.sampling"},
+    "runner.engine.executor": {
+        "runner.engine",
+        "runner.engine.kv",
+        "kvcache.store",
+        "runner.attention",
+        "runner.backends",
+        "runner.model",
+        "runner.sampling",
+    },
     "runner.engine.step": {
         "runner.engine",
+        "runner.engine.executor",
         "runner.engine.io",
         "runner.engine.kv",
         "kvcache",
@@ -74,7 +84,7 @@ ALLOWED: dict[str, set[str]] = {
 PRODUCT = ("kvcache", "runner")
 
 
-ENGINE_PARTS = ("api", "step", "io", "kv")
+ENGINE_PARTS = ("api", "step", "io", "kv", "executor")
 
 
 def package_of(module: str) -> str:

@@ -84,6 +84,9 @@ class EngineCalls(Engine):
     def kv_pool(self) -> KVPool:
         return KVPool(self.kv.num_blocks, self.kv.block_size, self.kv.dtype_name, self.kv.nbytes)
 
+    def rank_weight_bytes(self) -> list[int]:
+        return self.executor.rank_weight_bytes()
+
     def kv_event_endpoints(self) -> dict[str, str | bool | None] | None:
         return self.kv_events.endpoints() if self.kv_events is not None else None
 

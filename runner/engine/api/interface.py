@@ -246,6 +246,10 @@ class EngineInterface(Protocol):
 
     def kv_pool(self) -> KVPool: ...
 
+    def rank_weight_bytes(self) -> list[int]:
+        """Each tensor-parallel rank's weights as held, in bytes (one entry on one device)."""
+        ...
+
     def kv_event_endpoints(self) -> dict[str, str | bool | None] | None:
         """Where the engine publishes vLLM's KV events (endpoint, binds, replay_endpoint,
         topic); None when it publishes none."""

@@ -231,6 +231,14 @@ class MultiprocExecutor:
 
         self._call("write_blocks", write, list(block_ids), [bytes(p) for p in payloads])
 
+    def rank_weight_bytes(self) -> list[int]:
+        def gather(_: None) -> list[int]:
+            sizes = self.groups.gather_bytes(self._local.weight_bytes().to_bytes(8, "little"))
+            assert sizes is not None
+            return [int.from_bytes(b, "little") for b in sizes]
+
+        return self._call("rank_weight_bytes", gather, None)
+
     def shutdown(self) -> None:
         """Stop the other ranks (and join the processes this one spawned)."""
         self._stop()
@@ -293,7 +301,9 @@ def serve_rank(worker: Worker, groups: Groups, shard_nbytes: list[int]) -> None:
         name, args = message
         if name == SHUTDOWN:
             return
-        if name == "read_blocks":
+        if name == "rank_weight_bytes":
+            groups.gather_bytes(worker.weight_bytes().to_bytes(8, "little"))
+        elif name == "read_blocks":
             groups.gather_bytes(b"".join(worker.read_blocks(*args)))
         elif name == "write_blocks":
             block_ids, payloads = args

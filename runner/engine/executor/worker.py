@@ -159,6 +159,19 @@ class Worker:
     ) -> None:
         write_blocks(self.kv, block_ids, payloads)
 
+    def weight_bytes(self) -> int:
+        """The bytes of this worker's weights as they are held (packed panels included): every
+        tensor a module of the model holds, each storage counted once."""
+        seen: dict[int, int] = {}
+        for module in self.model.modules():
+            for value in vars(module).values():
+                tensors = value.values() if isinstance(value, dict) else [value]
+                for tensor in tensors:
+                    if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                        storage = tensor.untyped_storage()
+                        seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
     def shutdown(self) -> None:
         """Nothing to stop in this process (multiproc.py's workers stop their processes)."""
 
@@ -170,6 +183,10 @@ class Worker:
     @property
     def tensor_parallel_size(self) -> int:
         return 1
+
+    def rank_weight_bytes(self) -> list[int]:
+        """`weight_bytes` of each rank: here, one."""
+        return [self.weight_bytes()]
 
     @property
     def shard_nbytes(self) -> list[int]:
