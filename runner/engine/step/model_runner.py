@@ -112,7 +112,10 @@ class ModelRunner:
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """One forward pass; returns float32 logits [N, vocab], one row per item that samples
         (1 + len(draft) for an item with a draft), in batch order. Only those rows go through
-        the LM head."""
+        the LM head. One worker in this process takes the plan's inputs as `prepare` uploads
+        them; N ranks take the plan itself."""
+        if self.executor.tensor_parallel_size == 1:
+            return self.forward(batch, *self.prepare(batch))
         return self._finish(batch, self.executor.execute(self.plan(batch)))
 
     def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
