@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from runner.attention.cascade import PrefixGroup
+from runner.backends.torch.cascade import PrefixGroup
 from runner.backends.triton.cascade_cost import DEFAULT_THRESHOLDS, saved_bytes, use_shared_prefix
 from runner.backends.triton.decode import decode_attention
 from runner.backends.triton.shared_prefix import (

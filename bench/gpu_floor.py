@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from bench.workloads import BenchRequest
-from runner.attention.cascade import PrefixGroup
+from runner.backends.torch.cascade import PrefixGroup
 from runner.backends.triton.shared_prefix import (
     KVBytes,
     build_shared_prefix_plan,

@@ -33,7 +33,7 @@ import torch
 
 from bench.gpu_floor import ModelBytes, decode_floor, shared_prefix_step_bytes
 from bench.workloads import BenchRequest
-from runner.attention.backend import Attend, AttentionBackend
+from runner.attention.backend import Attend, AttentionBackend, AttentionCall
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.cascade_cost import (
     ALWAYS,
@@ -147,18 +147,9 @@ def counted(backend: AttentionBackend, reads: ExecutedReads) -> AttentionBackend
         inner = attend
         seen: list[AttentionMetadata] = []
 
-        def counting(
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            k_cache: torch.Tensor,
-            v_cache: torch.Tensor,
-            meta: AttentionMetadata,
-            scale: float,
-            window: int | None,
-            softcap: float | None,
-        ) -> torch.Tensor:
-            out = inner(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        def counting(call: AttentionCall) -> torch.Tensor:
+            out = inner(call)
+            meta = call.meta
             if meta.decode_only and not (seen and seen[0] is meta):
                 seen[:] = [meta]
                 reads.on_step(list(meta.context_lens_host), planned_shared_prefix(meta))

@@ -5,14 +5,15 @@ sources.
 The block manager decides who holds what (through its caching policy, kvcache/cache_policy.py);
 this class and the partial blocks it owns (kvcache/partial_blocks.py: what a tail is, when one
 is kept, copied and evicted, and the tails' pool state) are the only code that changes the pool,
-the tree and the partial blocks, and keep them in step: a block is cached content (ref 0,
-reclaimable) exactly when it is a tree node or a tail, and the LRU holds the ref-0 tree leaves
-and every tail. An offered block stays its request's own (ref 1) and is never cached content.
+the tree, the partial blocks and the eviction policy, and keep them in step: a block is cached
+content (ref 0, reclaimable) exactly when it is a tree node or a tail, and the policy's
+evictable set holds the ref-0 tree leaves and every tail. An offered block stays its request's
+own (ref 1) and is never cached content.
 
-Recency lives here: every access tick is drawn from the pool's counter by ``_stamp`` (a node
-matched and held, inserted, released root to leaf) or ``touch`` (a copy source used); an
-evictable node enters the LRU at its node's tick, a tail at a fresh one (drawn when it is kept,
-after its request's chain was stamped). Eviction takes the least recently used entry.
+What may be evicted is decided here, the order by the eviction policy (kvcache/eviction/): it
+hears of every use of a cached block (a node matched and held, inserted, released root to leaf;
+a copy source used; a tail kept, after its request's chain), with the using request's priority,
+and of every block entering and leaving the evictable set; eviction takes its victim.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 from kvcache.block_pool import BlockPool
+from kvcache.eviction import EvictionPolicy
 from kvcache.hashing import pack_tokens, unpack_tokens
 from kvcache.partial_blocks import PartialBlocks, TailMatch
 from kvcache.radix_tree import InsertResult, Node, RadixTree
@@ -53,11 +55,13 @@ class BlockListener(Protocol):
 class BlockCache:
     """The pool, the tree of full blocks and the partial blocks of one block manager."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicy) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.eviction = eviction  # the order cached blocks are evicted in
         self.tree = RadixTree(block_size)
-        self.partials = PartialBlocks(block_size, self.pool)  # tails and running requests' offers
+        # tails and running requests' offers
+        self.partials = PartialBlocks(block_size, self.pool, eviction)
         self.evicted_blocks = 0  # cached blocks reclaimed by eviction so far
         # Told of the nodes each insert adds (after the forward that wrote their K/V), and of
         # the tree nodes one ``take`` evicts, together, while their blocks still hold their K/V
@@ -103,11 +107,12 @@ class BlockCache:
 
     def continuation(self, request: RequestBlocks, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens with which a cached path goes on past ``token_ids``, looked up
-        below the end of the request's chain (RadixTree.continuation)."""
+        below the end of the request's chain (RadixTree.continuation), along the path the
+        eviction policy ranks highest (with LRU: the most recently used)."""
         chain = request.chain
         after = chain[-1] if chain else None
         rest = token_ids[len(chain) * self.block_size :]
-        return self.tree.continuation(request.root, after, rest, k)
+        return self.tree.continuation(request.root, after, rest, k, self.eviction.rank)
 
     def copyable(self, token_ids: Sequence[int], root: int, nodes: list[Node]) -> TailMatch | None:
         """The block holding the longest run of the tokens after the matched ``nodes``
@@ -138,29 +143,33 @@ class BlockCache:
         ]
         return full + tails
 
-    # -- recency -------------------------------------------------------------------------------
-    def _stamp(self, node: Node) -> None:
-        """Mark a tree node as just used. Mutates its tick and the pool's counter."""
-        node.tick = self.pool.next_tick()
-
-    def touch(self, block: int) -> None:
-        """Mark a copy source as just used: an evictable one moves to the LRU's young end.
-        (The allocation that copies it may have evicted it already: then nothing is done.)"""
-        pool, node = self.pool, self.tree.node_of(block)
-        if node is not None:
-            self._stamp(node)
-        if pool.lru_discard(block):
-            pool.lru_add(block, pool.next_tick() if node is None else node.tick)
+    # -- uses ----------------------------------------------------------------------------------
+    def touch(self, block: int, priority: int = 0) -> None:
+        """A copy source was just used by a request of ``priority``: the eviction policy hears
+        of it, an evictable one leaving the set and coming back at its new rank. (The
+        allocation that copies it may have evicted it already, or it is a running request's
+        own block: then nothing is done.)"""
+        if not self.pool.is_cached_node(block):
+            return
+        eviction = self.eviction
+        evictable = block in eviction.evictable_blocks()
+        if evictable:
+            eviction.held(block)
+        eviction.used(block, priority)
+        if evictable:
+            eviction.evictable(block)
 
     # -- mutations -----------------------------------------------------------------------------
-    def hold(self, node: Node) -> None:
-        """ref += 1 on a tree node, taking it out of the LRU; touches its tick."""
-        self.pool.lru_discard(node.block_id)
-        self.pool.acquire(node.block_id)
-        self._stamp(node)
+    def hold(self, node: Node, priority: int = 0) -> None:
+        """ref += 1 on a tree node, taking it out of the evictable set; a use by a request of
+        ``priority``."""
+        block = node.block_id
+        self.eviction.held(block)
+        self.pool.acquire(block)
+        self.eviction.used(block, priority)
 
     def take(self, n: int) -> list[int]:
-        """``n`` fresh blocks with ref 1, evicting LRU leaves and tails while the free list is
+        """``n`` fresh blocks with ref 1, evicting the policy's victims while the free list is
         short; the evicted tree nodes go to ``on_evict`` in one call before the blocks are
         handed out (their K/V is intact until a forward writes the new owners' K/V). The caller
         has checked availability."""
@@ -177,20 +186,29 @@ class BlockCache:
         return self.pool.take(n)
 
     def insert(
-        self, root: int, parent: Node | None, data: bytes, blocks: list[int], *, only_new: bool
+        self,
+        root: int,
+        parent: Node | None,
+        data: bytes,
+        blocks: list[int],
+        *,
+        only_new: bool,
+        priority: int = 0,
     ) -> InsertResult:
         """Insert a request's full blocks (packed ``data``) below ``parent`` (RadixTree.insert).
         Mutates: the blocks already cached are held (ref += 1: the caller pins them), the new
-        nodes' blocks become cached content, stamped and reported to ``on_commit``. With
-        ``only_new`` and a block cached already, nothing changes."""
+        nodes' blocks become cached content, used by a request of ``priority``, and reported
+        to ``on_commit``. With ``only_new`` and a block cached already, nothing changes."""
         result = self.tree.insert(root, parent, data, blocks, only_new=only_new)
         if only_new and result.existing:
             return result
         for node in result.existing:
-            self.hold(node)
-        for node in result.created:
-            self.pool.mark_cached(node.block_id)
-            self._stamp(node)
+            self.hold(node, priority)
+        created = [node.block_id for node in result.created]
+        mark_cached = self.pool.mark_cached
+        for block in created:
+            mark_cached(block)
+        self.eviction.used_all(created, priority)
         if result.created:
             if self.on_commit is not None:
                 self.on_commit(result.created)
@@ -207,16 +225,15 @@ class BlockCache:
     def release(
         self, request_id: int, request: RequestBlocks, token_ids: Sequence[int], computed: int
     ) -> None:
-        """A request is done: its offer is withdrawn, its chain stamped root to leaf (a deeper
-        block counts as more recent), and ref -= 1 on each block it holds: tree blocks reaching
-        ref 0 stay cached (childless ones become evictable, at their node's tick), private
+        """A request is done: its offer is withdrawn, its chain used root to leaf (a deeper
+        block counts as more recent) at the request's priority, and ref -= 1 on each block it
+        holds: tree blocks reaching ref 0 stay cached (childless ones become evictable), private
         blocks go back to the free list, except its partial block when ``token_ids`` (with
         ``computed`` of them in the K/V) say what it holds: that one is kept as a tail."""
-        pool = self.pool
+        pool, eviction, priority = self.pool, self.eviction, request.priority
         tail = self.partials.tail_of(request, token_ids, computed)
         self.partials.withdraw(request_id)
-        for node in request.chain:
-            self._stamp(node)
+        eviction.used_all([node.block_id for node in request.chain], priority)
         for block in (*request.table, *request.pins):
             if tail is not None and block == tail.block_id:
                 continue  # released as it is kept, below
@@ -225,9 +242,9 @@ class BlockCache:
             cached = self.tree.node_of(block)
             assert cached is not None, f"block {block}: no node"
             if not cached.children:
-                pool.lru_add(block, cached.tick)
+                eviction.evictable(block)
         if tail is not None:
-            self.partials.keep(tail)
+            self.partials.keep(tail, priority)
 
     def drop_unheld(self) -> int:
         """Evict every cached block no request holds (a prefix-cache reset): leaves and tails,
@@ -246,22 +263,22 @@ class BlockCache:
         return freed
 
     def _evict_one(self) -> Node | None:
-        """Evict the least recently used ref-0 leaf or tail: a parent left childless (and
+        """Evict the policy's victim, a ref-0 leaf or a tail: a parent left childless (and
         unheld) becomes an evictable leaf itself, so it may go next, never before. A node's
         tails go with it (nothing can reach them without it). Returns the tree node evicted
         (None for a tail); its block is free, its K/V not yet overwritten."""
         pool, tree, partials = self.pool, self.tree, self.partials
-        block = pool.lru_pop()
+        block = self.eviction.victim()
         if block in partials:
             partials.evict(block)
             self.evicted_blocks += 1
             return None
         node = tree.node_of(block)
-        assert node is not None, f"LRU block {block} has no tree node"
+        assert node is not None, f"victim block {block} has no tree node"
         tree.remove_leaf(node)
         parent = node.parent
         if parent is not None and not parent.children and pool.ref(parent.block_id) == 0:
-            pool.lru_add(parent.block_id, parent.tick)
+            self.eviction.evictable(parent.block_id)
         pool.evict(block)
         self.evicted_blocks += 1 + partials.evict_under(node)
         return node

@@ -23,8 +23,9 @@ def check_block_manager(
        cached / in use is a partition that agrees with the tree and the tails);
     2. ref(b) == number of live requests holding b (table or pin); no request holds a block
        twice; a block in two requests' tables is a tree node (only cached blocks are shared);
-    3. the LRU holds exactly the tree nodes with ref 0 and no children, keyed by their tick,
-       and every tail (which PartialBlocks.check_integrity checks has ref 0: copied, never held);
+    3. the eviction policy's evictable set holds exactly the tree nodes with ref 0 and no
+       children, and every tail (which PartialBlocks.check_integrity checks has ref 0: copied,
+       never held); the policy's own order is its ``check_integrity``'s;
     4. ref(parent) >= ref(child) for every node (holders of a node hold its parent);
     5. each request's chain is a parent-linked path from its namespace's top level, every
        chain node is held by the request (its table block at that index, or a pin), pins are
@@ -35,6 +36,7 @@ def check_block_manager(
     """
     pool, tree, tails = cache.pool, cache.tree, cache.partials
     pool.check_integrity()
+    cache.eviction.check_integrity()
     tree.check_integrity()
     tails.check_integrity(tree, requests)
     for block in range(num_blocks):
@@ -54,13 +56,11 @@ def check_block_manager(
         )
         if in_tables[block] > 1:
             assert tree.node_of(block) is not None, f"private block {block} is shared"
-    evictable = {
-        n.block_id: n.tick for n in tree.nodes() if pool.ref(n.block_id) == 0 and not n.children
-    }
-    lru = pool.lru_blocks()
-    for tail in tails.tails():
-        del lru[tail.block_id]
-    assert lru == evictable, "LRU != tree nodes with ref 0 and no children, plus the tails"
+    leaves = {n.block_id for n in tree.nodes() if pool.ref(n.block_id) == 0 and not n.children}
+    leaves.update(tail.block_id for tail in tails.tails())
+    assert set(cache.eviction.evictable_blocks()) == leaves, (
+        "evictable set != tree nodes with ref 0 and no children, plus the tails"
+    )
     for node in tree.nodes():
         if node.parent is not None:
             assert pool.ref(node.parent.block_id) >= pool.ref(node.block_id), (

@@ -11,7 +11,9 @@ that starts with them, or from a running request's partial block, instead of com
 again (kvcache/partial_blocks.py). The manager keeps each request's blocks; every change to
 the pool, the tree and the partial blocks goes through kvcache/block_cache.py. What is shared
 between requests (all of the above, or nothing) is the caching policy chosen at construction
-(kvcache/cache_policy.py); the manager never asks which one it has.
+(kvcache/cache_policy.py); the manager never asks which one it has. Which cached block is
+evicted first is the eviction policy chosen at construction too (kvcache/eviction/: "lru", the
+default, "lfu" or "priority"); a request's ``priority`` at allocation is what the last ranks by.
 
 Invariants kept here (checked by ``check_integrity``):
 * block tables are append-only while a request lives;
@@ -33,6 +35,7 @@ from typing import NamedTuple
 from kvcache.block_cache import BlockCache, BlockListener, CachedBlock
 from kvcache.block_integrity import check_block_manager
 from kvcache.cache_policy import CachePolicy, NoCaching, PrefixCaching
+from kvcache.eviction import make_eviction_policy
 from kvcache.partial_blocks import SlotCopy
 from kvcache.radix_tree import Node
 from kvcache.request_blocks import RequestBlocks
@@ -58,17 +61,25 @@ class Allocation(NamedTuple):
 
 class BlockManager:
     """The blocks of every live request, and the cache they share as its caching policy says
-    (prefix caching, or none). No global state: each instance owns its pool and tree."""
+    (prefix caching, or none), evicted in the order its eviction policy says (by name: a key
+    of kvcache.eviction.POLICIES; ValueError naming the choices otherwise). No global state:
+    each instance owns its pool, tree and policies."""
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        eviction_policy: str = "lru",
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching  # read by callers; decides nothing here
-        self._cache = BlockCache(num_blocks, block_size)
+        self.eviction_policy = eviction_policy
+        eviction = make_eviction_policy(eviction_policy, num_blocks)
+        self._cache = BlockCache(num_blocks, block_size, eviction)
         policy = PrefixCaching if enable_prefix_caching else NoCaching
         self._policy: CachePolicy = policy(self._cache)
         self._requests: dict[int, RequestBlocks] = {}
@@ -196,11 +207,15 @@ class BlockManager:
         purpose: Purpose = Purpose.ADMISSION,
         *,
         reads_cache: bool = True,
+        priority: int = 0,
     ) -> Allocation:
-        """Admit a request. Mutates: locks the matched path (ref += 1, out of the LRU, ticks
-        touched), takes fresh blocks (evicting LRU leaves when the free list is short), counts
-        the prompt's query and hit tokens as ``purpose`` says. ``copy`` names the slots the
-        caller must copy into the first fresh block (see SlotCopy) for them to count as cached.
+        """Admit a request. Mutates: locks the matched path (ref += 1, out of the evictable set,
+        a use each), takes fresh blocks (evicting the eviction policy's victims when the free
+        list is short), counts the prompt's query and hit tokens as ``purpose`` says. Every
+        block the request uses, now and at ``commit`` and ``free``, is used at ``priority``
+        (the priority eviction policy's rank: lower is evicted sooner; the others ignore it).
+        ``copy`` names the slots the caller must copy into the first fresh block (see SlotCopy)
+        for them to count as cached.
         Not ``reads_cache`` (a request that must compute its whole prompt): nothing is matched
         or copied, every block is fresh; ``commit`` still adds its blocks to the tree for
         others, up to the first one that is cached already. Raises ValueError when blocks are
@@ -215,15 +230,15 @@ class BlockManager:
             raise ValueError(f"request {request_id}: {short} blocks short (ask can_allocate)")
         source = self._policy.copy_source(token_ids, root, nodes) if reads_cache else None
         for node in nodes:  # lock before taking fresh blocks, so eviction cannot take them
-            self._cache.hold(node)
+            self._cache.hold(node, priority)
         table = [node.block_id for node in nodes]
         table.extend(self._cache.take(self._blocks_for(len(token_ids)) - len(nodes)))
-        request = RequestBlocks(root, table, nodes, reads_cache=reads_cache)
+        request = RequestBlocks(root, table, nodes, reads_cache=reads_cache, priority=priority)
         self._requests[request_id] = request
         copy = None
         if source is not None:  # the slots past the full blocks, from a cached or running block
             copy = source.into(table[len(nodes)])
-            self._cache.touch(source.block_id)
+            self._cache.touch(source.block_id, priority)
         cached = len(nodes) * self.block_size + (copy.num_tokens if copy else 0)
         self._count(purpose, len(token_ids), cached, copy.num_tokens if copy else 0)
         return Allocation(list(table), cached, copy)
@@ -239,25 +254,29 @@ class BlockManager:
             stats.hit_tokens += hit
             stats.copied_tokens += copied
 
-    def borrow(self, reader_id: int, token_ids: Sequence[int], root: int) -> list[int]:
+    def borrow(
+        self, reader_id: int, token_ids: Sequence[int], root: int, *, priority: int = 0
+    ) -> list[int]:
         """Hold the cached full blocks of ``token_ids`` from the first, for K/V read into
         another request's blocks (a segment placed after another prefix), until
         ``free(reader_id)``. Returns their block ids (none when nothing is cached). Mutates:
-        the path is held (ref += 1, out of the LRU) under ``reader_id``, a request that never
-        publishes. Raises ValueError when the id is live."""
+        the path is held (ref += 1, out of the evictable set, used at ``priority``) under
+        ``reader_id``, a request that never publishes. Raises ValueError when the id is live."""
         if reader_id in self._requests:
             raise ValueError(f"request {reader_id} is already allocated")
-        nodes = self._cache.match_whole(token_ids, root) if self.enable_prefix_caching else []
+        nodes = self._policy.match_whole(token_ids, root)
         for node in nodes:
-            self._cache.hold(node)
+            self._cache.hold(node, priority)
         table = [node.block_id for node in nodes]
-        self._requests[reader_id] = RequestBlocks(root, table, nodes, publishing=False)
+        self._requests[reader_id] = RequestBlocks(
+            root, table, nodes, publishing=False, priority=priority
+        )
         return list(table)
 
     def grow(self, request_id: int, num_tokens: int) -> bool:
         """Grow the table to hold ``num_tokens`` tokens in total, ceil(num_tokens / B) blocks
         (it never shrinks), or return False, changing nothing, when the pool cannot give the
-        blocks missing. Mutates the table and the pool (may evict LRU cached blocks)."""
+        blocks missing. Mutates the table and the pool (may evict cached blocks)."""
         table = self._requests[request_id].table
         missing = self._blocks_for(num_tokens) - len(table)
         if missing > self.num_available_blocks():
@@ -284,13 +303,18 @@ class BlockManager:
         self, request_id: int, token_ids: Sequence[int] = (), num_computed_tokens: int = 0
     ) -> None:
         """Finish (or preempt) a request. Mutates: ref -= 1 on every block it holds; tree blocks
-        reaching ref 0 stay cached (ticks touched, root to leaf, and leaves become evictable);
+        reaching ref 0 stay cached (used, root to leaf, and leaves become evictable);
         private blocks return to the free list, except, with prefix caching, the partial block
         after the chain when ``token_ids`` (with ``num_computed_tokens`` of them in the K/V) say
         what it holds: that one stays cached as a tail (PartialBlocks.tail_of). The request is
         forgotten."""
         request = self._requests.pop(request_id)
         self._policy.release(request_id, request, token_ids, num_computed_tokens)
+
+    def require_cache(self, why: str) -> None:
+        """Raise ValueError saying ``why`` when this manager caches nothing (its caching
+        policy's answer: CachePolicy.require_cache). Pure."""
+        self._policy.require_cache(why)
 
     def drop_cached(self) -> int:
         """Forget every cached block no request holds (the tree's and the tails): a reset of

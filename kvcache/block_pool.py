@@ -1,4 +1,4 @@
-"""Fixed pool of KV block ids: ref counts, the free list, and the LRU of evictable blocks.
+"""Fixed pool of KV block ids: reference counts and the free list.
 
 Every block id is in exactly one state at any time:
 
@@ -7,16 +7,12 @@ Every block id is in exactly one state at any time:
   reclaimable by eviction;
 * in use: ref > 0, held by at least one running request (tree node or private block).
 
-The pool does not know the tree's shape. The manager tells it which blocks are tree nodes
-(``mark_cached`` / ``evict``) and which cached blocks may be evicted *now* (``lru_add``: ref-0
-leaves only). The LRU is a ``SortedList`` of ints ``tick * num_blocks + block``, ordered by a
-monotonic access tick, so adding, removing and popping the least recently used block are all
-O(log n).
+The pool does not know the tree's shape nor the order of eviction. The block cache tells it
+which blocks are cached content (``mark_cached`` / ``evict``); which cached blocks may be
+evicted now, and which goes first, is the eviction policy's (kvcache/eviction/).
 """
 
 from __future__ import annotations
-
-from sortedcontainers import SortedList
 
 
 class BlockPool:
@@ -31,10 +27,6 @@ class BlockPool:
         # Popped from the end: block 0 is handed out first, which keeps tests readable.
         self._free = list(range(num_blocks - 1, -1, -1))
         self._num_cached = 0  # blocks with ref 0 that are tree nodes
-        # Evictable blocks (ref-0 tree leaves only) as keys tick * num_blocks + block.
-        self._lru: SortedList = SortedList()
-        self._lru_key: dict[int, int] = {}  # block -> its key in _lru
-        self._tick = 0
 
     # -- counts (pure) -------------------------------------------------------------------------
     @property
@@ -56,11 +48,6 @@ class BlockPool:
         """True when ``block`` holds a tree node's KV (whatever its ref count)."""
         return self._is_node[block]
 
-    def next_tick(self) -> int:
-        """A fresh access tick, larger than every earlier one. Mutates the tick counter."""
-        self._tick += 1
-        return self._tick
-
     # -- ref counts ----------------------------------------------------------------------------
     def take(self, n: int) -> list[int]:
         """Pop ``n`` free blocks, each with ref 1. Mutates the free list. Raises ValueError,
@@ -79,11 +66,9 @@ class BlockPool:
 
     def acquire(self, block: int) -> None:
         """ref += 1 on a cached or in-use tree block. The caller must have taken it out of the
-        LRU first (``lru_discard``): a referenced block is never evictable."""
+        evictable set first (``EvictionPolicy.held``): a referenced block is never evictable."""
         if not self._is_node[block]:
             raise ValueError(f"block {block} is not a tree node; only cached blocks are shared")
-        if block in self._lru_key:
-            raise ValueError(f"block {block} is still in the LRU")
         if self._ref[block] == 0:
             self._num_cached -= 1
         self._ref[block] += 1
@@ -110,52 +95,20 @@ class BlockPool:
         self._is_node[block] = True
 
     def evict(self, block: int) -> None:
-        """A cached block whose node left the tree: back to the free list. The caller popped it
-        from the LRU already. Mutates flags, counts and the free list."""
-        if self._ref[block] or not self._is_node[block] or block in self._lru_key:
+        """A cached block whose node left the tree: back to the free list. The caller took it
+        out of the evictable set already. Mutates flags, counts and the free list."""
+        if self._ref[block] or not self._is_node[block]:
             raise ValueError(f"block {block} is not an evictable cached block")
         self._is_node[block] = False
         self._num_cached -= 1
         self._free.append(block)
-
-    # -- LRU of evictable blocks ---------------------------------------------------------------
-    def lru_add(self, block: int, tick: int) -> None:
-        """Make a cached ref-0 leaf evictable, ordered by ``tick``. Mutates the LRU."""
-        if self._ref[block] or not self._is_node[block] or block in self._lru_key:
-            raise ValueError(f"block {block} cannot become evictable")
-        key = tick * self.num_blocks + block
-        self._lru.add(key)
-        self._lru_key[block] = key
-
-    def lru_discard(self, block: int) -> bool:
-        """Take ``block`` out of the LRU if it is there (returns whether it was). Mutates the
-        LRU."""
-        key = self._lru_key.pop(block, None)
-        if key is None:
-            return False
-        self._lru.remove(key)
-        return True
-
-    def lru_pop(self) -> int:
-        """Remove and return the least recently used evictable block. Raises ValueError when
-        nothing is evictable. Mutates the LRU (the block stays cached until ``evict``)."""
-        if not self._lru:
-            raise ValueError("no evictable block")
-        block: int = self._lru.pop(0) % self.num_blocks
-        del self._lru_key[block]
-        return block
-
-    def lru_blocks(self) -> dict[int, int]:
-        """block -> tick for every evictable block (for integrity checks). Pure copy."""
-        return {block: key // self.num_blocks for block, key in self._lru_key.items()}
 
     def check_integrity(self) -> None:
         """Assert the pool's own invariants (raises AssertionError naming the broken one):
 
         1. the free list has no duplicates and holds exactly the blocks with ref 0 that are not
            tree nodes; no ref count is negative;
-        2. ``num_cached`` equals the number of tree blocks with ref 0;
-        3. the LRU holds only ref-0 tree blocks, each once, and mirrors its key map.
+        2. ``num_cached`` equals the number of tree blocks with ref 0.
         """
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
@@ -167,9 +120,3 @@ class BlockPool:
             )
             cached += ref == 0 and is_node
         assert cached == self._num_cached, f"cached count {self._num_cached} != actual {cached}"
-        assert len(self._lru) == len(self._lru_key), "LRU and its key map differ in size"
-        for key in self._lru:
-            block = key % self.num_blocks
-            assert self._lru_key.get(block) == key, f"LRU and key map disagree on block {block}"
-            assert self._ref[block] == 0 and self._is_node[block], f"LRU block {block} not cached"
-            assert key // self.num_blocks <= self._tick, f"LRU block {block}: tick from the future"

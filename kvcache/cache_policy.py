@@ -39,8 +39,18 @@ class CachePolicy(Protocol):
         """The block whose leading slots hold the tokens after the matched ``nodes``. Pure."""
         ...
 
+    def match_whole(self, token_ids: Sequence[int], root: int) -> list[Node]:
+        """The cached path of every full block of the tokens, uncapped, for K/V read elsewhere
+        (BlockCache.match_whole). Pure."""
+        ...
+
     def continuation(self, request: RequestBlocks, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens with which a cached path goes on past ``token_ids``. Pure."""
+        ...
+
+    def require_cache(self, why: str) -> None:
+        """Raise ValueError saying ``why`` when this policy caches nothing (a saved cache has
+        nowhere to go). Pure."""
         ...
 
     def publish(
@@ -81,8 +91,14 @@ class PrefixCaching:
     ) -> TailMatch | None:
         return self._cache.copyable(token_ids, root, nodes)
 
+    def match_whole(self, token_ids: Sequence[int], root: int) -> list[Node]:
+        return self._cache.match_whole(token_ids, root)
+
     def continuation(self, request: RequestBlocks, token_ids: Sequence[int], k: int) -> list[int]:
         return self._cache.continuation(request, token_ids, k)
+
+    def require_cache(self, why: str) -> None:
+        """Everything is cached: nothing to refuse."""
 
     def publish(
         self,
@@ -105,7 +121,9 @@ class PrefixCaching:
             data = pack_tokens(token_ids[start * B : num_full * B])
             blocks = request.table[start:num_full]
             only_new = not request.reads_cache
-            result = self._cache.insert(request.root, parent, data, blocks, only_new=only_new)
+            result = self._cache.insert(
+                request.root, parent, data, blocks, only_new=only_new, priority=request.priority
+            )
             if only_new and result.existing:
                 request.publishing = False  # the rest is cached already; its copies stay private
             else:
@@ -140,8 +158,14 @@ class NoCaching:
     ) -> TailMatch | None:
         return None
 
+    def match_whole(self, token_ids: Sequence[int], root: int) -> list[Node]:
+        return []
+
     def continuation(self, request: RequestBlocks, token_ids: Sequence[int], k: int) -> list[int]:
         return []
+
+    def require_cache(self, why: str) -> None:
+        raise ValueError(f"the prefix cache is off in this engine: {why}")
 
     def publish(
         self,

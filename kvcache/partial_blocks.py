@@ -8,9 +8,10 @@ that holds the longest run of them, one of:
 
 * a *tail*: a finished request's partial last block, whose first ``r`` slots hold computed
   K/V, kept (``keep``) under the tree node it follows when its request published its blocks.
-  Copied and never held, a tail has ref 0 always; it is evictable at any time (the LRU holds
-  every tail, at the tick it was kept), goes when its parent node does (``evict_under``) and
-  when a longer tail under the same parent starts with its tokens;
+  Copied and never held, a tail has ref 0 always; it is evictable at any time (the eviction
+  policy holds every tail, ranked from when it was kept), goes when its parent node does
+  (``evict_under``), when a longer tail under the same parent starts with its tokens, and when
+  its parent has too many (the one the policy ranks lowest goes);
 * a full block below the last matched node that starts with the same tokens;
 * an *offer*: a running request's partial block, offered after each of its commits while it
   publishes its blocks. A request writes each slot once, in order, so its computed slots never
@@ -20,7 +21,7 @@ that holds the longest run of them, one of:
 Which slots are copied is decided here (``copyable``, then ``TailMatch.into`` once the
 destination block is known); the caller runs the ``SlotCopy`` on the K/V (kvcache/store.py).
 ``BlockCache`` calls in at its fixed points (release, eviction); the tails' pool state (cached
-content, ref 0, in the LRU) is kept here, the tree nodes' there.
+content, ref 0, evictable) is kept here, the tree nodes' there.
 
 Invariants (checked by ``check_integrity``):
 * a tail holds 1 .. block_size - 1 tokens and hangs under a live node of its namespace, or
@@ -36,11 +37,13 @@ from itertools import islice
 from typing import NamedTuple
 
 from kvcache.block_pool import BlockPool
+from kvcache.eviction import EvictionPolicy
 from kvcache.hashing import TOKEN_BYTES, pack_tokens
 from kvcache.radix_tree import Node, RadixTree
 from kvcache.request_blocks import RequestBlocks
 
-# The most tails kept under one parent (the newest), and the most full blocks and running
+# The most tails kept under one parent (the eviction policy's highest ranked), and the most
+# full blocks and running
 # requests below it that `copyable` compares too (the newest): a node below which thousands of
 # answers ended (a shared system prompt) must not cost thousands of comparisons an admission.
 MAX_TAILS_PER_PARENT = 16
@@ -118,11 +121,13 @@ def _key(namespace: int, parent: Node | None) -> Key:
 
 class PartialBlocks:
     """The tails and the offers of one block manager, by the (namespace, parent block) they
-    follow, and the tails' state in the pool: cached content, ref 0, in the LRU."""
+    follow, and the tails' state in the pool and the eviction policy: cached content, ref 0,
+    evictable."""
 
-    def __init__(self, block_size: int, pool: BlockPool) -> None:
+    def __init__(self, block_size: int, pool: BlockPool, eviction: EvictionPolicy) -> None:
         self.block_size = block_size
         self._pool = pool
+        self._eviction = eviction
         self._under: dict[Key, list[Tail]] = {}  # tails, oldest first
         self._by_block: dict[int, Tail] = {}
         self._offers: dict[int, Offer] = {}  # by request id
@@ -197,52 +202,59 @@ class PartialBlocks:
         return best
 
     # -- mutations -----------------------------------------------------------------------------
-    def keep(self, tail: Tail) -> None:
+    def keep(self, tail: Tail, priority: int = 0) -> None:
         """Keep a released request's partial block as a tail (``tail_of``; its request's other
-        blocks are released already). Mutates the pool: the block becomes cached content with
-        ref 0, evictable at a fresh tick, and the tails it makes redundant (or itself, when one
-        under the same parent already starts with its tokens) go back to the free list."""
-        pool, block = self._pool, tail.block_id
+        blocks are released already). Mutates the pool and the eviction policy: the block
+        becomes cached content with ref 0, used now by a request of ``priority`` and evictable,
+        and the tails it makes redundant (or itself, when one under the same parent already
+        starts with its tokens) go back to the free list."""
+        pool, eviction, block = self._pool, self._eviction, tail.block_id
         pool.mark_cached(block)
         pool.release(block)
+        eviction.used(block, priority)
         for gone in self.add(tail):
-            pool.lru_discard(gone)
+            eviction.removed(gone)
             pool.evict(gone)
         if block in self._by_block:
-            pool.lru_add(block, pool.next_tick())
+            eviction.evictable(block)
 
     def evict(self, block_id: int) -> None:
-        """Evict the tail in ``block_id``, which the caller popped from the LRU. Mutates the
-        tails and the pool (the block goes back to the free list)."""
+        """Evict the tail in ``block_id``, the eviction policy's victim. Mutates the tails and
+        the pool (the block goes back to the free list)."""
         self.remove(block_id)
         self._pool.evict(block_id)
 
     def evict_under(self, node: Node) -> int:
         """Evict the tails that follow ``node`` (it is being evicted: nothing can reach them
-        without it). Mutates the tails, the LRU and the free list; returns how many went."""
+        without it). Mutates the tails, the eviction policy and the free list; returns how many
+        went."""
         gone = self.under(node.namespace, node)
         for tail in gone:
             self.remove(tail.block_id)
-            self._pool.lru_discard(tail.block_id)
+            self._eviction.removed(tail.block_id)
             self._pool.evict(tail.block_id)
         return len(gone)
 
     def add(self, tail: Tail) -> list[int]:
         """Keep ``tail`` unless a tail under the same parent already starts with its tokens.
-        Mutates: tails that ``tail`` extends, and the oldest beyond MAX_TAILS_PER_PARENT, are
-        removed. Returns the blocks no longer kept (``tail``'s own when it was not added); the
-        caller returns them to the pool."""
+        Mutates: tails that ``tail`` extends are removed, and beyond MAX_TAILS_PER_PARENT the one
+        the eviction policy ranks lowest (``tail`` itself, it may be). Returns the blocks no
+        longer kept (``tail``'s own when it was not added); the caller returns them to the
+        pool."""
         siblings = self._under.setdefault(_key(tail.namespace, tail.parent), [])
         if any(t.tokens.startswith(tail.tokens) for t in siblings):
             return [tail.block_id]
         gone = [t for t in siblings if tail.tokens.startswith(t.tokens)]
         siblings[:] = [t for t in siblings if not tail.tokens.startswith(t.tokens)]
         siblings.append(tail)
+        self._by_block[tail.block_id] = tail
         if len(siblings) > MAX_TAILS_PER_PARENT:
-            gone.append(siblings.pop(0))
+            # min keeps the first of equal ranks: the oldest kept
+            lowest = min(siblings, key=lambda t: self._eviction.rank(t.block_id))
+            siblings.remove(lowest)
+            gone.append(lowest)
         for t in gone:
             del self._by_block[t.block_id]
-        self._by_block[tail.block_id] = tail
         self.version += 1
         return [t.block_id for t in gone]
 
@@ -295,11 +307,11 @@ class PartialBlocks:
         """Assert the invariants in the module docstring against ``tree``, whose nodes the
         tails follow, and the running ``requests``, and that every tail is evictable cached
         content with ref 0. AssertionError names the broken one."""
-        lru = self._pool.lru_blocks()
+        evictable = self._eviction.evictable_blocks()
         for block in self._by_block:
             assert self._pool.ref(block) == 0, f"tail {block} is held"
             assert self._pool.is_cached_node(block), f"tail {block} is not cached content"
-            assert block in lru, f"tail {block} is not evictable"
+            assert block in evictable, f"tail {block} is not evictable"
         width = self.block_size * TOKEN_BYTES
         listed = 0
         for (namespace, parent_block), siblings in self._under.items():

@@ -3,7 +3,7 @@
 Shape: each namespace root (see ``hashing.namespace_root``) owns a dict of top-level nodes; every
 node owns a dict of children keyed by the child's chained hash. A path from the top is a token
 prefix, one block per level. The tree only holds structure; ref counts and LRU order live in
-``BlockPool`` and are driven by ``BlockManager``.
+``BlockPool`` and the eviction policy (kvcache/eviction/), driven by ``BlockCache``.
 
 Trust rule: a hash hit counts only if the node's packed tokens equal the query block's AND the node
 hangs under the parent the walk came from. A 64-bit collision therefore turns into a miss (or,
@@ -12,7 +12,7 @@ on insert, a stop), never into reuse of another prefix's KV.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from kvcache.hashing import TOKEN_BYTES, hash_packed_block, pack_tokens, unpack_tokens
@@ -23,9 +23,9 @@ CONTINUATION_SCAN = 256
 
 
 class Node:
-    """One cached full block. ``RadixTree`` mutates its structure; the manager, its tick."""
+    """One cached full block. ``RadixTree`` mutates its structure."""
 
-    __slots__ = ("key", "tokens", "block_id", "parent", "namespace", "children", "tick")
+    __slots__ = ("key", "tokens", "block_id", "parent", "namespace", "children")
 
     def __init__(
         self, key: int, tokens: bytes, block_id: int, parent: Node | None, namespace: int
@@ -36,7 +36,6 @@ class Node:
         self.parent = parent  # None => top level of `namespace`
         self.namespace = namespace
         self.children: dict[int, Node] = {}
-        self.tick = 0  # last access (monotonic); the LRU key while the node is evictable
 
     @property
     def token_ids(self) -> list[int]:
@@ -130,11 +129,17 @@ class RadixTree:
         return self._walk(top, None, namespace, data, num_blocks).nodes
 
     def continuation(
-        self, namespace: int, after: Node | None, tail: Sequence[int], k: int
+        self,
+        namespace: int,
+        after: Node | None,
+        tail: Sequence[int],
+        k: int,
+        rank: Callable[[int], tuple[int, ...]],
     ) -> list[int]:
         """Up to ``k`` tokens that followed ``tail`` below ``after`` (None: the namespace's top)
         in some cached path: whatever an earlier request with the same prefix went on with.
-        Where several did, the most recently used path wins. Pure: no ticks touched."""
+        Where several did, the path whose blocks ``rank`` (by block id) puts highest wins (the
+        eviction policy's rank: the last to be evicted). Pure."""
         children = self.children(namespace, after)
         h = namespace if after is None else after.key
         width = self._width
@@ -149,12 +154,12 @@ class RadixTree:
             return []
         out: list[int] = []
         fits = [n for n in children.values() if n.tokens.startswith(packed)]
-        node = max(fits, key=lambda n: n.tick) if fits else None
+        node = max(fits, key=lambda n: rank(n.block_id)) if fits else None
         skip = len(packed) // TOKEN_BYTES
         while node is not None and len(out) < k:
             out += node.token_ids[skip:]
             skip = 0
-            node = max(node.children.values(), key=lambda n: n.tick, default=None)
+            node = max(node.children.values(), key=lambda n: rank(n.block_id), default=None)
         return out[:k]
 
     def insert(

@@ -22,3 +22,6 @@ class RequestBlocks:
     # Whether its blocks still go to the tree, its partial block is offered, and its partial
     # last block is kept as a tail when it ends (kvcache/partial_blocks.py).
     publishing: bool = True
+    # The request's priority for the eviction policy (kvcache/eviction/priority.py: lower is
+    # evicted sooner); every block it uses is used at it.
+    priority: int = 0

@@ -10,11 +10,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from runner.attention.backend import AttentionCall
 from runner.attention.metadata import AttentionMetadata
-from runner.attention.paged import write_kv
 from runner.backends.cpu.kernel import CpuKernels
 from runner.backends.cpu.loader import load_cpu_kernels
 from runner.backends.registry import attention_backend
+from runner.backends.torch.paged import write_kv
 
 Seq = tuple[int, int]  # (query length, context length): the queries are its last positions
 
@@ -205,5 +206,5 @@ def backend_step(
         seqs, block_size, hq, hkv, d, window, scale=scale, device=device_of(backend), **options
     )
     x, attend = step.inputs, attention_backend(backend).attend
-    out = attend(x.q, x.k, x.v, x.k_cache, x.v_cache, x.meta, scale, window, softcap)
+    out = attend(AttentionCall(x.q, x.k, x.v, x.k_cache, x.v_cache, x.meta, scale, window, softcap))
     return BackendStep(out.cpu(), step.reference, step.meta, x)

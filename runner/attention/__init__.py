@@ -1,6 +1,6 @@
-"""Attention's contract: the step's metadata (metadata.py), the backend a model is given
-(backend.py), and the torch reference path with its per-step plan, shared-prefix (cascade)
-and soft-capped variants.
+"""Attention's contract: the step's metadata (metadata.py), and the backend a model is given
+(backend.py): one layer's call (AttentionCall), what a backend can do (Capabilities) and the
+backend itself. The backends live in runner/backends/.
 
 May import: kvcache.store.
 """

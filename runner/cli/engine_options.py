@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from kvcache.eviction import POLICIES as EVICTION_POLICIES
 from runner.cli.sizes import ByteSize, HumanInt
 from runner.engine.config import (
     CPU_WEIGHT_DTYPES,
@@ -42,6 +43,15 @@ _OPTIONS = [
         "--enable-prefix-caching/--no-enable-prefix-caching",
         default=None,
         help="vLLM's names: the prefix cache on (the default) or off.",
+    ),
+    click.option(
+        "--eviction-policy",
+        type=click.Choice(sorted(EVICTION_POLICIES)),
+        default="lru",
+        show_default=True,
+        help="Which cached block goes first when the KV pool runs short: the least recently "
+        "used, the least often used (ties: least recently), or the lowest request priority "
+        "(ties: least recently; every request has priority 0 for now).",
     ),
     click.option(
         "--batching",

@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from kvcache.eviction import POLICIES as EVICTION_POLICIES
 from kvcache.redaction import redact_url
 from runner.backends.cpu.quant import CPU_WEIGHT_DTYPES
+from runner.backends.registry import BACKEND_NAMES
 from runner.kv_events.config import KVEventsConfig
 
 # Default tokens per step. On the CPU a step's time grows with its tokens, and prefill runs as
@@ -135,6 +137,11 @@ class EngineConfig:
     # or as torchrun's environment says.
     tensor_parallel_size: int = 1
     distributed_init_method: str | None = None
+    # Which cached block the pool evicts first when it runs short (kvcache/eviction/): "lru"
+    # (least recently used), "lfu" (least often used, ties by recency) or "priority" (a
+    # request's priority, lower first, ties by recency; the engine's requests all have 0 so
+    # far, so it evicts as "lru" does).
+    eviction_policy: str = "lru"
 
     @property
     def overlaps_steps(self) -> bool:
@@ -197,10 +204,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.async_scheduling:
             raise ValueError("async_scheduling runs one worker: it needs tensor_parallel_size=1")
-        if self.attention_backend not in (None, "torch", "cpu", "triton"):
+        if self.attention_backend not in (None, *BACKEND_NAMES):
             raise ValueError(
-                "attention_backend must be 'torch', 'cpu' or 'triton', "
-                f"got {self.attention_backend!r}"
+                f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}"
             )
         if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
             raise ValueError(
@@ -238,6 +244,11 @@ class EngineConfig:
             raise ValueError(
                 "remote_cache_url must look like redis://host:port/db, "
                 f"got {redact_url(self.remote_cache_url)!r}"
+            )
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {', '.join(sorted(EVICTION_POLICIES))}, "
+                f"got {self.eviction_policy!r}"
             )
         if self.has_tiers and not self.enable_prefix_caching:
             raise ValueError("host/disk/remote cache tiers need the prefix cache on")

@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.store import KVStore
-from runner.attention.backend import TORCH_ATTENTION, AttentionBackend
+from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.linear import PackedLinear
+from runner.backends.torch.backend import TORCH_ATTENTION
 from runner.model.architectures import (
     GEMMA_ARCHITECTURES,
     POST_NORM_ARCHITECTURES,
@@ -190,7 +191,7 @@ class CausalLM(nn.Module):
         # (runner/backends/triton/fused_elementwise.py): fewer kernels a step.
         # RoPE and the K/V store run in one kernel too (rope_store.py), then the attention
         # without its store.
-        fused = attention.name == "triton" and h.is_cuda
+        fused = attention.capabilities.fuses_rope_store and h.is_cuda
         stored = attention.attend_stored if fused else None
         for i in range(self.num_layers) if span is None else span:
             k_cache, v_cache = kv.layer(i)

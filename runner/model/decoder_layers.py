@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.attention.backend import Attend
+from runner.attention.backend import Attend, AttentionCall
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.kernel import CpuKernels
 from runner.model.architectures import (
@@ -115,7 +115,9 @@ class Attention(nn.Module):
                 qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
                 q, k = self._rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         o = attend(  # [T, Hq, D]
-            q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap
+            AttentionCall(
+                q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap
+            )
         )
         out: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -13,12 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runner.attention.cascade import MIN_SHARED_TOKENS
-from runner.attention.context_parts import MIN_RUN_TOKENS
 from runner.attention.metadata import AttentionMetadata
-from runner.attention.plan import CASCADE_MAX_QUERY_LEN, GROUP_MAX_QUERY_LEN
 from runner.backends.cpu.loader import load_cpu_kernels
 from runner.backends.registry import paged_attention
+from runner.backends.torch.cascade import MIN_SHARED_TOKENS
+from runner.backends.torch.context_parts import MIN_RUN_TOKENS
+from runner.backends.torch.plan import CASCADE_MAX_QUERY_LEN, GROUP_MAX_QUERY_LEN
 
 
 def naive_attention(
@@ -364,7 +364,7 @@ def test_without_the_flash_kernel_shared_prefixes_are_gathered(
 ) -> None:
     """Where torch lacks the CPU flash op (or off the CPU) nothing is split: the same batch is
     planned as a plain padded group plus a gathered single, and stays exact."""
-    import runner.attention.plan as attention_plan
+    import runner.backends.torch.plan as attention_plan
 
     monkeypatch.setattr(attention_plan, "cascade_supported", lambda device: False)
     shared = -(-MIN_SHARED_TOKENS // 8) + 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runner.attention.cascade import (
+from runner.backends.torch.cascade import (
     MIN_SHARED_TOKENS,
     cascade_attention,
     count_shared_blocks,

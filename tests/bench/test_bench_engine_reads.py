@@ -4,13 +4,13 @@ schedule, whether a request is still held, and what runs a step's forward for pr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from kvcache import LLM, SamplingParams
-from runner.attention.backend import AttentionBackend
-from runner.attention.metadata import AttentionMetadata
+from runner.attention.backend import AttentionCall
 from runner.engine.api.interface import EngineInterface
 from runner.engine.step.scheduler import SchedulerOutput
 from runner.model.decoder import CausalLM
@@ -76,21 +76,11 @@ def test_forward_parts_and_an_instrumented_backend(tiny_llama_dir: Path) -> None
     calls: list[int] = []
     inner = parts.attention.attend
 
-    def counted(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-    ) -> torch.Tensor:
+    def counted(call: AttentionCall) -> torch.Tensor:
         calls.append(1)
-        return inner(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        return inner(call)
 
-    llm.attend_through(AttentionBackend(parts.attention.name, counted))
+    llm.attend_through(replace(parts.attention, attend=counted))
     assert llm.forward_parts().attention.attend is counted
     again = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, cache_salt="counted")]
     assert again == plain and calls  # every eager forward went through it, answers unchanged

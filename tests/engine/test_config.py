@@ -93,3 +93,25 @@ def test_an_empty_cache_key_and_a_remote_password_are_not_silent() -> None:
         EngineConfig(remote_cache_url="http://:hunter2@127.0.0.1:1")
     assert "hunter2" not in str(err.value)
     assert "hunter2" not in repr(EngineConfig(remote_cache_url="redis://:hunter2@127.0.0.1:1/0"))
+
+
+def test_the_eviction_policy_is_chosen_by_name(tiny_llama_dir: Path) -> None:
+    """EngineConfig.eviction_policy reaches the block manager the engine builds; a bad name is
+    refused naming it and the choices, in the config and on the command line."""
+    from click.testing import CliRunner
+
+    from cli import main
+
+    with pytest.raises(ValueError, match=r"one of lfu, lru, priority, got 'fifo'"):
+        EngineConfig(eviction_policy="fifo")
+    assert LLM(str(tiny_llama_dir)).block_manager.eviction_policy == "lru"
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    answers = []
+    for name in ("lfu", "priority"):
+        llm = LLM(str(tiny_llama_dir), eviction_policy=name)
+        assert llm.block_manager.eviction_policy == name
+        answers.append(llm.generate([[5, 6, 7] * 10] * 2, params)[1])
+        assert answers[-1].num_cached_tokens > 0  # the second prompt hit the first's blocks
+    assert answers[0].token_ids == answers[1].token_ids
+    bad = CliRunner().invoke(main, ["generate", "in.jsonl", "--eviction-policy", "fifo"])
+    assert bad.exit_code == 2 and "'fifo' is not one of 'lfu', 'lru', 'priority'" in bad.output

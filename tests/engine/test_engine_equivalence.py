@@ -107,7 +107,7 @@ def test_shared_prefix_decode_matches_hf(arch_case: Any, monkeypatch: pytest.Mon
     """A batch whose prompts all share a long prefix decodes through the cascade path (the
     torch attention path's; the CPU backend's decode kernel would take these steps) in its
     full-attention layers, and still equals transformers token for token."""
-    import runner.attention.paged as attention
+    import runner.backends.torch.paged as attention
 
     path, prompts, _, _ = arch_case
     shared = [p for p in prompts if p[:64] == prompts[0][:64] and len(p) > 64]
@@ -123,7 +123,7 @@ def test_shared_prefix_decode_matches_hf(arch_case: Any, monkeypatch: pytest.Mon
     outs = llm.generate(shared, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs
     # A sliding window may cut into the prefix, and capped scores (Gemma 2) are scored apart
-    # (runner/attention/capped.py): only plain full-attention layers read it once.
+    # (runner/backends/torch/capped.py): only plain full-attention layers read it once.
     attns = [layer.self_attn for layer in llm.model.layers]
     if any(a.sliding_window is None and a.softcap is None for a in attns):
         assert calls, "the shared-prefix decode path was not taken"

@@ -369,10 +369,8 @@ def test_check_integrity_catches_an_evictable_block_that_is_held() -> None:
     bm = BlockManager(8, B)
     prefill(bm, 1, seq(1, 20))
     block = bm.block_table(1)[0]
-    pool = bm._cache.pool
-    pool._lru.add(999 * bm.num_blocks + block)  # what lru_add would store, minus its checks
-    pool._lru_key[block] = 999 * bm.num_blocks + block
-    with pytest.raises(AssertionError, match="LRU"):
+    bm._cache.eviction.evictable(block)  # what a release would do, were it the last holder
+    with pytest.raises(AssertionError, match="evictable set"):
         bm.check_integrity()
 
 
@@ -384,7 +382,7 @@ def test_check_integrity_catches_a_block_cached_without_prefix_caching() -> None
     [block] = cache.take(1)  # what a commit would insert, were it caching
     [node] = cache.insert(ROOT, None, pack_tokens(seq(1, B)), [block], only_new=False).created
     cache.pool.release(block)
-    cache.pool.lru_add(block, node.tick)
+    cache.eviction.evictable(node.block_id)
     with pytest.raises(AssertionError, match="while disabled"):
         bm.check_integrity()
 

@@ -18,7 +18,9 @@ every step ``check_integrity()`` runs and:
   its children.
 Small pools, two namespaces and a tiny alphabet with shared stems make hits, duplicates,
 evictions and refusals common. A second machine forces every hash to collide; a third runs with
-prefix caching off.
+prefix caching off. Requests come with priorities (-1 .. 2): the priority eviction policy ranks
+by them, the others ignore them; tests/kvcache/test_eviction_policies.py runs this machine under
+every eviction policy.
 """
 
 from __future__ import annotations
@@ -66,15 +68,22 @@ class Live:
     root: int
     computed: int  # tokens whose KV is in the cache (committed or matched)
     reuse: bool = True  # False: matches nothing, publishes only while its blocks are new
+    priority: int = 0
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
     caching = True
     exact_hits = True  # with real hashes and no evictions, hits equal the longest committed prefix
+    eviction = "lru"
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(num_blocks=10, block_size=B, enable_prefix_caching=self.caching)
+        self.bm = BlockManager(
+            num_blocks=10,
+            block_size=B,
+            enable_prefix_caching=self.caching,
+            eviction_policy=self.eviction,
+        )
         self.mirror = Mirror()
         self.bm.add_listener(self.mirror)
         self.live: dict[int, Live] = {}
@@ -100,7 +109,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return longest
 
     def _admit(
-        self, rid: int, tokens: list[int], root: int, readmission: bool, reuse: bool = True
+        self,
+        rid: int,
+        tokens: list[int],
+        root: int,
+        readmission: bool,
+        reuse: bool = True,
+        priority: int = 0,
     ) -> bool:
         bm = self.bm
         peek = bm.cached_prefix_length(tokens, root) if reuse else 0
@@ -109,9 +124,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         purpose = Purpose.READMISSION if readmission else Purpose.ADMISSION
         if not bm.can_allocate(tokens, root, reads_cache=reuse):
             with pytest.raises(ValueError):
-                bm.allocate(rid, tokens, root, purpose, reads_cache=reuse)
+                bm.allocate(rid, tokens, root, purpose, reads_cache=reuse, priority=priority)
             return False
-        alloc = bm.allocate(rid, tokens, root, purpose, reads_cache=reuse)
+        alloc = bm.allocate(rid, tokens, root, purpose, reads_cache=reuse, priority=priority)
         cached = alloc.num_cached_tokens
         if not reuse:
             assert cached == 0
@@ -137,7 +152,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         exact = self.exact_hits and self.all_committed_cached and evicted_before == 0
         if self.caching and reuse and exact:
             assert full == self._longest_committed(tokens, root)
-        self.live[rid] = Live(list(tokens), root, cached, reuse)
+        self.live[rid] = Live(list(tokens), root, cached, reuse, priority)
         return True
 
     def _compute(self, rid: int, req: Live, upto: int) -> None:
@@ -155,11 +170,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         stem=st.sampled_from(STEMS),
         tail=st.lists(token, max_size=9),
         reuse=st.sampled_from([True, True, True, False]),
+        priority=st.integers(-1, 2),
     )
-    def admit(self, root: int, stem: list[int], tail: list[int], reuse: bool) -> None:
+    def admit(
+        self, root: int, stem: list[int], tail: list[int], reuse: bool, priority: int
+    ) -> None:
         tokens = (stem + tail) or [0]
         before = self.bm.stats.readmit_query_tokens
-        if self._admit(self.next_id, tokens, root, readmission=False, reuse=reuse):
+        if self._admit(self.next_id, tokens, root, False, reuse, priority):
             self.first_admissions += len(tokens)
         assert self.bm.stats.readmit_query_tokens == before
         self.next_id += 1
@@ -215,7 +233,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         req = self.live.pop(rid)
         self.bm.free(rid, req.tokens, req.computed)
         before = self.bm.stats
-        if self._admit(rid, req.tokens, req.root, readmission=True, reuse=req.reuse):
+        if self._admit(rid, req.tokens, req.root, True, req.reuse, req.priority):
             after = self.bm.stats
             assert (after.query_tokens, after.hit_tokens) == (
                 before.query_tokens,

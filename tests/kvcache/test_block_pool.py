@@ -1,4 +1,5 @@
-"""Block pool: every block is free, cached or in use; LRU pops the oldest tick first."""
+"""Block pool: every block is free, cached or in use (the order of eviction is the eviction
+policy's: tests/kvcache/test_eviction_policies.py)."""
 
 from __future__ import annotations
 
@@ -55,61 +56,28 @@ def test_release_reports_zero_only_at_last_holder() -> None:
         pool.release(block)
 
 
-def test_only_tree_blocks_outside_the_lru_can_be_shared() -> None:
+def test_only_tree_blocks_can_be_shared() -> None:
     pool = BlockPool(2)
     block = one(pool)
     with pytest.raises(ValueError):
         pool.acquire(block)  # private: never shared
     pool.mark_cached(block)
     pool.release(block)
-    pool.lru_add(block, pool.next_tick())
-    with pytest.raises(ValueError):
-        pool.acquire(block)  # still evictable: must leave the LRU first
-    pool.lru_discard(block)
     pool.acquire(block)
     assert states(pool) == (1, 0, 1)
     pool.check_integrity()
-
-
-def test_lru_pops_oldest_tick_not_insertion_order() -> None:
-    pool = BlockPool(3)
-    blocks = [one(pool) for _ in range(3)]
-    for b in blocks:
-        pool.mark_cached(b)
-        pool.release(b)
-    ticks = {0: 30, 1: 10, 2: 20}
-    for b in blocks:
-        pool.lru_add(b, ticks[b])
-    assert [pool.lru_pop() for _ in range(3)] == [1, 2, 0]
-    with pytest.raises(ValueError):
-        pool.lru_pop()
-
-
-def test_referenced_block_cannot_become_evictable() -> None:
-    pool = BlockPool(1)
-    block = one(pool)
-    pool.mark_cached(block)
-    with pytest.raises(ValueError):
-        pool.lru_add(block, 1)
 
 
 def test_evict_moves_cached_block_to_free_list() -> None:
     pool = BlockPool(1)
     block = one(pool)
     pool.mark_cached(block)
-    pool.release(block)
-    pool.lru_add(block, 1)
     with pytest.raises(ValueError):
-        pool.evict(block)  # still in the LRU
-    assert pool.lru_pop() == block
+        pool.evict(block)  # still held
+    pool.release(block)
     pool.evict(block)
     assert states(pool) == (1, 0, 0) and not pool.is_cached_node(block)
     pool.check_integrity()
-
-
-def test_ticks_are_monotonic() -> None:
-    pool = BlockPool(1)
-    assert pool.next_tick() < pool.next_tick()
 
 
 def test_check_integrity_catches_a_wrong_count() -> None:

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from kvcache import BlockManager, namespace_root
 from kvcache.block_pool import BlockPool
+from kvcache.eviction.lru import LRU
 from kvcache.hashing import pack_tokens
 from kvcache.partial_blocks import (
     MAX_TAILS_PER_PARENT,
@@ -102,7 +103,7 @@ def test_a_longer_tail_replaces_the_one_it_extends() -> None:
 
 
 def test_tails_under_one_parent_are_capped_newest_kept() -> None:
-    cache = PartialBlocks(B, BlockPool(64))
+    cache = PartialBlocks(B, BlockPool(64), LRU(64))
     tails = [Tail(i, pack_tokens([i + 1000]), None, ROOT) for i in range(MAX_TAILS_PER_PARENT + 3)]
     dropped = [block for tail in tails for block in cache.add(tail)]
     assert dropped == [0, 1, 2]
@@ -110,20 +111,22 @@ def test_tails_under_one_parent_are_capped_newest_kept() -> None:
 
 
 def test_partial_blocks_keep_a_tails_pool_state_until_it_is_evicted() -> None:
-    """A kept tail is cached content with ref 0 in the LRU; a longer one under the same parent
+    """A kept tail is cached content with ref 0, evictable; a longer one under the same parent
     frees it; its parent's eviction frees the rest (kvcache/partial_blocks.py owns all three)."""
-    pool, tree = BlockPool(8), RadixTree(B)
-    partials = PartialBlocks(B, pool)
+    pool, tree, lru = BlockPool(8), RadixTree(B), LRU(8)
+    partials = PartialBlocks(B, pool, lru)
     parent_block, a, b = pool.take(3)
     [node] = tree.insert(ROOT, None, pack_tokens(seq(1, B)), [parent_block], only_new=False).created
     partials.keep(Tail(a, pack_tokens(seq(100, 3)), node, ROOT))
-    assert pool.ref(a) == 0 and pool.is_cached_node(a) and a in pool.lru_blocks()
+    assert pool.ref(a) == 0 and pool.is_cached_node(a) and a in lru.evictable_blocks()
     partials.keep(Tail(b, pack_tokens(seq(100, 5)), node, ROOT))  # starts with a's tokens
-    assert a not in partials and not pool.is_cached_node(a) and a not in pool.lru_blocks()
+    assert a not in partials and not pool.is_cached_node(a) and a not in lru.evictable_blocks()
     partials.check_integrity(tree, {})
     assert partials.evict_under(node) == 1
     assert len(partials) == 0 and not pool.is_cached_node(b) and pool.num_free == 7
     pool.check_integrity()
+    lru.check_integrity()
+    assert not lru.evictable_blocks()
 
 
 def test_a_tail_is_evicted_with_its_parent_and_by_lru() -> None:

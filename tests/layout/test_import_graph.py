@@ -13,9 +13,16 @@ from import_graph import ROOT, cycles, import_graph, imported_names, project_mod
 ALLOWED: dict[str, set[str]] = {
     "kvcache": set(),
     "runner.attention": {"kvcache.store"},
-    "runner.backends.cpu": {"kvcache.store", "runner.attention"},
-    "runner.backends.triton": {"kvcache.store", "runner.attention"},
-    "runner.backends": {"runner.attention", "runner.backends.cpu", "runner.backends.triton"},
+    "runner.backends.torch": {"kvcache.store", "runner.attention"},
+    # The CPU falls back on the torch path; both plan shared prefixes by its grouping.
+    "runner.backends.cpu": {"kvcache.store", "runner.attention", "runner.backends.torch"},
+    "runner.backends.triton": {"kvcache.store", "runner.attention", "runner.backends.torch"},
+    "runner.backends": {
+        "runner.attention",
+        "runner.backends.torch",
+        "runner.backends.cpu",
+        "runner.backends.triton",
+    },
     "runner.model": {"kvcache.store", "runner.attention", "runner.backends"},
     "runner.sampling": set(),
     "runner.kv_events": {"kvcache"},
@@ -98,7 +105,11 @@ def package_of(module: str) -> str:
         return ".".join(parts[:3])
     if parts[0] in ("kvcache", "bench"):
         return parts[0]
-    if parts[:2] == ["runner", "backends"] and len(parts) > 2 and parts[2] in ("cpu", "triton"):
+    if (
+        parts[:2] == ["runner", "backends"]
+        and len(parts) > 2
+        and parts[2] in ("torch", "cpu", "triton")
+    ):
         return ".".join(parts[:3])
     return ".".join(parts[:2])
 

@@ -16,9 +16,9 @@ import torch
 
 from kvcache import LLM, SamplingParams
 from kvcache.store import KVStore
-from runner.attention.backend import TORCH_ATTENTION
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.registry import attention_backend
+from runner.backends.torch.backend import TORCH_ATTENTION
 from runner.model.loader import load_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

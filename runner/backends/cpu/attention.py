@@ -1,46 +1,36 @@
-"""The CPU attention backend ("cpu"): the C kernels of runner/backends/cpu/csrc on the paged cache,
-and the torch path (runner/attention/paged.py) wherever they cannot run; and its batch-invariant
-form (`batch_invariant_attention`, EngineConfig.deterministic), which has no such fallback."""
+"""The CPU attention backend ("cpu"): the C kernels of runner/backends/cpu/csrc on the paged
+cache, and the torch path (runner/backends/torch/paged.py) wherever they cannot run; and its
+batch-invariant form (`batch_invariant_attention`, EngineConfig.deterministic), which has no
+such fallback."""
 
 from __future__ import annotations
 
 import torch
 
-from runner.attention.backend import AttentionBackend
-from runner.attention.metadata import AttentionMetadata
-from runner.attention.paged import torch_paged_attention, write_kv
+from runner.attention.backend import AttentionBackend, AttentionCall, Capabilities
 from runner.backends.cpu.kernel import CpuKernels
 from runner.backends.cpu.loader import load_cpu_kernels
 from runner.backends.cpu.portable import load_portable_decode
 from runner.backends.cpu.split import CpuSplit
+from runner.backends.torch.paged import torch_paged_attention, write_kv
 
 
-def cpu_paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
+def cpu_paged_attention(call: AttentionCall) -> torch.Tensor:
     """The C kernels (runner/backends/cpu/csrc): decodes in decode_attention.c, longer queries in
     prefill_attention.c, both reading every sequence's blocks in place with no gather, padding
     or split to plan; with a sliding `window`, each query only its last `window` keys (the
     others are not read); with a `softcap` c, each score s as c * tanh(s / c). The torch path
     where the kernels cannot run (no AVX-512, no build, a head size they do not take), with its
     decodes in the portable kernel where that one can (runner/backends/cpu/portable.py)."""
+    q, k, v, k_cache, v_cache, meta = call.q, call.k, call.v, call.k_cache, call.v_cache, call.meta
+    scale, window, softcap = call.scale, call.window, call.softcap
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.prefill_supported(q, k_cache):
         portable = load_portable_decode()
         decode = None
         if portable is not None and portable.supported(q, k_cache):
             decode = portable.decode_attention
-        return torch_paged_attention(
-            q, k, v, k_cache, v_cache, meta, scale, window, softcap, decode
-        )
+        return torch_paged_attention(call, decode)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     group = q.shape[1] // k_cache.shape[2]
     decode_kernel = kernels.decode_supported(q, k_cache)
@@ -97,32 +87,25 @@ def attend_split(
     return out
 
 
-def batch_invariant_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
+def batch_invariant_attention(call: AttentionCall) -> torch.Tensor:
     """The C kernels with each query row summed in one order, prefill_attention.c's tile's
     (CpuSplit.for_step's batch_invariant): a row's output is bitwise the same whatever else the
     step holds, whether it is a prompt's, a decode's or a recompute's, and wherever its prompt's
     chunk or cached prefix ends (docs/DETERMINISM.md). Raises ValueError where the kernels
     cannot take these shapes: there is no other path whose sums are fixed."""
+    q, k_cache, v_cache, meta = call.q, call.k_cache, call.v_cache, call.meta
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.decode_supported(q, k_cache):
         raise ValueError(
             f"deterministic attention needs the CPU attention kernels for q {tuple(q.shape)}, "
             f"cache block {tuple(k_cache.shape[1:])}"
         )
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    write_kv(call.k, call.v, k_cache, v_cache, meta.slot_mapping)
     group = q.shape[1] // k_cache.shape[2]
     split = CpuSplit.for_step(meta, True, group, k_cache.shape[1], batch_invariant=True)
-    return attend_split(kernels, q, k_cache, v_cache, split, scale, window, softcap, tiled=True)
+    return attend_split(
+        kernels, q, k_cache, v_cache, split, call.scale, call.window, call.softcap, tiled=True
+    )
 
 
 def batch_invariant_backend() -> AttentionBackend:
@@ -135,4 +118,14 @@ def batch_invariant_backend() -> AttentionBackend:
             "the log says why they did not load): torch's own products and attention sum in an "
             "order that depends on the batch"
         )
-    return AttentionBackend("cpu", batch_invariant_attention)
+    return AttentionBackend(
+        "cpu", batch_invariant_attention, Capabilities(deterministic=True, cpu_layer_stack=True)
+    )
+
+
+def cpu_backend() -> AttentionBackend:
+    """The "cpu" backend: the C kernels (a shared prefix read once by its decodes), whose C
+    layer stack may run whole steps for it."""
+    return AttentionBackend(
+        "cpu", cpu_paged_attention, Capabilities(shared_prefix_plan=True, cpu_layer_stack=True)
+    )

@@ -1,5 +1,5 @@
 """Decode attention for any CPU (runner/backends/cpu/csrc/portable/decode_attention_vec.c), as a
-Python call: where the AVX-512 library cannot run, the torch path (runner/attention/paged.py)
+Python call: where the AVX-512 library cannot run, the torch path (runner/backends/torch/paged.py)
 hands it the step's decodes.
 
 Why a kernel of its own: on such a machine a decode reads its context through torch's CPU flash

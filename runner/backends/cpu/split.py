@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.attention.cascade import count_shared_blocks
 from runner.attention.metadata import AttentionMetadata
+from runner.backends.torch.cascade import count_shared_blocks
 
 # Query rows (sequences x query heads per KV head) from which a decode step scores a shared
 # prefix for all rows together: one 16-lane tile.

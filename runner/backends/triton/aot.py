@@ -142,7 +142,7 @@ def step_launches(
     the long decode in one partition). In 16 bits, the RMSNorms too: over whole rows, over the
     query heads, and scaling in float32; and the fused residual-add norm and SiLU-times-up
     (fused_elementwise.py)."""
-    from runner.attention.cascade import PrefixGroup
+    from runner.backends.torch.cascade import PrefixGroup
     from runner.backends.triton.attention import store_kv
     from runner.backends.triton.decode import DEFAULT_PARTITION_SIZE, decode_attention
     from runner.backends.triton.fused_elementwise import add_rms_norm, silu_mul

@@ -1,5 +1,5 @@
-"""Triton paged attention: the `backend="triton"` twin of `paged_attention` in
-runner/attention/paged.py.
+"""Triton paged attention: the "triton" backend, the twin of the torch path
+(runner/backends/torch/paged.py).
 
 Cache layout (kvcache/store.py): k_cache / v_cache [num_blocks, block_size, Hkv, D]; a token's
 flat slot is block * block_size + offset. A step first writes the new tokens' K/V at their slots
@@ -22,11 +22,13 @@ Without CUDA the kernels run in Triton's interpreter on CPU tensors
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
 
-from runner.attention.backend import Attend, AttentionBackend
+from runner.attention.backend import Attend, AttentionBackend, AttentionCall, Capabilities
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.cascade_cost import DEFAULT_THRESHOLDS, NEVER, CascadeThresholds
 from runner.backends.triton.common import (
@@ -129,22 +131,14 @@ def store_kv(
 
 
 def triton_paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
+    call: AttentionCall,
     *,
-    window: int | None = None,
-    softcap: float | None = None,
     partition_size: int | None = None,
     cascade: CascadeThresholds = NEVER,
     shared_prefix: SharedPrefixPlan | None = None,
     store: bool = True,
 ) -> torch.Tensor:
-    """Same contract as `paged_attention(..., backend="triton")`.
+    """Paged attention's contract (AttentionCall) in Triton.
 
     q [T, Hq, D], k / v [T, Hkv, D]; k_cache / v_cache [num_blocks, block_size, Hkv, D].
     Writes k / v into the caches at meta.slot_mapping (mutates them), then query i of a sequence
@@ -178,11 +172,13 @@ def triton_paged_attention(
     a step with no group in it reads every context whole, as the plain kernel does.
     `store` False: k / v are already in the caches (rope_store.py wrote them); no store_kv.
     """
+    q, k_cache, v_cache, meta = call.q, call.k_cache, call.v_cache, call.meta
+    scale, window, softcap = call.scale, call.window, call.softcap
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window} must be at least 1")
     check_softcap(softcap)  # before store_kv: a refused call leaves the caches as they were
     if store:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv(call.k, call.v, k_cache, v_cache, meta.slot_mapping)
     if meta.decode_only:
         kwargs = {} if partition_size is None else {"partition_size": partition_size}
         plan = shared_prefix
@@ -265,23 +261,14 @@ def triton_backend(
     `shared_prefix` (a decode graph's static tensors, filled before each replay)."""
 
     def attention(store: bool) -> Attend:
-        def attend(
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            k_cache: torch.Tensor,
-            v_cache: torch.Tensor,
-            meta: AttentionMetadata,
-            scale: float,
-            window: int | None,
-            softcap: float | None,
-        ) -> torch.Tensor:
-            return triton_paged_attention(
-                q, k, v, k_cache, v_cache, meta, scale, window=window, softcap=softcap,
-                cascade=cascade, shared_prefix=shared_prefix, store=store,
-            )  # fmt: skip
-
-        return attend
+        return partial(
+            triton_paged_attention, cascade=cascade, shared_prefix=shared_prefix, store=store
+        )
 
     # attend_stored: the K/V are in the cache already (the fused RoPE + store kernel wrote them).
-    return AttentionBackend("triton", attention(store=True), attend_stored=attention(store=False))
+    return AttentionBackend(
+        "triton",
+        attention(store=True),
+        Capabilities(supports_cuda_graphs=True, fuses_rope_store=True, shared_prefix_plan=True),
+        attend_stored=attention(store=False),
+    )

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.attention.backend import AttentionBackend
+from runner.attention.backend import AttentionBackend, AttentionCall, Capabilities
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.attention import store_kv
 from runner.backends.triton.common import (
@@ -250,29 +250,24 @@ def batch_invariant_attention(
     return out
 
 
-def batch_invariant_paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-    split_keys: int = SPLIT,
-) -> torch.Tensor:
-    """Paged attention's contract (runner/attention/backend.py Attend): store the new K/V at
-    their slots, then attend each row alone. Never the shared-prefix path: it sums a prefix in
-    another order."""
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+def batch_invariant_paged_attention(call: AttentionCall, split_keys: int = SPLIT) -> torch.Tensor:
+    """Paged attention's contract (runner/attention/backend.py AttentionCall): store the new
+    K/V at their slots, then attend each row alone. Never the shared-prefix path: it sums a
+    prefix in another order."""
+    store_kv(call.k, call.v, call.k_cache, call.v_cache, call.meta.slot_mapping)
     return batch_invariant_attention(
-        q, k_cache, v_cache, meta, scale, window=window, softcap=softcap, split_keys=split_keys
-    )
+        call.q, call.k_cache, call.v_cache, call.meta, call.scale,
+        window=call.window, softcap=call.softcap, split_keys=split_keys,
+    )  # fmt: skip
 
 
 def batch_invariant_triton_backend() -> AttentionBackend:
-    """Deterministic mode's attention on CUDA (or in Triton's interpreter): its own name, so
-    neither the decode graphs (which capture the default kernels and the shared-prefix plan)
-    nor the fused elementwise path of the default Triton backend are taken for it."""
-    return AttentionBackend("triton-deterministic", batch_invariant_paged_attention)
+    """Deterministic mode's attention on CUDA (or in Triton's interpreter): deterministic and
+    nothing else, so neither the decode graphs (which capture the default kernels and the
+    shared-prefix plan) nor the fused elementwise path of the default Triton backend are taken
+    for it."""
+    return AttentionBackend(
+        "triton-deterministic",
+        batch_invariant_paged_attention,
+        Capabilities(deterministic=True, triton_products=True),
+    )

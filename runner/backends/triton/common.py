@@ -106,3 +106,68 @@ def rounded(x: tl.tensor, out_ty: tl.constexpr) -> tl.tensor:
         return bits.to(tl.float32, bitcast=True)
     else:
         return x.to(out_ty).to(tl.float32)
+
+
+@triton.jit
+def attend_paged_keys(
+    q: tl.tensor,  # [ROWS, D_PAD] in DOT_DTYPE: the rows that read these keys
+    m_i: tl.tensor,  # [ROWS] float32: the online softmax's running max (log2 domain)
+    l_i: tl.tensor,  # [ROWS] float32: its running sum
+    acc: tl.tensor,  # [ROWS, D_PAD] float32: its running output
+    k_cache_ptr: tl.tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr: tl.tensor,  # same layout and strides as k_cache
+    table_row: tl.tensor,  # the sequence's (or shared prefix's) row of block ids
+    kv_head: int,
+    key_start: int,  # the keys [key_start, key_end) of that row, BLOCK_N at a time
+    key_end: int,
+    first_key: tl.tensor,  # [ROWS]: the first key each row sees; read only when MASK_FIRST
+    last_key: tl.tensor,  # [ROWS]: the last key each row sees; read only when MASK_LAST
+    qk_scale: float,  # softmax scale * log2(e)
+    softcap: float,  # soft cap * log2(e); read only when USE_SOFTCAP
+    stride_cb: int,
+    stride_co: int,
+    stride_ch: int,
+    offs_d: tl.tensor,  # [D_PAD] arange
+    d_valid: tl.tensor,  # [D_PAD] offs_d < HEAD_DIM
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_N: tl.constexpr,
+    MASK_FIRST: tl.constexpr,
+    MASK_LAST: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """The paged K/V loop every attention kernel runs (decode, its shared-prefix pass,
+    prefill): gather each key's cache row through the block table, score it against q, mask
+    what a row does not see, and fold it into the online softmax (m_i, l_i, acc), which comes
+    back. A row that sees no key of a tile keeps its state: its scores are -inf."""
+    for start in range(key_start, key_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)  # key positions
+        n_valid = offs_n < key_end
+        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        row = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(DOT_DTYPE)
+
+        # [ROWS, BLOCK_N] scores in the log2 domain
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if USE_SOFTCAP:  # before the mask: the cap would turn -inf into a finite -softcap
+            s = soft_cap(s, softcap)
+        visible = n_valid[None, :]
+        if MASK_LAST:  # causality (or a padded row: last_key -1)
+            visible = visible & (offs_n[None, :] <= last_key[:, None])
+        if MASK_FIRST:  # a later row's window starts later: exact per key, any alignment
+            visible = visible & (offs_n[None, :] >= first_key[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = v.to(DOT_DTYPE)
+        pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)  # [ROWS, D_PAD]
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc

@@ -26,13 +26,13 @@ import triton.language as tl
 
 from runner.backends.triton.common import (
     LOG2E,
+    attend_paged_keys,
     check_cache_pair,
     default_tile,
     dot_config,
     last_dim_contiguous,
     log2_softcap,
     pow2_at_least,
-    soft_cap,
 )
 from runner.backends.triton.decode_prefix import prefix_partitions, prefix_pass
 from runner.backends.triton.decode_reduce import combine_partitions
@@ -114,29 +114,12 @@ def _decode_partition_kernel(
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
-    for start in range(part_start, part_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)  # key positions; all >= win_start: visible
-        n_valid = offs_n < part_end
-        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        row = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_co + kv_head * stride_ch
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        k = k.to(DOT_DTYPE)
-
-        # [GROUP_PAD, BLOCK_N] scores in the log2 domain
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if USE_SOFTCAP:  # before the mask: the cap would turn -inf into a finite -softcap
-            s = soft_cap(s, softcap)
-        s = tl.where(n_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = v.to(DOT_DTYPE)
-        pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)  # [rows, D_PAD]
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    # Every key of the partition is at or after win_start: visible, no per-key mask.
+    m_i, l_i, acc = attend_paged_keys(
+        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, part_start, part_end,
+        ctx_len, ctx_len, qk_scale, softcap, stride_cb, stride_co, stride_ch, offs_d, d_valid,
+        BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
+    )  # fmt: skip
 
     # Partitions past the end of a short sequence's keys write nothing (the reduce reads only
     # the partitions that start before ctx_len). where() rather than `mask & scalar`: the

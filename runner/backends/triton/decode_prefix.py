@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.backends.triton.common import LOG2E, dot_config, pow2_at_least, soft_cap
+from runner.backends.triton.common import LOG2E, attend_paged_keys, dot_config, pow2_at_least
 from runner.backends.triton.shared_prefix import SharedPrefixPlan
 
 
@@ -83,36 +83,21 @@ def _prefix_partition_kernel(
         mask=rd_mask,
         other=0.0,
     ).to(DOT_DTYPE)  # [ROWS, D_PAD]
+    first_key = offs_r  # unread without a window
     if USE_WINDOW:  # row r sees keys >= its own window start
         ctx = tl.load(context_lens_ptr + seq, mask=r_valid, other=0)
         first_key = ctx - window
+    last_key = tl.where(r_valid, part_end, -1)  # a padded row sees no key
 
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, D_PAD], dtype=tl.float32)
     table_row = chunk_tables_ptr + chunk.to(tl.int64) * stride_ct
-    for start in range(part_start, part_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < part_end
-        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        row = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_co + kv_head * stride_ch
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
-        if USE_SOFTCAP:
-            s = soft_cap(s, softcap)
-        visible = n_valid[None, :] & r_valid[:, None]
-        if USE_WINDOW:
-            visible = visible & (offs_n[None, :] >= first_key[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    m_i, l_i, acc = attend_paged_keys(
+        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, part_start, part_end,
+        first_key, last_key, qk_scale, softcap, stride_cb, stride_co, stride_ch, offs_d, d_valid,
+        BLOCK_SIZE, BLOCK_N, USE_WINDOW, True, USE_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
+    )  # fmt: skip
 
     # A partition past the prefix's end stores nothing (the reduce counts the member's prefix
     # partitions from its prefix length). A row that saw no key has l = 0: output 0 and a

@@ -22,13 +22,13 @@ import triton.language as tl
 
 from runner.backends.triton.common import (
     LOG2E,
+    attend_paged_keys,
     check_cache_pair,
     default_tile,
     dot_config,
     last_dim_contiguous,
     log2_softcap,
     pow2_at_least,
-    soft_cap,
 )
 
 
@@ -106,33 +106,12 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
-    for start in range(kv_start, kv_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)  # key positions
-        n_valid = offs_n < kv_end
-        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        row = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_co + kv_head * stride_ch
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        k = k.to(DOT_DTYPE)
-
-        # [BLOCK_M, BLOCK_N] scores in the log2 domain
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if USE_SOFTCAP:  # before the mask: the cap would turn -inf into a finite -softcap
-            s = soft_cap(s, softcap)
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-        if USE_WINDOW:  # a later query's window starts later: exact per key, any alignment
-            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = v.to(DOT_DTYPE)
-        pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)  # [rows, D_PAD]
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    # Each query sees keys up to its own position, and within a window from its window start.
+    m_i, l_i, acc = attend_paged_keys(
+        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_start, kv_end,
+        q_pos - window + 1, q_pos, qk_scale, softcap, stride_cb, stride_co, stride_ch, offs_d,
+        d_valid, BLOCK_SIZE, BLOCK_N, USE_WINDOW, True, USE_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
+    )  # fmt: skip
 
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # padded rows: never stored, but avoid 0/0
     out = acc / l_i[:, None]

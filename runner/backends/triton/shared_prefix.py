@@ -1,7 +1,7 @@
 """The Triton decode's shared-prefix plan: which decodes read which prefix once, as fixed-shape
 device tensors, and the K/V bytes a step reads with and without it.
 
-The groups come from the same grouping as the CPU path (runner/attention/cascade.py:
+The groups come from the same grouping as the CPU path (runner/backends/torch/cascade.py:
 find_prefix_groups); the cost model (cascade_cost.py) keeps a group only where reading its
 prefix once is worth it. A group of n members is cut into chunks of `members_per_chunk`
 sequences: one program of the prefix pass (decode_prefix.py) scores all the query heads of one
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from runner.attention.cascade import PrefixGroup, find_prefix_groups
+from runner.backends.torch.cascade import PrefixGroup, find_prefix_groups
 from runner.backends.triton.cascade_cost import (
     DEFAULT_THRESHOLDS,
     CascadeThresholds,

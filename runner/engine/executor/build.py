@@ -12,7 +12,6 @@ import torch
 from kvcache.store import KVStore
 from runner.attention.backend import AttentionBackend
 from runner.backends.cpu.allocator import keep_step_buffers_in_heap
-from runner.backends.cpu.attention import batch_invariant_backend
 from runner.backends.cpu.quant import round_matrices
 from runner.backends.registry import attention_backend
 from runner.engine.config import EngineConfig
@@ -60,27 +59,21 @@ def load_share(
     model = loaded.model
     if tp is not None:
         shard_model(model, tp)
-    name = attention_backend_name(config, device)
-    attention = attention_backend(name)
-    triton_deterministic = config.deterministic and name == "triton"
-    if triton_deterministic:  # products and attention through the batch-invariant kernels
+    # deterministic: the backend's batch-invariant form (EngineConfig checked the rest).
+    attention = attention_backend(attention_backend_name(config, device), config.deterministic)
+    triton_deterministic = config.deterministic and attention.capabilities.triton_products
+    if triton_deterministic:  # products through the batch-invariant kernels too
         # Triton is needed on GPUs (and for this path) only: imported here.
-        from runner.backends.triton.batch_invariant_attention import (
-            batch_invariant_triton_backend,
-        )
         from runner.model.batch_invariant import route_linears
 
-        attention = batch_invariant_triton_backend()
         route_linears(model, model.embed_tokens.weight if model.lm_head is None else None)
-    elif config.deterministic:  # EngineConfig checked the rest: the CPU, the kernels, float32
-        attention = batch_invariant_backend()
     if device.type == "cpu" and config.prepack_weights and not triton_deterministic:
         packing = prepack_for_cpu(
             model, config.cpu_kernels, config.cpu_weight_dtype, config.deterministic
         )
         # Whole steps in C where the model fits layers.c; a tensor-parallel share all-reduces
         # between the layers, so its layers run one by one.
-        if attention.name == "cpu" and tp is None:
+        if attention.capabilities.cpu_layer_stack and tp is None:
             attention = attention.with_layers(packing.layers)
     elif config.cpu_weight_dtype in ("bfloat16-dot", "int8-dot"):  # the panel kernel's products
         raise ValueError(f"cpu_weight_dtype={config.cpu_weight_dtype!r} needs prepack_weights")
@@ -140,7 +133,7 @@ def make_worker(
     if (
         device.type == "cuda"
         and not config.enforce_eager
-        and attention.name == "triton"
+        and attention.capabilities.supports_cuda_graphs
         and model.tp is None
     ):
         from runner.model.cuda_graphs import DecodeGraphs

@@ -97,8 +97,7 @@ def load_prefix_cache(
     cached already, or when some failed their checks (dropped with their descendants, with a
     warning). Raises ValueError naming the problem for a file that is not a saved cache or was
     saved for another model or layout; nothing is loaded then."""
-    if not block_manager.enable_prefix_caching:
-        raise ValueError("the prefix cache is off in this engine: nothing to load it into")
+    block_manager.require_cache("nothing to load it into")
     values = _read(path, identity, spec, mac_key)
     if vocab_size is not None:
         check_token_ids(values, vocab_size, path)

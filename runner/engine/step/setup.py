@@ -53,7 +53,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         shards = f" tp={config.tensor_parallel_size} shards={executor.shard_nbytes}"
     worker = executor.local
     kv = worker.kv
-    block_manager = BlockManager(kv.num_blocks, config.block_size, config.enable_prefix_caching)
+    block_manager = BlockManager(
+        kv.num_blocks, config.block_size, config.enable_prefix_caching, config.eviction_policy
+    )
     runner = ModelRunner(executor, config.block_size, config.max_num_seqs, share.max_model_len)
     # A block stored outside the pool must come from the same sharding: a tensor-parallel
     # engine's blocks hold every rank's shard, in rank order, and name the ranks' sizes.

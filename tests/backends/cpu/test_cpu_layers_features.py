@@ -16,10 +16,10 @@ from transformers import MistralConfig
 
 from kvcache import LLM
 from kvcache.store import KVStore
-from runner.attention.backend import Attend, AttentionBackend
+from runner.attention.backend import Attend, AttentionBackend, AttentionCall
 from runner.attention.metadata import AttentionMetadata
-from runner.attention.paged import write_kv
 from runner.backends.cpu.loader import load_cpu_kernels
+from runner.backends.torch.paged import write_kv
 from runner.model.cpu_layers import CpuLayers
 from runner.model.decoder import CausalLM
 from runner.model.decoder_layers import Attention
@@ -93,24 +93,15 @@ def run_step(
     return out
 
 
-def reference_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
+def reference_attention(call: AttentionCall) -> torch.Tensor:
     """The attention contract through dense_reference, for the module path (Mistral caps
     no scores: softcap stays None)."""
-    assert softcap is None
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    assert call.softcap is None
+    meta, k_cache, v_cache = call.meta, call.k_cache, call.v_cache
+    write_kv(call.k, call.v, k_cache, v_cache, meta.slot_mapping)
     seqs = list(zip(meta.query_lens, meta.context_lens_host, strict=True))
     tables = meta.block_tables.tolist()
-    return dense_reference(q, k_cache, v_cache, tables, seqs, scale, window).float()
+    return dense_reference(call.q, k_cache, v_cache, tables, seqs, call.scale, call.window).float()
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.attention.paged import torch_paged_attention, write_kv
+from runner.attention.backend import AttentionCall
 from runner.backends.cpu import attention as cpu_attention
 from runner.backends.cpu import loader
 from runner.backends.cpu.portable import PORTABLE_SOURCES, PortableDecode, load_portable_decode
+from runner.backends.torch.paged import torch_paged_attention, write_kv
 from tests.cpu_attention_cases import Seq, prepared_step
 
 PORTABLE = load_portable_decode()
@@ -75,11 +76,13 @@ def test_the_torch_path_hands_it_the_decodes_of_a_mixed_step(window: int | None)
     step = prepared_step(seqs, 16, 9, 3, 64, window, scale=0.125, seed=7, hide=False)
     x = step.inputs
     decode = _kernel().decode_attention
-    with_kernel = torch_paged_attention(
-        x.q, x.k, x.v, x.k_cache.clone(), x.v_cache.clone(), x.meta, 0.125, window, None, decode
-    )
+    copies = (x.k_cache.clone(), x.v_cache.clone())
+    call = AttentionCall(x.q, x.k, x.v, *copies, x.meta, 0.125, window)
+    with_kernel = torch_paged_attention(call, decode)
     torch.testing.assert_close(with_kernel.double(), step.reference(None), atol=2e-5, rtol=1e-4)
-    alone = torch_paged_attention(x.q, x.k, x.v, x.k_cache, x.v_cache, x.meta, 0.125, window)
+    alone = torch_paged_attention(
+        AttentionCall(x.q, x.k, x.v, x.k_cache, x.v_cache, x.meta, 0.125, window)
+    )
     torch.testing.assert_close(with_kernel, alone, atol=2e-5, rtol=1e-4)
 
 
@@ -127,7 +130,7 @@ def test_the_cpu_backend_decodes_through_it(monkeypatch: pytest.MonkeyPatch) -> 
     step = prepared_step(seqs, 16, 4, 2, 64, None, scale=0.125, hide=False)
     x = step.inputs
     out = cpu_attention.cpu_paged_attention(
-        x.q, x.k, x.v, x.k_cache, x.v_cache, x.meta, 0.125, None, None
+        AttentionCall(x.q, x.k, x.v, x.k_cache, x.v_cache, x.meta, 0.125)
     )
     assert calls == [2]  # the two decodes, in one call
     torch.testing.assert_close(out.double(), step.reference(None), atol=2e-5, rtol=1e-4)

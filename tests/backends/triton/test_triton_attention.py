@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from runner.attention.backend import AttentionCall
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.attention import (
     decode_attention,
@@ -186,9 +187,8 @@ PREFILL_SEQS = [(0, 19), (5, 3), (37, 1), (21, 40)]
 def attend(batch: Batch, scale: float, **options: int) -> torch.Tensor:
     """triton_paged_attention over the batch (its new K/V stored first)."""
     b = batch
-    out: torch.Tensor = triton_paged_attention(
-        b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, scale, **options
-    )
+    call = AttentionCall(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, scale)
+    out: torch.Tensor = triton_paged_attention(call, **options)
     return out
 
 

@@ -7,20 +7,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from runner.attention.backend import AttentionCall
 from runner.attention.metadata import AttentionMetadata
-from runner.attention.paged import torch_paged_attention
+from runner.backends.torch.paged import torch_paged_attention
 from runner.backends.triton.batch_invariant_attention import batch_invariant_paged_attention
 
-Attend = Callable[..., torch.Tensor]
+Attend = Callable[[AttentionCall], torch.Tensor]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HQ, HKV, D, BLOCK, PROMPT = 4, 2, 16, 8, 70
 SPLIT = 32  # small splits, so a 70-token prompt's rows span 1 to 3 of them
+ROWS_ALONE: Attend = partial(batch_invariant_paged_attention, split_keys=SPLIT)
 
 
 class Case:
@@ -50,7 +53,7 @@ class Case:
         self,
         steps: list[tuple[int, int]],  # (first position, tokens) of the sequence, in order
         with_other: bool,
-        attend: Attend = batch_invariant_paged_attention,
+        attend: Attend = ROWS_ALONE,
         **options: float | None,
     ) -> torch.Tensor:
         """The sequence's rows [70, HQ, D] computed step by step, each step a chunk of it (and
@@ -67,7 +70,7 @@ class Case:
             meta = AttentionMetadata.build(lens, ctxs, tables, BLOCK, DEVICE)
             scale = 1 / math.sqrt(D)
             window, softcap = options.get("window"), options.get("softcap")
-            out = attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap, split_keys=SPLIT)
+            out = attend(AttentionCall(q, k, v, k_cache, v_cache, meta, scale, window, softcap))
             rows.append(out[:n])
         return torch.cat(rows)
 
@@ -83,7 +86,8 @@ def test_prefill_decode_and_cached_prefix_rows_are_bitwise_equal() -> None:
     # And it is attention: the torch reference's numbers, to float rounding.
     k_cache, v_cache = case.cache()
     meta = AttentionMetadata.build([PROMPT], [PROMPT], [case.table], BLOCK, DEVICE)
-    ref = torch_paged_attention(case.q, case.k, case.v, k_cache, v_cache, meta, 1 / math.sqrt(D))
+    call = AttentionCall(case.q, case.k, case.v, k_cache, v_cache, meta, 1 / math.sqrt(D))
+    ref = torch_paged_attention(call)
     torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -99,15 +103,9 @@ def test_windowed_and_capped_rows_are_bitwise_equal(
     k_cache, v_cache = case.cache()
     meta = AttentionMetadata.build([PROMPT], [PROMPT], [case.table], BLOCK, DEVICE)
     ref = torch_paged_attention(
-        case.q,
-        case.k,
-        case.v,
-        k_cache,
-        v_cache,
-        meta,
-        1 / math.sqrt(D),
-        window=window,
-        softcap=softcap,
+        AttentionCall(
+            case.q, case.k, case.v, k_cache, v_cache, meta, 1 / math.sqrt(D), window, softcap
+        )
     )
     torch.testing.assert_close(whole.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
@@ -124,19 +122,8 @@ def test_the_default_triton_path_differs_in_these_steps() -> None:
 
     case = Case(torch.float32)
 
-    def default(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-        split_keys: int = 0,
-    ) -> torch.Tensor:
-        return triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale, partition_size=16)
+    def default(call: AttentionCall) -> torch.Tensor:
+        return triton_paged_attention(call, partition_size=16)
 
     whole = case.run([(0, PROMPT)], False, attend=default)
     decoded = case.run([(0, 60)] + [(p, 1) for p in range(60, PROMPT)], False, attend=default)

@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from runner.attention.backend import AttentionCall
 from runner.backends.triton.attention import (
     decode_attention,
     prefill_attention,
@@ -60,8 +61,8 @@ def assert_reference(out: torch.Tensor, step: PreparedStep, softcap: float | Non
 
 def paged(step: PreparedStep, window: int | None, softcap: float | None, **kw: int) -> torch.Tensor:
     x = step.inputs
-    args = (x.q, x.k, x.v, x.k_cache, x.v_cache, x.meta, SCALE[softcap])
-    return triton_paged_attention(*args, window=window, softcap=softcap, **kw)
+    args = (x.q, x.k, x.v, x.k_cache, x.v_cache, x.meta, SCALE[softcap], window, softcap)
+    return triton_paged_attention(AttentionCall(*args), **kw)
 
 
 @pytest.mark.parametrize(("block_size", "group"), SHAPES)
@@ -138,7 +139,7 @@ def test_each_kernel_refuses_bad_windows_and_caps(
     q, k, v, k_cache, v_cache, _, meta = step.inputs
     before = k_cache.clone()
     with pytest.raises(ValueError, match=named):
-        triton_paged_attention(q, k, v, k_cache, v_cache, meta, 0.2, window=window, softcap=softcap)
+        triton_paged_attention(AttentionCall(q, k, v, k_cache, v_cache, meta, 0.2, window, softcap))
     assert torch.equal(k_cache, before), "refused, yet stored"
     features = {"window": window, "softcap": softcap}
     with pytest.raises(ValueError, match=named):

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from kvcache.store import KVStore
-from runner.attention.backend import TORCH_ATTENTION
 from runner.attention.metadata import AttentionMetadata
+from runner.backends.torch.backend import TORCH_ATTENTION
 from runner.backends.triton.common import interpreting
 from runner.backends.triton.fused_elementwise import add_rms_norm, silu_mul
 from runner.model.layers import RMSNorm

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.attention.cascade import PrefixGroup
+from runner.attention.backend import AttentionCall
 from runner.attention.metadata import AttentionMetadata
+from runner.backends.torch.cascade import PrefixGroup
 from runner.backends.triton.attention import planned_shared_prefix, triton_paged_attention
 from runner.backends.triton.cascade_cost import ALWAYS, NEVER
 from runner.backends.triton.common import interpreting
@@ -56,13 +57,7 @@ def attend(
     v = caches[1].view(-1, HKV, DIM)[slots]
     k_cache, v_cache = caches[0].clone(), caches[1].clone()
     out: torch.Tensor = triton_paged_attention(
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        meta,
-        0.25,
+        AttentionCall(q, k, v, k_cache, v_cache, meta, 0.25),
         partition_size=16,
         **kw,  # type: ignore[arg-type]
     )

@@ -16,8 +16,8 @@ import torch
 pytest.importorskip("triton")
 
 from kvcache.store import KVStore
-from runner.attention.backend import TORCH_ATTENTION
 from runner.attention.metadata import AttentionMetadata
+from runner.backends.torch.backend import TORCH_ATTENTION
 from runner.backends.triton.attention import triton_backend
 from runner.backends.triton.common import interpreting
 from runner.backends.triton.rope_store import rope_store, rope_store_fits

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from runner.attention.cascade import PrefixGroup, find_prefix_groups
+from runner.attention.backend import AttentionCall
 from runner.attention.metadata import AttentionMetadata
+from runner.backends.torch.cascade import PrefixGroup, find_prefix_groups
 from runner.backends.triton.attention import triton_paged_attention
 from runner.backends.triton.cascade_cost import ALWAYS, NEVER
 from runner.backends.triton.common import interpreting
@@ -217,7 +218,8 @@ def test_paged_attention_plans_the_step_by_the_cost_model(device: str) -> None:
         v = step.v_cache.view(-1, 2, 16)[slots]
         args = (step.q.to(device), k.to(device), v.to(device))
         caches = (step.k_cache.clone().to(device), step.v_cache.clone().to(device))
-        out = triton_paged_attention(*args, *caches, meta, 0.25, partition_size=16, cascade=cost)
+        call = AttentionCall(*args, *caches, meta, 0.25)
+        out = triton_paged_attention(call, partition_size=16, cascade=cost)
         plan = meta._shared_prefix[1]
         assert (plan is None) == (cost is NEVER)
         if plan is not None:

@@ -1,5 +1,6 @@
 """The per-step plan of the torch attention path: which sequences run alone and which run as
-one padded group (and whether that group reads a shared prefix once: runner/attention/cascade.py).
+one padded group (and whether that group reads a shared prefix once:
+runner/backends/torch/cascade.py).
 
 Built once per step from the AttentionMetadata and reused by every layer.
 """
@@ -11,13 +12,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runner.attention.cascade import (
+from runner.backends.torch.cascade import (
     SharedPrefix,
     cascade_supported,
     count_shared_blocks,
     shared_prefix,
 )
-from runner.attention.context_parts import ContextParts, plan_context_parts
+from runner.backends.torch.context_parts import ContextParts, plan_context_parts
 
 if TYPE_CHECKING:
     from runner.attention.metadata import AttentionMetadata
@@ -44,7 +45,7 @@ class Single:
     context_len: int
     mask: torch.Tensor | None  # [L, C] additive, in the query dtype: 0 = attend, -inf = not
     # Set on the CPU for a cached context: read in parts, its long runs of consecutive blocks
-    # in place and the rest in one gather (runner/attention/context_parts.py).
+    # in place and the rest in one gather (runner/backends/torch/context_parts.py).
     parts: ContextParts | None = None
 
 

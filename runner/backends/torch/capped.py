@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.attention.plan import visible_keys
+from runner.backends.torch.plan import visible_keys
 
 
 def capped_attention(

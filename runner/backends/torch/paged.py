@@ -10,11 +10,11 @@ shared by all layers):
 - long queries (prefill chunks) run one SDPA per sequence; with no cached prefix they
   use k/v directly with is_causal, else they gather their blocks and use a causal mask
   shifted by the prefix length (on the CPU, the cached context is read in parts instead: its
-  long runs of consecutive blocks in place, runner/attention/context_parts.py);
+  long runs of consecutive blocks in place, runner/backends/torch/context_parts.py);
 - short queries (decodes, short suffixes) run as one padded batch: their blocks are
   gathered with one index_select and masked by context length;
 - when every sequence of that batch starts with the same blocks, the shared prefix is read
-  once for all of them (runner/attention/cascade.py, CPU only), and queries up to
+  once for all of them (runner/backends/torch/cascade.py, CPU only), and queries up to
   CASCADE_MAX_QUERY_LEN join the batch.
 """
 
@@ -25,11 +25,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from runner.attention.capped import capped_attention
-from runner.attention.cascade import cascade_attention
-from runner.attention.context_parts import context_parts_attention
-from runner.attention.metadata import AttentionMetadata
-from runner.attention.plan import build_plan
+from runner.attention.backend import AttentionCall
+from runner.backends.torch.capped import capped_attention
+from runner.backends.torch.cascade import cascade_attention
+from runner.backends.torch.context_parts import context_parts_attention
+from runner.backends.torch.plan import build_plan
 
 # A kernel for the step's decodes, reading their blocks in place (runner/backends/cpu/
 # portable.py): (q [S, Hq, D], k_cache, v_cache, block tables [S, max_blocks] int32, context
@@ -65,20 +65,13 @@ def _gather(
 
 
 def torch_paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-    decode_kernel: DecodeKernel | None = None,
+    call: AttentionCall, decode_kernel: DecodeKernel | None = None
 ) -> torch.Tensor:
-    """Reference implementation of paged_attention's contract with torch SDPA (scores with a
-    soft cap, which SDPA cannot apply: runner/attention/capped.py). With a `decode_kernel`, the
-    step's decodes go to it instead (not with a soft cap)."""
+    """Reference implementation of paged attention's contract (AttentionCall) with torch SDPA
+    (scores with a soft cap, which SDPA cannot apply: runner/backends/torch/capped.py). With a
+    `decode_kernel`, the step's decodes go to it instead (not with a soft cap)."""
+    q, k, v, k_cache, v_cache = call.q, call.k, call.v, call.k_cache, call.v_cache
+    meta, scale, window, softcap = call.meta, call.scale, call.window, call.softcap
     num_tokens, hq, d = q.shape
     hkv = k.shape[1]
     block_size = k_cache.shape[1]
