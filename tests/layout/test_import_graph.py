@@ -54,6 +54,7 @@ ALLOWED: dict[str, set[str]] = {
         "runner.kv_events",
     },
     "runner.engine.api": {
+        "runner.kv_events",  # the engine front starts the KV events publisher it owns
         "runner.engine",
         "runner.engine.step",
         "runner.engine.io",

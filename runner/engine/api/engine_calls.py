@@ -14,6 +14,7 @@ from kvcache.block_cache import BlockListener
 from kvcache.radix_tree import Node
 from kvcache.stats import CacheStats
 from kvcache.tiers import HostTier, Link, encode_chunk
+from runner.engine.api.engine import Engine
 from runner.engine.api.interface import (
     CachedPrefix,
     ForwardParts,
@@ -24,7 +25,6 @@ from runner.engine.api.interface import (
 )
 from runner.engine.api.streaming import TextStream
 from runner.engine.sequence import Sequence
-from runner.engine.step.core import Engine
 from runner.engine.step.lock import locked
 from runner.engine.step.scheduler import SchedulerOutput
 from runner.sampling.params import SamplingParams
