@@ -151,10 +151,14 @@ class Engine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        priority: int = 0,
     ) -> Sequence:
         """Validate and queue one request; raises ValueError naming the problem. Returns its
         sequence; with params.n > 1 it queues n (request ids "<id>#<j>", see `samples_of`),
-        returns sample 0's, and `step` hands back one RequestOutput once all have finished."""
+        returns sample 0's, and `step` hands back one RequestOutput once all have finished.
+        `priority` (vLLM's): what the "priority" eviction policy keeps longest, lower first."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         seqs, group, prefix_key = self.intake.sequences(
             prompt,
             params,
@@ -167,6 +171,7 @@ class Engine:
             if group is not None:
                 self._requests.add_group(group, len(seqs))
             for seq in seqs:
+                seq.priority = priority
                 self.recorder.add_request(seq, prefix_key)
                 self.scheduler.add(seq)
                 self._requests.add(seq)

@@ -225,7 +225,12 @@ class Scheduler:
                 self.segments.release(seq)  # the held segments leave no room: plain tokens
                 seq.blend, seq.exact_limit = None, None
         alloc = self.bm.allocate(
-            seq.seq_id, seq.token_ids, seq.root, purpose, reads_cache=seq.reuses_cache
+            seq.seq_id,
+            seq.token_ids,
+            seq.root,
+            purpose,
+            reads_cache=seq.reuses_cache,
+            priority=seq.priority,
         )
         if alloc.copy is not None:
             self.copy_slots(*alloc.copy)
