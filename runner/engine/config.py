@@ -93,7 +93,7 @@ class EngineConfig:
     # no report turns it off to keep its memory flat.
     record_metrics: bool = True
     # Write the whole CPU pool once at start-up instead of mapping its pages on first touch
-    # (kvcache/store.py): a server's choice, so no step or handover copy takes page faults.
+    # (runner/kv_pool/store.py): a server's choice, so no step or handover copy takes page faults.
     prefault_kv_cache: bool = False
     # Speculative decoding by n-gram lookup (step/speculative.py): up to this many guessed
     # tokens checked after a plain greedy request's newest one each step; 0 turns it off.

@@ -26,9 +26,9 @@ from typing import NamedTuple
 
 import torch
 
-from kvcache.store import KVStore
 from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
+from runner.kv_pool.store import KVStore
 from runner.model.decoder import CausalLM, RopeRows
 from runner.model.decoder_layers import Attention
 from runner.model.layers import apply_rope, rope_inv_freq

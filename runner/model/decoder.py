@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcache.store import KVStore
 from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.linear import PackedLinear
 from runner.backends.torch.backend import TORCH_ATTENTION
+from runner.kv_pool.store import KVStore
 from runner.model.architectures import (
     GEMMA_ARCHITECTURES,
     POST_NORM_ARCHITECTURES,

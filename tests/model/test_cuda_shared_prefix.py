@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from kvcache import LLM, SamplingParams
-from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.attention import triton_backend
 from runner.backends.triton.cascade_cost import ALWAYS, NEVER
 from runner.backends.triton.common import interpreting
+from runner.kv_pool.store import KVStore
 from runner.model.cuda_graphs import DecodeGraphs, prefix_chunk_capacity
 from runner.model.loader import load_model
 

@@ -9,7 +9,6 @@ from typing import NamedTuple
 
 import torch
 
-from kvcache.store import KVStore
 from runner.attention.backend import AttentionBackend
 from runner.backends.cpu.allocator import keep_step_buffers_in_heap
 from runner.backends.cpu.quant import round_matrices
@@ -17,6 +16,7 @@ from runner.backends.registry import attention_backend
 from runner.engine.config import EngineConfig
 from runner.engine.executor.worker import Worker
 from runner.engine.kv.memory import kv_pool_blocks
+from runner.kv_pool.store import KVStore
 from runner.model.cpu_prepack import prepack_for_cpu
 from runner.model.decoder import CausalLM
 from runner.model.layers import rope_context_limit

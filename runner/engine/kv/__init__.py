@@ -2,5 +2,5 @@
 block transfers between the device pool and host memory (kv_transfer.py), the prefix-cache
 file (prefix_cache_file.py) and the KV pool's size (memory.py).
 
-May import: engine (config), kvcache and kvcache.store, kv_events.
+May import: engine (config), kvcache and runner.kv_pool.store, kv_events.
 """

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 from kvcache import BlockManager, Purpose, block_hashes
 from kvcache.hashing import pack_tokens
 from kvcache.radix_tree import Node
-from kvcache.store import KVStore
 from kvcache.tiers import BlockSpec, DiskTier, HostTier, Pending, RemoteTier, TieredStore
 from kvcache.tiers.prefetch import Prefetcher
 from kvcache.tiers.tier_writer import Payload
 from kvcache.tiers.write_backlog import WriteBacklog
 from runner.engine.config import EngineConfig
 from runner.engine.kv.kv_transfer import RankBlocks, block_reads, write_blocks
+from runner.kv_pool.store import KVStore
 
 if TYPE_CHECKING:  # ZeroMQ and msgspec are imported only by an engine that publishes
     from runner.kv_events.publisher import KVEventPublisher

@@ -1,5 +1,5 @@
-"""Copying whole blocks' K/V between the pool (kvcache/store.py) and bytes, for the tiers below
-the device pool and the prefix-cache file (kvcache/tiers/block_value.py). One block's bytes
+"""Copying whole blocks' K/V between the pool (runner/kv_pool/store.py) and bytes, for the tiers
+below the device pool and the prefix-cache file (kvcache/tiers/block_value.py). One block's bytes
 are its slice ``[layers, 2, block_size, kv_heads, head_dim]`` of the pool, C-contiguous, in the
 pool's dtype: what ``BlockSpec.block_nbytes`` counts.
 
@@ -18,9 +18,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvcache.store import KVStore
 from kvcache.tiers import BlockSpec
 from kvcache.tiers.tier_writer import Payload
+from runner.kv_pool.store import KVStore
 
 # Blocks copied per transfer: on a GPU whose memory the pool fills, a copy of every block at
 # once might not fit.

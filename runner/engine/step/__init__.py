@@ -7,6 +7,6 @@ interrupts, step timing and metrics, and building an engine's parts (setup.py).
 
 May import: engine (config, sequence), engine.executor (the workers), engine.io (intake, the
 request table, stopping, outputs), engine.kv (tiers, transfers, pool sizing), kvcache and
-kvcache.store, attention, backends (the registry and the CPU and Triton kernels), model,
+runner.kv_pool.store, attention, backends (the registry and the CPU and Triton kernels), model,
 sampling, kv_events.
 """

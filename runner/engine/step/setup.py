@@ -7,7 +7,6 @@ from typing import NamedTuple
 import torch
 
 from kvcache import BlockManager
-from kvcache.store import KVStore
 from kvcache.tiers import BlockSpec
 from runner.attention.backend import AttentionBackend
 from runner.engine.config import EngineConfig
@@ -17,6 +16,7 @@ from runner.engine.executor.multiproc import start_tensor_parallel
 from runner.engine.kv.kv_tiers import TierLoader, cache_identity_string, cache_mac_key
 from runner.engine.kv.kv_transfer import block_spec
 from runner.engine.step.model_runner import ModelRunner
+from runner.kv_pool.store import KVStore
 from runner.model.loader import LoadedModel
 
 
