@@ -63,11 +63,13 @@ class Engine:
         if events is not None and events.publishes:
             # Imported only when on: ZeroMQ and msgspec are not on every machine (a GPU image).
             from runner.kv_events.publisher import KVEventPublisher
+            from runner.kv_events.tier_events import publish_tier_events
 
             self.kv_events = KVEventPublisher(events, self.config.block_size)
             self.block_manager.add_listener(self.kv_events)
             if self.tiers is not None:
-                self.tiers.publish_events(self.kv_events)  # the host and disk tiers' blocks
+                # The host and disk tiers' blocks, under their media.
+                publish_tier_events(self.tiers.store, self.kv_events, self.config.block_size)
         self.attention = parts.attention  # the backend every forward pass runs
         layers = parts.attention.layers
         # Whole steps in C (runner/model/cpu_layers.py), where the CPU backend has them.

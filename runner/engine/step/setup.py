@@ -8,13 +8,14 @@ import torch
 
 from kvcache import BlockManager
 from kvcache.tiers import BlockSpec
+from kvcache.tiers.loader import PoolBlocks, TierLoader
 from runner.attention.backend import AttentionBackend
 from runner.engine.config import EngineConfig
 from runner.engine.executor.build import load_share, make_worker, pool_blocks
 from runner.engine.executor.executor import Executor
 from runner.engine.executor.multiproc import start_tensor_parallel
-from runner.engine.kv.kv_tiers import TierLoader, cache_identity_string, cache_mac_key
-from runner.engine.kv.kv_transfer import block_spec
+from runner.engine.kv.kv_transfer import PoolCopies, block_spec
+from runner.engine.kv.tiers import cache_identity_string, cache_mac_key, open_tiers
 from runner.engine.step.model_runner import ModelRunner
 from runner.kv_pool.store import KVStore
 from runner.model.loader import LoadedModel
@@ -29,7 +30,7 @@ class EngineParts(NamedTuple):
     runner: ModelRunner
     attention: AttentionBackend
     block_spec: BlockSpec  # what a block stored outside the pool must agree with
-    cache_mac_key: bytes | None  # the MAC key of stored blocks (runner/engine/kv/kv_tiers.py)
+    cache_mac_key: bytes | None  # the MAC key of stored blocks (runner/engine/kv/tiers.py)
     tiers: TierLoader | None  # the tiers below the pool, where any is configured
     executor: Executor  # the worker in this process, or the tensor-parallel ranks
 
@@ -61,8 +62,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     # engine's blocks hold every rank's shard, in rank order, and name the ranks' sizes.
     identity = cache_identity_string(share.loaded.fingerprint, config.cpu_weight_dtype) + shards
     spec = block_spec(kv, identity, executor.shard_nbytes)
-    ranks = executor if config.tensor_parallel_size > 1 else None
-    tiers = TierLoader(config, block_manager, kv, spec, ranks) if config.has_tiers else None
+    # Blocks copied off the pool for the tiers: this worker's (queued behind a GPU's step), or
+    # every rank's shard, joined.
+    pool: PoolBlocks = PoolCopies.for_pool(kv) if config.tensor_parallel_size == 1 else executor
+    tiers = open_tiers(config, block_manager, pool, spec) if config.has_tiers else None
     return EngineParts(
         share.loaded,
         device,
