@@ -12,7 +12,8 @@ bench and its profilers (gpu_bench.py, gpu_workload.py, gpu_floor.py, gpu_shared
 gpu_cascade.py, gpu_step_profile.py), weight-rounding quality (weight_quality.py), the soak
 (soak.py, soak_checks.py, soak_workload.py) and `kvcache bench-serve` (serve/).
 
-May import: kvcache, attention, backends, engine, model, sampling, serve and disagg (the
-served systems and their roles), cli (the one check on written files, stdout). Never imported
+May import: kvcache, kv_pool (the tensors a probe allocates), attention, backends, engine,
+model, sampling, serve and disagg (the served systems and their roles), cli (the one check on
+written files, stdout). Never imported
 by kvcache/ or runner/: only cli.py, the composition root, registers its two commands.
 """

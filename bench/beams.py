@@ -10,7 +10,7 @@ from bench.engine_options import EngineOptions
 from bench.peers import PeerResult
 from bench.workloads import BenchRequest
 from runner.engine.api.beam_search import BeamSearchParams
-from runner.engine.api.interface import EngineInterface
+from runner.engine.api.interface import ServingEngine
 from runner.engine.api.llm import LLM
 
 # Systems that cannot search beams: continuous batching and prompt lookup take none.
@@ -32,7 +32,7 @@ def run_engine_beams(
     """Every request searched at once (those alike in max_tokens and ignore_eos together);
     the prefill column counts what the beams' steps computed again (each beam's last partial
     block)."""
-    llm: EngineInterface = LLM(model, device=device, **options)
+    llm: ServingEngine = LLM(model, device=device, **options)
     llm.beam_search([[1, 2, 3, 4, 5]], BeamSearchParams(beam_width=width, max_tokens=2))
     first_step = len(llm.recorded_steps())
     groups: dict[tuple[int, bool], list[int]] = {}

@@ -28,8 +28,8 @@ import torch
 
 from bench.blend_workload import Query, passages, queries
 from kvcache import LLM, RequestOutput, SamplingParams
-from kvcache.store import KVStore
 from runner.engine.api.interface import ForwardParts
+from runner.kv_pool.store import KVStore
 from runner.model.blend import Cached, blend, compute_chunk, layout, place
 
 RATIOS = (0.0, 0.05, 0.15, 0.2, 0.3, 1.0)

@@ -19,6 +19,7 @@ from runner.cli.stdout import echo
     default="shared_system_prompt",
     show_default=True,
     help="A data/ workload name or .jsonl file; 'core' runs the block-manager micro-bench; "
+    "'tensor-parallel' two ranks against one; "
     "'tiers-working-set', 'tiers-restart', 'tiers-replicas' and 'tiers-per-block' the KV tiers' "
     "figures (docs/TIERS.md).",
 )
@@ -182,6 +183,15 @@ def bench(
         echo(blend_table(figures))
         if json_path:
             Path(json_path).write_text(json.dumps(figures, indent=2))
+        return
+    if workload == "tensor-parallel":  # ranks against one (bench/tensor_parallel.py)
+        from bench.tensor_parallel import table as tp_table
+        from bench.tensor_parallel import tensor_parallel_bench
+
+        rows = tensor_parallel_bench(model)
+        echo(tp_table(rows))
+        if json_path:
+            Path(json_path).write_text(json.dumps(rows, indent=2))
         return
     if workload == "core":
         from bench.microbench import main as core_main

@@ -42,7 +42,7 @@ from runner.backends.triton.cascade_cost import (
     CascadeThresholds,
 )
 from runner.backends.triton.shared_prefix import SharedPrefixPlan, decode_kv_bytes
-from runner.engine.api.interface import EngineInterface
+from runner.engine.api.interface import ProfilingEngine
 
 
 def make_shared_prefix_workload(
@@ -186,8 +186,8 @@ def run_shared_prefix_ways(
 
     def prepare_way(
         thresholds: CascadeThresholds | None, reads: ExecutedReads
-    ) -> Callable[[EngineInterface], Callable[[], None]]:
-        def prepare(llm: EngineInterface) -> Callable[[], None]:
+    ) -> Callable[[ProfilingEngine], Callable[[], None]]:
+        def prepare(llm: ProfilingEngine) -> Callable[[], None]:
             parts = llm.forward_parts()
             backend = parts.attention if thresholds is None else triton_backend(thresholds)
             llm.attend_through(counted(backend, reads))  # every eager step from now

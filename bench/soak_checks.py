@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench.soak_workload import Request, Workload
-from runner.engine.api.interface import EngineInterface
+from runner.engine.api.interface import ServingEngine
 from runner.engine.sequence import Sequence
 from runner.engine.step.scheduler import SchedulerOutput
 
@@ -82,7 +82,7 @@ class SoakReport:
 
 
 class FirstAdmissionCounter:
-    """A schedule listener (`EngineInterface.add_schedule_listener`) that counts the prompt
+    """A schedule listener (`ServingEngine.add_schedule_listener`) that counts the prompt
     tokens the model is fed while each request is in its first admission (before any
     preemption): the real cache misses."""
 
@@ -143,7 +143,7 @@ def check_consistency(
         greedy.popitem(last=False)
 
 
-def final_checks(llm: EngineInterface, rep: SoakReport, tally: dict[str, int], fail: Fail) -> None:
+def final_checks(llm: ServingEngine, rep: SoakReport, tally: dict[str, int], fail: Fail) -> None:
     """Copy the engine's end-of-run counters into `rep`, then check: nothing lost or leaked,
     the pool adds up, and hit/miss/query accounting agrees with what the soak counted."""
     stats = llm.cache_stats()
@@ -187,7 +187,7 @@ class ReferenceCheck:
     compared with what an engine that guesses nothing answers to the same request (a seeded
     request samples the same with guesses or without: runner/engine/step/speculative.py)."""
 
-    def __init__(self, reference: EngineInterface) -> None:
+    def __init__(self, reference: ServingEngine) -> None:
         self.reference = reference
         self.pending: list[tuple[Request, list[int]]] = []
 

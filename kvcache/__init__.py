@@ -1,4 +1,5 @@
-"""kvcache: the pure-Python KV store core (no torch here; ``kvcache.store`` holds the tensors).
+"""kvcache: the pure-Python KV store core (no torch here; runner/kv_pool/store.py holds the
+tensors the block ids point at).
 
 ``from kvcache import LLM, SamplingParams`` is the user-facing entry point. Those names (and
 vLLM's others: ``EngineArgs``, the prompt and output types; vLLM's module paths are
@@ -6,7 +7,7 @@ vLLM's others: ``EngineArgs``, the prompt and output types; vLLM's module paths 
 ``runner`` (which depends on this package, never the reverse) and are resolved on first access
 (kvcache/vllm_paths.py), so importing the core alone never pulls in torch or the runner.
 
-May import: nothing else of the project (kvcache.store alone may import torch).
+May import: nothing else of the project, and no torch.
 """
 
 import sys

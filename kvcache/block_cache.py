@@ -65,7 +65,7 @@ class BlockCache:
         self.evicted_blocks = 0  # cached blocks reclaimed by eviction so far
         # Told of the nodes each insert adds (after the forward that wrote their K/V), and of
         # the tree nodes one ``take`` evicts, together, while their blocks still hold their K/V
-        # (the tiers below the pool keep a copy: runner/engine/kv/kv_tiers.py; one batched copy
+        # (the tiers below the pool keep a copy: kvcache/tiers/loader.py; one batched copy
         # off the pool costs about what a copy of one block does).
         self.on_commit: Callable[[list[Node]], None] | None = None
         self.on_evict: Callable[[list[Node]], None] | None = None

@@ -19,7 +19,7 @@ that holds the longest run of them, one of:
   written in between.
 
 Which slots are copied is decided here (``copyable``, then ``TailMatch.into`` once the
-destination block is known); the caller runs the ``SlotCopy`` on the K/V (kvcache/store.py).
+destination block is known); the caller runs the ``SlotCopy`` on the K/V (runner/kv_pool/store.py).
 ``BlockCache`` calls in at its fixed points (release, eviction); the tails' pool state (cached
 content, ref 0, evictable) is kept here, the tree nodes' there.
 

@@ -6,10 +6,11 @@ hold such values (``host``: a bounded LRU in RAM; ``disk``: a directory that sur
 restarts; ``remote``: a Redis server shared by every engine), ``tiered``: lookup of a
 chain across them (``chain_reads``: which values it reads, nothing past a gap),
 ``tier_writer``: the bounded background writer, ``write_backlog``: committed blocks
-waiting in the pool for room in its queue, and ``tier_events``: what the host and disk tiers
-tell a listener of the values they store and let go (KV events). It imports neither
-torch nor ``runner``: the engine copies K/V in and out of the pool (runner/engine/kv/kv_transfer.py)
-and hands this package bytes.
+waiting in the pool for room in its queue, ``listener``: what the host and disk tiers tell a
+listener of the values they store and let go (KV events), and ``loader``: which of the block
+manager's blocks go down to the tiers and how hits come back up. It imports neither torch nor
+``runner``: the engine copies K/V in and out of the pool (runner/engine/kv/kv_transfer.py, or
+the tensor-parallel ranks) and hands this package bytes.
 
 May import: the rest of kvcache (its hashing), redis and xxhash; never torch nor runner.
 """

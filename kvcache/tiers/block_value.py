@@ -250,7 +250,7 @@ def value_blocks(data: bytes | memoryview) -> int:
 def value_links(data: bytes | memoryview) -> tuple[bool, list[Link]] | None:
     """(whether its first block is a chain's top, its blocks' hashes, parents and tokens), read
     from a value's header and tokens alone, unverified (None when they do not parse): what a
-    KV event announces of a value a tier took (kvcache/tiers/tier_events.py). Pure."""
+    KV event announces of a value a tier took (kvcache.tiers.listener.py). Pure."""
     view = memoryview(data)
     if len(view) < _HEADER.size or bytes(view[:4]) != MAGIC:
         return None

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvcache.tiers.tier_events import TierListener
+from kvcache.tiers.listener import TierListener
 
 SUFFIX = ".kvb"
 _TMP = ".tmp-"

@@ -11,7 +11,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvcache.tiers.tier_events import TierListener
+from kvcache.tiers.listener import TierListener
 
 
 class HostTier:

@@ -2,5 +2,5 @@
 (backend.py): one layer's call (AttentionCall), what a backend can do (Capabilities) and the
 backend itself. The backends live in runner/backends/.
 
-May import: kvcache.store.
+May import: runner.kv_pool.store.
 """

@@ -14,8 +14,8 @@ from typing import Protocol
 
 import torch
 
-from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
+from runner.kv_pool.store import KVStore
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import TypedDict
 
 from runner.cli.batch_file import BatchLine
 from runner.engine.api.beam_search import BeamSearchOutput, BeamSearchParams
-from runner.engine.api.interface import EngineInterface
+from runner.engine.api.interface import ServingEngine
 from runner.engine.io.segmented_prompt import SegmentedPrompt
 from runner.engine.io.validation import Prompt, prompt_token_ids
 from runner.sampling.params import SamplingParams
@@ -35,7 +35,7 @@ class BeamRecord(Beam):
     beams: list[Beam]
 
 
-def line_prompt(llm: EngineInterface, line: BatchLine) -> tuple[Prompt | SegmentedPrompt, bool]:
+def line_prompt(llm: ServingEngine, line: BatchLine) -> tuple[Prompt | SegmentedPrompt, bool]:
     """A line's prompt (a conversation through the chat template) and whether its tokenizing
     adds special tokens (not to chat text: the template has put them in)."""
     if line.segments is not None:
@@ -46,7 +46,7 @@ def line_prompt(llm: EngineInterface, line: BatchLine) -> tuple[Prompt | Segment
 
 
 def search_lines(
-    llm: EngineInterface,
+    llm: ServingEngine,
     lines: list[BatchLine],
     width: int,
     done: Callable[[BatchLine, BeamRecord], None],

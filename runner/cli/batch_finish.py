@@ -16,7 +16,7 @@ from runner.cli.batch_paths import check_output_file
 if TYPE_CHECKING:
     from runner.cli.batch_run import BatchRun
     from runner.cli.output_lock import LockedOutput
-    from runner.engine.api.interface import EngineInterface
+    from runner.engine.api.interface import BlockEngine
 
 
 def _say(message: str) -> None:
@@ -34,7 +34,7 @@ class PrefixCacheFile:
         self.overwrite = overwrite
         self.keep_as_is = False  # set when the file there is not ours to replace
 
-    def load(self, llm: EngineInterface) -> None:
+    def load(self, llm: BlockEngine) -> None:
         if not self.path.exists():
             return
         try:
@@ -51,7 +51,7 @@ class PrefixCacheFile:
             return
         _say(f"prefix cache: {blocks} blocks loaded from {self.path}")
 
-    def save(self, llm: EngineInterface) -> None:
+    def save(self, llm: BlockEngine) -> None:
         if self.keep_as_is:
             _say(f"prefix cache: not saved: {self.path} was not this engine's prefix cache")
             return

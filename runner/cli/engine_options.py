@@ -114,6 +114,21 @@ _OPTIONS = [
         "name); default: on for CUDA, off on the CPU. Never with --speculative-tokens.",
     ),
     click.option(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        show_default=True,
+        help="Split the model's heads, MLP and vocabulary over N ranks, each a process joined "
+        "by torch.distributed (gloo on the CPU, NCCL on CUDA; docs/PARALLEL.md).",
+    ),
+    click.option(
+        "--distributed-init-method",
+        default=None,
+        help="With --tensor-parallel-size: where the ranks meet, tcp://host:port (default: a "
+        "free loopback port; torchrun's environment wins).",
+    ),
+    click.option(
         "--speculative-tokens",
         type=int,
         default=0,

@@ -14,7 +14,7 @@ from typing import NamedTuple
 from kvcache import block_hashes, namespace_root
 from kvcache.hashing import TOKEN_BYTES, pack_tokens
 from kvcache.tiers import Miss, decode
-from runner.engine.api.interface import EngineInterface
+from runner.engine.api.interface import ServingEngine
 
 
 class PromptChain(NamedTuple):
@@ -27,7 +27,7 @@ class PromptChain(NamedTuple):
 
 
 def prompt_chain(
-    llm: EngineInterface, token_ids: Sequence[int], cache_salt: str | None
+    llm: ServingEngine, token_ids: Sequence[int], cache_salt: str | None
 ) -> PromptChain:
     """The chain of ``token_ids`` as ``llm`` names its blocks. Pure."""
     block_size = llm.config.block_size
@@ -48,7 +48,7 @@ class Checked(NamedTuple):
 
 
 def check_values(
-    llm: EngineInterface,
+    llm: ServingEngine,
     chain: PromptChain,
     start: int,
     values: Sequence[bytes | memoryview | None],

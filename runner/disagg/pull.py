@@ -2,7 +2,7 @@
 its pool and host tier lack from the prefill worker (directly or through Redis; directly, while
 the prefill still runs), check each one as it arrives (blocks.py), and copy the run that
 passes straight from the transport's buffers into the pool, a few blocks per short hold of the
-engine lock (runner/engine/kv/kv_tiers.py, TierLoader.install); what the pool cannot take now
+engine lock (kvcache/tiers/loader.py, TierLoader.install); what the pool cannot take now
 waits in the host tier. So the request's admission finds them cached on the device: a step
 never stops to copy a long prompt's blocks in (a stall the running decodes would see), and the
 pull's CPU on the decode worker's core is one copy a block. Whatever did not arrive, or arrived

@@ -35,7 +35,7 @@ from kvcache.redaction import redact_url
 from runner.disagg.publish import Publisher
 from runner.disagg.pull import Puller
 from runner.disagg.roles import RoleParts
-from runner.engine.api.interface import EngineInterface
+from runner.engine.api.interface import ServingEngine
 from runner.engine.sequence import Sequence
 from runner.serve.app import admit  # the server's own checks: draining, model, 400, 429
 from runner.serve.auth import key_matches, unauthorized
@@ -253,7 +253,7 @@ def add_info_routes(app: FastAPI, parts: RoleParts) -> None:
         return out
 
 
-def worker_metrics(llm: EngineInterface) -> JSONBody:
+def worker_metrics(llm: ServingEngine) -> JSONBody:
     """``llm.metrics()`` with ``t0_unix_s``: the wall-clock time its ``t_start_s`` count from."""
     out = llm.metrics()
     out["t0_unix_s"] = time.time() - (time.perf_counter() - llm.metrics_t0)

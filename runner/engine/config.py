@@ -93,7 +93,7 @@ class EngineConfig:
     # no report turns it off to keep its memory flat.
     record_metrics: bool = True
     # Write the whole CPU pool once at start-up instead of mapping its pages on first touch
-    # (kvcache/store.py): a server's choice, so no step or handover copy takes page faults.
+    # (runner/kv_pool/store.py): a server's choice, so no step or handover copy takes page faults.
     prefault_kv_cache: bool = False
     # Speculative decoding by n-gram lookup (step/speculative.py): up to this many guessed
     # tokens checked after a plain greedy request's newest one each step; 0 turns it off.
@@ -130,6 +130,13 @@ class EngineConfig:
     # Prompts given as segments: the fraction of the reused segments' tokens recomputed with
     # the full context (runner/engine/step/segments.py). 1 recomputes all: the plain engine.
     blend_ratio: float = DEFAULT_BLEND_RATIO
+    # Tensor parallelism (runner/model/tensor_parallel.py): the model's heads, MLP and
+    # vocabulary split over this many ranks, each a process of its own joined by
+    # torch.distributed (gloo on the CPU, NCCL on CUDA; runner/engine/executor/multiproc.py).
+    # The ranks meet at a free loopback port, at `distributed_init_method` (tcp://host:port),
+    # or as torchrun's environment says.
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
     # Which cached block the pool evicts first when it runs short (kvcache/eviction/): "lru"
     # (least recently used), "lfu" (least often used, ties by recency) or "priority" (a
     # request's priority, lower first, ties by recency; the engine's requests all have 0 so
@@ -141,7 +148,7 @@ class EngineConfig:
         """Whether the engine runs the overlapped loop (async_scheduling resolved)."""
         wanted = self.async_scheduling
         if wanted is None:
-            wanted = str(self.device).startswith("cuda")
+            wanted = str(self.device).startswith("cuda") and self.tensor_parallel_size == 1
         return wanted and not self.speculative_tokens
 
     @property
@@ -193,6 +200,10 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling runs one worker: it needs tensor_parallel_size=1")
         if self.attention_backend not in (None, *BACKEND_NAMES):
             raise ValueError(
                 f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}"

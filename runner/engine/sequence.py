@@ -72,6 +72,9 @@ class Sequence:
     # that may come from the segment's own cache (runner/engine/step/segments.py).
     segments: tuple[tuple[int, int], ...] = ()
     blend_ratio: float | None = None  # the prompt's own (None: the engine's)
+    # vLLM's request priority (lower first): under eviction_policy="priority" its cached
+    # blocks are evicted after those of lower priorities (kvcache/eviction/priority.py).
+    priority: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
 
     # Written by the scheduler (runner/engine/step/scheduler.py; its two memos by

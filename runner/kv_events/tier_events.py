@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kvcache.hashing import TOKEN_BYTES, unpack_tokens
+from kvcache.tiers import DiskTier, HostTier, TieredStore
 from kvcache.tiers.block_value import Link, value_links
 from runner.kv_events.schema import (
     MEDIUM_DISK,
@@ -30,8 +32,16 @@ MEDIA = {"host": MEDIUM_HOST, "disk": MEDIUM_DISK}
 Publish = Callable[[Sequence[Event]], None]
 
 
+class TierPublisher(Protocol):
+    """The publisher the tiers' events go through (publisher.py's KVEventPublisher)."""
+
+    on_cleared: Callable[[AllBlocksCleared], None] | None
+
+    def publish(self, events: Sequence[Event]) -> None: ...
+
+
 class TierEvents:
-    """A tier listener (kvcache.tiers.tier_events.TierListener) that publishes each tier's
+    """A tier listener (kvcache.tiers.listener.TierListener) that publishes each tier's
     blocks through ``publish`` (KVEventPublisher.publish). Thread-safe: tiers call it from the
     writer's, the prefetcher's and the engine's threads."""
 
@@ -121,3 +131,13 @@ class TierEvents:
                 )
                 run = []
         return events
+
+
+def publish_tier_events(store: TieredStore, publisher: TierPublisher, block_size: int) -> None:
+    """Publish the blocks the host and disk tiers of `store` keep and let go, each under its
+    medium, beside the pool's events (Redis publishes none)."""
+    events = TierEvents(publisher.publish, block_size)
+    publisher.on_cleared = events.cleared
+    for tier in store.tiers:
+        if isinstance(tier, HostTier | DiskTier):
+            tier.listener = events

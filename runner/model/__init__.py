@@ -3,6 +3,6 @@ architectures it runs, loading (Hugging Face folders, GGUF files, the embedded d
 readying it for the CPU kernels (cpu_prepack.py, cpu_layers.py: a whole step's layers in C)
 and CUDA graphs of its decode step.
 
-May import: kvcache.store, attention (the metadata and the backend a forward pass gets),
+May import: runner.kv_pool.store, attention (the metadata and the backend a forward pass gets),
 backends (the kernels the layers call).
 """

@@ -26,9 +26,9 @@ from typing import NamedTuple
 
 import torch
 
-from kvcache.store import KVStore
 from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
+from runner.kv_pool.store import KVStore
 from runner.model.decoder import CausalLM, RopeRows
 from runner.model.decoder_layers import Attention
 from runner.model.layers import apply_rope, rope_inv_freq
@@ -186,6 +186,8 @@ def blend(
     before = _slot_values(v_cache, slots, kv)
     h = _run(model, kv, attention, h, whole, range(select_layer, select_layer + 1))
     moved = (_slot_values(v_cache, slots, kv) - before).pow(2).sum(-1)
+    if model.tp is not None:  # over every rank's heads, so that all ranks pick the same tokens
+        moved = model.tp.all_reduce(moved if model.counts_kv else torch.zeros_like(moved))
     keep = _most_moved(moved.cpu(), region.segments, ratio) | ~reused
     active = torch.nonzero(keep).flatten()
     rows = _rows(model, kv, positions[active], region.block_table)

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.abi import step_split
 from runner.backends.cpu.kernel import LANES, CpuKernels
 from runner.backends.cpu.linear import PackedLinear
 from runner.backends.cpu.panels import weight_type
 from runner.backends.cpu.split import CpuSplit
+from runner.kv_pool.store import KVStore
 from runner.model.decoder_layers import DecoderLayer, PostNormLayer, SandwichNormLayer
 from runner.model.layers import RMSNorm
 

@@ -41,7 +41,6 @@ from collections.abc import Callable
 
 import torch
 
-from kvcache.store import KVStore
 from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.cascade_cost import DEFAULT_THRESHOLDS, NEVER, CascadeThresholds
@@ -51,6 +50,7 @@ from runner.backends.triton.shared_prefix import (
     members_per_chunk,
     plan_decode_step,
 )
+from runner.kv_pool.store import KVStore
 from runner.model.decoder import CausalLM
 
 # Told of each replayed step: its rows' context lengths (the new token included) and the

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcache.store import KVStore
 from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.linear import PackedLinear
 from runner.backends.torch.backend import TORCH_ATTENTION
+from runner.kv_pool.store import KVStore
 from runner.model.architectures import (
     GEMMA_ARCHITECTURES,
     POST_NORM_ARCHITECTURES,
@@ -29,6 +29,7 @@ from runner.model.architectures import (
 from runner.model.decoder_layers import Attention, DecoderLayer, PostNormLayer, SandwichNormLayer
 from runner.model.hf_weights import load_hf_weights
 from runner.model.layers import RMSNorm, rope_cos_sin
+from runner.model.tensor_parallel import TensorParallel
 
 # Per layer type with RoPE tables of its own: the (cos, sin) rows of a step's positions.
 RopeRows = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -55,6 +56,13 @@ class CausalLM(nn.Module):
         # cap * tanh(logits / cap) where the config sets a final soft cap (Gemma 2's 30).
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.head_s = 0.0  # seconds in compute_logits so far
+        # Tensor parallel (runner/model/sharding.py): this rank's share of the vocabulary, the
+        # widths of every rank's, and the group the head's logits are gathered over.
+        self.tp: TensorParallel | None = None
+        self.vocab_widths: list[int] = [config.vocab_size]
+        # Whether this rank's KV heads count in a sum over all of them (a KV head replicated
+        # on several ranks counts on the first alone).
+        self.counts_kv = True
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         layer_class = (
             SandwichNormLayer
@@ -198,6 +206,11 @@ class CausalLM(nn.Module):
         head = self.lm_head
         logits = F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)
         self.head_s += time.perf_counter() - start
+        if self.tp is not None:  # every rank's slice of the vocabulary, on rank 0
+            gathered = self.tp.gather_columns(logits, self.vocab_widths)
+            if gathered is None:  # another rank: rank 0 samples
+                return logits.new_empty((logits.shape[0], 0), dtype=torch.float32)
+            logits = gathered
         logits = logits.float()
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling

@@ -21,6 +21,7 @@ from runner.model.architectures import (
     layer_windows,
 )
 from runner.model.layers import RMSNorm, apply_rope, layer_rope_types
+from runner.model.tensor_parallel import TensorParallel
 
 
 class Attention(nn.Module):
@@ -67,6 +68,9 @@ class Attention(nn.Module):
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(q_width, eps, in_float32, offset) if qk_norm else None
         self.k_norm = RMSNorm(k_width, eps, in_float32, offset) if qk_norm else None
+        # Tensor parallel (runner/model/sharding.py): this rank's heads only, and the output
+        # projection's partial sums added over the ranks.
+        self.tp: TensorParallel | None = None
 
     def forward(
         self,
@@ -116,7 +120,7 @@ class Attention(nn.Module):
             )
         )
         out: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rope(x, cos, sin) if self.use_rope else x
@@ -142,6 +146,7 @@ class MLP(nn.Module):
         # one pass (the same kernel as runner/backends/cpu/csrc/layers.c's, so both paths agree bit
         # for bit).
         self.kernels: CpuKernels | None = None
+        self.tp: TensorParallel | None = None  # as Attention's
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """`fused`: SiLU(gate) * up in one Triton kernel (a GPU step with Triton attention)."""
@@ -158,7 +163,7 @@ class MLP(nn.Module):
             gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
             act = (F.silu(gate) if silu else F.gelu(gate, approximate="tanh")) * up
         out: torch.Tensor = self.down_proj(act)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
+from runner.kv_pool.store import KVStore
 from runner.model.decoder import CausalLM
 
 

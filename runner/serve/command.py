@@ -126,13 +126,6 @@ _OPTIONS: list[Callable[[Command], Command]] = [
         help="vLLM's flag, accepted: no repository code is ever run here.",
     ),
     click.option(
-        "--tensor-parallel-size",
-        "-tp",
-        type=click.IntRange(1, 1),
-        default=1,
-        help="vLLM's flag: one device is all this engine runs on.",
-    ),
-    click.option(
         "--disable-log-requests", is_flag=True, help="vLLM's flag, accepted: none logged."
     ),
     click.option("--disable-log-stats", is_flag=True, help="vLLM's flag, accepted: none logged."),
@@ -204,7 +197,6 @@ def serve_command(start_role: RoleStarter) -> click.Command:
         tool_call_parser: str | None,
         enable_auto_tool_choice: bool,
         trust_remote_code: bool,
-        tensor_parallel_size: int,
         disable_log_requests: bool,
         disable_log_stats: bool,
         vllm: VllmServeOptions,

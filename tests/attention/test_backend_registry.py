@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcache.store import KVStore
 from runner.attention.backend import AttentionBackend, AttentionCall
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.registry import BACKEND_NAMES, BACKENDS, Registry, attention_backend
 from runner.engine.config import EngineConfig
+from runner.kv_pool.store import KVStore
 from runner.model.decoder import CausalLM
 from runner.model.loader import load_model
 

@@ -115,3 +115,23 @@ def test_the_eviction_policy_is_chosen_by_name(tiny_llama_dir: Path) -> None:
     assert answers[0].token_ids == answers[1].token_ids
     bad = CliRunner().invoke(main, ["generate", "in.jsonl", "--eviction-policy", "fifo"])
     assert bad.exit_code == 2 and "'fifo' is not one of 'lfu', 'lru', 'priority'" in bad.output
+
+
+def test_priority_keeps_a_high_priority_prefix_cached(tiny_llama_dir: Path) -> None:
+    """eviction_policy="priority" with vLLM's `generate(..., priority=...)`: when the pool runs
+    short, the low-priority prompt's blocks go and the high-priority one's stay (under "lru"
+    the older, high-priority prompt's would go first)."""
+    from kvcache import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0)
+    kept, dropped = [5 + i % 7 for i in range(64)], [9 + i % 5 for i in range(64)]
+    filler = [[20 + j, 30 + i % 11] * 16 for j, i in enumerate(range(3))]
+    for policy, survivor, gone in (("priority", kept, dropped), ("lru", dropped, kept)):
+        llm = LLM(str(tiny_llama_dir), block_size=16, num_kv_blocks=12, eviction_policy=policy)
+        llm.generate([kept], params, priority=[5])
+        llm.generate([dropped], params, priority=[0])
+        llm.generate(filler, params, priority=[1, 1, 1])  # needs blocks: one prompt's must go
+        assert llm.cached_prefix(survivor, None).blocks == 3, policy  # its full blocks, all
+        assert llm.cached_prefix(gone, None).blocks < 3, policy
+    with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
+        llm.generate([kept, dropped], params, priority=[1])

@@ -16,8 +16,8 @@ from runner.engine.api.interface import EngineInterface
 
 # The engine's parts: what `Engine.__init__` builds, which only runner/engine may touch.
 ENGINE_PARTS = {
-    "attention", "block_manager", "clock", "cpu_layers", "grammars", "hf_config", "intake",
-    "kv", "kv_events", "model", "overlap", "recorder", "runner", "scheduler", "settler",
+    "attention", "block_manager", "clock", "cpu_layers", "executor", "grammars", "hf_config",
+    "intake", "kv", "kv_events", "model", "overlap", "recorder", "runner", "scheduler", "settler",
     "spec_stats", "stopper", "tiers", "token_texts", "validator",
 }  # fmt: skip
 # What the engine is called where it is held (the bench's probe and reference engines too).

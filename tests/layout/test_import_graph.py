@@ -1,6 +1,6 @@
 """The layout's rules, checked on the source: no import cycles (TYPE_CHECKING imports count),
 each package imports only what its __init__ docstring allows, and the KV store core stays pure
-Python (torch only in its tensor store, and never the runner)."""
+Python (no torch, never the runner: the pool's tensors are runner/kv_pool)."""
 
 from __future__ import annotations
 
@@ -12,31 +12,42 @@ from import_graph import ROOT, cycles, import_graph, imported_names, project_mod
 # subpackages it may import.
 ALLOWED: dict[str, set[str]] = {
     "kvcache": set(),
-    "runner.attention": {"kvcache.store"},
-    "runner.backends.torch": {"kvcache.store", "runner.attention"},
+    "runner.kv_pool": set(),
+    "runner.attention": {"runner.kv_pool"},
+    "runner.backends.torch": {"runner.kv_pool", "runner.attention"},
     # The CPU falls back on the torch path; both plan shared prefixes by its grouping.
-    "runner.backends.cpu": {"kvcache.store", "runner.attention", "runner.backends.torch"},
-    "runner.backends.triton": {"kvcache.store", "runner.attention", "runner.backends.torch"},
+    "runner.backends.cpu": {"runner.kv_pool", "runner.attention", "runner.backends.torch"},
+    "runner.backends.triton": {"runner.kv_pool", "runner.attention", "runner.backends.torch"},
     "runner.backends": {
         "runner.attention",
         "runner.backends.torch",
         "runner.backends.cpu",
         "runner.backends.triton",
     },
-    "runner.model": {"kvcache.store", "runner.attention", "runner.backends"},
+    "runner.model": {"runner.kv_pool", "runner.attention", "runner.backends"},
     "runner.sampling": set(),
     "runner.kv_events": {"kvcache"},
     # The engine's top level (config, sequence) and its subpackages, each above the last:
     # api over step over io and kv, all over the top level.
     "runner.engine": {"kvcache", "runner.backends", "runner.kv_events", "runner.sampling"},
-    "runner.engine.kv": {"runner.engine", "kvcache", "kvcache.store", "runner.kv_events"},
+    "runner.engine.kv": {"runner.engine", "kvcache", "runner.kv_pool", "runner.kv_events"},
     "runner.engine.io": {"runner.engine", "kvcache", "runner.sampling"},
+    "runner.engine.executor": {
+        "runner.engine",
+        "runner.engine.kv",
+        "runner.kv_pool",
+        "runner.attention",
+        "runner.backends",
+        "runner.model",
+        "runner.sampling",
+    },
     "runner.engine.step": {
         "runner.engine",
+        "runner.engine.executor",
         "runner.engine.io",
         "runner.engine.kv",
         "kvcache",
-        "kvcache.store",
+        "runner.kv_pool",
         "runner.attention",
         "runner.backends",
         "runner.model",
@@ -44,6 +55,7 @@ ALLOWED: dict[str, set[str]] = {
         "runner.kv_events",
     },
     "runner.engine.api": {
+        "runner.kv_events",  # the engine front starts the KV events publisher it owns
         "runner.engine",
         "runner.engine.step",
         "runner.engine.io",
@@ -67,6 +79,7 @@ ALLOWED: dict[str, set[str]] = {
     # The measuring code: it may import the product, the product never imports it.
     "bench": {
         "kvcache",
+        "runner.kv_pool",
         "runner.attention",
         "runner.backends",
         "runner.engine",
@@ -81,14 +94,14 @@ ALLOWED: dict[str, set[str]] = {
 PRODUCT = ("kvcache", "runner")
 
 
-ENGINE_PARTS = ("api", "step", "io", "kv")
+ENGINE_PARTS = ("api", "step", "io", "kv", "executor")
 
 
 def package_of(module: str) -> str:
-    """The rule's package of a module: kvcache.store on its own, backends by backend, the
+    """The rule's package of a module: backends by backend, the
     engine by subpackage (config and sequence are its top level), bench whole (bench.serve is
     part of it)."""
-    if module == "kvcache.store":
+    if module == "runner.kv_pool":
         return module
     parts = module.split(".")
     if parts[:2] == ["runner", "engine"] and len(parts) > 2 and parts[2] in ENGINE_PARTS:
@@ -125,8 +138,8 @@ def test_each_package_imports_only_what_it_may() -> None:
     wrong = []
     for module, targets in import_graph().items():
         source = package_of(module)
-        if source == "runner" or source == "kvcache.store":
-            continue  # runner/__init__.py sets the Triton switch; the store is the core's leaf
+        if source == "runner":
+            continue  # runner/__init__.py sets the Triton switch
         assert source in ALLOWED, f"{source} has no rule: add it to ALLOWED and its docstring"
         for target in targets:
             dest = package_of(target)
@@ -178,7 +191,7 @@ def test_each_package_docstring_names_what_it_owns_and_imports(package: str) -> 
 def test_the_core_imports_no_torch_and_no_runner() -> None:
     heavy = []
     for name, path in project_modules().items():
-        if not name.startswith("kvcache") or name == "kvcache.store":
+        if not name.startswith("kvcache"):
             continue
         for target in imported_names(path, name):
             if target.split(".")[0] in ("torch", "runner", "numpy", "transformers"):
@@ -187,11 +200,9 @@ def test_the_core_imports_no_torch_and_no_runner() -> None:
 
 
 def test_the_core_tests_import_no_torch() -> None:
-    """tests/kvcache/ tests the pure core without torch; the tensor store's test alone needs it."""
+    """tests/kvcache/ tests the pure core without torch (the pool's tensors: tests/kv_pool)."""
     heavy = []
     for path in sorted((ROOT / "tests" / "kvcache").glob("test_*.py")):
-        if path.name == "test_kv_store.py":
-            continue
         for target in imported_names(path, f"tests.kvcache.{path.stem}"):
             if target.split(".")[0] in ("torch", "runner", "numpy", "transformers"):
                 heavy.append(f"{path.name} imports {target}")

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from kvcache import LLM, SamplingParams, StructuredOutputsParams
-from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.registry import attention_backend
 from runner.backends.triton.common import interpreting
 from runner.engine.config import EngineConfig
 from runner.engine.kv.memory import kv_pool_blocks
+from runner.kv_pool.store import KVStore
 from runner.model.cuda_graphs import DecodeGraphs, graph_batch_sizes, greedy_on_device
 from runner.model.gpu_memory import profile_activation_bytes, profile_sequence_lengths
 from runner.model.loader import load_model

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from kvcache import LLM, SamplingParams
-from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.registry import attention_backend
 from runner.backends.torch.backend import TORCH_ATTENTION
+from runner.kv_pool.store import KVStore
 from runner.model.loader import load_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from kvcache import LLM, SamplingParams
-from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.attention import triton_backend
 from runner.backends.triton.cascade_cost import ALWAYS, NEVER
 from runner.backends.triton.common import interpreting
+from runner.kv_pool.store import KVStore
 from runner.model.cuda_graphs import DecodeGraphs, prefix_chunk_capacity
 from runner.model.loader import load_model
 
@@ -143,12 +143,12 @@ def test_engine_greedy_with_shared_prefix_graphs_equals_eager(
     want = [o.token_ids for o in eager.generate(prompts, params)]
     del eager
     llm = LLM(str(path), **kwargs)  # type: ignore[arg-type]
-    runner = llm.runner
+    worker = llm.runner.executor.local  # the worker in this process: its model and pool
     graphs = DecodeGraphs(
-        runner.model, runner.kv, runner.block_size, 8, 256, device, cascade=ALWAYS
+        worker.model, worker.kv, llm.config.block_size, 8, 256, device, cascade=ALWAYS
     )
     graphs.capture()
-    runner.graphs = graphs  # on the CPU the engine builds none: the graphs' step runs eagerly
+    worker.graphs = graphs  # on the CPU the engine builds none: the graphs' step runs eagerly
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert graphs.num_prefix_replays > 0

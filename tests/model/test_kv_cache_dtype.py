@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from bench.weight_quality import float16_kv
 from kvcache import LLM, SamplingParams
-from runner.engine.step.setup import kv_cache_dtype_of
+from runner.engine.executor.build import kv_cache_dtype_of
 from tests.conftest import load_hf_reference
 
 F16 = {"kv_cache_dtype": "float16"}

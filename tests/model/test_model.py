@@ -14,9 +14,9 @@ from cpu_models import of_engine
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvcache import LLM
-from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.loader import load_cpu_kernels
+from runner.kv_pool.store import KVStore
 from runner.model.decoder import CausalLM
 from runner.model.loader import load_model
 

@@ -68,7 +68,7 @@ def test_a_vllm_command_line_serves(tiny_llama_tok_dir: Path) -> None:
         (["--reasoning-parser", "deepseek_r1"], "reasoning is not split out"),
         (["--chat-template-content-format", "openai"], "joined into one string"),
         (["--max-model-len", "1.5K"], "whole number"),
-        (["--tensor-parallel-size", "2"], "tensor-parallel-size"),
+        (["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1"),
         (["a", "b"], "unexpected extra arguments: b"),
     ],
 )

@@ -1,6 +1,6 @@
 """The tiers' copies off the pool at commit and eviction never wait for the device: on a GPU
 each is queued behind the step in flight and its bytes are waited for by the tiers' writer
-thread (runner/engine/kv/kv_transfer.py's ``BlockReads``; kvcache/tiers' ``DeferredBytes``).
+thread (runner/engine/kv/kv_transfer.py's ``PoolCopies``; kvcache/tiers' ``DeferredBytes``).
 
 On the CPU a device of the test's own (``GatedCopies``) stands in for the GPU's stream: a
 copy's host buffer holds garbage until the test opens the gate, then the bytes its block held
@@ -78,8 +78,8 @@ def tiered(path: Path, copies: GatedCopies | None = None, **options: Any) -> LLM
     """An engine with a host tier (unless ``options`` say otherwise) in a small pool, its
     copies on ``copies`` (else the CPU's own: bytes at once)."""
     llm = LLM(str(path), **{"num_kv_blocks": POOL, "host_cache_bytes": 2**24, **options})
-    assert llm.tiers is not None and llm.tiers.reads.copies is None  # the CPU: no deferral
-    llm.tiers.reads.copies = copies
+    assert llm.tiers is not None and llm.tiers.pool.copies is None  # the CPU: no deferral
+    llm.tiers.pool.copies = copies
     return llm
 
 
@@ -296,7 +296,7 @@ def test_cuda_host_tier_overlapped_equals_tierless(
     del plain
     llm = LLM(str(path), host_cache_bytes=2**26, **common)
     assert llm.overlap is not None and llm.tiers is not None
-    assert llm.tiers.reads.copies is not None  # queued copies, into pinned memory
+    assert llm.tiers.pool.copies is not None  # queued copies, into pinned memory
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert [o.token_ids for p in prompts for o in llm.generate([p], GREEDY)] == expected_alone
     llm.flush_cache_tiers()

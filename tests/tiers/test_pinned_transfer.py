@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.store import KVStore
 from runner.engine.kv.kv_transfer import read_blocks, to_device, to_host, write_blocks
+from runner.kv_pool.store import KVStore
 
 
 def round_trip(device: str) -> None:

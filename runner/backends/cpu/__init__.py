@@ -3,6 +3,6 @@ interface (abi.py) and Python calls (kernel.py), packed weights (panels.py, line
 quant.py), the paged attention backend (attention.py) and the step split it shares with the C
 layer stack (split.py).
 
-May import: kvcache.store, attention, backends.torch (the fallback where the kernels cannot
+May import: runner.kv_pool.store, attention, backends.torch (the fallback where the kernels cannot
 run, and the shared-prefix grouping).
 """

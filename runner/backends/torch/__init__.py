@@ -4,5 +4,5 @@ shared by a step's sequences read once (cascade.py, whose grouping the other bac
 from too), long cached contexts read in place (context_parts.py), soft-capped scores
 (capped.py); the backend itself in backend.py.
 
-May import: kvcache.store, attention.
+May import: runner.kv_pool.store, attention.
 """

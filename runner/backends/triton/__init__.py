@@ -2,5 +2,5 @@
 prefill), RMSNorm in one pass, and their ahead-of-time compile check. On a machine without a
 GPU they run in Triton's interpreter (runner/__init__.py sets it).
 
-May import: kvcache.store, attention, backends.torch (the shared-prefix grouping).
+May import: runner.kv_pool.store, attention, backends.torch (the shared-prefix grouping).
 """

@@ -1,9 +1,9 @@
 """Triton paged attention: the "triton" backend, the twin of the torch path
 (runner/backends/torch/paged.py).
 
-Cache layout (kvcache/store.py): k_cache / v_cache [num_blocks, block_size, Hkv, D]; a token's
-flat slot is block * block_size + offset. A step first writes the new tokens' K/V at their slots
-(store_kv), then attends: decode-only steps go to the split-K decode kernels
+Cache layout (runner/kv_pool/store.py): k_cache / v_cache [num_blocks, block_size, Hkv, D];
+a token's flat slot is block * block_size + offset. A step first writes the new tokens' K/V at
+their slots (store_kv), then attends: decode-only steps go to the split-K decode kernels
 (runner/backends/triton/decode.py), anything else to the varlen causal prefill kernel
 (runner/backends/triton/prefill.py), which also covers mixed prefill + decode batches. Both take an
 optional sliding window (and then load only the keys inside it) and an optional logit soft cap.

@@ -88,16 +88,16 @@ class EngineArgs:
         for field in dataclasses.fields(EngineConfig):
             if field.name == "model":
                 continue
-            flag = "--" + field.name.replace("_", "-")
+            flags = ["--" + field.name.replace("_", "-")]
+            if field.name == "tensor_parallel_size":
+                flags.append("-tp")  # vLLM's short flag
             read = _value_type(hints[field.name])
             if read is None:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=quiet)
+                parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=quiet)
             else:
-                parser.add_argument(flag, type=read, default=quiet)
+                parser.add_argument(*flags, type=read, default=quiet)
         for name in (*PARALLEL, "quantization", *VLLM_ARGS):
             flags = ["--" + name.replace("_", "-")]
-            if name == "tensor_parallel_size":
-                flags.append("-tp")
             if name in _VLLM_FLAGS:
                 parser.add_argument(*flags, action="store_true", default=quiet)
             else:

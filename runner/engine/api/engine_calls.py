@@ -14,6 +14,7 @@ from kvcache.block_cache import BlockListener
 from kvcache.radix_tree import Node
 from kvcache.stats import CacheStats
 from kvcache.tiers import HostTier, Link, encode_chunk
+from runner.engine.api.engine import Engine
 from runner.engine.api.interface import (
     CachedPrefix,
     ForwardParts,
@@ -23,9 +24,7 @@ from runner.engine.api.interface import (
     StepRecord,
 )
 from runner.engine.api.streaming import TextStream
-from runner.engine.kv.kv_transfer import read_blocks
 from runner.engine.sequence import Sequence
-from runner.engine.step.core import Engine
 from runner.engine.step.lock import locked
 from runner.engine.step.scheduler import SchedulerOutput
 from runner.sampling.params import SamplingParams
@@ -84,6 +83,9 @@ class EngineCalls(Engine):
 
     def kv_pool(self) -> KVPool:
         return KVPool(self.kv.num_blocks, self.kv.block_size, self.kv.dtype_name, self.kv.nbytes)
+
+    def rank_weight_bytes(self) -> list[int]:
+        return self.executor.rank_weight_bytes()
 
     def kv_event_endpoints(self) -> dict[str, str | bool | None] | None:
         return self.kv_events.endpoints() if self.kv_events is not None else None
@@ -145,7 +147,7 @@ class EngineCalls(Engine):
 
     def _read_nodes(self, nodes: Seq[Node]) -> tuple[list[tuple[Link, bool]], list[bytes]]:
         """Each node's place in its chain and its K/V copied off the pool (under the lock)."""
-        return [_link_of(n) for n in nodes], read_blocks(self.kv, [n.block_id for n in nodes])
+        return [_link_of(n) for n in nodes], self.executor.read_blocks([n.block_id for n in nodes])
 
     def _encode(self, links: list[tuple[Link, bool]], payloads: list[bytes]) -> list[bytes]:
         spec, key = self.block_spec, self.cache_mac_key

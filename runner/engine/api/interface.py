@@ -113,9 +113,10 @@ class ForwardParts(NamedTuple):
     attention: AttentionBackend  # the backend every eager forward attends through
 
 
-@runtime_checkable
-class EngineInterface(Protocol):
-    """The engine as the other packages see it (see the module's docstring)."""
+class ServingEngine(Protocol):
+    """What a front end that serves requests needs (kvcache serve, kvcache generate, the soak):
+    the model it serves, requests and the loop, the checks a caller makes before it queues,
+    and the reports."""
 
     # -- what it serves (fixed for the engine's life) ------------------------------------------
     @property
@@ -246,12 +247,17 @@ class EngineInterface(Protocol):
 
     def kv_pool(self) -> KVPool: ...
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError when the cache's structures disagree (tests, soaks)."""
+
+
+class BlockEngine(Protocol):
+    """What the cache's other users need (the prefill/decode handover, the tiers' tools, a KV
+    events subscriber): its blocks, their events, warm starts."""
+
     def kv_event_endpoints(self) -> dict[str, str | bool | None] | None:
         """Where the engine publishes vLLM's KV events (endpoint, binds, replay_endpoint,
         topic); None when it publishes none."""
-
-    def check_integrity(self) -> None:
-        """Raise AssertionError when the cache's structures disagree (tests, soaks)."""
 
     # -- warm starts ---------------------------------------------------------------------------
     def save_prefix_cache(self, path: str | Path) -> int: ...
@@ -302,6 +308,10 @@ class EngineInterface(Protocol):
         hold the blocks before ``first`` (else none is put). ``token_ids``: the blocks' tokens
         and at least one more. Mutates the pool."""
 
+
+class ProfilingEngine(Protocol):
+    """What the measuring code needs (bench/): the step's parts, to read and time."""
+
     # -- for the measuring code (bench/) -------------------------------------------------------
     def add_schedule_listener(self, listener: Callable[[SchedulerOutput], None]) -> None:
         """Tell ``listener`` each step's schedule (what it computes, for which sequences) before
@@ -314,3 +324,13 @@ class EngineInterface(Protocol):
     def attend_through(self, backend: AttentionBackend) -> None:
         """Attend through ``backend`` in every eager forward from now on (decode graphs keep
         their own): a profiler's instrumented backend. Mutates."""
+
+    def rank_weight_bytes(self) -> list[int]:
+        """Each tensor-parallel rank's weights as held, in bytes (one entry on one device)."""
+        ...
+
+
+@runtime_checkable
+class EngineInterface(ServingEngine, BlockEngine, ProfilingEngine, Protocol):
+    """The engine as the other packages see it: all three kinds of client's calls (see the
+    module's docstring). A client that needs one kind types against that one."""

@@ -94,13 +94,20 @@ class LLM(EngineCalls):
         use_tqdm: bool = False,
         cache_salt: str | None = None,
         params: Params = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, token ids, or vLLM's {"prompt": ...} or
         {"prompt_token_ids": [...]} dict); outputs come back in input order. `sampling_params`
-        (vLLM's name) or `params`: one for all prompts or one per prompt."""
+        (vLLM's name) or `params`: one for all prompts or one per prompt. `priority` (vLLM's):
+        one integer a prompt; under eviction_policy="priority" a lower one's cached blocks are
+        evicted first."""
         batch = prompt_inputs(prompts)
         chosen = sampling_params_arg(sampling_params, params)
-        return self._generate_all(batch, chosen, use_tqdm, cache_salt, chat=False)
+        if priority is not None and len(priority) != len(batch):
+            raise ValueError(f"priority has {len(priority)} entries for {len(batch)} prompts")
+        return self._generate_all(
+            batch, chosen, use_tqdm, cache_salt, chat=False, priority=priority
+        )
 
     def chat(
         self,
@@ -241,9 +248,10 @@ class LLM(EngineCalls):
         use_tqdm: bool,
         cache_salt: str | None,
         chat: bool,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         with self.lock:  # queued and reserved at once: no other caller's step may finish them
-            queued = self._queue_all(prompts, params, cache_salt, chat)  # between the two
+            queued = self._queue_all(prompts, params, cache_salt, chat, priority)  # between the two
             order = {request_id_of(samples[0]): i for i, samples in enumerate(queued)}
             self.reserve_outputs(set(order))
         results: list[RequestOutput | None] = [None] * len(prompts)
@@ -288,6 +296,7 @@ class LLM(EngineCalls):
         params: Params,
         cache_salt: str | None,
         chat: bool = False,
+        priority: list[int] | None = None,
     ) -> list[list[Sequence]]:
         """Add one request per prompt, in order; returns each one's samples. Everything is
         validated before anything runs, and a bad prompt takes the ones queued before it back
@@ -295,10 +304,11 @@ class LLM(EngineCalls):
         param_list = params_per_prompt(params, len(prompts))
         queued: list[list[Sequence]] = []
         try:
-            for prompt, p in zip(prompts, param_list, strict=True):
+            priorities = priority if priority is not None else [0] * len(prompts)
+            for prompt, p, rank in zip(prompts, param_list, priorities, strict=True):
                 salt = prompt.cache_salt if prompt.cache_salt is not None else cache_salt
                 seq = self.add_request(
-                    prompt.prompt, p, cache_salt=salt, add_special_tokens=not chat
+                    prompt.prompt, p, cache_salt=salt, add_special_tokens=not chat, priority=rank
                 )
                 queued.append(self.samples_of(request_id_of(seq)))
         except BaseException as err:  # Ctrl-C too: nothing queued may be left to run unseen
@@ -366,6 +376,7 @@ class LLM(EngineCalls):
     def save_prefix_cache(self, path: str | Path) -> int:
         """Write the prefix cache (every cached block, its tokens and its K/V) to one file, for
         `load_prefix_cache` in a later engine of the same model; returns the blocks saved."""
+        self._one_rank("save_prefix_cache")
         identity, spec, key = self._cache_identity(), self.block_spec, self.cache_mac_key
         return save_prefix_cache(self.block_manager, self.kv, identity, Path(path), spec, key)
 
@@ -377,6 +388,7 @@ class LLM(EngineCalls):
         blocks below them, with a warning). Raises ValueError for a file saved for another
         model, weight rounding, block size or K/V layout, or one that is not a cache file;
         nothing is loaded then."""
+        self._one_rank("load_prefix_cache")
         identity, request_id = self._cache_identity(), next(self.intake.seq_ids)
         bm, spec, key = self.block_manager, self.block_spec, self.cache_mac_key
         vocab = int(self.hf_config.vocab_size)  # its token ids are checked against it
@@ -396,6 +408,16 @@ class LLM(EngineCalls):
         now, without waiting (an idle server's engine thread calls it)."""
         if self.tiers is not None:
             self.tiers.write_waiting()
+
+    def _one_rank(self, call: str) -> None:
+        """The prefix-cache file holds one pool's blocks: a tensor-parallel engine keeps its
+        blocks across restarts in a disk tier instead (its values hold every rank's shard)."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"{call} takes one rank's pool; with tensor_parallel_size="
+                f"{self.config.tensor_parallel_size}, a disk tier (disk_cache_dir) keeps the "
+                "cache across restarts"
+            )
 
     def _cache_identity(self) -> dict[str, str]:
         return cache_identity(self.kv, self.fingerprint, self.config.cpu_weight_dtype)

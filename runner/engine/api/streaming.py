@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from runner.engine.api.engine import Engine
 from runner.engine.api.frozen_heap import frozen_heap
 from runner.engine.io.incremental_text import OutputText
 from runner.engine.io.outputs import RequestOutput
 from runner.engine.io.stopping import StopChecker
 from runner.engine.sequence import Sequence, request_id_of
-from runner.engine.step.core import Engine
 
 # clean_up_tokenization_spaces rewrites " ." " ?" " !" " ," " ' " " n't" " 'm" " 's" " 've"
 # " 're", one rule after another over the whole text: what comes next can change the last few

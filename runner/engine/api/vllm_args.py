@@ -25,8 +25,9 @@ class VllmArg:
     ignored: tuple[object, ...] | None = None
 
 
-# Tensor, pipeline and data parallelism: one device runs a model here.
-PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+# Pipeline and data parallelism: a model runs on one device, or split by tensor parallelism
+# (tensor_parallel_size, an engine option).
+PARALLEL = ("pipeline_parallel_size", "data_parallel_size")
 
 VLLM_ARGS: dict[str, VllmArg] = {
     "swap_space": VllmArg(
@@ -72,9 +73,8 @@ def pop_vllm_args(options: dict[str, Any], model: str | None) -> dict[str, Any]:
         size = rest.pop(name, None)
         if size is not None and size != 1:
             raise ValueError(
-                f"{name}={size!r}: parallelism over several devices is not available yet; "
-                "one device runs a model here (`kvcache router` spreads requests over "
-                "several servers)"
+                f"{name}={size!r}: not available; a model larger than one device runs with "
+                "tensor_parallel_size (`kvcache router` spreads requests over several servers)"
             )
     quantization = rest.pop("quantization", None)
     if quantization is not None and not (

@@ -3,7 +3,7 @@
 A call becomes its sequences here: the prompt tokenized and fitted (runner/engine/io/validation.py),
 its structure compiled, its id picked or checked, its namespace root (one per ``cache_salt``)
 and prefix key found, and one ``Sequence`` built a sample. Nothing is queued: the engine queues
-the sequences whole, or none of them (runner/engine/step/core.py)."""
+the sequences whole, or none of them (runner/engine/api/engine.py)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Copying whole blocks' K/V between the pool (kvcache/store.py) and bytes, for the tiers below
-the device pool and the prefix-cache file (kvcache/tiers/block_value.py). One block's bytes
+"""Copying whole blocks' K/V between the pool (runner/kv_pool/store.py) and bytes, for the tiers
+below the device pool and the prefix-cache file (kvcache/tiers/block_value.py). One block's bytes
 are its slice ``[layers, 2, block_size, kv_heads, head_dim]`` of the pool, C-contiguous, in the
 pool's dtype: what ``BlockSpec.block_nbytes`` counts.
 
-The tiers' copies at commit and eviction (``BlockReads``) never wait for the device on a GPU:
+The tiers' copies at commit and eviction (``PoolCopies``) never wait for the device on a GPU:
 each is queued on the current stream into pinned memory with an event recorded behind it,
 and its bytes are waited for by whoever needs them (the tiers' writer thread), not by the
 engine's thread, which would otherwise wait for the step in flight (asynchronous scheduling
@@ -18,20 +18,23 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvcache.store import KVStore
 from kvcache.tiers import BlockSpec
 from kvcache.tiers.tier_writer import Payload
+from runner.kv_pool.store import KVStore
 
 # Blocks copied per transfer: on a GPU whose memory the pool fills, a copy of every block at
 # once might not fit.
 _BLOCKS_PER_COPY = 256
 
 
-def block_spec(kv: KVStore, identity: str) -> BlockSpec:
-    """What a stored block must agree with to be loaded into ``kv``."""
+def block_spec(kv: KVStore, identity: str, shard_nbytes: list[int] | None = None) -> BlockSpec:
+    """What a stored block must agree with to be loaded into ``kv``; `shard_nbytes`: with
+    tensor parallelism, one block's bytes on each rank (a stored block holds them all)."""
     nbytes = KVStore.bytes_per_block(
         kv.num_layers, kv.block_size, kv.num_kv_heads, kv.head_dim, kv.dtype
     )
+    if shard_nbytes is not None:
+        nbytes = sum(shard_nbytes)
     return BlockSpec(
         identity, kv.dtype_name, kv.block_size, kv.num_layers, kv.num_kv_heads, kv.head_dim,
         nbytes,
@@ -130,23 +133,30 @@ class DeferredBlock:
         return memoryview(self._copy.rows()[self._row])
 
 
-class BlockReads:
-    """How the tiers copy blocks off the pool at commit and eviction: with ``copies`` (a
-    GPU's stream) queued, the payloads deferred; without (the CPU), as bytes at once, just as
-    ``read_blocks`` gives them. Tests put a device of their own in ``copies``."""
+class PoolCopies:
+    """How the tiers copy one pool's blocks (kvcache/tiers/loader.py's ``PoolBlocks``): off
+    the pool at commit and eviction with ``copies`` (a GPU's stream) queued, the payloads
+    deferred; without (the CPU), as bytes at once, just as ``read_blocks`` gives them. Tests
+    put a device of their own in ``copies``. Loads are written back at once."""
 
-    def __init__(self, copies: HostCopies | None) -> None:
+    def __init__(self, kv: KVStore, copies: HostCopies | None) -> None:
+        self.kv = kv
         self.copies = copies
 
-    def __call__(self, kv: KVStore, block_ids: Sequence[int]) -> Sequence[Payload]:
+    @staticmethod
+    def for_pool(kv: KVStore) -> PoolCopies:
+        """Queued on CUDA, immediate elsewhere."""
+        return PoolCopies(kv, CudaCopies() if kv.device.type == "cuda" else None)
+
+    def read_blocks(self, block_ids: Sequence[int]) -> Sequence[Payload]:
         if self.copies is None:
-            return read_blocks(kv, block_ids)
-        return read_deferred(kv, block_ids, self.copies)
+            return read_blocks(self.kv, block_ids)
+        return read_deferred(self.kv, block_ids, self.copies)
 
-
-def block_reads(device: torch.device) -> BlockReads:
-    """The tiers' copies for a pool on ``device``: queued on CUDA, immediate elsewhere."""
-    return BlockReads(CudaCopies() if device.type == "cuda" else None)
+    def write_blocks(
+        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
+    ) -> None:
+        write_blocks(self.kv, block_ids, payloads)
 
 
 def read_deferred(kv: KVStore, block_ids: Sequence[int], copies: HostCopies) -> list[DeferredBlock]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.store import KVStore
 from runner.engine.config import EngineConfig
+from runner.kv_pool.store import KVStore
 
 # On the CPU the pool is a slice of host memory; cap the default so a laptop-sized machine
 # keeps room for everything else.

@@ -5,7 +5,8 @@ speculative.py) and settles the step (settle.py, the whole finishing path; overl
 on CUDA; a failing batch is retried item by item: step_isolation.py); the engine's lock, held
 interrupts, step timing and metrics, and building an engine's parts (setup.py).
 
-May import: engine (config, sequence), engine.io (intake, the request table, stopping,
-outputs), engine.kv (tiers, transfers, pool sizing), kvcache and kvcache.store, attention,
-backends (the registry and the CPU and Triton kernels), model, sampling, kv_events.
+May import: engine (config, sequence), engine.executor (the workers), engine.io (intake, the
+request table, stopping, outputs), engine.kv (tiers, transfers, pool sizing), kvcache and
+runner.kv_pool.store, attention, backends (the registry and the CPU and Triton kernels), model,
+sampling, kv_events.
 """

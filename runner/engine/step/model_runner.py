@@ -1,5 +1,6 @@
-"""Turns a scheduled batch into flat model inputs (positions, slot mapping, block tables) and
-returns the logits of the rows that sample."""
+"""Turns a scheduled batch into one step's plan (flat token ids, positions, slot mapping, block
+tables: runner/engine/executor/plan.py) and hands it to the executor; returns the logits of the
+rows that sample."""
 
 from __future__ import annotations
 
@@ -9,52 +10,61 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvcache.store import KVStore
 from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
-from runner.backends.torch.backend import TORCH_ATTENTION
+from runner.engine.executor.executor import Executor
+from runner.engine.executor.plan import PromptLogprobRows, StepOutput, StepPlan, StepRows
+from runner.engine.executor.worker import ALIGN, StepInputs, index_on, upload
 from runner.engine.step.scheduler import ScheduledSeq
-from runner.model.blend import BlendRegion, Placement, blend, compute_chunk, place
+from runner.model.blend import BlendRegion, Placement
 from runner.model.block_tables import BlockTableRows
 from runner.model.decoder import CausalLM
-from runner.sampling.logprobs import logprobs_of
 
 if TYPE_CHECKING:
     from runner.model.cuda_graphs import DecodeGraphs
 
-ALIGN = 256  # bytes: where each of a step's packed inputs starts (see `upload`)
-PROMPT_ROWS = 256  # prompt positions put through the LM head at once for prompt_logprobs
+__all__ = ["ALIGN", "ModelRunner", "index_on", "upload"]
+
 # Per-item fields read over a whole batch each step, by C-level scans.
 _PROMPT_LOGPROBS = operator.attrgetter("seq.prompt_logprobs")  # a list while it is wanted
 _SAMPLES = operator.attrgetter("sample")
 
 
 class ModelRunner:
-    """Runs one engine step on the model. Owns no scheduling state."""
+    """Plans one engine step and runs it through the executor. Owns no scheduling state."""
 
     def __init__(
-        self,
-        model: CausalLM,
-        kv: KVStore,
-        block_size: int,
-        device: torch.device,
-        max_num_seqs: int,
-        max_model_len: int,
-        attention: AttentionBackend = TORCH_ATTENTION,
-        graphs: DecodeGraphs | None = None,
+        self, executor: Executor, block_size: int, max_num_seqs: int, max_model_len: int
     ) -> None:
-        self.graphs = graphs  # CUDA graphs of decode steps, captured at start-up
-        self.model = model
-        self.attention = attention  # the engine's backend, passed to every forward pass
-        self.kv = kv
-        self.device = device
+        self.executor = executor
         self.block_size = block_size
         self.table_rows = BlockTableRows(2 * max_num_seqs, -(-max_model_len // self.block_size))
 
-    def prepare(
-        self, batch: list[ScheduledSeq]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten the batch: token ids [T], positions [T] and the attention metadata.
+    # What reads rank 0's worker in place: the decoder, its backend, its graphs.
+    @property
+    def model(self) -> CausalLM:
+        return self.executor.local.model
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.executor.local.graphs
+
+    @property
+    def attention(self) -> AttentionBackend:
+        return self.executor.local.attention
+
+    @attention.setter
+    def attention(self, backend: AttentionBackend) -> None:
+        if self.executor.tensor_parallel_size > 1:
+            raise ValueError("the attention backend of tensor-parallel workers is fixed")
+        self.executor.local.attention = backend
+
+    @property
+    def device(self) -> torch.device:
+        return self.executor.local.device
+
+    def plan(self, batch: list[ScheduledSeq]) -> StepPlan:
+        """Flatten the batch: token ids [T], positions [T], slots and block tables.
 
         A chunk starts at `item.start` (the cached or already computed length), so its positions
         continue the prefix, and its K/V go to slots after the prefix in the block table.
@@ -68,8 +78,7 @@ class ModelRunner:
         context_lens = [start + q for start, q in zip(starts, query_lens, strict=True)]
         seq_ids = [item.seq.seq_id for item in batch]
         block_tables = self.table_rows.gather(seq_ids, [item.block_table for item in batch])
-        decode_only = all(q == 1 for q in query_lens)
-        if decode_only:  # one token each: the newest, at position `start`
+        if all(q == 1 for q in query_lens):  # one token each: the newest, at position `start`
             input_ids = [item.seq.token_ids[item.start] for item in batch]
             positions = np.array(starts, dtype=np.int64)
             seq_index = np.arange(n)
@@ -89,39 +98,31 @@ class ModelRunner:
         slot_mapping = block_ids * self.block_size + positions % self.block_size
         query_start_loc = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
-
-        slots, starts_t, contexts, tables, ids, positions_t = upload(
-            [
-                slot_mapping,
-                query_start_loc,
-                np.array(context_lens, dtype=np.int32),
-                block_tables,
-                np.array(input_ids, dtype=np.int64),
-                positions,
-            ],
-            self.device,
-        )
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            query_start_loc=starts_t,
-            context_lens=contexts,
-            block_tables=tables,
+        return StepPlan(
+            input_ids=np.array(input_ids, dtype=np.int64),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            context_lens=np.array(context_lens, dtype=np.int32),
+            block_tables=block_tables,
             query_lens=query_lens,
-            context_lens_host=context_lens,
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            decode_only=decode_only,
-            block_tables_host=block_tables,
+            rows=step_rows(batch, query_lens),
         )
-        return ids, positions_t, meta
 
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """One forward pass; returns float32 logits [N, vocab], one row per item that samples
         (1 + len(draft) for an item with a draft), in batch order. Only those rows go through
-        the LM head."""
-        return self.forward(batch, *self.prepare(batch))
+        the LM head. One worker in this process takes the plan's inputs as `prepare` uploads
+        them; N ranks take the plan itself."""
+        if self.executor.tensor_parallel_size == 1:
+            return self.forward(batch, *self.prepare(batch))
+        return self._finish(batch, self.executor.execute(self.plan(batch)))
 
-    @torch.inference_mode()
+    def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
+        """The step's inputs on the device, for `forward` (an overlapped step uploads them on
+        the host, then queues `forward` as the device's work: overlap.py; in-process only)."""
+        return self.executor.local.upload(self.plan(batch))
+
     def forward(
         self,
         batch: list[ScheduledSeq],
@@ -129,129 +130,70 @@ class ModelRunner:
         positions: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """`run`'s device half, over the inputs `prepare` made for `batch` (an overlapped step,
-        overlap.py, prepares on the host and queues this as the device's work)."""
-        if (
-            self.graphs is not None
-            and meta.decode_only
-            and self.graphs.can_run(len(batch), int(meta.block_tables.shape[1]))
-        ):
-            logits = self.graphs.run(input_ids, positions, meta)  # [B, vocab]
-            self._record_prompt_logprobs(batch, meta.query_lens, logits=logits)
-            if all(map(_SAMPLES, batch)):
-                return logits
-            # A one-token prefill chunk that does not sample can share a decode step.
-            keep = [i for i, item in enumerate(batch) if item.sample]
-            return logits.index_select(0, index_on(keep, logits.device))
-        hidden = self.model(input_ids, positions, meta, self.kv, self.attention)  # [T, H]
-        self._record_prompt_logprobs(batch, meta.query_lens, hidden=hidden)
-        if len(batch) == hidden.shape[0] and all(map(_SAMPLES, batch)):
-            return self.model.compute_logits(hidden)  # one token an item, each samples: all rows
-        rows: list[int] = []  # each sampling item's last token, and a draft's every token
-        end = -1
-        for item, query_len in zip(batch, meta.query_lens, strict=True):
-            end += query_len
-            if item.sample:
-                rows.extend(range(end - len(item.draft), end + 1))
-        if not rows:
-            return hidden.new_empty((0, 0), dtype=torch.float32)
-        if len(rows) == hidden.shape[0]:  # every token samples (a decode step): all rows
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden.index_select(0, index_on(rows, hidden.device)))
+        """`run`'s device half, over the inputs `prepare` made for `batch`."""
+        rows = step_rows(batch, meta.query_lens)
+        inputs = StepInputs(input_ids, positions, meta)
+        return self._finish(batch, self.executor.local.forward(rows, inputs))
 
-    @torch.inference_mode()
     def compute_kv(self, token_ids: list[int], start: int, block_table: list[int]) -> None:
         """Write the K/V of positions [start, start + len(token_ids)) of a prompt whose earlier
-        positions' K/V are in its blocks already: a prefill that samples nothing (a segment
-        cached on its own)."""
-        compute_chunk(self.model, self.kv, self.attention, token_ids, start, block_table)
+        positions' K/V are in its blocks already (a segment cached on its own)."""
+        self.executor.compute_kv(token_ids, start, block_table)
 
-    @torch.inference_mode()
     def place_and_blend(self, placement: Placement, region: BlendRegion, ratio: float) -> int:
         """Cached segments' K/V placed into a prompt's slots, then blended (runner/model/
         blend.py); returns how many reused tokens were recomputed."""
-        place(self.model, self.kv, placement)
-        return blend(self.model, self.kv, self.attention, region, ratio)
+        return self.executor.place_and_blend(placement, region, ratio)
 
-    def _record_prompt_logprobs(
-        self,
-        batch: list[ScheduledSeq],
-        query_lens: list[int],
-        hidden: torch.Tensor | None = None,
-        logits: torch.Tensor | None = None,
-    ) -> None:
-        """For the sequences that ask for prompt log-probabilities: the row of each position p
-        of this step's chunk predicts prompt token p + 1; its figures go to
-        seq.prompt_logprobs[p + 1]. From `logits` when the step made them for every row (a
-        decode graph), else through the LM head over `hidden` [T, H], PROMPT_ROWS at a time
-        (a [T, vocab] block of logits for a long prompt would take gigabytes)."""
-        if not any(map(_PROMPT_LOGPROBS, batch)):
-            return  # the usual step: no one asks
+    def _finish(self, batch: list[ScheduledSeq], out: StepOutput) -> torch.Tensor:
+        """The logits, with the prompt tokens' log-probabilities handed to their sequences."""
+        if out.prompt_logprobs is not None:
+            wanted = prompt_targets(batch, [item.num_new_tokens for item in batch])
+            for (item, position), value in zip(wanted, out.prompt_logprobs, strict=True):
+                assert item.seq.prompt_logprobs is not None
+                item.seq.prompt_logprobs[position] = value
+        return out.logits
+
+
+def step_rows(batch: list[ScheduledSeq], query_lens: list[int]) -> StepRows:
+    """Which hidden rows the LM head takes: each sampling item's last token and a draft's every
+    token (None: one token an item, each sampling), and the rows scoring prompt tokens."""
+    asked = None
+    if any(map(_PROMPT_LOGPROBS, batch)):  # the usual step: no one asks
         rows: list[int] = []
-        targets: list[tuple[ScheduledSeq, int]] = []  # (item, prompt position predicted)
         offset = 0
         for item, query_len in zip(batch, query_lens, strict=True):
             seq = item.seq
             if seq.prompt_logprobs is not None:
                 last = min(item.start + query_len, seq.num_prompt_tokens - 1)
-                for position in range(item.start, last):
-                    rows.append(offset + position - item.start)
-                    targets.append((item, position + 1))
+                rows.extend(offset + p - item.start for p in range(item.start, last))
             offset += query_len
-        for first in range(0, len(rows), PROMPT_ROWS):
-            index = torch.tensor(rows[first : first + PROMPT_ROWS], device=self.device)
-            if logits is not None:
-                chunk = logits.index_select(0, index)
-            else:
-                assert hidden is not None
-                chunk = self.model.compute_logits(hidden.index_select(0, index))
-            wanted = targets[first : first + PROMPT_ROWS]
-            found = logprobs_of(
-                chunk,
-                [item.seq.prompt_token_ids[p] for item, p in wanted],
-                [int(item.seq.params.prompt_logprobs or 0) for item, _ in wanted],
-            )
-            for (item, position), value in zip(wanted, found, strict=True):
-                assert item.seq.prompt_logprobs is not None
-                item.seq.prompt_logprobs[position] = value
+        targets = prompt_targets(batch, query_lens)
+        asked = PromptLogprobRows(
+            rows,
+            [item.seq.prompt_token_ids[p] for item, p in targets],
+            [int(item.seq.params.prompt_logprobs or 0) for item, _ in targets],
+        )
+    if len(batch) == sum(query_lens) and all(map(_SAMPLES, batch)):
+        return StepRows(None, asked)
+    logit_rows: list[int] = []
+    end = -1
+    for item, query_len in zip(batch, query_lens, strict=True):
+        end += query_len
+        if item.sample:
+            logit_rows.extend(range(end - len(item.draft), end + 1))
+    return StepRows(logit_rows, asked)
 
 
-def index_on(values: list[int], device: torch.device) -> torch.Tensor:
-    """`values` as an int64 tensor on `device`. On a GPU it goes over from pinned memory
-    without blocking: `torch.tensor(values, device=...)` waits for every kernel queued before
-    it, which would stall an overlapped step (overlap.py) on the one in flight."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def upload(
-    arrays: list[np.ndarray], device: torch.device, pack: bool | None = None
-) -> list[torch.Tensor]:
-    """The host arrays as tensors on `device`. On the CPU they share the arrays' memory. On a
-    GPU (`pack`) they go over in one host-to-device copy from pinned memory: their bytes packed
-    into one staging buffer (each at a 256-byte boundary, as a fresh device allocation is:
-    kernels compiled for aligned pointers get them), copied without blocking, and each tensor
-    a view of the device copy. A copy from pageable memory may wait for the kernels
-    queued before it, which would undo asynchronous scheduling (runner/engine/step/overlap.py);
-    torch's pinned allocator keeps the buffer until its copy has run."""
-    if pack is None:
-        pack = device.type == "cuda"
-    if not pack:
-        return [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
-    arrays = [np.ascontiguousarray(a) for a in arrays]
-    offsets = []
-    total = 0
-    for a in arrays:
-        offsets.append(total)
-        total += -(-a.nbytes // ALIGN) * ALIGN
-    staging = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    host = staging.numpy()
-    for a, at in zip(arrays, offsets, strict=True):
-        host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
-    on_device = staging.to(device, non_blocking=True)
-    return [
-        on_device[at : at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
-        for a, at in zip(arrays, offsets, strict=True)
-    ]
+def prompt_targets(
+    batch: list[ScheduledSeq], query_lens: list[int]
+) -> list[tuple[ScheduledSeq, int]]:
+    """(item, prompt position predicted) of each row scoring a prompt token, in row order: the
+    row of chunk position p predicts prompt token p + 1."""
+    targets: list[tuple[ScheduledSeq, int]] = []
+    for item, query_len in zip(batch, query_lens, strict=True):
+        seq = item.seq
+        if seq.prompt_logprobs is not None:
+            last = min(item.start + query_len, seq.num_prompt_tokens - 1)
+            targets.extend((item, position + 1) for position in range(item.start, last))
+    return targets

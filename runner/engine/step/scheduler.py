@@ -11,8 +11,8 @@ from collections import deque
 from collections.abc import Callable
 
 from kvcache import BlockManager, Purpose
+from kvcache.tiers.loader import TierLoader
 from runner.engine.config import EngineConfig
-from runner.engine.kv.kv_tiers import TierLoader
 from runner.engine.sequence import SeqStatus, Sequence
 from runner.engine.step.admission import Admission
 from runner.engine.step.policies.registry import policy_for
@@ -46,7 +46,7 @@ class Scheduler:
         # Runs an Allocation's SlotCopy (src, dst, tokens) on the KV store, at once: the source
         # block may be handed out again by a later admission of the same step.
         self.copy_slots = copy_slots
-        self.tiers = tiers  # the KV tiers below the pool (runner/engine/kv/kv_tiers.py), if any
+        self.tiers = tiers  # the KV tiers below the pool (kvcache/tiers/loader.py), if any
         self.admission = Admission(config, block_manager)
         self.policy = policy_for(config.batching)
         self.max_model_len = max_model_len
@@ -225,7 +225,12 @@ class Scheduler:
                 self.segments.release(seq)  # the held segments leave no room: plain tokens
                 seq.blend, seq.exact_limit = None, None
         alloc = self.bm.allocate(
-            seq.seq_id, seq.token_ids, seq.root, purpose, reads_cache=seq.reuses_cache
+            seq.seq_id,
+            seq.token_ids,
+            seq.root,
+            purpose,
+            reads_cache=seq.reuses_cache,
+            priority=seq.priority,
         )
         if alloc.copy is not None:
             self.copy_slots(*alloc.copy)

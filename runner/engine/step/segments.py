@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvcache import BlockManager, Purpose, hash_block
-from runner.engine.kv.kv_tiers import TierLoader
+from kvcache.tiers.loader import TierLoader
 from runner.engine.sequence import BlendPlan, ReusedSegment
 from runner.engine.sequence import Sequence as Seq
 from runner.model.blend import BlendRegion, Cached, Placement, layout

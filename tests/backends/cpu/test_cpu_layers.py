@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.loader import load_cpu_kernels
 from runner.backends.cpu.split import CpuSplit
+from runner.kv_pool.store import KVStore
 from runner.model.decoder import CausalLM
 
 pytestmark = pytest.mark.skipif(

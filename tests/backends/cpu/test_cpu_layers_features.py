@@ -15,11 +15,11 @@ import torch
 from transformers import MistralConfig
 
 from kvcache import LLM
-from kvcache.store import KVStore
 from runner.attention.backend import Attend, AttentionBackend, AttentionCall
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.loader import load_cpu_kernels
 from runner.backends.torch.paged import write_kv
+from runner.kv_pool.store import KVStore
 from runner.model.cpu_layers import CpuLayers
 from runner.model.decoder import CausalLM
 from runner.model.decoder_layers import Attention

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from cpu_models import CpuModel, of_engine
 
 from kvcache import LLM
-from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.loader import load_cpu_kernels
+from runner.kv_pool.store import KVStore
 from runner.model.cpu_layers import MAX_ROPE_TABLES, CpuLayers
 from runner.model.decoder_layers import SandwichNormLayer
 

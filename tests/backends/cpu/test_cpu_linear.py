@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.cpu.linear import (
     PackedLinear,
@@ -21,6 +20,7 @@ from runner.backends.cpu.linear import (
     prepack_linears,
     prepacking_available,
 )
+from runner.kv_pool.store import KVStore
 from runner.model.cpu_prepack import prepack_for_cpu
 from runner.model.decoder import CausalLM
 from runner.model.loader import load_model

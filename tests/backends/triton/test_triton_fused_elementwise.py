@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.torch.backend import TORCH_ATTENTION
 from runner.backends.triton.common import interpreting
 from runner.backends.triton.fused_elementwise import add_rms_norm, silu_mul
+from runner.kv_pool.store import KVStore
 from runner.model.layers import RMSNorm
 from runner.model.loader import load_model
 

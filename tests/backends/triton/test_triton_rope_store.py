@@ -15,12 +15,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvcache.store import KVStore
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.torch.backend import TORCH_ATTENTION
 from runner.backends.triton.attention import triton_backend
 from runner.backends.triton.common import interpreting
 from runner.backends.triton.rope_store import rope_store, rope_store_fits
+from runner.kv_pool.store import KVStore
 from runner.model.decoder_layers import Attention
 from runner.model.layers import apply_rope, rope_cos_sin
 from runner.model.loader import load_model

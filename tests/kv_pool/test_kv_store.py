@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kvcache.store import KVStore
+from runner.kv_pool.store import KVStore
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="needs fork")

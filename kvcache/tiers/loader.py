@@ -1,13 +1,15 @@
-"""The engine's side of the tiers below the device pool (kvcache/tiers): which blocks go down,
-and how hits come back up.
+"""The block manager's side of the tiers below the device pool: which blocks go down, and how
+hits come back up. Pure Python: the K/V copies off and into the pool are the caller's
+(`PoolBlocks`: runner/engine/kv/transfer.py for one pool, the tensor-parallel executor for
+its ranks).
 
 * Each block a commit adds to the tree is copied off the pool and queued for the
   write-through tiers (disk, remote), in chunks of ``cache_chunk_tokens`` (``_chunks``); each
   block about to be evicted from the pool, for the host tier (write-back). The copy is made at
   once, while the block still holds its K/V; encoding, checksums, MACs and I/O run on the
   store's writer thread. On a GPU the copy is queued behind the step in flight and the writer
-  thread waits for it (kv_transfer.py's ``BlockReads``): a commit or an eviction never waits
-  for the device. What the write queue has no room for waits in the pool
+  thread waits for it (runner/engine/kv/kv_transfer.py's ``PoolCopies``): a commit or an
+  eviction never waits for the device. What the write queue has no room for waits in the pool
   (``WriteBacklog``: a long prompt committed in one step) and is copied at the next commit,
   eviction or flush, oldest first; only a block evicted before then is dropped.
 * At admission (``load``, before the block manager's allocate) the request's chain of block
@@ -19,73 +21,60 @@ and how hits come back up.
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-from kvcache import BlockManager, Purpose, block_hashes
-from kvcache.hashing import pack_tokens
+from kvcache.block_manager import BlockManager, Purpose
+from kvcache.hashing import block_hashes, pack_tokens
 from kvcache.radix_tree import Node
-from kvcache.store import KVStore
-from kvcache.tiers import BlockSpec, DiskTier, HostTier, Pending, RemoteTier, TieredStore
+from kvcache.tiers.host import HostTier
 from kvcache.tiers.prefetch import Prefetcher
 from kvcache.tiers.tier_writer import Payload
+from kvcache.tiers.tiered import Pending, TieredStore
 from kvcache.tiers.write_backlog import WriteBacklog
-from runner.engine.config import EngineConfig
-from runner.engine.kv.kv_transfer import BlockReads, block_reads, write_blocks
 
-if TYPE_CHECKING:  # ZeroMQ and msgspec are imported only by an engine that publishes
-    from runner.kv_events.publisher import KVEventPublisher
-
-KEY_ENV = "KVCACHE_CACHE_KEY"
 # The request id the block manager knows a load by: engine sequence ids are never negative.
 _LOADING_ID = -1
 WRITE_THROUGH = ("disk", "remote")
 
 
-def cache_mac_key(config: EngineConfig) -> bytes | None:
-    """The MAC key: EngineConfig.cache_key, else the environment's KVCACHE_CACHE_KEY. Raises
-    ValueError when require_cache_mac is set and neither is."""
-    key = config.cache_key if config.cache_key is not None else os.environ.get(KEY_ENV)
-    if config.require_cache_mac and not key:
-        raise ValueError(f"require_cache_mac needs cache_key= (or {KEY_ENV}) to be set")
-    return key.encode() if key else None
+class PoolBlocks(Protocol):
+    """Blocks' K/V copied off the pool (as bytes, or payloads that resolve to them later: a
+    copy queued behind a GPU's step) and back into it."""
 
+    def read_blocks(self, block_ids: Sequence[int]) -> Sequence[Payload]: ...
 
-def cache_identity_string(fingerprint: str, weights: str) -> str:
-    """What a stored block's K/V depend on beyond its tokens: the weights and their rounding."""
-    return f"{fingerprint}|weights={weights}"
+    def write_blocks(
+        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
+    ) -> None: ...
 
 
 class TierLoader:
     """Moves blocks between one engine's pool and its tiers."""
 
     def __init__(
-        self, config: EngineConfig, bm: BlockManager, kv: KVStore, spec: BlockSpec
+        self,
+        bm: BlockManager,
+        store: TieredStore,
+        pool: PoolBlocks,
+        block_size: int,
+        host: HostTier | None = None,
     ) -> None:
-        tiers: list[Any] = []
-        host = HostTier(config.host_cache_bytes) if config.host_cache_bytes else None
-        if host is not None:
-            tiers.append(host)
-        if config.disk_cache_dir:
-            tiers.append(DiskTier(config.disk_cache_dir, config.disk_cache_bytes))
-        if config.remote_cache_url:
-            tiers.append(RemoteTier(config.remote_cache_url))
-        self.chunk_blocks = max(1, config.cache_chunk_tokens // config.block_size)
-        self.store = TieredStore(
-            spec, tiers, mac_key=cache_mac_key(config), chunk_blocks=self.chunk_blocks
-        )
+        """`store`: the tiers, opened (runner/engine/kv/tiers.py builds them from the engine's
+        options); `pool`: how blocks' K/V are copied off and into the pool (one worker's pool,
+        or every tensor-parallel rank's shard joined in rank order); `host`: the store's host
+        tier, if it has one (evictions are written back to it)."""
+        self.store = store
         self.host = host
+        self.chunk_blocks = store.chunk_blocks
         # A waiting request's blocks are read up from disk or Redis into the host tier.
         self.prefetcher = (
-            Prefetcher(self.store, host) if host is not None and len(tiers) > 1 else None
+            Prefetcher(store, host) if host is not None and len(store.tiers) > 1 else None
         )
-        self.bm, self.kv = bm, kv
-        # The copies off the pool at commit and eviction: queued on a GPU, at once on the CPU.
-        self.reads = block_reads(kv.device)
-        self.block_size = config.block_size
+        self.bm, self.pool = bm, pool
+        self.block_size = block_size
         self._loading = False  # blocks committed by a load came from the tiers: not written back
         self.loaded_blocks = 0
         self.load_seconds = 0.0
@@ -95,7 +84,7 @@ class TierLoader:
         # At exit, at close (or when this loader is collected) the queued writes still land,
         # and the waiting ones with them.
         self._close = weakref.finalize(
-            self, _close, self.prefetcher, self.store, self.backlog, self.reads, self.kv
+            self, _close, self.prefetcher, self.store, self.backlog, pool.read_blocks
         )
         if self._write_through:
             bm.add_listener(self.backlog)
@@ -115,7 +104,7 @@ class TierLoader:
         self._write_backlog()
 
     def _write_backlog(self) -> None:
-        _write_backlog(self.backlog, self.store, self.reads, self.kv)
+        _write_backlog(self.backlog, self.store, self.pool.read_blocks)
 
     def write_waiting(self) -> None:
         """Queue what waits in the pool and the write queue has room for now. An idle
@@ -164,7 +153,7 @@ class TierLoader:
         if not room:
             return
         fresh = fresh[:room]
-        payloads = self.reads(self.kv, [n.block_id for n in fresh])
+        payloads = self.pool.read_blocks([n.block_id for n in fresh])
         store.write(("host",), [self._pending(n, p) for n, p in zip(fresh, payloads, strict=True)])
 
     # -- up ------------------------------------------------------------------------------------
@@ -244,7 +233,7 @@ class TierLoader:
             try:
                 fresh = alloc.block_table[on_device : on_device + n]
                 copy_started = time.perf_counter()
-                write_blocks(self.kv, fresh, kvs[:n])
+                self.pool.write_blocks(fresh, kvs[:n])
                 elapsed += time.perf_counter() - copy_started
                 self._loading = True
                 bm.commit(_LOADING_ID, probe, (on_device + n) * B)
@@ -260,18 +249,6 @@ class TierLoader:
         """The first ``num_blocks`` blocks and one token more: allocate matches every one of
         those blocks and takes one more for that token."""
         return list(token_ids[: num_blocks * self.block_size + 1])
-
-    # -- events --------------------------------------------------------------------------------
-    def publish_events(self, publisher: KVEventPublisher) -> None:
-        """Publish the blocks the host and disk tiers store and let go, each under its medium,
-        with the pool's events (runner/kv_events/tier_events.py; Redis publishes none)."""
-        from runner.kv_events.tier_events import TierEvents
-
-        events = TierEvents(publisher.publish, self.block_size)
-        publisher.on_cleared = events.cleared
-        for tier in self.store.tiers:
-            if isinstance(tier, HostTier | DiskTier):
-                tier.listener = events
 
     # -- reports -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -314,7 +291,7 @@ def _depth(node: Node) -> int:
 
 
 def _write_backlog(
-    backlog: WriteBacklog, store: TieredStore, reads: BlockReads, kv: KVStore
+    backlog: WriteBacklog, store: TieredStore, read: Callable[[Sequence[int]], Sequence[Payload]]
 ) -> None:
     """Copy off the pool and queue, in one copy, the oldest waiting values the write queue
     has room for; the rest wait (their blocks stay in the pool)."""
@@ -322,7 +299,7 @@ def _write_backlog(
     store.count_dropped(dropped)
     if not chunks:
         return
-    payloads = iter(reads(kv, [n.block_id for chunk in chunks for n in chunk]))
+    payloads = iter(read([n.block_id for chunk in chunks for n in chunk]))
     store.write_chunks(
         WRITE_THROUGH,
         [[TierLoader._pending(n, next(payloads)) for n in chunk] for chunk in chunks],
@@ -333,12 +310,11 @@ def _close(
     prefetcher: Prefetcher | None,
     store: TieredStore,
     backlog: WriteBacklog,
-    reads: BlockReads,
-    kv: KVStore,
+    read: Callable[[Sequence[int]], Sequence[Payload]],
 ) -> None:
     if prefetcher is not None:
         prefetcher.close()
     while len(backlog):  # each round frees the queue, so the next takes a value at least
-        _write_backlog(backlog, store, reads, kv)
+        _write_backlog(backlog, store, read)
         store.flush()
     store.close()
