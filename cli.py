@@ -13,7 +13,7 @@ import click
 
 from bench.command import bench
 from bench.serve.command import bench_serve
-from runner.cli.batch_paths import OutputFile
+from runner.cli.batch.paths import OutputFile
 from runner.cli.engine_options import engine_options
 from runner.cli.report import report
 from runner.cli.startup import start_up_without_gc
@@ -23,7 +23,7 @@ from runner.router.command import router
 from runner.serve.command import serve_command
 
 if TYPE_CHECKING:
-    from runner.cli.batch_run import BatchRun
+    from runner.cli.batch.run import BatchRun
     from runner.cli.output_lock import LockedOutput
     from runner.cli.sampling_defaults import SamplingDefaults
     from runner.sampling.structured_outputs import StructuredOutputsParams
@@ -172,7 +172,7 @@ def generate(
     allowed_token_ids, bad_words, truncate_prompt_tokens, skip_special_tokens,
     include_stop_str_in_output, structured_outputs, repetition_penalty, presence_penalty,
     frequency_penalty, logprobs, prompt_logprobs, n) and cache_salt."""
-    from runner.cli.batch_paths import check_paths
+    from runner.cli.batch.paths import check_paths
 
     # First, and held until the command ends: a second run on OUTPUT is refused at once.
     held = click.get_current_context().with_resource(_locked_output(output_path))
@@ -215,7 +215,7 @@ def generate(
         "prompt_logprobs": prompt_logprobs,
     }
     engine_options["record_metrics"] = bool(metrics_path)  # else memory grows with every token
-    from runner.cli.batch_finish import PrefixCacheFile, run_batch
+    from runner.cli.batch.finish import PrefixCacheFile, run_batch
     from runner.cli.signals import sigterm_as_sigint
 
     with sigterm_as_sigint():  # `kill`: what Ctrl-C does, not an exit without a word
@@ -268,7 +268,7 @@ def _start_batch_run(
     defaults: SamplingDefaults,
     beam_width: int | None,
 ) -> BatchRun:
-    from runner.cli.batch_run import BatchRun
+    from runner.cli.batch.run import BatchRun
     from runner.engine.api.beam_search import BeamSearchParams
     from runner.sampling.params import SamplingParams
 

@@ -8,8 +8,8 @@ vllm_driver.py, llama_cpp.py), the tiers' figures (tiers.py, local_redis.py), th
 core's microbenchmark (microbench.py), the prefill/decode interference bench over served
 workers (pd_interference.py, pd_results.py, pd_interference_command.py,
 pd_interference_worker.py), the GPU
-bench and its profilers (gpu_bench.py, gpu_workload.py, gpu_floor.py, gpu_shared_prefix.py,
-gpu_cascade.py, gpu_step_profile.py), weight-rounding quality (weight_quality.py), the soak
+bench and its profilers (gpu/bench.py, gpu/workload.py, gpu/floor.py, gpu/shared_prefix.py,
+gpu/cascade.py, gpu/step_profile.py), weight-rounding quality (weight_quality.py), the soak
 (soak.py, soak_checks.py, soak_workload.py) and `kvcache bench-serve` (serve/).
 
 May import: kvcache, kv_pool (the tensors a probe allocates), attention, backends, engine,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from runner.cli.batch_paths import OutputFile, check_output_file
+from runner.cli.batch.paths import OutputFile, check_output_file
 from runner.cli.stdout import echo
 
 

@@ -32,7 +32,7 @@ from runner.backends.cpu.linear import PackedLinear, onednn_available
 from runner.backends.cpu.loader import load_cpu_kernels
 from runner.engine.api.interface import EngineInterface
 from runner.engine.api.llm import LLM
-from runner.engine.io.outputs import RequestOutput
+from runner.engine.requests.outputs import RequestOutput
 from runner.sampling.params import SamplingParams
 
 if TYPE_CHECKING:

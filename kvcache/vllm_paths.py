@@ -14,13 +14,13 @@ RUNNER_NAMES = {
     "LLM": "runner.engine.api.llm",
     "EngineArgs": "runner.engine.api.engine_args",
     "SamplingParams": "runner.sampling.params",
-    "RequestOutput": "runner.engine.io.outputs",
-    "CompletionOutput": "runner.engine.io.outputs",
-    "Logprob": "runner.engine.io.outputs",
+    "RequestOutput": "runner.engine.requests.outputs",
+    "CompletionOutput": "runner.engine.requests.outputs",
+    "Logprob": "runner.engine.requests.outputs",
     "StructuredOutputsParams": "runner.sampling.structured_outputs",
     "BeamSearchParams": "runner.engine.api.beam_search",
-    "TextPrompt": "runner.engine.io.prompt_inputs",
-    "TokensPrompt": "runner.engine.io.prompt_inputs",
+    "TextPrompt": "runner.engine.requests.prompt_inputs",
+    "TokensPrompt": "runner.engine.requests.prompt_inputs",
     "cleanup_dist_env_and_memory": "runner.engine.api.memory_cleanup",
 }
 

@@ -12,7 +12,7 @@
 #   6. deterministic mode: 256 requests each alone against all batched.
 # Each stage writes its JSON beside the result file as soon as it (or, for stage 4, each way)
 # ends, so a cut keeps what was measured. The run ends with one line per target: PASS, FAIL or
-# NOT RUN with its figure (bench/gpu_verdict.py). Every stage runs under `timeout` (SIGINT
+# NOT RUN with its figure (bench/gpu/verdict.py). Every stage runs under `timeout` (SIGINT
 # first, so pytest still prints its summary and Python a traceback of where it stuck); the
 # limits add up to 495 s, and none reaches past GPU_CHECK_TOTAL_S (510 s) from the start (a
 # stage with under 20 s left is skipped).
@@ -128,7 +128,7 @@ stage() {
     --format=csv 2>&1 || echo "nvidia-smi unavailable"
   # The engine imports redis, pyzmq and msgspec, which the H200 image lacks: carried wheels
   # (--fetch-wheels above) go into /tmp/site when the imports fail without them.
-  imports="import bench.gpu_bench, bench.gpu_verdict; from kvcache import LLM"
+  imports="import bench.gpu.bench, bench.gpu.verdict; from kvcache import LLM"
   if ! timeout 60 "$PY" -c "$imports" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
@@ -159,16 +159,16 @@ print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "
 
   # shellcheck disable=SC2086  # TOY is a list of flags on purpose
   stage "nano-vllm benchmark (Qwen3-0.6B)" "$BENCH_S" "$DIR/gpu_bench.json" \
-    -m bench.gpu_bench --skip-hf --skip-check $TOY
+    -m bench.gpu.bench --skip-hf --skip-check $TOY
   # shellcheck disable=SC2086
   stage "SmolLM2-135M shape" "$SMOLLM2_S" "$DIR/gpu_smollm2.json" \
-    -m bench.gpu_bench --shape smollm2-135m --skip-hf --skip-check $TOY
+    -m bench.gpu.bench --shape smollm2-135m --skip-hf --skip-check $TOY
   # shellcheck disable=SC2086
   stage "shared-prefix workload" "$SHARED_S" "$DIR/gpu_shared_prefix.json" \
-    -m bench.gpu_bench --workload shared-prefix --skip-hf --skip-check $TOY
+    -m bench.gpu.bench --workload shared-prefix --skip-hf --skip-check $TOY
   # shellcheck disable=SC2086
   stage "float32 greedy equality" "$GREEDY_S" "$DIR/gpu_greedy.json" \
-    -m bench.gpu_bench --check-only $TOY
+    -m bench.gpu.bench --check-only $TOY
   # shellcheck disable=SC2086
   stage "deterministic mode" "$DETERMINISM_S" "$DIR/gpu_determinism.json" \
     scripts/gpu_determinism.py --stages answers --no-control $DET_ARGS $TOY
@@ -178,7 +178,7 @@ print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "
   rc_arg=""
   [ -s "$TESTS_RC_FILE" ] && rc_arg="--tests-rc $(cat "$TESTS_RC_FILE")"
   # shellcheck disable=SC2086
-  timeout 30 "$PY" -m bench.gpu_verdict "$DIR" $rc_arg
+  timeout 30 "$PY" -m bench.gpu.verdict "$DIR" $rc_arg
   section "done"
 } 2>&1 | tee "$RESULT"
 

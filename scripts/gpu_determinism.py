@@ -1,7 +1,7 @@
 """Deterministic mode on a GPU (issue 43, docs/DETERMINISM.md): does it hold, and what it costs.
 
 `python scripts/gpu_determinism.py --out FILE` runs three stages on a random model of a real
-shape (bench/gpu_workload.py, bfloat16), each recorded in FILE as it ends:
+shape (bench/gpu/workload.py, bfloat16), each recorded in FILE as it ends:
 
 - kernels: a row's product through the batch-invariant kernel, and through torch's F.linear
   (cuBLAS, the control), in a batch of 1 and of 256 rows: how many of the 256 rows are bitwise
@@ -11,7 +11,7 @@ shape (bench/gpu_workload.py, bfloat16), each recorded in FILE as it ends:
   `--alone` of them one at a time (max_num_seqs=1); how many answers (token ids and
   log-probability bits) agree with the cache-on run, in deterministic mode and, as the
   control, without it;
-- throughput: nano-vllm's benchmark workload (bench/gpu_bench.py's, 256 sequences of 100..1024
+- throughput: nano-vllm's benchmark workload (bench/gpu/bench.py's, 256 sequences of 100..1024
   tokens in and out unless --bench-seqs says fewer), output tokens/s with and without the mode.
 
 `--stages` picks stages (scripts/gpu_check.sh runs `answers` alone, with `--alone` equal to
@@ -36,9 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from bench.gpu_bench import run_kvcache  # noqa: E402
-from bench.gpu_shared_prefix import make_shared_prefix_workload  # noqa: E402
-from bench.gpu_workload import build_random_model, make_workload, vocab_size  # noqa: E402
+from bench.gpu.bench import run_kvcache  # noqa: E402
+from bench.gpu.shared_prefix import make_shared_prefix_workload  # noqa: E402
+from bench.gpu.workload import build_random_model, make_workload, vocab_size  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
 
 

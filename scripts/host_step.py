@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu_workload import build_random_model
+from bench.gpu.workload import build_random_model
 from kvcache import LLM, SamplingParams
 
 

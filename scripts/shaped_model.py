@@ -5,7 +5,7 @@ cannot be downloaded here (throughput does not depend on weight values).
     python scripts/shaped_model.py gemma3-270m /tmp/gemma3-270m
     kvcache bench --model /tmp/gemma3-270m --workload long_documents --systems engine,hf-static
 
-Shapes: bench/gpu_workload.py SHAPES. A vocabulary larger than the tokenizer's (Gemma's
+Shapes: bench/gpu/workload.py SHAPES. A vocabulary larger than the tokenizer's (Gemma's
 262,144 against SmolLM2's 49,152) keeps the model's real LM head; ids past the tokenizer decode
 to nothing.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_workload import SHAPES, build_random_model
+from bench.gpu.workload import SHAPES, build_random_model
 from runner.model.loader import load_tokenizer, resolve_model_dir
 
 

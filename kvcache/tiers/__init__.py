@@ -5,11 +5,11 @@ chunk of blocks, header, tokens, raw K/V, checksum, optional keyed MAC), the tie
 hold such values (``host``: a bounded LRU in RAM; ``disk``: a directory that survives
 restarts; ``remote``: a Redis server shared by every engine), ``tiered``: lookup of a
 chain across them (``chain_reads``: which values it reads, nothing past a gap),
-``tier_writer``: the bounded background writer, ``write_backlog``: committed blocks
+``writer``: the bounded background writer, ``write_backlog``: committed blocks
 waiting in the pool for room in its queue, ``listener``: what the host and disk tiers tell a
 listener of the values they store and let go (KV events), and ``loader``: which of the block
 manager's blocks go down to the tiers and how hits come back up. It imports neither torch nor
-``runner``: the engine copies K/V in and out of the pool (runner/engine/kv/kv_transfer.py, or
+``runner``: the engine copies K/V in and out of the pool (runner/engine/kv/transfer.py, or
 the tensor-parallel ranks) and hands this package bytes.
 
 May import: the rest of kvcache (its hashing), redis and xxhash; never torch nor runner.

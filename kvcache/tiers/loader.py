@@ -8,7 +8,7 @@ its ranks).
   block about to be evicted from the pool, for the host tier (write-back). The copy is made at
   once, while the block still holds its K/V; encoding, checksums, MACs and I/O run on the
   store's writer thread. On a GPU the copy is queued behind the step in flight and the writer
-  thread waits for it (runner/engine/kv/kv_transfer.py's ``PoolCopies``): a commit or an
+  thread waits for it (runner/engine/kv/transfer.py's ``PoolCopies``): a commit or an
   eviction never waits for the device. What the write queue has no room for waits in the pool
   (``WriteBacklog``: a long prompt committed in one step) and is copied at the next commit,
   eviction or flush, oldest first; only a block evicted before then is dropped.
@@ -31,9 +31,9 @@ from kvcache.hashing import block_hashes, pack_tokens
 from kvcache.radix_tree import Node
 from kvcache.tiers.host import HostTier
 from kvcache.tiers.prefetch import Prefetcher
-from kvcache.tiers.tier_writer import Payload
 from kvcache.tiers.tiered import Pending, TieredStore
 from kvcache.tiers.write_backlog import WriteBacklog
+from kvcache.tiers.writer import Payload
 
 # The request id the block manager knows a load by: engine sequence ids are never negative.
 _LOADING_ID = -1

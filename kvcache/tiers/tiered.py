@@ -10,7 +10,7 @@ the hit. A tier that fails is a miss, warned once per tier and counted (its URL'
 never shown); it never fails the request.
 
 Writes: committed blocks through to disk and remote, evicted ones back to the host tier, on
-the bounded background writer (tier_writer.py), which drops a write rather than wait for it
+the bounded background writer (writer.py), which drops a write rather than wait for it
 (the engine keeps what does not fit yet waiting in its pool: write_backlog.py). A block's K/V
 may still be on its way off the GPU when it is queued (``DeferredBytes``): the writer thread
 waits for it, and a lookup of a block whose write is queued waits for that write first.
@@ -37,7 +37,7 @@ from kvcache.tiers.block_value import (
     value_blocks,
 )
 from kvcache.tiers.chain_reads import plan_reads
-from kvcache.tiers.tier_writer import Pending, Tier, TierDown, TierWriter, payload_bytes
+from kvcache.tiers.writer import Pending, Tier, TierDown, TierWriter, payload_bytes
 
 T = TypeVar("T")  # what a guarded tier call returns
 

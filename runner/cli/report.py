@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from runner.cli.batch_paths import OutputFile
+from runner.cli.batch.paths import OutputFile
 from runner.cli.stdout import echo
 
 

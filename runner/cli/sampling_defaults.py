@@ -1,5 +1,5 @@
 """`kvcache generate`'s sampling options: the defaults every input line's own sampling fields
-go over (runner/cli/batch_file.py), by SamplingParams' names."""
+go over (runner/cli/batch/file.py), by SamplingParams' names."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@
   decoding, metrics, and building an engine's parts (step/setup.py).
 - engine.executor: where a step's plan runs: one worker in this process, or tensor-parallel
   ranks in processes of their own (executor/multiproc.py).
-- engine.io: a request's way in and out. Checking and tokenizing it (io/validation.py,
-  io/intake.py), the table of live requests and whose output is whose, stopping, text,
+- engine.requests: a request's way in and out. Checking and tokenizing it (requests/validation.py,
+  requests/intake.py), the table of live requests and whose output is whose, stopping, text,
   outputs in vLLM's shape.
 - engine.kv: the KV plumbing. Host and disk tiers, block transfers, the prefix-cache file, KV
   pool sizing.

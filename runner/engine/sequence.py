@@ -56,7 +56,7 @@ class Sequence:
     writes them: the intake, the scheduler, the step's settling, the model and sampler.
     """
 
-    # Set when the request is queued (runner/engine/io/intake.py), never changed after.
+    # Set when the request is queued (runner/engine/requests/intake.py), never changed after.
     seq_id: int
     request_id: str
     prompt_token_ids: list[int]
@@ -100,7 +100,7 @@ class Sequence:
     num_reused_segment_tokens: int = 0
 
     # Written as a step is settled (runner/engine/step/settle.py): `record_token` appends each
-    # token (called by runner/engine/io/stopping.py, which also sets the stop fields), and
+    # token (called by runner/engine/requests/stopping.py, which also sets the stop fields), and
     # the settler stamps the finish time.
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs

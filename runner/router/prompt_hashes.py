@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvcache import block_hashes, namespace_root
-from runner.engine.io.validation import render_chat
+from runner.engine.requests.validation import render_chat
 from runner.router.replicas import BlockNaming, Replica
 from runner.serve.json_types import JSONObject
 from runner.serve.protocol import ChatMessage

@@ -35,9 +35,9 @@ class SamplingParams:
     generated token's alone), from the model's own distribution (runner/sampling/logprobs.py), and
     `prompt_logprobs` = N the same for every prompt token after the first (such a prompt is
     computed whole, never served from the cache, so every position has its logits). `n`
-    samples the prompt n times (runner/engine/io/sample_groups.py); a seeded request's samples take
-    seeds seed, seed + 1, ... `truncate_prompt_tokens` = k keeps only the prompt's last k tokens
-    (what a long document's end needs in a context too short for all of it).
+    samples the prompt n times (runner/engine/requests/sample_groups.py); a seeded request's samples
+    take seeds seed, seed + 1, ... `truncate_prompt_tokens` = k keeps only the prompt's last k
+    tokens (what a long document's end needs in a context too short for all of it).
 
     The request's own logit rules are vLLM's (runner/sampling/logit_rules.py), applied before the
     penalties: `allowed_token_ids` keeps only those tokens; `min_tokens` bans EOS (unless

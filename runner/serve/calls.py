@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from runner.engine.io.outputs import RequestOutput
+from runner.engine.requests.outputs import RequestOutput
 from runner.sampling.prompt_bytes import check_prompt_bytes
 from runner.serve.engine_loop import EngineLoop
 from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Submission

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
-from runner.engine.io.segmented_prompt import SegmentedPrompt
+from runner.engine.requests.segmented_prompt import SegmentedPrompt
 from runner.sampling.params import SamplingParams
 from runner.serve.calls import start_call
 from runner.serve.events import Delta, Submission

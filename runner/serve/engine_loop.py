@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from runner.engine.api.interface import EngineInterface
 from runner.engine.api.streaming import TextStream
-from runner.engine.io.outputs import RequestOutput
+from runner.engine.requests.outputs import RequestOutput
 from runner.engine.sequence import Sequence
 from runner.sampling.prompt_bytes import max_prompt_bytes
 from runner.serve.events import Accepted, Delta, Done, Event, Rejected, Sink, Submission

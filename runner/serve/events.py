@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from runner.engine.io.outputs import RequestOutput
-from runner.engine.io.segmented_prompt import SegmentedPrompt
+from runner.engine.requests.outputs import RequestOutput
+from runner.engine.requests.segmented_prompt import SegmentedPrompt
 from runner.engine.sequence import Sequence
 from runner.sampling.logprobs import TokenLogprobs
 from runner.sampling.params import SamplingParams

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from runner.engine.io.segmented_prompt import SegmentedPrompt
+from runner.engine.requests.segmented_prompt import SegmentedPrompt
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams
 from runner.serve.messages import ChatMessage, JsonObject, Lenient, template_messages

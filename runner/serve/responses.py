@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TypedDict
 
-from runner.engine.io.outputs import RequestOutput
+from runner.engine.requests.outputs import RequestOutput
 from runner.sampling.logprobs import TokenLogprobs
 from runner.serve.json_types import JSONBody
 from runner.serve.tool_answers import ToolPlan, finish_reason

@@ -1,4 +1,4 @@
-"""The GPU bench (`python -m bench.gpu_bench`) on the CPU at toy sizes: its workload, its
+"""The GPU bench (`python -m bench.gpu.bench`) on the CPU at toy sizes: its workload, its
 phases, how it counts a transformers run cut short at its deadline, and when it claims a ratio.
 On a GPU machine `scripts/gpu_check.sh` runs the real one."""
 
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from bench.gpu_floor import ModelBytes, decode_floor, model_bytes
-from bench.gpu_shared_prefix import make_shared_prefix_workload, step_bytes_report
-from bench.gpu_workload import build_random_model, make_workload
+from bench.gpu.floor import ModelBytes, decode_floor, model_bytes
+from bench.gpu.shared_prefix import make_shared_prefix_workload, step_bytes_report
+from bench.gpu.workload import build_random_model, make_workload
 from bench.hf_continuous import tokens_in_flight
 from bench.peers import load_hf_model
 from bench.workloads import BenchRequest
@@ -40,10 +40,10 @@ def test_workload_is_seeded_and_in_range() -> None:
     torch.cuda.is_available(), reason="on a GPU machine scripts/gpu_check.sh runs the real bench"
 )
 def test_gpu_bench_quick_cpu(tmp_path: Path) -> None:
-    """`python -m bench.gpu_bench --device cpu --quick` runs end to end and writes its
+    """`python -m bench.gpu.bench --device cpu --quick` runs end to end and writes its
     JSON."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "bench.gpu_bench", "--device", "cpu", "--quick"]
+    cmd = [sys.executable, "-m", "bench.gpu.bench", "--device", "cpu", "--quick"]
     cmd += ["--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -70,7 +70,7 @@ def test_gpu_bench_keeps_going_after_a_failed_phase(
 ) -> None:
     """A phase that raises records its error and the next phases still run; a peer stopped at
     its deadline reports what finished, and no ratio is claimed from incomplete runs."""
-    import bench.gpu_bench as gpu_bench
+    import bench.gpu.bench as gpu_bench
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -104,7 +104,7 @@ def test_gpu_bench_keeps_going_after_a_failed_phase(
     ],
 )
 def test_ratio_is_claimed_only_on_counted_runs(theirs: dict[str, Any], claimed: str | None) -> None:
-    import bench.gpu_bench as gpu_bench
+    import bench.gpu.bench as gpu_bench
 
     theirs = {"output_tok_s": 100.0, "wall_s": 1.0, **theirs}
     ratio = gpu_bench._ratio(
@@ -167,7 +167,7 @@ def test_shared_prefix_workload_quick_cpu(tmp_path: Path) -> None:
     """The shared-prefix workload four ways at toy sizes: every way completes with the same
     greedy tokens, only the last reads the system prompt once (through the Triton kernels, in
     the interpreter), and a step's bytes drop to the ideal."""
-    import bench.gpu_bench as gpu_bench
+    import bench.gpu.bench as gpu_bench
 
     out = tmp_path / "bench.json"
     args = ["--device", "cpu", "--quick", "--workload", "shared-prefix", "--out", str(out)]
@@ -228,7 +228,7 @@ def test_decode_floor_and_step_bytes_exactly() -> None:
 
 
 def test_gpu_cascade_quick_cpu(tmp_path: Path) -> None:
-    """The cost model's measurement (bench/gpu_cascade.py) at toy sizes in the
+    """The cost model's measurement (bench/gpu/cascade.py) at toy sizes in the
     interpreter: both decodes agree at every point, and the fit is reported."""
     from bench import gpu_cascade
 

@@ -1,4 +1,4 @@
-"""bench/gpu_verdict.py: the GPU check's closing lines, one per target, judged from the stage
+"""bench/gpu/verdict.py: the GPU check's closing lines, one per target, judged from the stage
 files (here written by hand with figures on both sides of each target)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_verdict import FILES, main, verdicts
+from bench.gpu.verdict import FILES, main, verdicts
 
 
 def write(folder: Path, key: str, report: dict[str, Any]) -> None:

@@ -253,12 +253,12 @@ def test_output_holding_results_needs_resume_or_overwrite(
 def test_interrupt_while_loading_exits_130(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: Any
 ) -> None:
-    import runner.cli.batch_run
+    import runner.cli.batch.run
 
     def interrupted(*args: Any, **kwargs: Any) -> Any:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner.cli.batch_run, "BatchRun", interrupted)
+    monkeypatch.setattr(runner.cli.batch.run, "BatchRun", interrupted)
     src = write_lines(tmp_path / "in.jsonl", [good(0)])
     result = CliRunner().invoke(main, gen_args(src, tmp_path / "out.jsonl", tiny_llama_dir))
     assert result.exit_code == 130 and "nothing was generated" in result.output
@@ -278,7 +278,7 @@ def test_report_and_bench_refuse_bad_arguments_up_front(tmp_path: Path) -> None:
 
 
 def test_resume_keeps_a_symlinked_output_and_its_mode(tmp_path: Path) -> None:
-    from runner.cli.batch_file import ResultWriter
+    from runner.cli.batch.file import ResultWriter
 
     real = write_lines(
         tmp_path / "real.jsonl", [b'{"id": "a", "text": "x"}', b'{"id": "b", "error": "e"}']
@@ -312,7 +312,7 @@ def test_output_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_fresh_run_empties_a_symlinked_output_in_place(tmp_path: Path) -> None:
-    from runner.cli.batch_file import ResultWriter
+    from runner.cli.batch.file import ResultWriter
 
     real = write_lines(tmp_path / "real.jsonl", [b'{"id": "old", "text": "x"}'])
     link = tmp_path / "link.jsonl"

@@ -67,7 +67,7 @@ def test_measure_overlap_on_a_decode_heavy_workload(tmp_path: Path) -> None:
     """The figure for docs/GPU.md: the same workload with the loop synchronous, then
     overlapped (greedy bf16: near-ties may flip between the two, so only the count of equal
     outputs is reported)."""
-    from bench.gpu_workload import build_random_model
+    from bench.gpu.workload import build_random_model
 
     path = build_random_model("smollm2-135m", tmp_path / "model", torch.bfloat16, "cuda")
     prompts = _prompts(128, 2, 64, 256, 10_000)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvcache import LLM, SamplingParams
-from runner.cli.batch_beams import line_prompt
-from runner.cli.batch_file import parse_line
+from runner.cli.batch.beams import line_prompt
+from runner.cli.batch.file import parse_line
 from tests.conftest import CHAT_TEMPLATE
 
 THINKING = (

@@ -1,4 +1,4 @@
-"""Output text extended token by token (runner/engine/io/incremental_text.py) equals the whole
+"""Output text extended token by token (runner/engine/requests/incremental_text.py) equals the whole
 output's decode after every token, for SentencePiece-style decoders (Llama 2's, Gemma's, a Metaspace
 one): random outputs with special tokens, lone spaces, byte runs that are valid UTF-8 and
 runs that are not, and ids past the tokenizer."""
@@ -16,8 +16,8 @@ from test_stopping import cleanup_tokenizer, metaspace_tokenizer
 
 from kvcache import LLM, SamplingParams
 from runner.engine.api.streaming import TextStream
-from runner.engine.io.incremental_text import OutputText, decode_anchor
-from runner.engine.io.stopping import StopChecker
+from runner.engine.requests.incremental_text import OutputText, decode_anchor
+from runner.engine.requests.stopping import StopChecker
 from runner.engine.sequence import Sequence
 
 KINDS = ("llama2", "gemma", "metaspace")

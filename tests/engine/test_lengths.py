@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvcache import LLM, SamplingParams
-from runner.cli.batch_file import parse_line
+from runner.cli.batch.file import parse_line
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 

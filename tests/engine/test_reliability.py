@@ -503,7 +503,7 @@ def test_a_failed_step_reports_error_in_output_and_metrics(
     llm: LLM, good_prompts: list[list[int]], good_refs: list[list[int]], monkeypatch: Any
 ) -> None:
     """The model raising for one request fails that request only (the step runs again one
-    request at a time, runner/engine/step/step_isolation.py): its output and its metrics row
+    request at a time, runner/engine/step/isolation.py): its output and its metrics row
     say "error", the others of its step get their answers, and the next batch runs normally."""
     run = llm.runner.run
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvcache import LLM, SamplingParams
-from runner.cli.batch_file import parse_line
+from runner.cli.batch.file import parse_line
 
 # Only "</s>" (id 2, the tiny tokenizer's EOS) and "C" (byte 0x43, id 3 + 0x43) can come,
 # and EOS does not end the request: the answer mixes text and specials.

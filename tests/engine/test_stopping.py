@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner.engine.io.stopping import StopChecker, first_stop
+from runner.engine.requests.stopping import StopChecker, first_stop
 from runner.engine.sequence import Sequence
 from runner.sampling.params import SamplingParams
 from tests.conftest import tiny_tokenizer

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
 from runner.engine.api.streaming import TextStream
-from runner.engine.io import intake as engine_intake
-from runner.engine.io.incremental_text import OutputText
-from runner.engine.io.stopping import StopChecker
+from runner.engine.requests import intake as engine_intake
+from runner.engine.requests.incremental_text import OutputText
+from runner.engine.requests.stopping import StopChecker
 from runner.engine.sequence import Sequence
 from tests.conftest import tiny_tokenizer
 

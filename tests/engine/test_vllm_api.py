@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvcache import LLM, SamplingParams
-from runner.engine.io.outputs import Logprob, PositionLogprobs
+from runner.engine.requests.outputs import Logprob, PositionLogprobs
 from runner.model.loader import resolve_model_dir
 from tests.conftest import CHAT_TEMPLATE, load_hf_reference
 

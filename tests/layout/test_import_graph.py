@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     # api over step over io and kv, all over the top level.
     "runner.engine": {"kvcache", "runner.backends", "runner.kv_events", "runner.sampling"},
     "runner.engine.kv": {"runner.engine", "kvcache", "runner.kv_pool", "runner.kv_events"},
-    "runner.engine.io": {"runner.engine", "kvcache", "runner.sampling"},
+    "runner.engine.requests": {"runner.engine", "kvcache", "runner.sampling"},
     "runner.engine.executor": {
         "runner.engine",
         "runner.engine.kv",
@@ -44,7 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     "runner.engine.step": {
         "runner.engine",
         "runner.engine.executor",
-        "runner.engine.io",
+        "runner.engine.requests",
         "runner.engine.kv",
         "kvcache",
         "runner.kv_pool",
@@ -58,7 +58,7 @@ ALLOWED: dict[str, set[str]] = {
         "runner.kv_events",  # the engine front starts the KV events publisher it owns
         "runner.engine",
         "runner.engine.step",
-        "runner.engine.io",
+        "runner.engine.requests",
         "runner.engine.kv",
         "kvcache",
         "runner.attention",  # the interface's ForwardParts, for profilers: types only
@@ -94,7 +94,7 @@ ALLOWED: dict[str, set[str]] = {
 PRODUCT = ("kvcache", "runner")
 
 
-ENGINE_PARTS = ("api", "step", "io", "kv", "executor")
+ENGINE_PARTS = ("api", "step", "requests", "kv", "executor")
 
 
 def package_of(module: str) -> str:

@@ -94,7 +94,7 @@ def test_a_refused_start_leaves_no_empty_output(tmp_path: Path) -> None:
 
 def test_the_lock_moves_to_the_file_resume_rewrites(tmp_path: Path) -> None:
     """--resume cuts a torn tail by swapping a new file in: that new file is the one held."""
-    from runner.cli.batch_file import ResultWriter
+    from runner.cli.batch.file import ResultWriter
     from runner.cli.output_lock import LockedOutput, OutputInUse
 
     out = tmp_path / "out.jsonl"

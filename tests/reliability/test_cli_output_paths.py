@@ -93,7 +93,7 @@ def test_bench_serve_refuses_result_json_that_is_not_a_file(tmp_path: Path) -> N
 def test_every_option_that_writes_a_file_is_checked() -> None:
     """Each command's file options: the ones that must exist are read; every other one (a path
     the command writes) carries the one check, so a new writing option cannot skip it."""
-    from runner.cli.batch_paths import OutputFile
+    from runner.cli.batch.paths import OutputFile
 
     unchecked = []
     for command in main.commands.values():

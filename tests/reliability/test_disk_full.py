@@ -81,8 +81,8 @@ def test_a_full_disk_keeps_whole_records_and_resume_finishes(
 
 
 def test_a_failed_write_raises_records_not_written(tmp_path: Path) -> None:
-    from runner.cli.batch_file import ResultWriter
-    from runner.cli.batch_records import RecordsNotWritten
+    from runner.cli.batch.file import ResultWriter
+    from runner.cli.batch.records import RecordsNotWritten
 
     out = tmp_path / "out.jsonl"
     writer = ResultWriter(out, resume=False)

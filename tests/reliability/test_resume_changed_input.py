@@ -57,7 +57,7 @@ def test_a_line_added_at_the_top_reruns_the_shifted_lines(
 def test_of_two_records_of_an_id_the_later_is_kept(tmp_path: Path) -> None:
     """A run killed after a changed line's new record was written, before the old one was
     dropped: the next --resume keeps the new one."""
-    from runner.cli.batch_records import recover
+    from runner.cli.batch.records import recover
 
     out = tmp_path / "out.jsonl"
     out.write_text(

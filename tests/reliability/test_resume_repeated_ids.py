@@ -93,7 +93,7 @@ def test_an_error_record_goes_once_its_line_runs_and_a_failing_line_drops_its_an
 
 
 def test_a_record_without_a_valid_hash_never_replaces_a_hashed_one(tmp_path: Path) -> None:
-    from runner.cli.batch_records import recover
+    from runner.cli.batch.records import recover
 
     out = tmp_path / "out.jsonl"
     hashed = {"id": "1", "token_ids": [1], "request_hash": HASH_A}

@@ -1,5 +1,5 @@
 """One request's failure fails that request only, never the others of its step: a step whose
-model or sampler raises runs again one request at a time (runner/engine/step/step_isolation.py), a
+model or sampler raises runs again one request at a time (runner/engine/step/isolation.py), a
 request whose speculative guesses raise runs again without them, and only a request that raises
 alone too comes back with finish_reason "error" (issue 24, item 7)."""
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from kvcache import LLM, SamplingParams
-from runner.cli.batch_file import parse_line
+from runner.cli.batch.file import parse_line
 from runner.engine.sequence import Sequence
 from runner.sampling.logit_rules import apply_rules, bad_word_ids
 

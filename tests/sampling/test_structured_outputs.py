@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from xgrammar.contrib.hf import LogitsProcessor as XGrammarProcessor
 
 from kvcache import LLM, SamplingParams, StructuredOutputsParams
-from runner.cli.batch_file import parse_line
+from runner.cli.batch.file import parse_line
 
 PERSON = {
     "type": "object",

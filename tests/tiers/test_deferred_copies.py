@@ -1,6 +1,6 @@
 """The tiers' copies off the pool at commit and eviction never wait for the device: on a GPU
 each is queued behind the step in flight and its bytes are waited for by the tiers' writer
-thread (runner/engine/kv/kv_transfer.py's ``PoolCopies``; kvcache/tiers' ``DeferredBytes``).
+thread (runner/engine/kv/transfer.py's ``PoolCopies``; kvcache/tiers' ``DeferredBytes``).
 
 On the CPU a device of the test's own (``GatedCopies``) stands in for the GPU's stream: a
 copy's host buffer holds garbage until the test opens the gate, then the bytes its block held
@@ -24,9 +24,9 @@ import torch
 from kvcache import LLM, SamplingParams
 from kvcache.hashing import hash_packed_block, pack_tokens
 from kvcache.tiers import BlockSpec, BlockValue, HostTier, TieredStore, decode
-from kvcache.tiers.tier_writer import Pending
+from kvcache.tiers.writer import Pending
 from runner.engine.kv import kv_transfer
-from runner.engine.kv.kv_transfer import CopyDone
+from runner.engine.kv.transfer import CopyDone
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 POOL = 12  # blocks of 16: each round of six 69-token prompts evicts the round before's

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.engine.kv.kv_transfer import read_blocks, to_device, to_host, write_blocks
+from runner.engine.kv.transfer import read_blocks, to_device, to_host, write_blocks
 from runner.kv_pool.store import KVStore
 
 

@@ -12,8 +12,8 @@ import pytest
 
 from kvcache import LLM, SamplingParams
 from kvcache.tiers import BlockValue, DiskTier, decode, encode
-from runner.engine.kv.kv_transfer import read_blocks
 from runner.engine.kv.prefix_cache_file import MAGIC
+from runner.engine.kv.transfer import read_blocks
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPT_A = [3 + (i * 7) % 290 for i in range(49)]  # three full blocks and one token

@@ -8,7 +8,7 @@ the launches and the extra partitions' reduce, which cost the same whatever the 
 is read once only where the saved bytes exceed that overhead by a wide margin.
 
 The thresholds are the only numbers and they live here, in CascadeThresholds. Their defaults are
-conservative guesses until bench/gpu_cascade.py has measured the kernel on a GPU (it
+conservative guesses until bench/gpu/cascade.py has measured the kernel on a GPU (it
 times the plain and the shared-prefix decode over prefix lengths 16..4,096 and group sizes
 2..256 and reports where the model chooses wrong); the rule they must keep is that the choice
 is never slower than the plain kernel by more than noise.

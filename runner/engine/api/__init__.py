@@ -5,7 +5,7 @@ the `EngineCore` it owns), the interfaces serve, disagg, the CLI and the bench u
 three; engine_calls.py their reports and block calls), streamed
 requests (streaming.py), beam search (beam_search.py) and the heap frozen for a batch call.
 
-May import: engine (config, sequence), engine.step (the loop), engine.io (requests and
+May import: engine (config, sequence), engine.step (the loop), engine.requests (requests and
 outputs), engine.kv (the prefix-cache file and transfers), kvcache, sampling, kv_events (the
 publisher the front starts); attention and
 model for the types of what a profiler reads (the interface's ForwardParts).

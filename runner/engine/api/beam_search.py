@@ -18,7 +18,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from runner.engine.io.outputs import RequestOutput
+from runner.engine.requests.outputs import RequestOutput
 from runner.sampling.params import MAX_LOGPROBS, SamplingParams
 
 

@@ -1,5 +1,5 @@
 """The engine's front: what a request meets first and last. It builds the engine's parts once,
-takes requests in (runner/engine/io/intake.py fits the prompt, picks the id, builds the
+takes requests in (runner/engine/requests/intake.py fits the prompt, picks the id, builds the
 sequences), hands them to the core (runner/engine/step/core.py: schedule, execute, settle), and
 routes their outputs back to whoever waits for them. `LLM` (runner/engine/api/llm.py) adds the
 batch calls on top: generate, chat, stream."""
@@ -11,13 +11,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from runner.engine.config import EngineConfig
-from runner.engine.io.intake import RequestIntake
-from runner.engine.io.outputs import RequestOutput, TokenTexts
-from runner.engine.io.request_table import LiveRequests, OutputRouter
-from runner.engine.io.segmented_prompt import SegmentedPrompt
-from runner.engine.io.stopping import StopChecker
-from runner.engine.io.validation import Prompt, RequestValidator
+from runner.engine.requests.intake import RequestIntake
+from runner.engine.requests.outputs import RequestOutput, TokenTexts
+from runner.engine.requests.request_table import LiveRequests, OutputRouter
+from runner.engine.requests.segmented_prompt import SegmentedPrompt
+from runner.engine.requests.stopping import StopChecker
+from runner.engine.requests.validation import Prompt, RequestValidator
 from runner.engine.sequence import Sequence
+from runner.engine.step.clock import StepClock
 from runner.engine.step.core import EngineCore
 from runner.engine.step.interrupts import interrupts_held
 from runner.engine.step.lock import locked
@@ -29,7 +30,6 @@ from runner.engine.step.segments import SegmentReuse
 from runner.engine.step.settle import StepSettler
 from runner.engine.step.setup import build_engine_parts
 from runner.engine.step.speculative import SpecStats
-from runner.engine.step.step_clock import StepClock
 from runner.model.cpu_layers import CpuLayers
 from runner.model.loader import generation_eos_ids
 from runner.sampling.params import SamplingParams

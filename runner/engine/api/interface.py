@@ -22,8 +22,8 @@ from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
-from runner.engine.io.segmented_prompt import SegmentedPrompt
-from runner.engine.io.validation import Prompt
+from runner.engine.requests.segmented_prompt import SegmentedPrompt
+from runner.engine.requests.validation import Prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -36,9 +36,9 @@ if TYPE_CHECKING:
     from runner.engine.api.beam_search import BeamSearchOutput, BeamSearchParams
     from runner.engine.api.streaming import TextStream
     from runner.engine.config import EngineConfig
-    from runner.engine.io.outputs import RequestOutput
-    from runner.engine.io.prompt_inputs import Params
-    from runner.engine.io.validation import Messages
+    from runner.engine.requests.outputs import RequestOutput
+    from runner.engine.requests.prompt_inputs import Params
+    from runner.engine.requests.validation import Messages
     from runner.engine.sequence import Sequence as Seq
     from runner.engine.step.scheduler import SchedulerOutput
     from runner.model.cpu_layers import CpuLayers

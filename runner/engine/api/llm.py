@@ -16,22 +16,22 @@ from runner.engine.api.frozen_heap import frozen_heap
 from runner.engine.api.interface import PromptArg
 from runner.engine.api.streaming import StreamDelta, stream_requests
 from runner.engine.api.vllm_args import pop_vllm_args
-from runner.engine.io.outputs import RequestOutput
-from runner.engine.io.prompt_inputs import (
+from runner.engine.kv.prefix_cache_file import cache_identity, load_prefix_cache, save_prefix_cache
+from runner.engine.requests.outputs import RequestOutput
+from runner.engine.requests.prompt_inputs import (
     Params,
     PromptInput,
     chat_template_options,
     prompt_inputs,
     sampling_params_arg,
 )
-from runner.engine.io.validation import (
+from runner.engine.requests.validation import (
     Messages,
     conversation_batch,
     params_per_prompt,
     prompt_token_ids,
     render_chat,
 )
-from runner.engine.kv.prefix_cache_file import cache_identity, load_prefix_cache, save_prefix_cache
 from runner.engine.sequence import Sequence, request_id_of
 from runner.engine.step.lock import locked
 from runner.engine.step.segments import SegmentStats
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 class LLM(EngineCalls):
     """Generation with a prefix cache that persists across calls of one instance.
 
-    The calls take vLLM's names and forms beside ours (runner/engine/io/prompt_inputs.py):
+    The calls take vLLM's names and forms beside ours (runner/engine/requests/prompt_inputs.py):
     `generate(prompts, sampling_params)` or `params=`, prompt dicts, `chat`'s template
     keywords; `LLM(model=...)` takes a local folder, a .gguf file or a Hugging Face Hub id."""
 

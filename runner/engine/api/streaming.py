@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from runner.engine.api.engine import Engine
 from runner.engine.api.frozen_heap import frozen_heap
-from runner.engine.io.incremental_text import OutputText
-from runner.engine.io.outputs import RequestOutput
-from runner.engine.io.stopping import StopChecker
+from runner.engine.requests.incremental_text import OutputText
+from runner.engine.requests.outputs import RequestOutput
+from runner.engine.requests.stopping import StopChecker
 from runner.engine.sequence import Sequence, request_id_of
 
 # clean_up_tokenization_spaces rewrites " ." " ?" " !" " ," " ' " " n't" " 'm" " 's" " 've"

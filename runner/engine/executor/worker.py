@@ -14,7 +14,7 @@ import torch
 from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
 from runner.engine.executor.plan import StepOutput, StepPlan, StepRows
-from runner.engine.kv.kv_transfer import read_blocks, write_blocks
+from runner.engine.kv.transfer import read_blocks, write_blocks
 from runner.kv_pool.store import KVStore
 from runner.model.blend import BlendRegion, Placement, blend, compute_chunk, place
 from runner.model.decoder import CausalLM

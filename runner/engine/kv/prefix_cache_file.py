@@ -26,7 +26,7 @@ from pathlib import Path
 from kvcache import BlockManager, Purpose
 from kvcache.hashing import TOKEN_BYTES, hash_packed_block, pack_tokens, unpack_tokens
 from kvcache.tiers import BlockSpec, BlockValue, Miss, decode, encode
-from runner.engine.kv.kv_transfer import read_blocks, write_blocks
+from runner.engine.kv.transfer import read_blocks, write_blocks
 from runner.kv_pool.store import KVStore
 
 FORMAT = "kvcache-prefix-cache/4"  # 4: block values of version 2 (kvcache/tiers/block_value.py)

@@ -9,13 +9,13 @@ import time
 from collections.abc import Callable, Collection
 
 from runner.engine.executor.executor import Executor
+from runner.engine.step.clock import StepClock
 from runner.engine.step.interrupts import interrupts_held
+from runner.engine.step.isolation import run_each_alone
 from runner.engine.step.model_runner import ModelRunner
 from runner.engine.step.overlap import OverlappedLoop, StepDevice
 from runner.engine.step.scheduler import Scheduler, SchedulerOutput
 from runner.engine.step.settle import StepResult, StepSettler, sample_step
-from runner.engine.step.step_clock import StepClock
-from runner.engine.step.step_isolation import run_each_alone
 
 
 class EngineCore:
@@ -72,7 +72,7 @@ class EngineCore:
 
     def run(self, out: SchedulerOutput) -> StepResult:
         """The forward pass over the step's batch and the sampler over its rows. When either
-        raises, each request runs again alone (runner/engine/step/step_isolation.py), so that only
+        raises, each request runs again alone (runner/engine/step/isolation.py), so that only
         a request that fails alone too fails."""
         try:
             self.clock.start()

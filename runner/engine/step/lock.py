@@ -5,7 +5,7 @@ together in every add, abort and step; a step run by one thread while another ad
 would corrupt them (a block committed for a request another step freed, K/V written twice).
 Every entry point that reads or changes that state runs under the engine's one re-entrant lock,
 held for a whole step: concurrent `generate` calls and streams then take turns step by step and
-share each step's batch (io/request_table.py hands each caller its own outputs), rather
+share each step's batch (requests/request_table.py hands each caller its own outputs), rather
 than one call waiting for another's to end.
 """
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from kvcache import CacheStats
 from runner.engine.sequence import SeqStatus, Sequence
+from runner.engine.step.clock import StepTiming
 from runner.engine.step.scheduler import SchedulerOutput
-from runner.engine.step.step_clock import StepTiming
 
 
 class MetricsRecorder:
@@ -94,7 +94,7 @@ class MetricsRecorder:
                 "hit_tokens_cum": stats.hit_tokens,
                 "query_tokens_cum": stats.query_tokens,
                 "states": states,
-                # Where the step's time went (CPU only; runner/engine/step/step_clock.py): None if
+                # Where the step's time went (CPU only; runner/engine/step/clock.py): None if
                 # unknown.
                 "model_s": timing.model_s if timing else None,
                 "product_s": timing.product_s if timing else None,

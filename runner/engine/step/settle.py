@@ -4,15 +4,15 @@ A step's finishing path reads top to bottom here:
 1. `sample_step`: the step's logits become each sampling item's new tokens (`step_tokens`,
    runner/engine/step/tokens.py: the plain next token by `next_tokens`, or a drafted
    item's accepted guesses plus the model's own token), as a `StepResult`.
-2. `StepSettler.settle`: the items that failed even when run alone (step_isolation.py) end as
+2. `StepSettler.settle`: the items that failed even when run alone (isolation.py) end as
    errors; the others' tokens are recorded and the requests they end found
-   (`StopChecker.record_tokens`, runner/engine/io/stopping.py, appending each token to its
+   (`StopChecker.record_tokens`, runner/engine/requests/stopping.py, appending each token to its
    `Sequence`); drafted and accepted counts are kept; the blocks the step filled are cached
    (`Scheduler.commit` of `StepResult.computed`); the ended requests finish; the step's
    metrics row is written.
 3. `StepSettler.finish`: the one place a sequence ends, whatever ends it (a stop, its length,
    an abort, an error): out of the scheduler (its blocks freed), its `RequestOutput` made,
-   the request forgotten (runner/engine/io/request_table.py), the output kept for its caller.
+   the request forgotten (runner/engine/requests/request_table.py), the output kept for its caller.
 
 The plain loop (core.py) settles a step as soon as it ran; the overlapped loop (overlap.py)
 settles step N while the device runs step N + 1, through the same `settle`.
@@ -26,14 +26,14 @@ from typing import NamedTuple
 
 import torch
 
-from runner.engine.io.outputs import RequestOutput, TokenTexts
-from runner.engine.io.request_table import LiveRequests, OutputRouter
-from runner.engine.io.stopping import StopChecker
+from runner.engine.requests.outputs import RequestOutput, TokenTexts
+from runner.engine.requests.request_table import LiveRequests, OutputRouter
+from runner.engine.requests.stopping import StopChecker
 from runner.engine.sequence import Sequence
+from runner.engine.step.clock import StepTiming
 from runner.engine.step.metrics import MetricsRecorder
 from runner.engine.step.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from runner.engine.step.speculative import SpecStats
-from runner.engine.step.step_clock import StepTiming
 from runner.engine.step.tokens import step_tokens
 from runner.sampling.logprobs import TokenLogprobs
 

@@ -14,8 +14,8 @@ from runner.engine.config import EngineConfig
 from runner.engine.executor.build import load_share, make_worker, pool_blocks
 from runner.engine.executor.executor import Executor
 from runner.engine.executor.multiproc import start_tensor_parallel
-from runner.engine.kv.kv_transfer import PoolCopies, block_spec
 from runner.engine.kv.tiers import cache_identity_string, cache_mac_key, open_tiers
+from runner.engine.kv.transfer import PoolCopies, block_spec
 from runner.engine.step.model_runner import ModelRunner
 from runner.kv_pool.store import KVStore
 from runner.model.loader import LoadedModel

@@ -1,6 +1,6 @@
 """The cost model that decides when a decode group reads its shared prefix once: its decisions
 on the bench's model shapes, and that they only ever widen with a longer prefix or a bigger
-group (bench/gpu_cascade.py measures the kernel on a GPU to fit the thresholds)."""
+group (bench/gpu/cascade.py measures the kernel on a GPU to fit the thresholds)."""
 
 from __future__ import annotations
 

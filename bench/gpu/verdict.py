@@ -1,7 +1,7 @@
 """The GPU check's verdict: one line per target, from the JSON each stage of
 scripts/gpu_check.sh wrote (a stage cut short leaves what it had measured).
 
-`python -m bench.gpu_verdict DIR [--tests-rc N]` prints, for each target, `PASS`, `FAIL` or
+`python -m bench.gpu.verdict DIR [--tests-rc N]` prints, for each target, `PASS`, `FAIL` or
 `NOT RUN` with the figure it was judged on, and exits 0 when every target passed. The targets
 (one H200, one run each):
 

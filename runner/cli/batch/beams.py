@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypedDict
 
-from runner.cli.batch_file import BatchLine
+from runner.cli.batch.file import BatchLine
 from runner.engine.api.beam_search import BeamSearchOutput, BeamSearchParams
 from runner.engine.api.interface import ServingEngine
-from runner.engine.io.segmented_prompt import SegmentedPrompt
-from runner.engine.io.validation import Prompt, prompt_token_ids
+from runner.engine.requests.segmented_prompt import SegmentedPrompt
+from runner.engine.requests.validation import Prompt, prompt_token_ids
 from runner.sampling.params import SamplingParams
 
 BEAM_CHUNK = 16  # lines searched together: their beams share the engine's steps

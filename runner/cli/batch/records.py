@@ -22,7 +22,7 @@ from typing import Protocol, TypeAlias
 
 import xxhash
 
-from runner.engine.io.segmented_prompt import SegmentedPrompt
+from runner.engine.requests.segmented_prompt import SegmentedPrompt
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _HASH = re.compile(r"[0-9a-f]{16}")
@@ -32,7 +32,7 @@ Record: TypeAlias = dict[str, object]
 
 
 class LineRequest(Protocol):
-    """What a batch line's request is made of (runner/cli/batch_file.py's BatchLine)."""
+    """What a batch line's request is made of (runner/cli/batch/file.py's BatchLine)."""
 
     prompt: str | None
     messages: list[dict[str, str]] | None

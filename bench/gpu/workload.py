@@ -1,4 +1,4 @@
-"""What the GPU bench (bench/gpu_bench.py) runs: seeded random-weight models of real shapes,
+"""What the GPU bench (bench/gpu/bench.py) runs: seeded random-weight models of real shapes,
 built from their config (no download), and nano-vllm's benchmark workload."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runner.engine.io.incremental_text import decode_anchor
+from runner.engine.requests.incremental_text import decode_anchor
 from runner.engine.sequence import Sequence
 from runner.sampling.logprobs import TokenLogprobs
 
@@ -36,7 +36,7 @@ class StopChecker:
         # token can yield no byte of the final text: up to 3 tokens per byte of a stop string.
         self.cleans_up_spaces = tokenizer is not None and cleans_up_spaces(tokenizer)
         # A SentencePiece-style decoder's output can be decoded piecewise after this token
-        # (runner/engine/io/incremental_text.py); cleaning up spaces rewrites across tokens.
+        # (runner/engine/requests/incremental_text.py); cleaning up spaces rewrites across tokens.
         self.decode_anchor = (
             None if tokenizer is None or self.cleans_up_spaces else decode_anchor(tokenizer)
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from runner.engine.io.outputs import RequestOutput
+from runner.engine.requests.outputs import RequestOutput
 from runner.sampling.params import SamplingParams
 
 SEED_RANGE = 2**63  # SamplingParams accepts seeds below this

@@ -46,7 +46,7 @@ ANCHOR_PIECES = ("a", "x", "0", "!")
 
 
 class TextDecoder(Protocol):
-    """What the running text needs of the stop checker (runner/engine/io/stopping.py): the
+    """What the running text needs of the stop checker (runner/engine/requests/stopping.py): the
     tokenizer and how it decodes. A Protocol, so that the checker may import this module."""
 
     tokenizer: PreTrainedTokenizerBase | None

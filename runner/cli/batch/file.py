@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from runner.cli.batch_records import (
+from runner.cli.batch.records import (
     Record,
     RecordsNotWritten,
     drop_records,
@@ -19,8 +19,8 @@ from runner.cli.batch_records import (
 )
 from runner.cli.output_lock import LockedOutput, OutputInUse
 from runner.cli.sampling_defaults import SamplingDefaults
-from runner.engine.io.segmented_prompt import SegmentedPrompt
-from runner.engine.io.validation import check_template_kwargs
+from runner.engine.requests.segmented_prompt import SegmentedPrompt
+from runner.engine.requests.validation import check_template_kwargs
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams
 from runner.sampling.text_checks import first_bad_text, may_hold_surrogates
@@ -72,7 +72,7 @@ class BatchLine:
     error: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
     id_given: bool = False  # False: the id is the line number, since the line named none
-    request_hash: str = ""  # of the request as it runs (runner/cli/batch_records.py), for --resume
+    request_hash: str = ""  # of the request as it runs (runner/cli/batch/records.py), for --resume
 
 
 def read_lines(stream: IO[bytes], is_text_file: bool) -> Iterator[tuple[int, str, str]]:

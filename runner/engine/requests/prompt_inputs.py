@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple, Required, TypedDict
 
-from runner.engine.io.segmented_prompt import SegmentedPrompt
-from runner.engine.io.validation import Prompt, check_template_kwargs, prompt_batch
+from runner.engine.requests.segmented_prompt import SegmentedPrompt
+from runner.engine.requests.validation import Prompt, check_template_kwargs, prompt_batch
 from runner.sampling.params import SamplingParams
 
 # The keys of a prompt dict this engine reads: vLLM's TextPrompt and TokensPrompt (a

@@ -1,20 +1,20 @@
 """The engine's requests by id: the live ones, and the finished outputs waiting for their caller.
 
 `LiveRequests` holds the sequence of each queued or running request, and the sample group
-(runner/engine/io/sample_groups.py) of each request of several samples still running.
+(runner/engine/requests/sample_groups.py) of each request of several samples still running.
 
 `OutputRouter` says whose finished output is whose: the engine's `step` callers, and the
 `generate` calls and streams that run the engine for requests of their own. A `generate` or a
 stream reserves its requests' ids: their outputs wait here for the `step_for` it calls, even
 when another caller's step finished them, and never come back from `step`. Any other output
 finished by a `step_for` waits for the next `step`. An id is taken while it is live, reserved
-or has an output waiting (runner/engine/io/intake.py checks both).
+or has an output waiting (runner/engine/requests/intake.py checks both).
 """
 
 from __future__ import annotations
 
-from runner.engine.io.outputs import RequestOutput
-from runner.engine.io.sample_groups import SampleGroup, sample_request_id
+from runner.engine.requests.outputs import RequestOutput
+from runner.engine.requests.sample_groups import SampleGroup, sample_request_id
 from runner.engine.sequence import Sequence
 
 

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.cli.batch_paths import check_output_file
+from runner.cli.batch.paths import check_output_file
 
 if TYPE_CHECKING:
-    from runner.cli.batch_run import BatchRun
+    from runner.cli.batch.run import BatchRun
     from runner.cli.output_lock import LockedOutput
     from runner.engine.api.interface import BlockEngine
 

@@ -1,7 +1,7 @@
 """The shared-prefix decode against the plain one, timed on a GPU: data to fit and check the
 cost model (runner/backends/triton/cascade_cost.py).
 
-`python -m bench.gpu_cascade --out FILE` builds, for each prefix length (16..4,096
+`python -m bench.gpu.cascade --out FILE` builds, for each prefix length (16..4,096
 tokens) and group size (2..256 decodes), one decode step's attention over a paged cache: the
 group's members share the prefix's blocks and each has 50..200 tokens of its own. It times the
 plain split-K decode and the shared-prefix decode (prefix pass, own passes, reduce), each

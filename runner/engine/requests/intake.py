@@ -1,9 +1,10 @@
 """Request intake: what ``Engine.add_request`` does before anything is queued.
 
-A call becomes its sequences here: the prompt tokenized and fitted (runner/engine/io/validation.py),
-its structure compiled, its id picked or checked, its namespace root (one per ``cache_salt``)
-and prefix key found, and one ``Sequence`` built a sample. Nothing is queued: the engine queues
-the sequences whole, or none of them (runner/engine/api/engine.py)."""
+A call becomes its sequences here: the prompt tokenized and fitted
+(runner/engine/requests/validation.py), its structure compiled, its id picked or checked, its
+namespace root (one per ``cache_salt``) and prefix key found, and one ``Sequence`` built a sample.
+Nothing is queued: the engine queues the sequences whole, or none of them
+(runner/engine/api/engine.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kvcache import block_hashes, namespace_root
-from runner.engine.io.sample_groups import SEED_RANGE, sample_params, sample_request_id
-from runner.engine.io.segmented_prompt import SegmentedPrompt
-from runner.engine.io.validation import Prompt, RequestValidator, prompt_token_ids
+from runner.engine.requests.sample_groups import SEED_RANGE, sample_params, sample_request_id
+from runner.engine.requests.segmented_prompt import SegmentedPrompt
+from runner.engine.requests.validation import Prompt, RequestValidator, prompt_token_ids
 from runner.engine.sequence import Sequence
 from runner.sampling.logit_rules import bad_word_ids
 from runner.sampling.params import SamplingParams

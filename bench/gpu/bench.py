@@ -1,6 +1,6 @@
 """GPU throughput of the engine against transformers' continuous batching, on random weights.
 
-`python -m bench.gpu_bench --out FILE` builds a randomly initialised model of a real shape
+`python -m bench.gpu.bench --out FILE` builds a randomly initialised model of a real shape
 from its config (no download), saves it in bf16 and runs one workload through `kvcache.LLM` and
 through transformers' `generate_batch` machinery in the same process. The workload mirrors
 nano-vllm's published benchmark: 256 sequences, prompt and output lengths drawn uniformly from
@@ -11,9 +11,9 @@ error and lets the next one run, so a run cut short or broken still leaves what 
 `--device cpu --quick` runs everything at toy sizes in seconds.
 
 Each run's decode time is set beside its floor: the K/V and weight bytes it must read at the
-device's bandwidth (`--bandwidth`, an H200's 4.8 TB/s by default; bench/gpu_floor.py).
+device's bandwidth (`--bandwidth`, an H200's 4.8 TB/s by default; bench/gpu/floor.py).
 `--workload shared-prefix` runs the shared-prefix workload instead (256 requests behind one
-2,048-token system prompt, four ways: bench/gpu_shared_prefix.py).
+2,048-token system prompt, four ways: bench/gpu/shared_prefix.py).
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from typing import Any
 
 import torch
 
-from bench.gpu_floor import H200_BYTES_PER_S, ModelBytes, decode_floor, model_bytes
-from bench.gpu_shared_prefix import (
+from bench.gpu.floor import H200_BYTES_PER_S, ModelBytes, decode_floor, model_bytes
+from bench.gpu.shared_prefix import (
     make_shared_prefix_workload,
     run_shared_prefix_ways,
     step_bytes_report,
 )
-from bench.gpu_step_profile import decode_step_profile, rms_norm_us
-from bench.gpu_workload import (
+from bench.gpu.step_profile import decode_step_profile, rms_norm_us
+from bench.gpu.workload import (
     EOS_ID,
     SHAPES,
     build_random_model,
@@ -193,7 +193,7 @@ def check_greedy(folder: Path, device: str, num_prompts: int = 8) -> dict[str, A
     decode steps did."""
     from transformers import AutoModelForCausalLM
 
-    from bench.gpu_shared_prefix import ExecutedReads, counted
+    from bench.gpu.shared_prefix import ExecutedReads, counted
     from kvcache import LLM, SamplingParams
     from runner.backends.triton.attention import triton_backend
     from runner.backends.triton.cascade_cost import ALWAYS

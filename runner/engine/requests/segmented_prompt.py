@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runner.engine.io.validation import prompt_token_ids
+from runner.engine.requests.validation import prompt_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

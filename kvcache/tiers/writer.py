@@ -5,7 +5,7 @@ full a write is dropped and counted, never waited for: a step must not stall on 
 a slow Redis, and a block not written is only a later miss.
 
 A block's K/V may come as ``DeferredBytes``: a copy off a GPU queued behind the step in flight
-(runner/engine/kv/kv_transfer.py). The writer thread waits for it, when it encodes the value;
+(runner/engine/kv/transfer.py). The writer thread waits for it, when it encodes the value;
 the engine's thread never does. A copy that fails is a value not written (counted as failed),
 never a value with other bytes. A lookup of a block whose value is queued and not written yet
 waits for that write (``wait_written``): the engine never misses a block it has just let go,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvcache.tiers import BlockSpec
-from kvcache.tiers.tier_writer import Payload
+from kvcache.tiers.writer import Payload
 from runner.kv_pool.store import KVStore
 
 # Blocks copied per transfer: on a GPU whose memory the pool fills, a copy of every block at

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from runner.engine.api.interface import EngineInterface
-from runner.engine.io.outputs import RequestOutput
+from runner.engine.requests.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from runner.model.cuda_graphs import DecodeGraphs

@@ -10,21 +10,21 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from runner.cli.batch_beams import BeamRecord, line_prompt, search_lines
-from runner.cli.batch_file import (
+from runner.cli.batch.beams import BeamRecord, line_prompt, search_lines
+from runner.cli.batch.file import (
     BatchLine,
     ResultWriter,
     parse_line,
     read_lines,
     unreadable_line,
 )
-from runner.cli.batch_records import Record, RecordsNotWritten
+from runner.cli.batch.records import Record, RecordsNotWritten
 from runner.cli.output_lock import LockedOutput
 from runner.cli.sampling_defaults import SamplingDefaults
 from runner.cli.stdout import StdoutFailed, silence_stdout
 from runner.engine.api.interface import EngineInterface
 from runner.engine.api.llm import LLM
-from runner.engine.io.outputs import RequestOutput
+from runner.engine.requests.outputs import RequestOutput
 
 
 class BatchRun:
@@ -39,7 +39,7 @@ class BatchRun:
     ) -> None:
         self.llm: EngineInterface = LLM(model, **engine_options)
         self.defaults = defaults
-        self.beam_width = beam_width  # beam search instead of sampling (runner/cli/batch_beams.py)
+        self.beam_width = beam_width  # beam search instead of sampling (runner/cli/batch/beams.py)
         self.beam_lines: list[BatchLine] = []
         self.num_errors = 0
         self.num_done = 0

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu_floor import ModelBytes, decode_floor, shared_prefix_step_bytes
+from bench.gpu.floor import ModelBytes, decode_floor, shared_prefix_step_bytes
 from bench.workloads import BenchRequest
 from runner.attention.backend import Attend, AttentionBackend, AttentionCall
 from runner.attention.metadata import AttentionMetadata
