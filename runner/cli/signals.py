@@ -1,7 +1,7 @@
 """SIGTERM as Ctrl-C for the command line: `kill`, a container's stop and a job scheduler's
 timeout send SIGTERM, whose default ends the process at once, without a message, the prefix
 cache unsaved. Treated as SIGINT, it takes the same path: the step's bookkeeping finishes
-(runner/engine/step/interrupts.py), the run says what it kept, and the cache is saved."""
+(runner/engine/step/guards.py), the run says what it kept, and the cache is saved."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def sigterm_as_sigint() -> Iterator[None]:
 
 def _as_sigint(signum: int, frame: FrameType | None) -> None:
     """Run SIGINT's handler as it is now: KeyboardInterrupt, or held while interrupts are
-    (runner/engine/step/interrupts.py). A process whose SIGINT is ignored (started in the
+    (runner/engine/step/guards.py). A process whose SIGINT is ignored (started in the
     background by a shell) still stops on SIGTERM."""
     handler = signal.getsignal(signal.SIGINT)
     if callable(handler):

@@ -201,7 +201,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (only the rows that need sampling) -> logits [N, vocab] float32. Its
-        wall time adds to `head_s` (runner/engine/step/clock.py; on a GPU only the launch)."""
+        wall time adds to `head_s` (runner/engine/step/metrics.py; on a GPU only the launch)."""
         start = time.perf_counter()
         head = self.lm_head
         logits = F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)

@@ -1,7 +1,7 @@
 """Where the engine's time went, for `kvcache report`: its steps by kind (prefill only, decode
 only, both), their wall time, and the shares of it that the model's forward, its weight
 products and its attention kernels took (recorded on the CPU:
-runner/engine/step/clock.py). What the forward leaves is the host's: scheduling,
+runner/engine/step/metrics.py). What the forward leaves is the host's: scheduling,
 sampling, stop checks, caching blocks, metrics."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from runner.engine.step.interrupts import interrupts_held
+from runner.engine.step.guards import interrupts_held
 
 
 def batch(path: Path, n: int) -> Path:

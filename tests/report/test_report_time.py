@@ -1,7 +1,7 @@
 """Where the time went: steps grouped by kind with the shares of their wall time that the
 model, its products and its attention took, each step's split for the HTML page
 (runner/report/time_split.py), and a real CPU run recording them
-(runner/engine/step/clock.py)."""
+(runner/engine/step/metrics.py)."""
 
 from __future__ import annotations
 

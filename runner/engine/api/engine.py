@@ -18,11 +18,9 @@ from runner.engine.requests.segmented_prompt import SegmentedPrompt
 from runner.engine.requests.stopping import StopChecker
 from runner.engine.requests.validation import Prompt, RequestValidator
 from runner.engine.sequence import Sequence
-from runner.engine.step.clock import StepClock
 from runner.engine.step.core import EngineCore
-from runner.engine.step.interrupts import interrupts_held
-from runner.engine.step.lock import locked
-from runner.engine.step.metrics import MetricsRecorder
+from runner.engine.step.guards import interrupts_held, locked
+from runner.engine.step.metrics import MetricsRecorder, StepClock
 from runner.engine.step.overlap import default_device
 from runner.engine.step.policies.registry import policy_for
 from runner.engine.step.scheduler import Scheduler

@@ -25,7 +25,7 @@ from runner.engine.api.interface import (
 )
 from runner.engine.api.streaming import TextStream
 from runner.engine.sequence import Sequence
-from runner.engine.step.lock import locked
+from runner.engine.step.guards import locked
 from runner.engine.step.scheduler import SchedulerOutput
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured_outputs import StructuredOutputsParams

@@ -33,7 +33,7 @@ from runner.engine.requests.validation import (
     render_chat,
 )
 from runner.engine.sequence import Sequence, request_id_of
-from runner.engine.step.lock import locked
+from runner.engine.step.guards import locked
 from runner.engine.step.segments import SegmentStats
 from runner.sampling.params import SamplingParams
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from runner.engine.executor.plan import StepOutput, StepPlan
-from runner.engine.executor.worker import Worker
+from runner.engine.executor.worker import StepOutput, StepPlan, Worker
 from runner.model.blend import BlendRegion, Placement
 
 

@@ -34,8 +34,7 @@ import torch.multiprocessing as mp
 
 from runner.engine.config import EngineConfig
 from runner.engine.executor.build import ModelShare, load_share, make_worker, pool_blocks
-from runner.engine.executor.plan import StepOutput, StepPlan
-from runner.engine.executor.worker import Worker
+from runner.engine.executor.worker import StepOutput, StepPlan, Worker
 from runner.kv_pool.store import KVStore
 from runner.model.blend import BlendRegion, Placement
 from runner.model.loader import read_config, resolve_model_dir

@@ -1,11 +1,18 @@
 """A worker: the model (whole, or one tensor-parallel rank's share) and its KV pool, and every
 operation that touches them. The engine reaches it only through an executor (multiproc.py), by
 values: a step's plan, block ids, bytes. On one device the engine's process holds the one
-worker; with tensor parallelism each rank holds one, and rank 0's is the engine's."""
+worker; with tensor parallelism each rank holds one, and rank 0's is the engine's.
+
+The step's plan (`StepPlan`): one engine step's plan as a value: what every worker needs to run the
+step's forward pass, and nothing that lives only in the engine (no sequences, no scheduler state).
+The engine builds it once (runner/engine/step/model_runner.py); one worker in this process consumes
+it as it is, N tensor-parallel workers receive it pickled (multiproc.py).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -13,7 +20,6 @@ import torch
 
 from runner.attention.backend import AttentionBackend
 from runner.attention.metadata import AttentionMetadata
-from runner.engine.executor.plan import StepOutput, StepPlan, StepRows
 from runner.engine.kv.transfer import read_blocks, write_blocks
 from runner.kv_pool.store import KVStore
 from runner.model.blend import BlendRegion, Placement, blend, compute_chunk, place
@@ -25,6 +31,52 @@ if TYPE_CHECKING:
 
 ALIGN = 256  # bytes: where each of a step's packed inputs starts (see `upload`)
 PROMPT_ROWS = 256  # prompt positions put through the LM head at once for prompt_logprobs
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Rows of the step whose logits score prompt tokens: row i predicts targets[i], with the
+    widths[i] likeliest tokens beside it."""
+
+    rows: list[int]
+    targets: list[int]
+    widths: list[int]
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """Which of the step's hidden rows go through the LM head: `logit_rows` (None: every row,
+    each item sampling one token), and those scoring prompt tokens."""
+
+    logit_rows: list[int] | None
+    prompt_logprobs: PromptLogprobRows | None = None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The flat inputs of one forward pass over a batch of N items and T tokens."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]: block * block_size + offset of each token's K/V
+    query_start_loc: np.ndarray  # int32 [N + 1]
+    context_lens: np.ndarray  # int32 [N]
+    block_tables: np.ndarray  # int32 [N, W]
+    query_lens: list[int]
+    rows: StepRows
+
+    @property
+    def decode_only(self) -> bool:
+        return all(q == 1 for q in self.query_lens)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """A forward pass's result: float32 logits [rows, vocab] of the rows that sample (on a
+    tensor-parallel rank other than 0: no columns), and the prompt tokens' log-probabilities."""
+
+    logits: torch.Tensor
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class StepInputs(NamedTuple):

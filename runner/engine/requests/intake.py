@@ -123,7 +123,9 @@ class RequestIntake:
                 (s - before + len(token_ids), e - before + len(token_ids)) for s, e in bounds
             )
             bounds = tuple((s, e) for s, e in bounds if s >= 0)
-        self.grammars.check(params.structured_outputs)  # a bad structure fails here, alone
+        structured = params.structured_outputs is not None
+        if structured:  # a bad structure fails here, alone
+            self.grammars.check(params.structured_outputs)
         if self.seed is not None and params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=request_seed(self.seed, token_ids))
         bad_words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
@@ -154,7 +156,7 @@ class RequestIntake:
                     prompt_text=text,
                     group=rid if n > 1 else None,
                     sample_index=j,
-                    grammar=self.grammars.state_for(own.structured_outputs),
+                    grammar=self.grammars.state_for(own.structured_outputs) if structured else None,
                     bad_words=bad_words,
                     segments=bounds,
                     blend_ratio=blend_ratio,

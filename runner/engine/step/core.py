@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable, Collection
 
 from runner.engine.executor.executor import Executor
-from runner.engine.step.clock import StepClock
-from runner.engine.step.interrupts import interrupts_held
+from runner.engine.step.guards import interrupts_held
 from runner.engine.step.isolation import run_each_alone
+from runner.engine.step.metrics import StepClock
 from runner.engine.step.model_runner import ModelRunner
 from runner.engine.step.overlap import OverlappedLoop, StepDevice
 from runner.engine.step.scheduler import Scheduler, SchedulerOutput
@@ -53,7 +53,7 @@ class EngineCore:
 
     def step(self) -> None:
         """One engine step: schedule, run the model and sample, then update the requests and
-        the cache. The bookkeeping runs with Ctrl-C held (runner/engine/step/interrupts.py): an
+        the cache. The bookkeeping runs with Ctrl-C held (runner/engine/step/guards.py): an
         interrupt lands before the step's requests are scheduled, during the model's forward
         pass (which nothing has counted on yet), or once every request that finished in the
         step has its output with the router, never between."""

@@ -1,14 +1,64 @@
-"""Records what each engine step did, for `kvcache report` (metrics schema version 1)."""
+"""Records what each engine step did, for `kvcache report` (metrics schema version 1), and
+where one step's time went (`StepClock`).
+
+Where one engine step's time went, for `kvcache report`: the model's share (the runner's
+forward, inputs to logits), and within it the weight products and the attention kernels.
+
+Only on the CPU, where each call has finished when it returns: on a GPU the forward returns
+once its kernels are queued, so the split would measure launches, and nothing is recorded.
+The products and attention are timed by the C code of runner/model/cpu_layers.py (two clock reads
+per kernel call, well under 0.1% of a step) and the LM head by CausalLM.compute_logits; a step
+that ran elsewhere (torch's operators) records only the model's share.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvcache import CacheStats
 from runner.engine.sequence import SeqStatus, Sequence
-from runner.engine.step.clock import StepTiming
 from runner.engine.step.scheduler import SchedulerOutput
+from runner.model.cpu_layers import CpuLayers
+from runner.model.decoder import CausalLM
+
+
+class StepTiming(NamedTuple):
+    model_s: float  # the runner's forward: inputs, layers, LM head
+    product_s: float | None  # weight products, the LM head's included; None: not timed
+    attention_s: float | None  # attention kernels; None: not timed
+
+
+class StepClock:
+    """Times the forward of one step at a time: `start()` before it, `stop()` after."""
+
+    def __init__(self, model: CausalLM, layers: CpuLayers | None, on_cpu: bool) -> None:
+        self.model = model
+        self.layers = layers  # the C layer stack, whose clocks say where its time went
+        self.on_cpu = on_cpu
+        self._t0 = 0.0
+        self._c0 = (0.0, 0.0, 0.0)
+
+    def _counters(self) -> tuple[float, float, float]:
+        """(C products, C attention, LM head) seconds so far."""
+        layers = self.layers
+        in_c = (layers.product_s, layers.attention_s) if layers is not None else (0.0, 0.0)
+        return (*in_c, self.model.head_s)
+
+    def start(self) -> None:
+        if self.on_cpu:
+            self._c0 = self._counters()
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> StepTiming | None:
+        """The step's timing since `start()`; None off the CPU."""
+        if not self.on_cpu:
+            return None
+        model_s = time.perf_counter() - self._t0
+        products, attention, head = (b - a for a, b in zip(self._c0, self._counters(), strict=True))
+        if products <= 0.0:  # the layers did not run in C: only the whole forward is known
+            return StepTiming(model_s, None, None)
+        return StepTiming(model_s, products + head, attention)
 
 
 class MetricsRecorder:
@@ -94,7 +144,7 @@ class MetricsRecorder:
                 "hit_tokens_cum": stats.hit_tokens,
                 "query_tokens_cum": stats.query_tokens,
                 "states": states,
-                # Where the step's time went (CPU only; runner/engine/step/clock.py): None if
+                # Where the step's time went (CPU only; runner/engine/step/metrics.py): None if
                 # unknown.
                 "model_s": timing.model_s if timing else None,
                 "product_s": timing.product_s if timing else None,

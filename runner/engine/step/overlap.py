@@ -48,7 +48,7 @@ from typing import Protocol
 
 import torch
 
-from runner.engine.step.interrupts import interrupts_held
+from runner.engine.step.guards import interrupts_held
 from runner.engine.step.model_runner import ModelRunner, index_on
 from runner.engine.step.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from runner.engine.step.settle import StepResult

@@ -104,7 +104,7 @@ class Scheduler:
         """Give back a sequence's blocks, telling the block manager what its computed slots
         hold exactly, so that its partial last block can stay cached as a tail; and the
         segments a blend not run yet holds."""
-        if self.segments is not None:
+        if self.segments is not None and seq.blend is not None:
             self.segments.release(seq)
         self.bm.free(seq.seq_id, seq.token_ids, seq.num_exact_tokens)
 

@@ -30,8 +30,7 @@ from runner.engine.requests.outputs import RequestOutput, TokenTexts
 from runner.engine.requests.request_table import LiveRequests, OutputRouter
 from runner.engine.requests.stopping import StopChecker
 from runner.engine.sequence import Sequence
-from runner.engine.step.clock import StepTiming
-from runner.engine.step.metrics import MetricsRecorder
+from runner.engine.step.metrics import MetricsRecorder, StepTiming
 from runner.engine.step.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from runner.engine.step.speculative import SpecStats
 from runner.engine.step.tokens import step_tokens

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from runner.model.block_tables import BlockTableRows
+from runner.engine.step.model_runner import BlockTableRows
 
 
 def fresh(tables: list[list[int]]) -> np.ndarray:
