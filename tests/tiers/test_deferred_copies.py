@@ -25,7 +25,7 @@ from kvcache import LLM, SamplingParams
 from kvcache.hashing import hash_packed_block, pack_tokens
 from kvcache.tiers import BlockSpec, BlockValue, HostTier, TieredStore, decode
 from kvcache.tiers.writer import Pending
-from runner.engine.kv import kv_transfer
+from runner.engine.kv import transfer as kv_transfer
 from runner.engine.kv.transfer import CopyDone
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
