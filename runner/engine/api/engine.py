@@ -55,63 +55,20 @@ class Engine:
         self.cache_mac_key = parts.cache_mac_key
         # The worker in this process, or N tensor-parallel ranks (runner/engine/executor).
         self.executor = parts.executor
-        # vLLM's KV events: a listener on the pool's tree, its own thread publishing.
-        self.kv_events: KVEventPublisher | None = None
-        events = self.config.kv_events_config
-        if events is not None and events.publishes:
-            # Imported only when on: ZeroMQ and msgspec are not on every machine (a GPU image).
-            from runner.kv_events.publisher import KVEventPublisher
-            from runner.kv_events.tier_events import publish_tier_events
-
-            self.kv_events = KVEventPublisher(events, self.config.block_size)
-            self.block_manager.add_listener(self.kv_events)
-            if self.tiers is not None:
-                # The host and disk tiers' blocks, under their media.
-                publish_tier_events(self.tiers.store, self.kv_events, self.config.block_size)
+        self.kv_events = self._publish_kv_events()
         self.attention = parts.attention  # the backend every forward pass runs
         layers = parts.attention.layers
         # Whole steps in C (runner/model/cpu_layers.py), where the CPU backend has them.
         self.cpu_layers = layers if isinstance(layers, CpuLayers) else None
-        self.scheduler = Scheduler(
-            self.config,
-            self.block_manager,
-            self.max_model_len,
-            self._copy_slots,
-            self.tiers,
-        )
-        if self.config.enable_prefix_caching:
-            self.scheduler.segments = SegmentReuse(
-                self.block_manager,
-                self.runner,
-                self.config.blend_ratio,
-                self._copy_slots,
-                self.tiers,
-                self._run_ordered,
-            )
+        self.scheduler = self._scheduler()
         self.stopper = StopChecker(
             self.hf_config, self.tokenizer, self.max_model_len, generation_eos_ids(self.model_path)
         )
         self.eos_ids = self.stopper.eos_ids
         self.token_texts = TokenTexts(self.tokenizer)  # logprobs' decoded tokens, remembered
         self.grammars = GrammarBook(self.tokenizer, int(self.hf_config.vocab_size), self.eos_ids)
-        self.validator = RequestValidator(
-            vocab_size=int(self.hf_config.vocab_size),
-            max_model_len=self.max_model_len,
-            pool_tokens=self.block_manager.num_blocks * self.config.block_size,
-            block_size=self.config.block_size,
-            has_tokenizer=self.tokenizer is not None,
-            eos_ids=frozenset(self.eos_ids),
-        )
+        self.validator, self.intake = self._intake(seed)
         self.recorder = MetricsRecorder(record=self.config.record_metrics)
-        self.intake = RequestIntake(
-            tokenizer=self.tokenizer,
-            fingerprint=self.fingerprint,
-            block_size=self.config.block_size,
-            validator=self.validator,
-            grammars=self.grammars,
-            seed=seed,
-            deterministic=self.config.deterministic,
-        )
         self._requests = LiveRequests()  # queued or running requests by id, and sample groups
         self._outputs = OutputRouter()  # finished outputs waiting for the caller they belong to
         self.spec_stats = SpecStats()  # drafted and accepted tokens (speculative.py)
@@ -125,7 +82,7 @@ class Engine:
             self._outputs,
             self.token_texts,
         )
-        # Held by every add, abort and step (lock.py): threads may share an engine.
+        # Held by every add, abort and step (guards.py): threads may share an engine.
         self.lock = threading.RLock()
         # Schedule, execute, settle (runner/engine/step/core.py); on CUDA, with the next step
         # queued before this one settles (overlap.py).
@@ -140,6 +97,61 @@ class Engine:
         )
         self.overlap = self.core.overlap
         self.clock = self.core.clock
+
+    def _publish_kv_events(self) -> KVEventPublisher | None:
+        """vLLM's KV events, where asked: a listener on the pool's tree (and the host and disk
+        tiers' blocks, under their media), its own thread publishing."""
+        events = self.config.kv_events_config
+        if events is None or not events.publishes:
+            return None
+        # Imported only when on: ZeroMQ and msgspec are not on every machine (a GPU image).
+        from runner.kv_events.publisher import KVEventPublisher
+        from runner.kv_events.tier_events import publish_tier_events
+
+        publisher = KVEventPublisher(events, self.config.block_size)
+        self.block_manager.add_listener(publisher)
+        if self.tiers is not None:
+            publish_tier_events(self.tiers.store, publisher, self.config.block_size)
+        return publisher
+
+    def _scheduler(self) -> Scheduler:
+        """The scheduler over the block manager and the tiers, and, where prefixes are shared,
+        prompts' later segments reused from their own cache (segments.py)."""
+        scheduler = Scheduler(
+            self.config, self.block_manager, self.max_model_len, self._copy_slots, self.tiers
+        )
+        if self.block_manager.shares_prefixes:
+            scheduler.segments = SegmentReuse(
+                self.block_manager,
+                self.runner,
+                self.config.blend_ratio,
+                self._copy_slots,
+                self.tiers,
+                self._run_ordered,
+            )
+        return scheduler
+
+    def _intake(self, seed: int) -> tuple[RequestValidator, RequestIntake]:
+        """What checks a request against the model, the context and the pool, and the intake
+        that turns a call into sequences."""
+        validator = RequestValidator(
+            vocab_size=int(self.hf_config.vocab_size),
+            max_model_len=self.max_model_len,
+            pool_tokens=self.block_manager.num_blocks * self.config.block_size,
+            block_size=self.config.block_size,
+            has_tokenizer=self.tokenizer is not None,
+            eos_ids=frozenset(self.eos_ids),
+        )
+        intake = RequestIntake(
+            tokenizer=self.tokenizer,
+            fingerprint=self.fingerprint,
+            block_size=self.config.block_size,
+            validator=validator,
+            grammars=self.grammars,
+            seed=seed,
+            deterministic=self.config.deterministic,
+        )
+        return validator, intake
 
     # ------------------------------------------------------------------ requests
     @locked
