@@ -22,6 +22,7 @@ from runner.engine.config import (
     MODEL_DTYPES,
     EngineConfig,
 )
+from runner.engine.executor.multiproc import serve_rank_from_environment
 
 
 def _non_empty_key(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
@@ -264,7 +265,12 @@ def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
     def with_engine_options(**kwargs: Any) -> Any:
         values = {name: kwargs.pop(name) for name in list(kwargs) if name not in own}
-        return command(engine_options=engine_config_kwargs(values), **kwargs)
+        options = engine_config_kwargs(values)
+        # Under torchrun, a rank other than 0 serves its share of the model and exits: only
+        # rank 0 runs the command (docs/PARALLEL.md).
+        if serve_rank_from_environment(EngineConfig(**options)):
+            raise SystemExit(0)
+        return command(engine_options=options, **kwargs)
 
     for option in reversed(_OPTIONS):
         with_engine_options = option(with_engine_options)

@@ -340,6 +340,7 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device) -> Launche
             threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else 0
             processes = spawn_ranks(config, meet.host, store.port, size, threads)
         groups = Groups(store, meet, rank_device(config, 0))
+        groups.broadcast_object(config)  # every rank builds what rank 0 was asked for
         tp = TensorParallel(0, size, groups.device, config.deterministic)
         share = load_share(config, rank_device(config, 0), tp)
         num_blocks = pool_blocks(config, share, device)
@@ -360,6 +361,19 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device) -> Launche
             process.join(timeout=10)
         raise
     return Launched(MultiprocExecutor(worker, groups, processes, shard_nbytes), share)
+
+
+def serve_rank_from_environment(config: EngineConfig) -> bool:
+    """Under torchrun, in a process whose RANK is not 0: serve that rank until rank 0's engine
+    stops, then return True (the process has nothing else to do: a command line exits before
+    it opens any file). False everywhere else."""
+    if config.tensor_parallel_size == 1:
+        return False
+    meet = Rendezvous.from_environment(config.tensor_parallel_size)
+    if meet is None or meet.rank == 0:
+        return False
+    rank_main(config, meet, threads=0)
+    return True
 
 
 def check_heads(config: EngineConfig, size: int) -> None:
@@ -393,6 +407,11 @@ def rank_main(config: EngineConfig, meet: Rendezvous, threads: int) -> None:
         torch.set_num_threads(threads)
     device = rank_device(config, meet.rank)
     groups = Groups(open_store(meet), meet, device)
+    # Rank 0's options, whatever this process was started with: under torchrun each rank parses
+    # its own command line, and only rank 0's model, context and pool count.
+    asked = groups.broadcast_object()
+    assert isinstance(asked, EngineConfig)
+    config = asked
     tp = TensorParallel(meet.rank, meet.size, groups.device, config.deterministic)
     share = load_share(config, device, tp)
     num_blocks = groups.broadcast_object()
