@@ -177,6 +177,16 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q))
 
 
+def _probe(
+    model: str | None, device: str, workload: str, max_tokens: int | None, limit: int | None
+) -> tuple[list[BenchRequest], set[int], Path, int]:
+    """The workload's requests in the model's tokens, its EOS ids, its folder and its
+    parameters in a prompt token's matrix products, read from a small engine."""
+    probe: EngineInterface = LLM(model, device=device, num_kv_blocks=16)
+    requests = load_workload(workload, probe.tokenizer, max_tokens, limit)
+    return requests, set(probe.eos_ids), probe.model_path, _matmul_params(probe)
+
+
 def _matmul_params(llm: EngineInterface) -> int:
     """Parameters in a prompt token's matrix products: the projections. The head is left out:
     a prompt runs it for its last token only (counting it for every token overstated prefill
@@ -205,12 +215,7 @@ def run_bench(
     check = check and sampling is None
     check_systems(systems, sampling is not None, beam_width)
     peak = matmul_peak_gflops(device)
-    probe: EngineInterface = LLM(model, device=device, num_kv_blocks=16)
-    requests = load_workload(workload, probe.tokenizer, max_tokens, limit)
-    eos_ids = set(probe.eos_ids)
-    model_dir = probe.model_path
-    matmul_params = _matmul_params(probe)
-    del probe
+    requests, eos_ids, model_dir, matmul_params = _probe(model, device, workload, max_tokens, limit)
     hf_model = (
         load_hf_model(model_dir, device)
         if check or any(s.startswith("hf-") for s in systems)
@@ -232,10 +237,7 @@ def run_bench(
                 skipped.append(ran)
                 continue
             result, extra, same_model = ran
-            samples = [r for r in requests for _ in range(samples_per_prompt(sampling))]
-            outputs = [
-                cut_output(o, eos_ids, r) for o, r in zip(result.outputs, samples, strict=True)
-            ]
+            outputs = race.answers(result)
             if reference and system in EXTERNAL_SYSTEMS:  # float differences: count the tokens
                 extra["matching_tokens"] = matching_tokens(outputs, reference)
                 extra["reference_tokens"] = sum(len(o) for o in reference)
@@ -295,6 +297,13 @@ class Race:
         else:
             result = run_hf_cb(_hf(hf), requests, eos_ids, sampling=self.sampling)
         return result, {}, True
+
+    def answers(self, result: PeerResult) -> list[list[int]]:
+        """Each sample's tokens, cut where its request stops (its EOS, its max_tokens)."""
+        samples = [r for r in self.requests for _ in range(samples_per_prompt(self.sampling))]
+        return [
+            cut_output(o, self.eos_ids, r) for o, r in zip(result.outputs, samples, strict=True)
+        ]
 
     def run_engine_system(self, system: str) -> tuple[PeerResult, EngineFigures, bool]:
         """One of the engine's systems, with its prefill's model-FLOP utilisation."""
