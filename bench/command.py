@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,10 +14,17 @@ import click
 from runner.cli.batch.paths import OutputFile, check_output_file
 from runner.cli.stdout import echo
 
+Command = Callable[..., None]  # a click command's function, before click.command makes it one
+
 if TYPE_CHECKING:
     from bench.engine_options import EngineOptions
     from bench.external import PeerPaths
     from bench.peers import Sampling
+
+
+def optional_count(name: str, help: str) -> Callable[[Command], Command]:
+    """An option taking a count of 1 or more, None where it is not given."""
+    return click.option(name, type=click.IntRange(min=1), default=None, help=help)
 
 
 @click.command()
@@ -36,28 +44,11 @@ if TYPE_CHECKING:
     help="Comma-separated systems to run.",
 )
 @click.option("--model", default=None)
-@click.option(
-    "--max-tokens",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Override the workload's max_tokens.",
-)
-@click.option(
-    "--limit", type=click.IntRange(min=1), default=None, help="Use only the first N requests."
-)
+@optional_count("--max-tokens", "Override the workload's max_tokens.")
+@optional_count("--limit", "Use only the first N requests.")
 @click.option("--device", default="cpu", show_default=True)
-@click.option(
-    "--max-num-batched-tokens",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Token budget per step for the engine systems.",
-)
-@click.option(
-    "--max-num-seqs",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Batch size cap for the engine systems and hf-static's batches.",
-)
+@optional_count("--max-num-batched-tokens", "Token budget per step for the engine systems.")
+@optional_count("--max-num-seqs", "Batch size cap for the engine systems and hf-static's batches.")
 @click.option("--no-check", is_flag=True, help="Skip the unbatched transformers reference.")
 @click.option(
     "--temperature",
@@ -80,18 +71,11 @@ if TYPE_CHECKING:
     show_default=True,
     help="With --temperature: samples per prompt in every system.",
 )
-@click.option(
+@optional_count(
     "--beam-width",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Beam search in every system (the engine's beam_search, transformers' num_beams).",
+    "Beam search in every system (the engine's beam_search, transformers' num_beams).",
 )
-@click.option(
-    "--block-size",
-    type=click.IntRange(min=1),
-    default=None,
-    help="KV block size for the engine systems (default 16).",
-)
+@optional_count("--block-size", "KV block size for the engine systems (default 16).")
 @click.option(
     "--vllm-python",
     default=None,
@@ -122,16 +106,10 @@ if TYPE_CHECKING:
 @click.option(
     "--redis", default=None, help="tiers-*: redis://host:port/db, or auto (a server of its own)."
 )
-@click.option(
-    "--prompts", type=click.IntRange(min=1), default=None, help="tiers-*: prompts (conversations)."
-)
-@click.option(
-    "--prompt-tokens", type=click.IntRange(min=1), default=None, help="tiers-*: tokens a prompt."
-)
-@click.option("--repeat", type=click.IntRange(min=1), default=None, help="tiers-working-set.")
-@click.option(
-    "--cache-chunk-tokens", type=click.IntRange(min=1), default=None, help="tiers-*: a value."
-)
+@optional_count("--prompts", "tiers-*: prompts (conversations).")
+@optional_count("--prompt-tokens", "tiers-*: tokens a prompt.")
+@optional_count("--repeat", "tiers-working-set.")
+@optional_count("--cache-chunk-tokens", "tiers-*: a value.")
 @click.option(
     "--accuracy-queries",
     type=click.IntRange(min=1),
