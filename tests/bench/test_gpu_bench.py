@@ -230,7 +230,7 @@ def test_decode_floor_and_step_bytes_exactly() -> None:
 def test_gpu_cascade_quick_cpu(tmp_path: Path) -> None:
     """The cost model's measurement (bench/gpu/cascade.py) at toy sizes in the
     interpreter: both decodes agree at every point, and the fit is reported."""
-    from bench import gpu_cascade
+    from bench.gpu import cascade as gpu_cascade
 
     out = tmp_path / "cascade.json"
     report = gpu_cascade.main(["--device", "cpu", "--quick", "--out", str(out)])
