@@ -5,12 +5,26 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from runner.cli.batch.paths import OutputFile, check_output_file
 from runner.cli.stdout import echo
+
+Command = Callable[..., None]  # a click command's function, before click.command makes it one
+
+if TYPE_CHECKING:
+    from bench.engine_options import EngineOptions
+    from bench.external import PeerPaths
+    from bench.peers import Sampling
+
+
+def optional_count(name: str, help: str) -> Callable[[Command], Command]:
+    """An option taking a count of 1 or more, None where it is not given."""
+    return click.option(name, type=click.IntRange(min=1), default=None, help=help)
 
 
 @click.command()
@@ -30,28 +44,11 @@ from runner.cli.stdout import echo
     help="Comma-separated systems to run.",
 )
 @click.option("--model", default=None)
-@click.option(
-    "--max-tokens",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Override the workload's max_tokens.",
-)
-@click.option(
-    "--limit", type=click.IntRange(min=1), default=None, help="Use only the first N requests."
-)
+@optional_count("--max-tokens", "Override the workload's max_tokens.")
+@optional_count("--limit", "Use only the first N requests.")
 @click.option("--device", default="cpu", show_default=True)
-@click.option(
-    "--max-num-batched-tokens",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Token budget per step for the engine systems.",
-)
-@click.option(
-    "--max-num-seqs",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Batch size cap for the engine systems and hf-static's batches.",
-)
+@optional_count("--max-num-batched-tokens", "Token budget per step for the engine systems.")
+@optional_count("--max-num-seqs", "Batch size cap for the engine systems and hf-static's batches.")
 @click.option("--no-check", is_flag=True, help="Skip the unbatched transformers reference.")
 @click.option(
     "--temperature",
@@ -74,18 +71,11 @@ from runner.cli.stdout import echo
     show_default=True,
     help="With --temperature: samples per prompt in every system.",
 )
-@click.option(
+@optional_count(
     "--beam-width",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Beam search in every system (the engine's beam_search, transformers' num_beams).",
+    "Beam search in every system (the engine's beam_search, transformers' num_beams).",
 )
-@click.option(
-    "--block-size",
-    type=click.IntRange(min=1),
-    default=None,
-    help="KV block size for the engine systems (default 16).",
-)
+@optional_count("--block-size", "KV block size for the engine systems (default 16).")
 @click.option(
     "--vllm-python",
     default=None,
@@ -116,16 +106,10 @@ from runner.cli.stdout import echo
 @click.option(
     "--redis", default=None, help="tiers-*: redis://host:port/db, or auto (a server of its own)."
 )
-@click.option(
-    "--prompts", type=click.IntRange(min=1), default=None, help="tiers-*: prompts (conversations)."
-)
-@click.option(
-    "--prompt-tokens", type=click.IntRange(min=1), default=None, help="tiers-*: tokens a prompt."
-)
-@click.option("--repeat", type=click.IntRange(min=1), default=None, help="tiers-working-set.")
-@click.option(
-    "--cache-chunk-tokens", type=click.IntRange(min=1), default=None, help="tiers-*: a value."
-)
+@optional_count("--prompts", "tiers-*: prompts (conversations).")
+@optional_count("--prompt-tokens", "tiers-*: tokens a prompt.")
+@optional_count("--repeat", "tiers-working-set.")
+@optional_count("--cache-chunk-tokens", "tiers-*: a value.")
 @click.option(
     "--accuracy-queries",
     type=click.IntRange(min=1),
@@ -175,66 +159,107 @@ def bench(
             "--redis, --prompts, --prompt-tokens, --repeat and --cache-chunk-tokens apply to "
             "the tiers-* workloads only"
         )
+    if run_apart(workload, systems, model, limit, json_path, accuracy_queries, tier_options):
+        return
+    from bench.engine_options import given_options
+    from bench.external import PeerPaths
+    from bench.peers import Sampling
+
+    check_in_process(workload, systems, temperature, samples, beam_width, block_size)
+    sampling = Sampling(temperature, top_p, samples) if temperature is not None else None
+    options = given_options(max_num_batched_tokens, max_num_seqs, block_size)
+    peer_paths = PeerPaths(vllm_python, llama_server)
+    run_in_process(
+        workload, systems, model, max_tokens, limit, device, not no_check, options, sampling,
+        beam_width, peer_paths, background_load, json_path,
+    )  # fmt: skip
+
+
+def run_apart(
+    workload: str,
+    systems: str,
+    model: str | None,
+    limit: int | None,
+    json_path: str | None,
+    accuracy_queries: int,
+    tier_options: dict[str, int | str | None],
+) -> bool:
+    """Run the workloads that are no race of systems in one process (blend, tensor-parallel,
+    core, tiers-*, and the served prefill/decode systems); False for any other."""
     if workload == "blend":  # reuse beyond the prefix (bench/blend.py)
         from bench.blend import blend_bench
         from bench.blend import table as blend_table
 
         figures = blend_bench(model, accuracy_queries, limit or 1000)
         echo(blend_table(figures))
-        if json_path:
-            Path(json_path).write_text(json.dumps(figures, indent=2))
-        return
-    if workload == "tensor-parallel":  # ranks against one (bench/tensor_parallel.py)
+        write_json(json_path, figures)
+    elif workload == "tensor-parallel":  # ranks against one (bench/tensor_parallel.py)
         from bench.tensor_parallel import table as tp_table
         from bench.tensor_parallel import tensor_parallel_bench
 
         rows = tensor_parallel_bench(model)
         echo(tp_table(rows))
-        if json_path:
-            Path(json_path).write_text(json.dumps(rows, indent=2))
-        return
-    if workload == "core":
+        write_json(json_path, rows)
+    elif workload == "core":
         from bench.microbench import main as core_main
 
         core_main()
-        return
-    if workload.startswith("tiers-"):  # the tiers' own runs (bench/tiers.py)
-        from bench.tiers import figure_args
-        from bench.tiers import main as tiers_main
+    elif workload.startswith("tiers-"):  # the tiers' own runs (bench/tiers.py)
+        run_tiers(workload, model, tier_options)
+    elif workload == "pd_interference" or "engine-pd" in systems:  # served (runner/disagg)
+        run_served(workload, systems, model, limit, json_path)
+    else:
+        return False
+    return True
 
-        figure = workload.removeprefix("tiers-")
-        if figure not in tiers_main.commands:
-            known = ", ".join(f"tiers-{name}" for name in tiers_main.commands)
-            raise click.UsageError(f"no tier benchmark {workload!r}; known: {known}")
-        try:
-            args = figure_args(figure, model, tier_options)
-        except ValueError as err:
-            raise click.UsageError(str(err)) from err
-        tiers_main.main(args, standalone_mode=False)
-        return
-    if workload == "pd_interference" or "engine-pd" in systems:  # served systems (runner/disagg)
-        from bench.pd_interference_command import DEFAULT_SYSTEMS, pd_bench
 
-        if json_path:  # the schedules' files beside it, checked as --json is, before the runs
-            names = {s.strip() for s in f"{systems},{DEFAULT_SYSTEMS}".split(",") if s.strip()}
-            for name in sorted(names):
-                beside = str(Path(json_path).with_suffix(f".{name}.metrics.json"))
-                try:
-                    check_output_file(beside)
-                except ValueError as err:
-                    raise click.BadParameter(str(err), param_hint="--json") from err
-        pd_bench(workload, systems, model, limit, json_path)
-        return
-    from bench.engine_options import given_options
-    from bench.external import PeerPaths
-    from bench.harness import run_bench
-    from bench.peers import Sampling
+def run_tiers(workload: str, model: str | None, tier_options: dict[str, int | str | None]) -> None:
+    """A tiers-* workload: one of bench/tiers.py's figures."""
+    from bench.tiers import figure_args
+    from bench.tiers import main as tiers_main
+
+    figure = workload.removeprefix("tiers-")
+    if figure not in tiers_main.commands:
+        known = ", ".join(f"tiers-{name}" for name in tiers_main.commands)
+        raise click.UsageError(f"no tier benchmark {workload!r}; known: {known}")
+    try:
+        args = figure_args(figure, model, tier_options)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from err
+    tiers_main.main(args, standalone_mode=False)
+
+
+def run_served(
+    workload: str, systems: str, model: str | None, limit: int | None, json_path: str | None
+) -> None:
+    """The served prefill/decode systems (bench/pd_interference_command.py)."""
+    from bench.pd_interference_command import DEFAULT_SYSTEMS, pd_bench
+
+    if json_path:  # the schedules' files beside it, checked as --json is, before the runs
+        names = {s.strip() for s in f"{systems},{DEFAULT_SYSTEMS}".split(",") if s.strip()}
+        for name in sorted(names):
+            beside = str(Path(json_path).with_suffix(f".{name}.metrics.json"))
+            try:
+                check_output_file(beside)
+            except ValueError as err:
+                raise click.BadParameter(str(err), param_hint="--json") from err
+    pd_bench(workload, systems, model, limit, json_path)
+
+
+def check_in_process(
+    workload: str,
+    systems: str,
+    temperature: float | None,
+    samples: int,
+    beam_width: int | None,
+    block_size: int | None,
+) -> None:
+    """The in-process race's options, checked before any model loads."""
     from bench.systems import check_systems
     from bench.workloads import workload_path
 
-    system_list = [s.strip() for s in systems.split(",") if s.strip()]
     try:
-        check_systems(system_list, temperature is not None, beam_width)
+        check_systems(system_names(systems), temperature is not None, beam_width)
         workload_path(workload)
     except ValueError as err:
         raise click.UsageError(str(err)) from err
@@ -243,22 +268,42 @@ def bench(
     if block_size is not None and block_size & (block_size - 1):
         raise click.UsageError(f"--block-size must be a power of two, got {block_size}")
 
+
+def run_in_process(
+    workload: str,
+    systems: str,
+    model: str | None,
+    max_tokens: int | None,
+    limit: int | None,
+    device: str,
+    check: bool,
+    engine_options: EngineOptions,
+    sampling: Sampling | None,
+    beam_width: int | None,
+    peer_paths: PeerPaths,
+    background: int,
+    json_path: str | None,
+) -> None:
+    """The systems' race in this process (bench/harness.py): its table, and how long it took."""
+    from bench.harness import run_bench
+
     start = time.perf_counter()
     result = run_bench(
-        workload=workload,
-        systems=system_list,
-        model=model,
-        max_tokens=max_tokens,
-        limit=limit,
-        device=device,
-        check=not no_check,
-        engine_options=given_options(max_num_batched_tokens, max_num_seqs, block_size),
-        sampling=Sampling(temperature, top_p, samples) if temperature is not None else None,
-        beam_width=beam_width,
-        peer_paths=PeerPaths(vllm_python, llama_server),
-        background=background_load,
-    )
+        workload, system_names(systems), model=model, max_tokens=max_tokens, limit=limit,
+        device=device, check=check, engine_options=engine_options, sampling=sampling,
+        beam_width=beam_width, peer_paths=peer_paths, background=background,
+    )  # fmt: skip
     echo(result["table"])
-    if json_path:
-        Path(json_path).write_text(json.dumps(result["rows"], indent=2))
+    write_json(json_path, result["rows"])
     click.echo(f"bench took {time.perf_counter() - start:.1f} s", err=True)
+
+
+def system_names(systems: str) -> list[str]:
+    """--systems' comma-separated names."""
+    return [s.strip() for s in systems.split(",") if s.strip()]
+
+
+def write_json(json_path: str | None, figures: object) -> None:
+    """--json's file, where one is given."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(figures, indent=2))

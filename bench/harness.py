@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import resource
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 import torch
@@ -175,6 +177,16 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q))
 
 
+def _probe(
+    model: str | None, device: str, workload: str, max_tokens: int | None, limit: int | None
+) -> tuple[list[BenchRequest], set[int], Path, int]:
+    """The workload's requests in the model's tokens, its EOS ids, its folder and its
+    parameters in a prompt token's matrix products, read from a small engine."""
+    probe: EngineInterface = LLM(model, device=device, num_kv_blocks=16)
+    requests = load_workload(workload, probe.tokenizer, max_tokens, limit)
+    return requests, set(probe.eos_ids), probe.model_path, _matmul_params(probe)
+
+
 def _matmul_params(llm: EngineInterface) -> int:
     """Parameters in a prompt token's matrix products: the projections. The head is left out:
     a prompt runs it for its last token only (counting it for every token overstated prefill
@@ -203,17 +215,16 @@ def run_bench(
     check = check and sampling is None
     check_systems(systems, sampling is not None, beam_width)
     peak = matmul_peak_gflops(device)
-    probe: EngineInterface = LLM(model, device=device, num_kv_blocks=16)
-    requests = load_workload(workload, probe.tokenizer, max_tokens, limit)
-    eos_ids = set(probe.eos_ids)
-    model_dir = probe.model_path
-    matmul_params = _matmul_params(probe)
-    del probe
+    requests, eos_ids, model_dir, matmul_params = _probe(model, device, workload, max_tokens, limit)
     hf_model = (
         load_hf_model(model_dir, device)
         if check or any(s.startswith("hf-") for s in systems)
         else None
     )
+    race = Race(
+        model, model_dir, requests, eos_ids, device, engine_options or {}, sampling, beam_width,
+        hf_model, matmul_params, peak, peer_paths or PeerPaths(),
+    )  # fmt: skip
     beams = hf_beam_options(beam_width)
     reference = run_reference(_hf(hf_model), requests, eos_ids, device, **beams) if check else None
     rows: list[BenchRow] = []
@@ -221,79 +232,142 @@ def run_bench(
     skipped: list[str] = []  # a line for each external peer that is not installed
     with background_load(background):
         for system in systems:
-            extra: EngineFigures = {}
-            same_model = True  # False: a system that runs other weights than the reference's
-            if system in ENGINE_SYSTEMS:
-                options: EngineOptions = {**(engine_options or {}), **ENGINE_SYSTEMS[system]}
-                same_model = (
-                    options.get("cpu_weight_dtype", "float32") == "float32"
-                    and options.get("kv_cache_dtype", "auto") == "auto"
-                )
-                if beam_width:
-                    result = run_engine_beams(model, requests, device, options, beam_width)
-                else:
-                    result, llm, extra = run_engine(model, requests, device, options, sampling)
-                    if extra["prefill_only_s"] > 0:
-                        flops = 2 * matmul_params * extra["prefill_only_tokens"]
-                        extra["prefill_mfu"] = flops / extra["prefill_only_s"] / (peak * 1e9)
-                    del llm
-            elif system == "hf-static":
-                batch = (engine_options or {}).get("max_num_seqs") or len(requests)
-                result = run_hf_static(
-                    _hf(hf_model), requests, eos_ids, device, batch, sampling, beams
-                )
-            elif system == "hf-lookup":
-                result = run_hf_lookup(_hf(hf_model), requests, eos_ids, device)
-            elif system in EXTERNAL_SYSTEMS:
-                paths = peer_paths or PeerPaths()
-                ran = run_external(system, model, model_dir, requests, eos_ids, paths)
-                if isinstance(ran, str):
-                    skipped.append(ran)
-                    continue
-                result = ran
-            else:
-                result = run_hf_cb(_hf(hf_model), requests, eos_ids, sampling=sampling)
-            samples = [r for r in requests for _ in range(samples_per_prompt(sampling))]
-            outputs = [
-                cut_output(o, eos_ids, r) for o, r in zip(result.outputs, samples, strict=True)
-            ]
+            ran = race.run_system(system)
+            if isinstance(ran, str):
+                skipped.append(ran)
+                continue
+            result, extra, same_model = ran
+            outputs = race.answers(result)
             if reference and system in EXTERNAL_SYSTEMS:  # float differences: count the tokens
                 extra["matching_tokens"] = matching_tokens(outputs, reference)
                 extra["reference_tokens"] = sum(len(o) for o in reference)
-            out_tokens = sum(len(o) for o in outputs)
             if system in ENGINE_SYSTEMS and same_model and sampling is not None:
                 engine_samples[system] = outputs
-            rows.append(
-                {
-                    "system": system,
-                    "workload": workload,
-                    "requests": len(requests),
-                    "wall_s": result.wall_s,
-                    "output_tokens": out_tokens,
-                    "output_tok_s": out_tokens / result.wall_s,
-                    "prefill_tokens": result.prefill_tokens,
-                    "ttft_p50_ms": _ms(_percentile(result.ttft_s, 0.5)),
-                    "ttft_p99_ms": _ms(_percentile(result.ttft_s, 0.99)),
-                    "matches_reference": outputs == reference if reference and same_model else None,
-                    **extra,
-                }
-            )
+            matches = outputs == reference if reference and same_model else None
+            rows.append(_row(system, workload, len(requests), result, outputs, matches, extra))
     base = next((r for r in rows if r["system"] == "hf-static"), None)
     for row in rows:
         row["vs_hf_static"] = row["output_tok_s"] / base["output_tok_s"] if base else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     table = format_table(rows, peak, rss) + load_note(background)
     table += "".join(f"\n{line}" for line in skipped)
+    table += _notes(sampling, beam_width, engine_samples)
+    return {"rows": rows, "table": table, "peak_gflops": peak}
+
+
+@dataclass(frozen=True)
+class Race:
+    """What every system of one run shares: the model, the requests, how each is run."""
+
+    model: str | None
+    model_dir: Path
+    requests: list[BenchRequest]
+    eos_ids: set[int]
+    device: str
+    engine_options: EngineOptions  # the command line's, under each engine system's own
+    sampling: Sampling | None
+    beam_width: int | None
+    hf_model: GenerationMixin | None
+    matmul_params: int  # in a prompt token's matrix products
+    peak_gflops: float  # the matrix products' measured peak
+    peer_paths: PeerPaths
+
+    def run_system(self, system: str) -> tuple[PeerResult, EngineFigures, bool] | str:
+        """`system` run over the requests: its result, its engine figures, and whether it
+        runs the reference's weights (False: other weights, so no exact match is asked); or
+        the line saying an external peer is not installed."""
+        hf, requests, eos_ids = self.hf_model, self.requests, self.eos_ids
+        if system in ENGINE_SYSTEMS:
+            return self.run_engine_system(system)
+        if system == "hf-static":
+            batch = self.engine_options.get("max_num_seqs") or len(requests)
+            beams = hf_beam_options(self.beam_width)
+            result = run_hf_static(
+                _hf(hf), requests, eos_ids, self.device, batch, self.sampling, beams
+            )
+        elif system == "hf-lookup":
+            result = run_hf_lookup(_hf(hf), requests, eos_ids, self.device)
+        elif system in EXTERNAL_SYSTEMS:
+            ran = run_external(
+                system, self.model, self.model_dir, requests, eos_ids, self.peer_paths
+            )
+            if isinstance(ran, str):
+                return ran
+            result = ran
+        else:
+            result = run_hf_cb(_hf(hf), requests, eos_ids, sampling=self.sampling)
+        return result, {}, True
+
+    def answers(self, result: PeerResult) -> list[list[int]]:
+        """Each sample's tokens, cut where its request stops (its EOS, its max_tokens)."""
+        samples = [r for r in self.requests for _ in range(samples_per_prompt(self.sampling))]
+        return [
+            cut_output(o, self.eos_ids, r) for o, r in zip(result.outputs, samples, strict=True)
+        ]
+
+    def run_engine_system(self, system: str) -> tuple[PeerResult, EngineFigures, bool]:
+        """One of the engine's systems, with its prefill's model-FLOP utilisation."""
+        options: EngineOptions = {**self.engine_options, **ENGINE_SYSTEMS[system]}
+        same_model = (
+            options.get("cpu_weight_dtype", "float32") == "float32"
+            and options.get("kv_cache_dtype", "auto") == "auto"
+        )
+        if self.beam_width:
+            result = run_engine_beams(
+                self.model, self.requests, self.device, options, self.beam_width
+            )
+            return result, {}, same_model
+        result, llm, extra = run_engine(
+            self.model, self.requests, self.device, options, self.sampling
+        )
+        if extra["prefill_only_s"] > 0:
+            flops = 2 * self.matmul_params * extra["prefill_only_tokens"]
+            extra["prefill_mfu"] = flops / extra["prefill_only_s"] / (self.peak_gflops * 1e9)
+        del llm
+        return result, extra, same_model
+
+
+def _row(
+    system: str,
+    workload: str,
+    requests: int,
+    result: PeerResult,
+    outputs: list[list[int]],
+    matches: bool | None,
+    extra: EngineFigures,
+) -> BenchRow:
+    """One system's row of the table."""
+    out_tokens = sum(len(o) for o in outputs)
+    return {
+        "system": system,
+        "workload": workload,
+        "requests": requests,
+        "wall_s": result.wall_s,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / result.wall_s,
+        "prefill_tokens": result.prefill_tokens,
+        "ttft_p50_ms": _ms(_percentile(result.ttft_s, 0.5)),
+        "ttft_p99_ms": _ms(_percentile(result.ttft_s, 0.99)),
+        "matches_reference": matches,
+        **extra,
+    }
+
+
+def _notes(
+    sampling: Sampling | None, beam_width: int | None, engine_samples: dict[str, list[list[int]]]
+) -> str:
+    """The table's closing lines on how every system sampled or searched."""
+    notes = ""
     if sampling is not None:
-        table += (
+        notes += (
             f"\nevery system sampled: temperature {sampling.temperature}, top_p {sampling.top_p}"
         )
         if sampling.n > 1:
-            table += f", {sampling.n} samples a prompt"
-        table += _same_samples(engine_samples)
+            notes += f", {sampling.n} samples a prompt"
+        notes += _same_samples(engine_samples)
     if beam_width:
-        table += f"\nevery system searched {beam_width} beams a prompt; its best is its answer"
-    return {"rows": rows, "table": table, "peak_gflops": peak}
+        notes += f"\nevery system searched {beam_width} beams a prompt; its best is its answer"
+    return notes
 
 
 def _hf(model: GenerationMixin | None) -> GenerationMixin:

@@ -15,11 +15,13 @@ from bench.soak_checks import (
     ReferenceCheck,
     SoakReport,
     check_consistency,
+    check_output,
     final_checks,
 )
 from bench.soak_workload import Request, Workload
 from runner.engine.api.interface import EngineInterface
 from runner.engine.api.llm import LLM
+from runner.engine.requests.outputs import RequestOutput
 from runner.engine.sequence import Sequence
 
 
@@ -67,82 +69,106 @@ def run_soak(
         if speculative_tokens
         else None
     )
-    counter = FirstAdmissionCounter()
-    llm.add_schedule_listener(counter)
     workload = Workload(seed, max_prompt=min(max_prompt, 80))
-    rep = SoakReport(requests=requests, num_blocks=num_kv_blocks)
-    live: dict[str, tuple[Request, Sequence]] = {}
-    # Bounded: check_consistency keeps only the most recent prompts.
-    greedy: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
-    canary_out: dict[int, list[int]] = {}
-    tally = {"cached": 0, "wrong_start": 0, "seen": 0}
-    submitted = 0
+    soak = Soak(llm, checker, workload, SoakReport(requests=requests, num_blocks=num_kv_blocks))
     start = time.perf_counter()
-
-    def fail(message: str) -> None:
-        if len(rep.failures) < 20:
-            rep.failures.append(message)
-
-    while rep.finished < requests:
-        while submitted < requests and (inflight <= 0 or len(live) < inflight):
-            req = workload.next(submitted)
-            rep.kinds[req.kind] = rep.kinds.get(req.kind, 0) + 1
-            try:
-                seq = llm.add_request(req.prompt, req.params, cache_salt=req.salt)
-            except ValueError as err:
-                fail(f"request {submitted} refused: {err}")
-                return rep
-            rep.prompt_tokens += len(req.prompt)
-            live[seq.request_id] = (req, seq)
-            submitted += 1
-        if not llm.has_unfinished():
-            fail(f"{len(live)} requests live but the engine has nothing to run: lost requests")
-            break
-        outputs = llm.step()
-        rep.steps += 1
-        if check_every and rep.steps % check_every == 0:
-            try:
-                llm.check_integrity()
-            except AssertionError as err:
-                fail(f"step {rep.steps}: integrity: {err}")
-                break
-        for out in outputs:
-            if out.request_id not in live:
-                fail(f"request {out.request_id} finished twice or was never submitted")
-                continue
-            req, seq = live.pop(out.request_id)
-            rep.finished += 1
-            if out.finish_reason not in ("stop", "length") or not out.token_ids:
-                fail(f"request {out.request_id}: reason {out.finish_reason!r}, {out.token_ids}")
-            allowed = set(req.params.allowed_token_ids or out.token_ids)
-            if len(out.token_ids) < req.params.min_tokens or not set(out.token_ids) <= allowed:
-                fail(f"request {out.request_id}: {out.token_ids} break its logit rules")
-            got = None if out.logprobs is None else len(out.logprobs)
-            expected = None if req.params.logprobs is None else len(out.token_ids)
-            if got != expected:
-                fail(f"request {out.request_id}: {got} logprobs for {expected} tokens")
-            prompt_figures = out.prompt_logprobs
-            if (req.params.prompt_logprobs is None) != (prompt_figures is None) or (
-                prompt_figures is not None
-                and [x is None for x in prompt_figures] != [i == 0 for i in range(len(req.prompt))]
-            ):
-                fail(f"request {out.request_id}: prompt logprobs do not cover its prompt")
-            rep.output_tokens += len(out.token_ids)
-            if checker is not None:
-                checker.add(req, out.token_ids)
-                checker.flush(rep, fail)
-            tally["cached"] += out.num_cached_tokens
-            rep.miss_tokens += counter.misses(seq, tally)
-            workload.feedback(req.prompt, out.token_ids, req.salt)
-            check_consistency(req, out.token_ids, greedy, tally, canary_out, workload, fail)
-            if rep.finished % chunk == 0:
-                rep.rss_mb.append(_rss_mb())
+    if not soak.run(inflight, check_every, chunk):
+        return soak.rep
+    rep = soak.rep
     rep.seconds = time.perf_counter() - start
-    rep.greedy_prompts_compared = tally["seen"]
+    rep.greedy_prompts_compared = soak.tally["seen"]
     rep.canary_copies = rep.kinds.get("canary", 0)
     if checker is not None:
-        checker.flush(rep, fail, at_least=1)
-    final_checks(llm, rep, tally, fail)
+        checker.flush(rep, soak.fail, at_least=1)
+    final_checks(llm, rep, soak.tally, soak.fail)
     if max_rss_growth is not None and len(rep.rss_mb) >= 2 and rep.rss_growth > max_rss_growth:
-        fail(f"RSS grew {rep.rss_growth:.1%} (> {max_rss_growth:.0%}): {rep.rss_mb}")
+        soak.fail(f"RSS grew {rep.rss_growth:.1%} (> {max_rss_growth:.0%}): {rep.rss_mb}")
     return rep
+
+
+class Soak:
+    """One soak's stream through `llm`: requests submitted, the engine stepped (and checked)
+    by hand, every answer checked as it ends; what it finds goes into `rep`."""
+
+    def __init__(
+        self,
+        llm: EngineInterface,
+        checker: ReferenceCheck | None,
+        workload: Workload,
+        rep: SoakReport,
+    ) -> None:
+        self.llm, self.checker, self.workload, self.rep = llm, checker, workload, rep
+        self.counter = FirstAdmissionCounter()
+        llm.add_schedule_listener(self.counter)
+        self.live: dict[str, tuple[Request, Sequence]] = {}
+        # Bounded: check_consistency keeps only the most recent prompts.
+        self.greedy: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+        self.canary_out: dict[int, list[int]] = {}
+        self.tally = {"cached": 0, "wrong_start": 0, "seen": 0}
+        self.submitted = 0
+
+    def fail(self, message: str) -> None:
+        if len(self.rep.failures) < 20:
+            self.rep.failures.append(message)
+
+    def run(self, inflight: int, check_every: int, chunk: int) -> bool:
+        """Until every request has finished, or a check stops the run; False where a request
+        was refused (the report is then as it stands)."""
+        rep = self.rep
+        while rep.finished < rep.requests:
+            if not self.submit(inflight):
+                return False
+            if not self.llm.has_unfinished():
+                self.fail(
+                    f"{len(self.live)} requests live but the engine has nothing to run: "
+                    "lost requests"
+                )
+                break
+            outputs = self.llm.step()
+            rep.steps += 1
+            if check_every and rep.steps % check_every == 0:
+                try:
+                    self.llm.check_integrity()
+                except AssertionError as err:
+                    self.fail(f"step {rep.steps}: integrity: {err}")
+                    break
+            for out in outputs:
+                self.finish(out, chunk)
+        return True
+
+    def submit(self, inflight: int) -> bool:
+        """Requests up to `inflight` live (none: no bound); False where one is refused."""
+        while self.submitted < self.rep.requests and (inflight <= 0 or len(self.live) < inflight):
+            req = self.workload.next(self.submitted)
+            self.rep.kinds[req.kind] = self.rep.kinds.get(req.kind, 0) + 1
+            try:
+                seq = self.llm.add_request(req.prompt, req.params, cache_salt=req.salt)
+            except ValueError as err:
+                self.fail(f"request {self.submitted} refused: {err}")
+                return False
+            self.rep.prompt_tokens += len(req.prompt)
+            self.live[seq.request_id] = (req, seq)
+            self.submitted += 1
+        return True
+
+    def finish(self, out: RequestOutput, chunk: int) -> None:
+        """One finished request: its answer checked, its figures counted."""
+        rep = self.rep
+        if out.request_id not in self.live:
+            self.fail(f"request {out.request_id} finished twice or was never submitted")
+            return
+        req, seq = self.live.pop(out.request_id)
+        rep.finished += 1
+        check_output(req, out, self.fail)
+        rep.output_tokens += len(out.token_ids)
+        if self.checker is not None:
+            self.checker.add(req, out.token_ids)
+            self.checker.flush(rep, self.fail)
+        self.tally["cached"] += out.num_cached_tokens
+        rep.miss_tokens += self.counter.misses(seq, self.tally)
+        self.workload.feedback(req.prompt, out.token_ids, req.salt)
+        check_consistency(
+            req, out.token_ids, self.greedy, self.tally, self.canary_out, self.workload, self.fail
+        )
+        if rep.finished % chunk == 0:
+            rep.rss_mb.append(_rss_mb())

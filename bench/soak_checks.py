@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from bench.soak_workload import Request, Workload
 from runner.engine.api.interface import ServingEngine
+from runner.engine.requests.outputs import RequestOutput
 from runner.engine.sequence import Sequence
 from runner.engine.step.scheduler import SchedulerOutput
 
@@ -111,6 +112,26 @@ class FirstAdmissionCounter:
             begin = seq.num_cached_tokens if start is None else start
             return seq.num_prompt_tokens - begin
         return fed
+
+
+def check_output(req: Request, out: RequestOutput, fail: Fail) -> None:
+    """One finished request's answer against its own rules: a real end, its logit rules kept,
+    and the log-probabilities it asked for, over its tokens and its prompt."""
+    if out.finish_reason not in ("stop", "length") or not out.token_ids:
+        fail(f"request {out.request_id}: reason {out.finish_reason!r}, {out.token_ids}")
+    allowed = set(req.params.allowed_token_ids or out.token_ids)
+    if len(out.token_ids) < req.params.min_tokens or not set(out.token_ids) <= allowed:
+        fail(f"request {out.request_id}: {out.token_ids} break its logit rules")
+    got = None if out.logprobs is None else len(out.logprobs)
+    expected = None if req.params.logprobs is None else len(out.token_ids)
+    if got != expected:
+        fail(f"request {out.request_id}: {got} logprobs for {expected} tokens")
+    prompt_figures = out.prompt_logprobs
+    if (req.params.prompt_logprobs is None) != (prompt_figures is None) or (
+        prompt_figures is not None
+        and [x is None for x in prompt_figures] != [i == 0 for i in range(len(req.prompt))]
+    ):
+        fail(f"request {out.request_id}: prompt logprobs do not cover its prompt")
 
 
 def check_consistency(

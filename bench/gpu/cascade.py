@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from bench.gpu.step_profile import replay_ms
 from runner.backends.torch.cascade import PrefixGroup
 from runner.backends.triton.cascade_cost import DEFAULT_THRESHOLDS, saved_bytes, use_shared_prefix
 from runner.backends.triton.decode import decode_attention
@@ -98,13 +99,7 @@ def time_us(run: Callable[[], torch.Tensor], device: str, repeats: int) -> float
     with torch.cuda.graph(graph):
         run()
     graph.replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return 1e3 * begin.elapsed_time(end) / repeats
+    return 1e3 * replay_ms(graph, repeats)
 
 
 def measure_point(

@@ -128,7 +128,6 @@ def bench_serve(
     from bench.serve.llama_server import find_llama_server
     from bench.serve.report import print_report
     from bench.serve.runs import Load, compare_with_llama_server, run_against
-    from bench.serve.system_prompt import SYSTEM_PROMPT
     from bench.serve.workload import multi_turn_sessions, read_lines, single_requests
 
     if api_key is not None and not api_key.strip():
@@ -138,11 +137,7 @@ def bench_serve(
         llama_bin = find_llama_server(llama_server_bin)
     except ValueError as err:
         raise click.ClickException(str(err)) from err
-    shared: str | None = SYSTEM_PROMPT
-    if no_system_prompt:
-        shared = None
-    elif system_prompt is not None:
-        shared = Path(system_prompt).read_text(encoding="utf-8")
+    shared = None if no_system_prompt else shared_prompt(system_prompt)
     if workload == "multi-turn":
         sessions = multi_turn_sessions(
             rows, num_prompts, turns, max_tokens, seed, shared, follow_up_chars
@@ -165,3 +160,13 @@ def bench_serve(
             )
     if result_json:
         Path(result_json).write_text(json.dumps(summary, indent=2))
+
+
+def shared_prompt(system_prompt: str | None) -> str:
+    """The system prompt multi-turn sessions share: --system-prompt's file, else the built-in
+    brief."""
+    if system_prompt is None:
+        from bench.serve.system_prompt import SYSTEM_PROMPT
+
+        return SYSTEM_PROMPT
+    return Path(system_prompt).read_text(encoding="utf-8")

@@ -28,8 +28,12 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-class ByteSize(click.ParamType):
-    name = "size"
+class ParsedInt(click.ParamType):
+    """A whole number read from its text by `parse` (an int given as one is taken as it is);
+    the parser's error is the option's."""
+
+    def parse(self, text: str) -> int:
+        raise NotImplementedError
 
     def convert(
         self, value: object, param: click.Parameter | None, ctx: click.Context | None
@@ -37,23 +41,23 @@ class ByteSize(click.ParamType):
         if isinstance(value, int):
             return value
         try:
-            return parse_size(str(value))
+            return self.parse(str(value))
         except (ValueError, ArgumentTypeError) as err:
             self.fail(str(err), param, ctx)
 
 
-class HumanInt(click.ParamType):
+class ByteSize(ParsedInt):
+    name = "size"
+
+    def parse(self, text: str) -> int:
+        return parse_size(text)
+
+
+class HumanInt(ParsedInt):
     """A count as vLLM reads one (kvcache/utils/argparse_utils.py): ``2048``, ``1k`` (1,000),
     ``1K`` (1,024), ``25.6k``."""
 
     name = "count"
 
-    def convert(
-        self, value: object, param: click.Parameter | None, ctx: click.Context | None
-    ) -> int:
-        if isinstance(value, int):
-            return value
-        try:
-            return human_readable_int(str(value))
-        except (ValueError, ArgumentTypeError) as err:
-            self.fail(str(err), param, ctx)
+    def parse(self, text: str) -> int:
+        return human_readable_int(text)

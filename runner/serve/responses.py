@@ -4,6 +4,7 @@ in each endpoint's own shape, and the error object."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TypedDict
@@ -246,33 +247,13 @@ def chat_response(
     return answer
 
 
-def completion_chunk(
-    call_id: str,
-    model: str,
-    created: int,
-    choices: list[JSONBody],
-    usage: JSONBody | None = None,
-) -> JSONBody:
-    return _chunk("text_completion", call_id, model, created, choices, usage)
-
-
-def chat_chunk(
-    call_id: str,
-    model: str,
-    created: int,
-    choices: list[JSONBody],
-    usage: JSONBody | None = None,
-) -> JSONBody:
-    return _chunk("chat.completion.chunk", call_id, model, created, choices, usage)
-
-
-def _chunk(
+def stream_chunk(
     kind: str,
     call_id: str,
     model: str,
     created: int,
     choices: list[JSONBody],
-    usage: JSONBody | None,
+    usage: JSONBody | None = None,
 ) -> JSONBody:
     """One streamed chunk in OpenAI's shape; the usage only where it is sent (the last)."""
     chunk: JSONBody = {
@@ -285,3 +266,7 @@ def _chunk(
     if usage is not None:
         chunk["usage"] = usage
     return chunk
+
+
+completion_chunk = functools.partial(stream_chunk, "text_completion")
+chat_chunk = functools.partial(stream_chunk, "chat.completion.chunk")

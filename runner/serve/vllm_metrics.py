@@ -101,107 +101,123 @@ class CacheConfig(NamedTuple):
     cache_dtype: str
 
 
+# vLLM's per-request histograms, in its order: the RequestEnd field each observes (a phase the
+# request never reached, None, is not observed), the series, its help and its buckets (None:
+# token counts' buckets, up to the context length).
+PER_REQUEST: tuple[tuple[str, str, str, Seq[float] | None], ...] = (
+    (
+        "tpot_s",
+        "vllm:request_time_per_output_token_seconds",
+        "A request's decode time / its tokens after the first",
+        TOKEN_GAP_BUCKETS,
+    ),
+    ("e2e_s", "vllm:e2e_request_latency_seconds", "Arrival to end", PHASE_BUCKETS),
+    ("queue_s", "vllm:request_queue_time_seconds", "Arrival to first admission", PHASE_BUCKETS),
+    (
+        "prefill_s",
+        "vllm:request_prefill_time_seconds",
+        "First admission to first token",
+        PHASE_BUCKETS,
+    ),
+    ("decode_s", "vllm:request_decode_time_seconds", "First token to last token", PHASE_BUCKETS),
+    (
+        "inference_s",
+        "vllm:request_inference_time_seconds",
+        "First admission to last token",
+        PHASE_BUCKETS,
+    ),
+    ("prompt_tokens", "vllm:request_prompt_tokens", "Prompt tokens a request", None),
+    ("generation_tokens", "vllm:request_generation_tokens", "Tokens a request generated", None),
+    (
+        "max_generation_tokens",
+        "vllm:request_max_num_generation_tokens",
+        "Tokens a request's longest sample generated",
+        None,
+    ),
+    ("n", "vllm:request_params_n", "The request's n", N_BUCKETS),
+    ("max_tokens", "vllm:request_params_max_tokens", "The request's max_tokens", None),
+)
+
+
 class VllmMetrics:
-    """vLLM's series of one server, for `model_name`, in `registry`."""
+    """vLLM's series of one server, for `model_name`, in `registry`: the engine's state after a
+    step, the tokens as they come, each request once as it ends, the KV cache's configuration."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
-        r, labels = registry, (model_name, ENGINE)
         self.registry = registry
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, LABELS, registry=r).labels(*labels)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, LABELS, registry=r).labels(*labels)
-
-        def histogram(name: str, doc: str, buckets: Seq[float]) -> Histogram:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*labels)
-
-        self.running = gauge("vllm:num_requests_running", "Requests in the running batch")
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be admitted")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV blocks in use / all (0 to 1)")
-        self.gpu_usage = gauge(
-            "vllm:gpu_cache_usage_perc", "Deprecated by vLLM: vllm:kv_cache_usage_perc"
-        )
-        # vLLM V0's swap space, which older dashboards still query: this engine preempts by
-        # recompute and never swaps, so both read 0 (its host tier is a cache, not swap space).
-        self.swapped = gauge("vllm:num_requests_swapped", "Requests swapped out (never: 0)")
-        self.cpu_usage = gauge(
-            "vllm:cpu_cache_usage_perc", "CPU swap space in use (0 to 1; no swap space: 0)"
-        )
-        self.swapped.set(0)
-        self.cpu_usage.set(0.0)
-        self.prefix_queries = counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
-        )
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found cached")
-        self.preemptions = counter("vllm:num_preemptions", "Requests preempted (recomputed)")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of started requests")
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
+        self._labels = (model_name, ENGINE)
+        self._step_series()
         self.success = Counter(
             "vllm:request_success",
             "Requests ended, by finish reason",
             (*LABELS, "finished_reason"),
-            registry=r,
+            registry=registry,
         )
         for reason in FINISH_REASONS:  # each shown from the start, at 0
-            self.success.labels(*labels, reason)
-        self.ttft = histogram(
+            self.success.labels(*self._labels, reason)
+        self.ttft = self._histogram(
             "vllm:time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS
         )
-        self.itl = histogram(
+        self.itl = self._histogram(
             "vllm:inter_token_latency_seconds", "Between consecutive tokens", TOKEN_GAP_BUCKETS
         )
-        self.tpot = histogram(
+        self.tpot = self._histogram(
             "vllm:time_per_output_token_seconds",
             "Between consecutive tokens (vLLM's older name of the inter-token latency)",
             TOKEN_GAP_BUCKETS,
         )
-        self.request_tpot = histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "A request's decode time / its tokens after the first",
-            TOKEN_GAP_BUCKETS,
-        )
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to end", PHASE_BUCKETS)
-        self.queue = histogram(
-            "vllm:request_queue_time_seconds", "Arrival to first admission", PHASE_BUCKETS
-        )
-        self.prefill = histogram(
-            "vllm:request_prefill_time_seconds", "First admission to first token", PHASE_BUCKETS
-        )
-        self.decode = histogram(
-            "vllm:request_decode_time_seconds", "First token to last token", PHASE_BUCKETS
-        )
-        self.inference = histogram(
-            "vllm:request_inference_time_seconds", "First admission to last token", PHASE_BUCKETS
-        )
         token_buckets = one_two_five(max_model_len)
-        self.request_prompt = histogram(
-            "vllm:request_prompt_tokens", "Prompt tokens a request", token_buckets
-        )
-        self.request_generation = histogram(
-            "vllm:request_generation_tokens", "Tokens a request generated", token_buckets
-        )
-        self.max_generation = histogram(
-            "vllm:request_max_num_generation_tokens",
-            "Tokens a request's longest sample generated",
-            token_buckets,
-        )
-        self.params_n = histogram("vllm:request_params_n", "The request's n", N_BUCKETS)
-        self.params_max_tokens = histogram(
-            "vllm:request_params_max_tokens", "The request's max_tokens", token_buckets
-        )
-        self.iteration_tokens = histogram(
+        self.per_request = {
+            field: self._histogram(name, doc, token_buckets if buckets is None else buckets)
+            for field, name, doc, buckets in PER_REQUEST
+        }
+        self.iteration_tokens = self._histogram(
             "vllm:iteration_tokens_total", "Tokens an engine step computes", ITERATION_TOKEN_BUCKETS
         )
         self._cache_info = Gauge(
             "vllm:cache_config_info",
             "The KV cache's configuration",
             (*LABELS, *CacheConfig._fields),
-            registry=r,
+            registry=registry,
         )
-        self._labels = labels
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}  # the engine's totals so far
+
+    def _step_series(self) -> None:
+        """The gauges and counters `on_step` sets from the engine's state after a step."""
+        self.running = self._gauge("vllm:num_requests_running", "Requests in the running batch")
+        self.waiting = self._gauge("vllm:num_requests_waiting", "Requests waiting to be admitted")
+        self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV blocks in use / all (0 to 1)")
+        self.gpu_usage = self._gauge(
+            "vllm:gpu_cache_usage_perc", "Deprecated by vLLM: vllm:kv_cache_usage_perc"
+        )
+        # vLLM V0's swap space, which older dashboards still query: this engine preempts by
+        # recompute and never swaps, so both read 0 (its host tier is a cache, not swap space).
+        self.swapped = self._gauge("vllm:num_requests_swapped", "Requests swapped out (never: 0)")
+        self.cpu_usage = self._gauge(
+            "vllm:cpu_cache_usage_perc", "CPU swap space in use (0 to 1; no swap space: 0)"
+        )
+        self.swapped.set(0)
+        self.cpu_usage.set(0.0)
+        self.prefix_queries = self._counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_hits = self._counter("vllm:prefix_cache_hits", "Prompt tokens found cached")
+        self.preemptions = self._counter("vllm:num_preemptions", "Requests preempted (recomputed)")
+        self.prompt_tokens = self._counter(
+            "vllm:prompt_tokens", "Prompt tokens of started requests"
+        )
+        self.generation_tokens = self._counter("vllm:generation_tokens", "Tokens generated")
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, LABELS, registry=self.registry).labels(*self._labels)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, LABELS, registry=self.registry).labels(*self._labels)
+
+    def _histogram(self, name: str, doc: str, buckets: Seq[float]) -> Histogram:
+        return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(
+            *self._labels
+        )
 
     def describe_cache(self, config: CacheConfig) -> None:
         values = [str(v).lower() if isinstance(v, bool) else str(v) for v in config]
@@ -239,18 +255,7 @@ class VllmMetrics:
 
     def on_end(self, end: RequestEnd) -> None:
         self.success.labels(*self._labels, end.finish_reason).inc()
-        self.e2e.observe(end.e2e_s)
-        self.queue.observe(end.queue_s)
-        for histogram, value in (
-            (self.prefill, end.prefill_s),
-            (self.decode, end.decode_s),
-            (self.inference, end.inference_s),
-            (self.request_tpot, end.tpot_s),
-        ):
-            if value is not None:
+        for field, value in end._asdict().items():
+            histogram = self.per_request.get(field)
+            if histogram is not None and value is not None:
                 histogram.observe(value)
-        self.request_prompt.observe(end.prompt_tokens)
-        self.request_generation.observe(end.generation_tokens)
-        self.max_generation.observe(end.max_generation_tokens)
-        self.params_n.observe(end.n)
-        self.params_max_tokens.observe(end.max_tokens)

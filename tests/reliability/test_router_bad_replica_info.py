@@ -54,11 +54,8 @@ def odd_replica(info: Any) -> FastAPI:
 
 @pytest.fixture(scope="module")
 def replica(tiny_llama_tok_dir: Path) -> Iterator[LiveServer]:
-    server = LiveServer(build_app(LLM(str(tiny_llama_tok_dir)), ServeSettings("tiny"))).start()
-    try:
+    with LiveServer(build_app(LLM(str(tiny_llama_tok_dir)), ServeSettings("tiny"))) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize("odd_first", [False, True], ids=["good-first", "odd-first"])

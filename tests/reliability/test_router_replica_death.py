@@ -31,7 +31,7 @@ from runner.router.app import build_router_app
 from runner.router.proxy import RouterSettings
 from runner.serve.app import ServeSettings, build_app
 from tests.redis_server import free_port
-from tests.serve.conftest import LiveServer
+from tests.serve.conftest import LiveServer, router_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "A replica may die while it answers this prompt, which is long enough for blocks. " * 2
@@ -39,16 +39,8 @@ PROMPT = "A replica may die while it answers this prompt, which is long enough f
 
 @contextmanager
 def router(urls: list[str], **settings: Any) -> Iterator[LiveServer]:
-    server = LiveServer(build_router_app(urls, RouterSettings(**settings))).start()
-    try:
+    with LiveServer(build_router_app(urls, RouterSettings(**settings))) as server:
         yield server
-    finally:
-        server.stop()
-
-
-def replicas_stats(router: LiveServer) -> list[dict[str, Any]]:
-    stats: list[dict[str, Any]] = httpx.get(f"{router.url}/router/stats").json()["replicas"]
-    return stats
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
@@ -102,7 +94,7 @@ def test_a_stream_cut_by_a_dying_replica_ends_with_an_error(tiny_llama_tok_dir: 
                     if len(texts) == 3:
                         os.kill(process.pid, signal.SIGKILL)
             assert 3 <= len(texts) < 2000
-            (replica,) = replicas_stats(front)
+            (replica,) = router_stats(front)
             assert not replica["healthy"] and replica["in_flight"] == 0
             assert replica["indexed_blocks"] == 0  # it died: its cache is gone, so is its index
             # With no replica left, a request is refused in OpenAI's shape.
@@ -143,7 +135,7 @@ def test_a_whole_answer_cut_short_is_a_502() -> None:
             assert set(error) == {"message", "type", "param", "code"}
             assert error["type"] == "server_error"
             assert "the replica died before its answer ended" in error["message"]
-            assert replicas_stats(front)[0]["healthy"] is False
+            assert router_stats(front)[0]["healthy"] is False
     finally:
         replica.stop()
 
@@ -181,16 +173,16 @@ def test_a_restarted_replica_is_not_sent_its_old_prefixes(tiny_llama_tok_dir: Pa
 
             for turn in range(2):  # the conversation settles on A, which holds its prefix
                 ask(turn)
-            assert [r["sent"] for r in replicas_stats(front)] == [2, 0]
-            assert replicas_stats(front)[0]["indexed_blocks"] > 0
+            assert [r["sent"] for r in router_stats(front)] == [2, 0]
+            assert router_stats(front)[0]["indexed_blocks"] > 0
             a.stop()
-            wait_for(lambda: not replicas_stats(front)[0]["healthy"], "A is still up")
+            wait_for(lambda: not router_stats(front)[0]["healthy"], "A is still up")
             a = replica(port)  # restarted, with nothing cached
-            wait_for(lambda: replicas_stats(front)[0]["healthy"], "A did not come back")
-            assert replicas_stats(front)[0]["indexed_blocks"] == 0
+            wait_for(lambda: router_stats(front)[0]["healthy"], "A did not come back")
+            assert router_stats(front)[0]["indexed_blocks"] == 0
             for turn in range(2, 6):
                 ask(turn)
-            sent = [r["sent"] for r in replicas_stats(front)]
+            sent = [r["sent"] for r in router_stats(front)]
             assert sent[1] > 0, f"every request went back to the restarted replica: {sent}"
     finally:
         a.stop()

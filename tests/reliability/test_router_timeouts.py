@@ -22,7 +22,7 @@ from kvcache import LLM
 from runner.router.app import build_router_app
 from runner.router.proxy import RouterSettings
 from runner.serve.app import ServeSettings, build_app
-from tests.serve.conftest import LiveServer
+from tests.serve.conftest import LiveServer, router_stats
 
 CLIENT_TIMEOUT_S = 15.0
 HEALTHY = (
@@ -127,16 +127,8 @@ def router(urls: list[str]) -> Iterator[LiveServer]:
     # Health checks too rare to matter: the timeouts alone must take the hung replica out.
     settings = RouterSettings(policy="least_loaded", health_interval_s=60)
     settings.first_output_timeout_s = settings.idle_timeout_s = 1.0
-    server = LiveServer(build_router_app(urls, settings)).start()
-    try:
+    with LiveServer(build_router_app(urls, settings)) as server:
         yield server
-    finally:
-        server.stop()
-
-
-def replicas_stats(router: LiveServer) -> list[dict[str, Any]]:
-    stats: list[dict[str, Any]] = httpx.get(f"{router.url}/router/stats").json()["replicas"]
-    return stats
 
 
 def test_a_hung_replica_is_taken_out_and_its_request_retried(tiny_llama_tok_dir: Path) -> None:
@@ -148,11 +140,11 @@ def test_a_hung_replica_is_taken_out_and_its_request_retried(tiny_llama_tok_dir:
             url = f"{front.url}/v1/completions"
             reply = httpx.post(url, json=body, timeout=CLIENT_TIMEOUT_S)  # the hung one first
             assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
-            assert [r["sent"] for r in replicas_stats(front)] == [1, 1]  # then retried
-            assert [r["healthy"] for r in replicas_stats(front)] == [False, True]
+            assert [r["sent"] for r in router_stats(front)] == [1, 1]  # then retried
+            assert [r["healthy"] for r in router_stats(front)] == [False, True]
             reply = httpx.post(url, json=body, timeout=CLIENT_TIMEOUT_S)
             assert reply.status_code == 200
-            assert [r["sent"] for r in replicas_stats(front)] == [1, 2]  # straight to the other
+            assert [r["sent"] for r in router_stats(front)] == [1, 2]  # straight to the other
             assert "kvcache_router_retries_total 1.0" in httpx.get(f"{front.url}/metrics").text
     finally:
         working.stop()
@@ -170,5 +162,5 @@ def test_a_stream_that_goes_silent_ends_with_an_error() -> None:
             for chunk in stream:
                 texts.append(chunk.choices[0].delta.content)
         assert texts == [None, "Hel"]  # what it sent came through, then the error
-        (replica,) = replicas_stats(front)
+        (replica,) = router_stats(front)
         assert not replica["healthy"] and replica["in_flight"] == 0

@@ -24,11 +24,8 @@ PASSWORD = "s3cretpw"
 
 @pytest.fixture(scope="module")
 def replica(tiny_llama_tok_dir: Path) -> Iterator[LiveServer]:
-    server = LiveServer(build_app(LLM(str(tiny_llama_tok_dir)), ServeSettings("tiny"))).start()
-    try:
+    with LiveServer(build_app(LLM(str(tiny_llama_tok_dir)), ServeSettings("tiny"))) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_the_router_shows_no_replica_password(replica: LiveServer) -> None:

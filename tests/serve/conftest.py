@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 
@@ -51,9 +52,34 @@ class LiveServer:
         self.sock.close()
         assert not self.thread.is_alive(), "the server did not stop"
 
+    def __enter__(self) -> LiveServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     @property
     def state(self) -> Any:
         return self.app.state.serve
+
+
+def router_stats(router: LiveServer) -> list[dict[str, Any]]:
+    """A router's /router/stats: a dict for each replica (sent, in_flight, ...)."""
+    stats: list[dict[str, Any]] = httpx.get(f"{router.url}/router/stats").json()["replicas"]
+    return stats
+
+
+@contextmanager
+def replica_servers(llms: list[LLM]) -> Iterator[list[LiveServer]]:
+    """A server named tiny over each engine, for a router to front; each stopped at the end
+    unless the test stopped it already."""
+    replicas = [LiveServer(build_app(llm, ServeSettings("tiny"))).start() for llm in llms]
+    try:
+        yield replicas
+    finally:
+        for replica in replicas:
+            if replica.thread.is_alive():
+                replica.stop()
 
 
 ServeFactory = Callable[..., AbstractContextManager[LiveServer]]
@@ -79,11 +105,8 @@ def serve(tiny_llm: LLM) -> ServeFactory:
     @contextmanager
     def start(llm: LLM | None = None, **settings: Any) -> Iterator[LiveServer]:
         settings.setdefault("model_name", "tiny")
-        server = LiveServer(build_app(llm or tiny_llm, ServeSettings(**settings))).start()
-        try:
+        with LiveServer(build_app(llm or tiny_llm, ServeSettings(**settings))) as server:
             yield server
-        finally:
-            server.stop()
 
     return start
 

@@ -21,7 +21,7 @@ from runner.router.app import build_router_app
 from runner.router.load import FirstToken
 from runner.router.proxy import RouterSettings
 from runner.serve.app import ServeSettings, build_app
-from tests.serve.conftest import LiveServer
+from tests.serve.conftest import LiveServer, replica_servers
 
 PREFIX_A = "You are a helpful assistant who answers about caches. " * 3
 PREFIX_B = "Translate each sentence into French, keeping its tone. " * 3
@@ -36,16 +36,10 @@ def replica_llms(tiny_llama_tok_dir: Path) -> list[LLM]:
 def cluster(
     llms: list[LLM], policy: str, health_interval_s: float = 0.1
 ) -> Iterator[tuple[LiveServer, list[LiveServer]]]:
-    replicas = [LiveServer(build_app(llm, ServeSettings("tiny"))).start() for llm in llms]
     settings = RouterSettings(policy=policy, health_interval_s=health_interval_s)
-    router = LiveServer(build_router_app([r.url for r in replicas], settings))
-    try:
-        yield router.start(), replicas
-    finally:
-        router.stop()
-        for replica in replicas:
-            if replica.thread.is_alive():
-                replica.stop()
+    with replica_servers(llms) as replicas:
+        with LiveServer(build_router_app([r.url for r in replicas], settings)) as router:
+            yield router, replicas
 
 
 def sent(router: LiveServer) -> list[int]:

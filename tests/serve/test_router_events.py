@@ -27,8 +27,7 @@ from runner.router.event_index import EventIndex
 from runner.router.policy import CacheAware
 from runner.router.proxy import RouterSettings
 from runner.router.replicas import Replica
-from runner.serve.app import ServeSettings, build_app
-from tests.serve.conftest import LiveServer
+from tests.serve.conftest import LiveServer, replica_servers
 
 EVENTS = {
     "enable_kv_cache_events": True,
@@ -47,21 +46,17 @@ def publishing(model: Path, num_kv_blocks: int, endpoint: str = "tcp://127.0.0.1
 def cluster(
     llms: list[LLM], health_interval_s: float = 0.1, given: bool = False
 ) -> Iterator[tuple[LiveServer, list[LiveServer]]]:
-    replicas = [LiveServer(build_app(llm, ServeSettings("tiny"))).start() for llm in llms]
     settings = RouterSettings(health_interval_s=health_interval_s, kv_events=True)
-    if given:  # --kv-events-endpoint URL=ENDPOINT,REPLAY for each
-        for llm, replica in zip(llms, replicas, strict=True):
-            assert llm.kv_events is not None
-            ends = f"{llm.kv_events.endpoint},{llm.kv_events.replay_endpoint}"
-            settings.kv_events_endpoints[replica.url] = ends
-    router = LiveServer(build_router_app([r.url for r in replicas], settings))
     try:
-        yield router.start(), replicas
+        with replica_servers(llms) as replicas:
+            if given:  # --kv-events-endpoint URL=ENDPOINT,REPLAY for each
+                for llm, replica in zip(llms, replicas, strict=True):
+                    assert llm.kv_events is not None
+                    ends = f"{llm.kv_events.endpoint},{llm.kv_events.replay_endpoint}"
+                    settings.kv_events_endpoints[replica.url] = ends
+            with LiveServer(build_router_app([r.url for r in replicas], settings)) as router:
+                yield router, replicas
     finally:
-        router.stop()
-        for replica in replicas:
-            if replica.thread.is_alive():
-                replica.stop()
         for llm in llms:
             if llm.kv_events is not None:
                 llm.kv_events.close()

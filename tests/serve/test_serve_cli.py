@@ -5,42 +5,22 @@ process then exits by itself with status 0."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.redis_server import free_port
+from tests.serve.processes import serve_process, wait_until_up
 
 
 def test_sigterm_drains_then_exits(tiny_llama_tok_dir: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, str(REPO / "cli.py"), "serve", "--model", str(tiny_llama_tok_dir)]
-    command += ["--port", str(port), "--served-model-name", "tiny", "--num-kv-blocks", "64"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    args = ["--model", str(tiny_llama_tok_dir), "--port", str(port)]
+    proc = serve_process([*args, "--served-model-name", "tiny", "--num-kv-blocks", "64"])
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_until_up(proc, url)
         body = {"model": "tiny", "prompt": "a", "max_tokens": 400, "ignore_eos": True}
         body |= {"stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:

@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +20,10 @@ from click.testing import CliRunner
 from kvcache import LLM, SamplingParams
 from runner.cli.engine_options import engine_options
 from runner.serve.command import serve as serve_command
+from tests.redis_server import free_port
 from tests.serve.conftest import LiveServer, ServeFactory
+from tests.serve.processes import serve_process, wait_until_up
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPT = "The cache holds blocks of sixteen tokens each, "
 
 
@@ -231,17 +227,23 @@ def test_the_command_line_takes_vllms_names(
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     port = free_port()
-    command = [sys.executable, str(REPO / "cli.py"), "serve", str(tiny_llama_tok_dir)]
-    command += ["--port", str(port), "--served-model-name", "tiny", "--num-kv-blocks", "64"]
+    command = [
+        str(tiny_llama_tok_dir),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--num-kv-blocks",
+        "64",
+    ]
     command += ["--max-num-seqs", "8", "--max-model-len", "256", "--enable-prefix-caching"]
     command += ["--dtype", "float", "--seed", "3", "--chat-template", str(template)]
     command += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     command += ["--trust-remote-code", "--disable-log-requests"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    proc = serve_process(command)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_until_up(proc, url)
+        wait_until_up(proc, url, timeout_s=90)
         models = httpx.get(f"{url}/v1/models").json()["data"]
         assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny", 256)]
         body = {"messages": [{"role": "user", "content": "hi"}]}
@@ -250,24 +252,6 @@ def test_the_command_line_takes_vllms_names(
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until_up(proc: subprocess.Popen[str], url: str) -> None:
-    deadline = time.monotonic() + 90
-    while True:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        assert time.monotonic() < deadline, "the server did not come up"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.2)
 
 
 def test_the_engine_options_take_vllms_names() -> None:

@@ -4,45 +4,32 @@ value cannot be honoured is a usage error naming it, before any model loads."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from click.testing import CliRunner
 
 from runner.serve.command import serve
-from tests.serve.test_serve_cli import REPO, free_port
+from tests.redis_server import free_port
+from tests.serve.processes import serve_process, wait_until_up
 
 
 def test_a_vllm_command_line_serves(tiny_llama_tok_dir: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     model = str(tiny_llama_tok_dir)
-    command = [sys.executable, str(REPO / "cli.py"), "serve", model, "--port", str(port)]
+    command = [model, "--port", str(port)]
     command += ["--served-model-name", "tiny", "other", "--num-kv-blocks", "64"]
     command += ["--enable-chunked-prefill", "--swap-space", "4", "--tokenizer", model]
     command += ["--uvicorn-log-level", "info", "--disable-uvicorn-access-log"]
     command += ["--max-logprobs", "20", "--generation-config", "vllm"]
     command += ["--chat-template-content-format", "string", "--max-model-len", "0.4k"]
     command += ["--kv-cache-dtype", "auto", "-tp", "1", "--disable-log-stats"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    proc = serve_process(command)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_until_up(proc, url)
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         cards = api.models.list().data
         assert [c.id for c in cards] == ["tiny", "other"]

@@ -90,33 +90,7 @@ class BatchRun:
                     line = unreadable_line(line_no, text, error, is_text)
                 else:
                     line = parse_line(line_no, text, self.defaults, is_text)
-                # An id belongs to its first line that parses, in a fresh run as on resume: a
-                # later line of that id is an error, whatever OUTPUT holds for the id.
-                if line.error is None and line.request_id in line_of:
-                    line.error = self._repeat_error(line, line_of[line.request_id], given_ids)
-                if line.error is not None:
-                    failed_ids.add(line.request_id)
-                    self._fail(writer, line)
-                    continue
-                line_of[line.request_id] = line_no
-                if line.id_given:
-                    given_ids.add(line.request_id)
-                if line.request_id in writer.done_ids:
-                    if not writer.is_stale(line):
-                        self.num_skipped += 1
-                        continue
-                    self.num_rerun += 1
-                    print(
-                        f"line {line_no}: id {line.request_id!r}: its record in {output} was "
-                        "made from another request (the input or the options changed since); "
-                        "running it again",
-                        file=sys.stderr,
-                    )
-                self._hash_of[line.request_id] = line.request_hash
-                if self.beam_width:
-                    self.beam_lines.append(line)
-                else:
-                    self._submit(writer, line)
+                self._take(writer, line, output, line_of, given_ids, failed_ids)
             for request_id in sorted(failed_ids.intersection(writer.done_ids) - line_of.keys()):
                 writer.drop(request_id)  # its only line fails now: the old answer goes
                 print(
@@ -127,17 +101,7 @@ class BatchRun:
             bar = tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
             stack.callback(bar.close)
             try:
-                if self.beam_width:
-                    search_lines(
-                        self.llm,
-                        self.beam_lines,
-                        self.beam_width,
-                        lambda line, record: self._searched(
-                            writer, record, line.request_hash, bar, start
-                        ),
-                        lambda line: self._fail(writer, line),
-                    )
-                self.llm.run_until_done(lambda out: self._finish(writer, out, line_of, bar, start))
+                self._generate(writer, line_of, bar, start)
             except KeyboardInterrupt:
                 bar.close()
                 where = f"written to {output}; rerun with --resume" if output else "printed"
@@ -145,6 +109,63 @@ class BatchRun:
                 return 130
         self._summary(output, time.perf_counter() - start)
         return 1 if self.num_errors else 0
+
+    def _take(
+        self,
+        writer: ResultWriter | PrintWriter,
+        line: BatchLine,
+        output: Path | None,
+        line_of: dict[str, int],
+        given_ids: set[str],
+        failed_ids: set[str],
+    ) -> None:
+        """One input line: failed, skipped (its record is in OUTPUT already), or queued."""
+        # An id belongs to its first line that parses, in a fresh run as on resume: a
+        # later line of that id is an error, whatever OUTPUT holds for the id.
+        if line.error is None and line.request_id in line_of:
+            line.error = self._repeat_error(line, line_of[line.request_id], given_ids)
+        if line.error is not None:
+            failed_ids.add(line.request_id)
+            self._fail(writer, line)
+            return
+        line_of[line.request_id] = line.line_no
+        if line.id_given:
+            given_ids.add(line.request_id)
+        if line.request_id in writer.done_ids:
+            if not writer.is_stale(line):
+                self.num_skipped += 1
+                return
+            self.num_rerun += 1
+            print(
+                f"line {line.line_no}: id {line.request_id!r}: its record in {output} was "
+                "made from another request (the input or the options changed since); "
+                "running it again",
+                file=sys.stderr,
+            )
+        self._hash_of[line.request_id] = line.request_hash
+        if self.beam_width:
+            self.beam_lines.append(line)
+        else:
+            self._submit(writer, line)
+
+    def _generate(
+        self,
+        writer: ResultWriter | PrintWriter,
+        line_of: dict[str, int],
+        bar: tqdm,
+        start: float,
+    ) -> None:
+        """The queued requests run to their ends (the beam searches first), each record
+        written as it ends."""
+        if self.beam_width:
+            search_lines(
+                self.llm,
+                self.beam_lines,
+                self.beam_width,
+                lambda line, record: self._searched(writer, record, line.request_hash, bar, start),
+                lambda line: self._fail(writer, line),
+            )
+        self.llm.run_until_done(lambda out: self._finish(writer, out, line_of, bar, start))
 
     @staticmethod
     def _open(input_path: str, stack: ExitStack) -> IO[bytes]:
