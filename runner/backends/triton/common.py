@@ -8,6 +8,7 @@ before any kernel module imports Triton (`interpreting()` says which).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -93,6 +94,44 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need equal strides and a contiguous head dim")
+
+
+def check_window(window: int | None) -> None:
+    """A sliding window W counts the keys a query sees, its own included: W >= 1."""
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window {window} must be at least 1")
+
+
+@dataclass(frozen=True)
+class PagedShapes:
+    """What decode and prefill attention read off their checked operands."""
+
+    q: torch.Tensor  # the queries [tokens, Hq, D], their head dimension contiguous
+    block_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    softcap_log2: float  # the kernels' soft-cap argument (log2_softcap)
+
+
+def paged_shapes(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    window: int | None,
+    softcap: float | None,
+) -> PagedShapes:
+    """Check queries against a cache pair [num_blocks, block_size, Hkv, D], a window and a soft
+    cap (ValueError naming what does not fit), and read their shapes."""
+    check_cache_pair(k_cache, v_cache)
+    q = last_dim_contiguous(q)
+    _, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    check_window(window)
+    cap = log2_softcap(softcap)  # validates it
+    return PagedShapes(q, block_size, num_q_heads, num_kv_heads, head_dim, cap)
 
 
 @triton.jit

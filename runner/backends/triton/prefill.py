@@ -23,11 +23,9 @@ import triton.language as tl
 from runner.backends.triton.common import (
     LOG2E,
     attend_paged_keys,
-    check_cache_pair,
     default_tile,
     dot_config,
-    last_dim_contiguous,
-    log2_softcap,
+    paged_shapes,
     pow2_at_least,
 )
 
@@ -146,15 +144,9 @@ def prefill_attention(
     block_tables [S, max_blocks] int32. `max_query_len` (a host int) sizes the grid; it is read
     from the tensor, with a device sync, when not given. Returns [T, Hq, D] in q's dtype.
     """
-    check_cache_pair(k_cache, v_cache)
-    q = last_dim_contiguous(q)
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or num_q_heads % num_kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if window is not None and window < 1:
-        raise ValueError(f"sliding window {window} must be at least 1")
-    cap = log2_softcap(softcap)  # validates it
+    shapes = paged_shapes(q, k_cache, v_cache, window, softcap)
+    q, num_tokens, head_dim = shapes.q, q.shape[0], shapes.head_dim
+    num_q_heads, num_kv_heads = shapes.num_q_heads, shapes.num_kv_heads
     out = torch.empty_like(q)
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -187,8 +179,8 @@ def prefill_attention(
         k_cache.stride(2),
         block_tables.stride(0),
         window or 0,  # ignored without a window (USE_WINDOW=False)
-        cap,  # ignored without a cap (USE_SOFTCAP=False)
-        BLOCK_SIZE=block_size,
+        shapes.softcap_log2,  # ignored without a cap (USE_SOFTCAP=False)
+        BLOCK_SIZE=shapes.block_size,
         GROUP=num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         D_PAD=pow2_at_least(head_dim),

@@ -12,7 +12,6 @@ from runner.attention.metadata import AttentionMetadata
 from runner.backends.torch.cascade import PrefixGroup
 from runner.backends.triton.attention import planned_shared_prefix, triton_paged_attention
 from runner.backends.triton.cascade_cost import ALWAYS, NEVER
-from runner.backends.triton.common import interpreting
 from runner.backends.triton.shared_prefix import (
     PlanBuffers,
     build_shared_prefix_plan,
@@ -20,16 +19,8 @@ from runner.backends.triton.shared_prefix import (
     pack_plan,
     plan_decode_step,
 )
+from tests.triton_devices import DEVICES
 
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1"),
-    ),
-    pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-    ),
-]
 BLOCK, HQ, HKV, DIM, POOL = 4, 4, 2, 16, 40
 
 
