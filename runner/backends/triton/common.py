@@ -150,9 +150,6 @@ def rounded(x: tl.tensor, out_ty: tl.constexpr) -> tl.tensor:
 @triton.jit
 def attend_paged_keys(
     q: tl.tensor,  # [ROWS, D_PAD] in DOT_DTYPE: the rows that read these keys
-    m_i: tl.tensor,  # [ROWS] float32: the online softmax's running max (log2 domain)
-    l_i: tl.tensor,  # [ROWS] float32: its running sum
-    acc: tl.tensor,  # [ROWS, D_PAD] float32: its running output
     k_cache_ptr: tl.tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr: tl.tensor,  # same layout and strides as k_cache
     table_row: tl.tensor,  # the sequence's (or shared prefix's) row of block ids
@@ -178,8 +175,16 @@ def attend_paged_keys(
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """The paged K/V loop every attention kernel runs (decode, its shared-prefix pass,
     prefill): gather each key's cache row through the block table, score it against q, mask
-    what a row does not see, and fold it into the online softmax (m_i, l_i, acc), which comes
-    back. A row that sees no key of a tile keeps its state: its scores are -inf."""
+    what a row does not see, and fold it into an online softmax begun here, whose state comes
+    back: m_i [ROWS] its running max (log2 domain), l_i [ROWS] its sum, acc [ROWS, D_PAD] its
+    output (float32). A row that sees no key of a tile keeps its state: its scores are -inf.
+
+    A finite floor for m_i instead of -inf keeps exp2(m_old - m_new) a number for rows that
+    have seen only masked keys so far (before the diagonal, or before a later query's window
+    start); masked scores are -inf, so they contribute exp2(-inf) = 0."""
+    m_i = tl.full([q.shape[0]], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
+    acc = tl.zeros([q.shape[0], q.shape[1]], dtype=tl.float32)
     for start in range(key_start, key_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)  # key positions
         n_valid = offs_n < key_end

@@ -105,14 +105,11 @@ def _decode_partition_kernel(
     )  # [GROUP_PAD, D_PAD]
     q = q.to(DOT_DTYPE)
 
-    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)  # finite: see triton_prefill.py
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     # Every key of the partition is at or after win_start: visible, no per-key mask.
     m_i, l_i, acc = attend_paged_keys(
-        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, part_start, part_end,
+        q, k_cache_ptr, v_cache_ptr, table_row, kv_head, part_start, part_end,
         ctx_len, ctx_len, qk_scale, softcap, stride_cb, stride_co, stride_ch, offs_d, d_valid,
         BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip

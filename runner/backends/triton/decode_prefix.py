@@ -90,12 +90,9 @@ def _prefix_partition_kernel(
         first_key = ctx - window
     last_key = tl.where(r_valid, part_end, -1)  # a padded row sees no key
 
-    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, D_PAD], dtype=tl.float32)
     table_row = chunk_tables_ptr + chunk.to(tl.int64) * stride_ct
     m_i, l_i, acc = attend_paged_keys(
-        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, part_start, part_end,
+        q, k_cache_ptr, v_cache_ptr, table_row, kv_head, part_start, part_end,
         first_key, last_key, qk_scale, softcap, stride_cb, stride_co, stride_ch, offs_d, d_valid,
         BLOCK_SIZE, BLOCK_N, USE_WINDOW, True, USE_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip

@@ -95,18 +95,12 @@ def _prefill_kernel(
     if USE_WINDOW:
         kv_start = tl.maximum(first_pos + tile * BLOCK_M - window + 1, 0)
 
-    # A finite floor instead of -inf keeps exp2(m_old - m_new) a number for rows that have seen
-    # only masked keys so far (before the diagonal, or before a later query's window start);
-    # masked scores are -inf, so they contribute exp2(-inf) = 0. A valid query always sees
-    # itself, so its final l_i > 0.
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
-    # Each query sees keys up to its own position, and within a window from its window start.
+    # Each query sees keys up to its own position, and within a window from its window start
+    # (a valid query always sees itself, so its final l_i > 0).
     m_i, l_i, acc = attend_paged_keys(
-        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_start, kv_end,
+        q, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_start, kv_end,
         q_pos - window + 1, q_pos, qk_scale, softcap, stride_cb, stride_co, stride_ch, offs_d,
         d_valid, BLOCK_SIZE, BLOCK_N, USE_WINDOW, True, USE_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
