@@ -22,7 +22,7 @@ from runner.backends.triton.cascade_cost import ALWAYS, NEVER
 from runner.kv_pool.store import KVStore
 from runner.model.cuda_graphs import DecodeGraphs, prefix_chunk_capacity
 from runner.model.loader import load_model
-from tests.triton_devices import DEVICES
+from tests.backends.triton.triton_cases import DEVICES
 
 BLOCK = 16
 

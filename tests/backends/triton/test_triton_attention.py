@@ -20,7 +20,7 @@ from runner.backends.triton.attention import (
     store_kv,
     triton_paged_attention,
 )
-from tests.triton_devices import DEVICES, TOL
+from tests.backends.triton.triton_cases import DEVICES, TOL
 
 
 @dataclass

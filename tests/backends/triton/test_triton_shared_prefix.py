@@ -22,7 +22,7 @@ from runner.backends.triton.shared_prefix import (
     decode_kv_bytes,
     plan_decode_step,
 )
-from tests.triton_devices import DEVICES
+from tests.backends.triton.triton_cases import DEVICES
 
 BLOCK = 4
 
