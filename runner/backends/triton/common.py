@@ -175,13 +175,11 @@ def attend_paged_keys(
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """The paged K/V loop every attention kernel runs (decode, its shared-prefix pass,
     prefill): gather each key's cache row through the block table, score it against q, mask
-    what a row does not see, and fold it into an online softmax begun here, whose state comes
-    back: m_i [ROWS] its running max (log2 domain), l_i [ROWS] its sum, acc [ROWS, D_PAD] its
-    output (float32). A row that sees no key of a tile keeps its state: its scores are -inf.
-
-    A finite floor for m_i instead of -inf keeps exp2(m_old - m_new) a number for rows that
-    have seen only masked keys so far (before the diagonal, or before a later query's window
-    start); masked scores are -inf, so they contribute exp2(-inf) = 0."""
+    what a row does not see, and fold it into an online softmax begun here, whose float32
+    state comes back: m_i [ROWS] its running max (log2 domain), l_i [ROWS] its sum, acc [ROWS,
+    D_PAD] its output. A row that sees no key of a tile keeps its state: its scores are -inf.
+    m_i's floor is finite (not -inf) so that exp2(m_old - m_new) stays a number for rows that
+    have seen only masked keys so far; masked scores add exp2(-inf) = 0."""
     m_i = tl.full([q.shape[0]], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
     acc = tl.zeros([q.shape[0], q.shape[1]], dtype=tl.float32)

@@ -162,21 +162,10 @@ def decode_attention(
         return out
     if max_context_len is None:
         max_context_len = int(context_lens.max())
-    block_n = min(block_n or default_tile(k_cache.dtype), partition_size)
-    if block_n < 16 or block_n & (block_n - 1):  # the interpreter takes any; the compiler not
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    # A query sees at most min(C, W) keys; partitions start at its window start (see above).
-    max_keys = max_context_len if window is None else min(max_context_len, window)
-    own_parts = max(1, triton.cdiv(max_keys, partition_size))  # the prefix pass's come after
-    num_parts = own_parts
-    if shared_prefix is not None:
-        num_parts += prefix_partitions(shared_prefix.max_prefix_len, partition_size)
+    block_n = _key_tile(k_cache.dtype, block_n, partition_size)
+    own_parts, num_parts = _partition_counts(max_context_len, window, partition_size, shared_prefix)
     single = num_parts == 1
-    if single:  # the partition kernel writes the final output: view it as [S, Hq, P=1, D]
-        part_out, part_lse = out.unsqueeze(2), out
-    else:
-        part_out = q.new_empty((*q.shape[:2], num_parts, shapes.head_dim), dtype=torch.float32)
-        part_lse = q.new_empty((*q.shape[:2], num_parts), dtype=torch.float32)
+    part_out, part_lse = _partials(out, num_parts)
     _own_partitions(
         shapes, k_cache, v_cache, context_lens, block_tables, part_out, part_lse, scale,
         partition_size, block_n, window, softcap is not None, shared_prefix,
@@ -188,16 +177,42 @@ def decode_attention(
             q, k_cache, v_cache, context_lens, shared_prefix, part_out, part_lse, own_parts,
             scale, partition_size, block_n, window, shapes.softcap_log2, softcap is not None,
         )  # fmt: skip
-    combine_partitions(
-        part_out,
-        part_lse,
-        out,
-        context_lens,
-        partition_size,
-        window,
-        None if shared_prefix is None else (shared_prefix.seq_prefix_lens, own_parts),
-    )
+    prefix = None if shared_prefix is None else (shared_prefix.seq_prefix_lens, own_parts)
+    combine_partitions(part_out, part_lse, out, context_lens, partition_size, window, prefix)
     return out
+
+
+def _key_tile(cache_dtype: torch.dtype, block_n: int | None, partition_size: int) -> int:
+    """The keys a program scores at a time: `block_n`, or the dtype's default tile, at most a
+    partition; a power of two >= 16 (the interpreter takes any; the compiler not)."""
+    block_n = min(block_n or default_tile(cache_dtype), partition_size)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    return block_n
+
+
+def _partition_counts(
+    max_context_len: int,
+    window: int | None,
+    partition_size: int,
+    shared_prefix: SharedPrefixPlan | None,
+) -> tuple[int, int]:
+    """(the sequences' own partitions, all partitions): the prefix pass's come after theirs. A
+    query sees at most min(C, W) keys; partitions start at its window start (see above)."""
+    max_keys = max_context_len if window is None else min(max_context_len, window)
+    own_parts = max(1, triton.cdiv(max_keys, partition_size))
+    if shared_prefix is None:
+        return own_parts, own_parts
+    return own_parts, own_parts + prefix_partitions(shared_prefix.max_prefix_len, partition_size)
+
+
+def _partials(out: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the partitions go: part_out [S, Hq, P, D] and part_lse [S, Hq, P] float32; for
+    one partition the kernel writes the final output, viewed as [S, Hq, P=1, D]."""
+    if num_parts == 1:
+        return out.unsqueeze(2), out
+    part_out = out.new_empty((*out.shape[:2], num_parts, out.shape[2]), dtype=torch.float32)
+    return part_out, out.new_empty((*out.shape[:2], num_parts), dtype=torch.float32)
 
 
 def _own_partitions(
