@@ -174,12 +174,11 @@ def attend_paged_keys(
     DOT_PRECISION: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """The paged K/V loop every attention kernel runs (decode, its shared-prefix pass,
-    prefill): gather each key's cache row through the block table, score it against q, mask
-    what a row does not see, and fold it into an online softmax begun here, whose float32
-    state comes back: m_i [ROWS] its running max (log2 domain), l_i [ROWS] its sum, acc [ROWS,
-    D_PAD] its output. A row that sees no key of a tile keeps its state: its scores are -inf.
-    m_i's floor is finite (not -inf) so that exp2(m_old - m_new) stays a number for rows that
-    have seen only masked keys so far; masked scores add exp2(-inf) = 0."""
+    prefill): each key's cache row gathered through the block table, scored against q, masked
+    where a row does not see it, and folded into an online softmax begun here, whose float32
+    state comes back (m_i [ROWS] its max in the log2 domain, floored at a finite -1e30 so that
+    exp2(m_old - m_new) stays a number before a row's first visible key; l_i [ROWS] its sum;
+    acc [ROWS, D_PAD] its output). A row that sees no key of a tile keeps its state."""
     m_i = tl.full([q.shape[0]], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
     acc = tl.zeros([q.shape[0], q.shape[1]], dtype=tl.float32)
