@@ -54,15 +54,11 @@ class CachePolicy(Protocol):
         ...
 
     def publish(
-        self,
-        request_id: int,
-        request: RequestBlocks,
-        token_ids: Sequence[int],
-        num_computed_tokens: int,
+        self, request_id: int, request: RequestBlocks, token_ids: Sequence[int], computed: int
     ) -> None:
-        """After a forward: make the request's computed blocks (its full blocks inside
-        ``num_computed_tokens``, then its partial block) available to others. Mutates the tree,
-        the pool, the request's chain and pins, the offers."""
+        """After a forward: make the request's computed blocks (its full blocks inside the
+        first ``computed`` tokens, then its partial block) available to others. Mutates the
+        tree, the pool, the request's chain and pins, the offers."""
         ...
 
     def release(
@@ -101,11 +97,7 @@ class PrefixCaching:
         """Everything is cached: nothing to refuse."""
 
     def publish(
-        self,
-        request_id: int,
-        request: RequestBlocks,
-        token_ids: Sequence[int],
-        num_computed_tokens: int,
+        self, request_id: int, request: RequestBlocks, token_ids: Sequence[int], computed: int
     ) -> None:
         """Insert the full blocks not yet on the request's chain; then offer its partial block.
         A block already cached under the same parent with equal tokens leaves the request's
@@ -115,7 +107,7 @@ class PrefixCaching:
         is cached already (pinning cached copies it does not use would take blocks the
         scheduler never counted for it)."""
         B = self._cache.block_size
-        start, num_full = len(request.chain), num_computed_tokens // B
+        start, num_full = len(request.chain), computed // B
         if num_full > start and request.publishing:
             parent = request.chain[-1] if request.chain else None
             data = pack_tokens(token_ids[start * B : num_full * B])
@@ -133,7 +125,7 @@ class PrefixCaching:
             # On a collision the chain stops before the colliding block; the request's own copy
             # stays private and the next commit retries from there (it succeeds once the
             # colliding node has been evicted, since the chain's end is held by this request).
-        self._cache.offer(request_id, request, token_ids, num_computed_tokens)
+        self._cache.offer(request_id, request, token_ids, computed)
 
     def release(
         self, request_id: int, request: RequestBlocks, token_ids: Sequence[int], computed: int
@@ -168,11 +160,7 @@ class NoCaching:
         raise ValueError(f"the prefix cache is off in this engine: {why}")
 
     def publish(
-        self,
-        request_id: int,
-        request: RequestBlocks,
-        token_ids: Sequence[int],
-        num_computed_tokens: int,
+        self, request_id: int, request: RequestBlocks, token_ids: Sequence[int], computed: int
     ) -> None:
         """Nothing is published."""
 

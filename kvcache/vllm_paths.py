@@ -6,6 +6,8 @@ the runner (which depends on this package, never the reverse)."""
 from __future__ import annotations
 
 import importlib
+import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -30,3 +32,13 @@ def runner_name(module: ModuleType, name: str, offered: tuple[str, ...]) -> Any:
     if name in offered:
         return getattr(importlib.import_module(RUNNER_NAMES[name]), name)
     raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
+
+
+def alias_getattr(module_name: str, offered: tuple[str, ...]) -> Callable[[str], Any]:
+    """The `__getattr__` of the alias module `module_name`, which offers the runner's names
+    `offered`: each is a runner name, typed where it is defined."""
+
+    def __getattr__(name: str) -> Any:
+        return runner_name(sys.modules[module_name], name, offered)
+
+    return __getattr__

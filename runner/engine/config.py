@@ -164,6 +164,16 @@ class EngineConfig:
         return bool(self.host_cache_bytes or self.disk_cache_dir or self.remote_cache_url)
 
     def __post_init__(self) -> None:
+        self._check_device_and_dtype()
+        self._check_scheduling()
+        self._check_memory()
+        self._check_kernels()
+        self._check_tiers()
+        self._check_features()
+
+    def _check_device_and_dtype(self) -> None:
+        """The device, the KV-events config (parsed in place) and the model's dtype (its
+        aliases resolved in place)."""
         if not DEVICE_PATTERN.fullmatch(str(self.device)):  # a torch.device passes as its name
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.kv_events_config is not None:
@@ -178,32 +188,32 @@ class EngineConfig:
                 f"dtype must be one of {MODEL_DTYPES}, {tuple(DTYPE_ALIASES)}, 'auto' or None, "
                 f"got {self.dtype!r}"
             )
+
+    def _check_scheduling(self) -> None:
+        """Blocks, the batching policy, and what a step and a request may hold."""
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if not isinstance(self.batching, str) or not self.batching:
             raise ValueError(f"batching must name a scheduling policy, got {self.batching!r}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
-            )
+        _check_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_at_least("max_num_seqs", self.max_num_seqs, 1)
+        _check_at_least("max_model_len", self.max_model_len, 2)
+        _check_at_least("max_wait_steps", self.max_wait_steps, 0)
+
+    def _check_memory(self) -> None:
+        """The KV pool's size and the workers it is spread over."""
+        _check_at_least("num_kv_blocks", self.num_kv_blocks, 1)
+        _check_at_least("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        _check_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.tensor_parallel_size > 1 and self.async_scheduling:
             raise ValueError("async_scheduling runs one worker: it needs tensor_parallel_size=1")
+
+    def _check_kernels(self) -> None:
+        """The attention backend, the CPU's packed weights, the KV cache's dtype."""
         if self.attention_backend not in (None, *BACKEND_NAMES):
             raise ValueError(
                 f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}"
@@ -223,10 +233,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
-        if self.max_wait_steps < 0:
-            raise ValueError(f"max_wait_steps must be >= 0, got {self.max_wait_steps}")
-        if self.host_cache_bytes is not None and self.host_cache_bytes < 1:
-            raise ValueError(f"host_cache_bytes must be >= 1, got {self.host_cache_bytes}")
+
+    def _check_tiers(self) -> None:
+        """The tiers below the device pool, their chunks and signing, and eviction."""
+        _check_at_least("host_cache_bytes", self.host_cache_bytes, 1)
         # A chunk smaller than a block (the default with blocks over 256 tokens) is one block.
         chunk = self.cache_chunk_tokens
         if chunk < 1 or (chunk > self.block_size and chunk % self.block_size):
@@ -236,8 +246,7 @@ class EngineConfig:
             )
         if self.cache_key == "":  # an unset $SECRET: signing must not silently turn off
             raise ValueError("cache_key is empty: give a key, or None for no signing")
-        if self.disk_cache_bytes < 1:
-            raise ValueError(f"disk_cache_bytes must be >= 1, got {self.disk_cache_bytes}")
+        _check_at_least("disk_cache_bytes", self.disk_cache_bytes, 1)
         if self.remote_cache_url is not None and not self.remote_cache_url.startswith(
             ("redis://", "rediss://", "unix://")
         ):
@@ -252,6 +261,9 @@ class EngineConfig:
             )
         if self.has_tiers and not self.enable_prefix_caching:
             raise ValueError("host/disk/remote cache tiers need the prefix cache on")
+
+    def _check_features(self) -> None:
+        """Deterministic sums, blending and speculative tokens."""
         if self.deterministic:
             self._check_deterministic()
         if not 0.0 <= self.blend_ratio <= 1.0:
@@ -297,3 +309,10 @@ class EngineConfig:
                     f"{name}={getattr(self, name)!r} cannot be combined with it "
                     f"(docs/DETERMINISM.md)"
                 )
+
+
+def _check_at_least(name: str, value: int | None, minimum: int) -> None:
+    """ValueError naming the field when it is set below `minimum` (None: unset, nothing to
+    check)."""
+    if value is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

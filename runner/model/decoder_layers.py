@@ -5,6 +5,7 @@ and both (Gemma 3)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -166,15 +167,14 @@ class MLP(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
-class DecoderLayer(nn.Module):
+class ResidualLayer(nn.Module):
+    """What the three layouts share: attention, then the gated MLP, each a residual branch of
+    the hidden stream; a subclass says where the norms stand (`branches`)."""
+
     def __init__(self, config: Any, arch: str, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, arch, layer)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Granite scales each branch before adding it back (residual + branch * m).
-        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
 
     def forward(
         self,
@@ -188,13 +188,41 @@ class DecoderLayer(nn.Module):
         fused: bool = False,
         attend_stored: Attend | None = None,
     ) -> torch.Tensor:
-        """`fused` (a GPU step with Triton attention): the residual add and the norm after
-        it in one Triton kernel, SiLU(gate) * up in another; the same roundings as torch's.
+        """`fused` (a GPU step with Triton attention): the layout's elementwise work in Triton
+        kernels where it has them, SiLU(gate) * up in one; the same roundings as torch's.
         `attend_stored`: RoPE and the K/V store fused too (Attention.forward)."""
+
+        def attention(x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.self_attn(
+                x, cos, sin, meta, k_cache, v_cache, attend, attend_stored
+            )
+            return out
+
+        return self.branches(h, attention, fused)
+
+    def branches(
+        self, h: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor], fused: bool
+    ) -> torch.Tensor:
+        """The hidden stream after both branches, `attention` being this layer's for the step."""
+        raise NotImplementedError
+
+
+class DecoderLayer(ResidualLayer):
+    """The pre-norm layer (Llama and most others): h += attention(norm(h)); h += mlp(norm(h)).
+    Fused, the residual add and the norm after it run in one Triton kernel."""
+
+    def __init__(self, config: Any, arch: str, layer: int) -> None:
+        super().__init__(config, arch, layer)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Granite scales each branch before adding it back (residual + branch * m).
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
+
+    def branches(
+        self, h: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor], fused: bool
+    ) -> torch.Tensor:
         m = self.residual_multiplier
-        x = self.self_attn(
-            self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, attend, attend_stored
-        )
+        x = attention(self.input_layernorm(h))
         x = x if m == 1.0 else x.mul_(m)  # x is a fresh tensor: in place is safe
         norm = self.post_attention_layernorm
         if fused and norm.fusable(x):
@@ -206,63 +234,38 @@ class DecoderLayer(nn.Module):
         return (x if m == 1.0 else x.mul_(m)).add_(h)
 
 
-class PostNormLayer(nn.Module):
+class PostNormLayer(ResidualLayer):
     """OLMo 2's layer: each branch is normed on its way out, none on its way in:
     h += norm(attention(h)); h += norm(mlp(h)). layers.c runs it too (its post_norm)."""
 
     def __init__(self, config: Any, arch: str, layer: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(config, arch, layer)
-        self.mlp = MLP(config)
+        super().__init__(config, arch, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, True)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, True)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        attend: Attend,
-        fused: bool = False,
-        attend_stored: Attend | None = None,
+    def branches(
+        self, h: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor], fused: bool
     ) -> torch.Tensor:
-        x = self.self_attn(h, cos, sin, meta, k_cache, v_cache, attend, attend_stored)
-        h = self.post_attention_layernorm(x).add_(h)  # a norm's output is fresh: in place
+        h = self.post_attention_layernorm(attention(h)).add_(h)  # a norm's output is fresh
         return self.post_feedforward_layernorm(self.mlp(h, fused)).add_(h)
 
 
-class SandwichNormLayer(nn.Module):
+class SandwichNormLayer(ResidualLayer):
     """Gemma 3's layer: each branch is normed on its way in and on its way out, every norm
     scaling by 1 + weight in float32: h += norm(attention(norm(h))); h += norm(mlp(norm(h)))."""
 
     def __init__(self, config: Any, arch: str, layer: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(config, arch, layer)
-        self.mlp = MLP(config)
+        super().__init__(config, arch, layer)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, True, 1.0)
         self.post_attention_layernorm = RMSNorm(hidden, eps, True, 1.0)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, True, 1.0)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, True, 1.0)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        attend: Attend,
-        fused: bool = False,
-        attend_stored: Attend | None = None,
+    def branches(
+        self, h: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor], fused: bool
     ) -> torch.Tensor:
-        x = self.self_attn(
-            self.input_layernorm(h), cos, sin, meta, k_cache, v_cache, attend, attend_stored
-        )
+        x = attention(self.input_layernorm(h))
         h = self.post_attention_layernorm(x).add_(h)  # a norm's output is fresh: in place
         x = self.mlp(self.pre_feedforward_layernorm(h), fused)
         return self.post_feedforward_layernorm(x).add_(h)

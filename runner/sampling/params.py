@@ -89,6 +89,15 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range. The engine calls this again
         when a request is added, since a dataclass can be changed after construction."""
+        self._check_sampling()
+        self._check_stops()
+        self._check_output()
+        self._check_logit_rules()
+        self._check_penalties()
+        self._check_counts()
+
+    def _check_sampling(self) -> None:
+        """The length and the draw: max_tokens, temperature, top_p, top_k, min_p, seed."""
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_number("temperature", self.temperature)
@@ -105,6 +114,9 @@ class SamplingParams:
             _check_int("seed", self.seed, minimum=0)
             if self.seed >= 2**63:
                 raise ValueError(f"seed must be < 2**63, got {self.seed}")
+
+    def _check_stops(self) -> None:
+        """stop (kept as `stop_strings`) and stop_token_ids."""
         if self.stop is None:
             self.stop_strings = ()
         elif isinstance(self.stop, str):
@@ -141,6 +153,9 @@ class SamplingParams:
                     f"stop_token_ids must be a list of non-negative ints, got "
                     f"{self.stop_token_ids!r}"
                 )
+
+    def _check_output(self) -> None:
+        """The flags of what ends a request and what its text holds, and min_tokens."""
         for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
@@ -149,6 +164,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
+
+    def _check_logit_rules(self) -> None:
+        """logit_bias (kept as `bias_items`), bad_words, structured_outputs, allowed_token_ids."""
         self.bias_items = _bias_items(self.logit_bias)
         if self.bad_words is not None and (
             not isinstance(self.bad_words, list | tuple)
@@ -169,6 +187,8 @@ class SamplingParams:
                 f"allowed_token_ids must be a non-empty list of non-negative ints, got "
                 f"{self.allowed_token_ids!r}"
             )
+
+    def _check_penalties(self) -> None:
         _check_number("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
@@ -177,6 +197,9 @@ class SamplingParams:
             _check_number(name, value)
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
+
+    def _check_counts(self) -> None:
+        """truncate_prompt_tokens, n, logprobs and prompt_logprobs."""
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
         _check_int("n", self.n, minimum=1)

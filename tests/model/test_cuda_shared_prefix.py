@@ -19,20 +19,11 @@ from kvcache import LLM, SamplingParams
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.attention import triton_backend
 from runner.backends.triton.cascade_cost import ALWAYS, NEVER
-from runner.backends.triton.common import interpreting
 from runner.kv_pool.store import KVStore
 from runner.model.cuda_graphs import DecodeGraphs, prefix_chunk_capacity
 from runner.model.loader import load_model
+from tests.backends.triton.triton_cases import DEVICES
 
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1"),
-    ),
-    pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-    ),
-]
 BLOCK = 16
 
 

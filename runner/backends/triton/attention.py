@@ -34,6 +34,7 @@ from runner.backends.triton.cascade_cost import DEFAULT_THRESHOLDS, NEVER, Casca
 from runner.backends.triton.common import (
     check_cache_pair,
     check_softcap,
+    check_window,
     last_dim_contiguous,
     pow2_at_least,
 )
@@ -174,8 +175,7 @@ def triton_paged_attention(
     """
     q, k_cache, v_cache, meta = call.q, call.k_cache, call.v_cache, call.meta
     scale, window, softcap = call.scale, call.window, call.softcap
-    if window is not None and window < 1:
-        raise ValueError(f"sliding window {window} must be at least 1")
+    check_window(window)
     check_softcap(softcap)  # before store_kv: a refused call leaves the caches as they were
     if store:
         store_kv(call.k, call.v, k_cache, v_cache, meta.slot_mapping)

@@ -29,6 +29,7 @@ from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.attention import store_kv
 from runner.backends.triton.common import (
     check_cache_pair,
+    check_window,
     last_dim_contiguous,
     log2_softcap,
     pow2_at_least,
@@ -174,8 +175,7 @@ def batch_invariant_attention(
     itself in the module docstring's order; [T, Hq, D] in q's dtype. The number of splits a
     launch reserves follows the step's longest context (max_context_len); a row's own splits,
     and so its bits, follow its position only."""
-    if window is not None and window < 1:
-        raise ValueError(f"sliding window {window} must be at least 1")
+    check_window(window)
     check_cache_pair(k_cache, v_cache)
     q = last_dim_contiguous(q)
     num_tokens, num_heads, head_dim = q.shape

@@ -8,6 +8,7 @@ before any kernel module imports Triton (`interpreting()` says which).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -95,6 +96,44 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache need equal strides and a contiguous head dim")
 
 
+def check_window(window: int | None) -> None:
+    """A sliding window W counts the keys a query sees, its own included: W >= 1."""
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window {window} must be at least 1")
+
+
+@dataclass(frozen=True)
+class PagedShapes:
+    """What decode and prefill attention read off their checked operands."""
+
+    q: torch.Tensor  # the queries [tokens, Hq, D], their head dimension contiguous
+    block_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    softcap_log2: float  # the kernels' soft-cap argument (log2_softcap)
+
+
+def paged_shapes(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    window: int | None,
+    softcap: float | None,
+) -> PagedShapes:
+    """Check queries against a cache pair [num_blocks, block_size, Hkv, D], a window and a soft
+    cap (ValueError naming what does not fit), and read their shapes."""
+    check_cache_pair(k_cache, v_cache)
+    q = last_dim_contiguous(q)
+    _, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    check_window(window)
+    cap = log2_softcap(softcap)  # validates it
+    return PagedShapes(q, block_size, num_q_heads, num_kv_heads, head_dim, cap)
+
+
 @triton.jit
 def rounded(x: tl.tensor, out_ty: tl.constexpr) -> tl.tensor:
     """float32 x rounded to out_ty (to nearest, ties to even), still in float32. bfloat16 is
@@ -111,9 +150,6 @@ def rounded(x: tl.tensor, out_ty: tl.constexpr) -> tl.tensor:
 @triton.jit
 def attend_paged_keys(
     q: tl.tensor,  # [ROWS, D_PAD] in DOT_DTYPE: the rows that read these keys
-    m_i: tl.tensor,  # [ROWS] float32: the online softmax's running max (log2 domain)
-    l_i: tl.tensor,  # [ROWS] float32: its running sum
-    acc: tl.tensor,  # [ROWS, D_PAD] float32: its running output
     k_cache_ptr: tl.tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr: tl.tensor,  # same layout and strides as k_cache
     table_row: tl.tensor,  # the sequence's (or shared prefix's) row of block ids
@@ -138,9 +174,14 @@ def attend_paged_keys(
     DOT_PRECISION: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """The paged K/V loop every attention kernel runs (decode, its shared-prefix pass,
-    prefill): gather each key's cache row through the block table, score it against q, mask
-    what a row does not see, and fold it into the online softmax (m_i, l_i, acc), which comes
-    back. A row that sees no key of a tile keeps its state: its scores are -inf."""
+    prefill): each key's cache row gathered through the block table, scored against q, masked
+    where a row does not see it, and folded into an online softmax begun here, whose float32
+    state comes back (m_i [ROWS] its max in the log2 domain, floored at a finite -1e30 so that
+    exp2(m_old - m_new) stays a number before a row's first visible key; l_i [ROWS] its sum;
+    acc [ROWS, D_PAD] its output). A row that sees no key of a tile keeps its state."""
+    m_i = tl.full([q.shape[0]], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
+    acc = tl.zeros([q.shape[0], q.shape[1]], dtype=tl.float32)
     for start in range(key_start, key_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)  # key positions
         n_valid = offs_n < key_end

@@ -26,16 +26,15 @@ import triton.language as tl
 
 from runner.backends.triton.common import (
     LOG2E,
+    PagedShapes,
     attend_paged_keys,
-    check_cache_pair,
     default_tile,
     dot_config,
-    last_dim_contiguous,
-    log2_softcap,
+    paged_shapes,
     pow2_at_least,
 )
 from runner.backends.triton.decode_prefix import prefix_partitions, prefix_pass
-from runner.backends.triton.decode_reduce import combine_partitions
+from runner.backends.triton.decode_reduce import combine_partitions, own_keys_start, store_partition
 from runner.backends.triton.shared_prefix import SharedPrefixPlan
 
 __all__ = ["DEFAULT_PARTITION_SIZE", "LOG2E", "decode_attention"]
@@ -88,11 +87,8 @@ def _decode_partition_kernel(
     # Partitions tile the visible keys [win_start, ctx_len) from the window start, so every key
     # a program loads is visible (no per-key window mask) and each partition of this sequence
     # that the reduce reads holds at least one key.
-    win_start = 0
-    if USE_WINDOW:
-        win_start = tl.maximum(ctx_len - window, 0)
-    if USE_PREFIX:  # the shared prefix's keys are the prefix pass's (decode_prefix.py)
-        win_start = tl.maximum(win_start, tl.load(prefix_lens_ptr + seq))
+    # The shared prefix's keys are the prefix pass's (decode_prefix.py).
+    win_start = own_keys_start(ctx_len, window, prefix_lens_ptr + seq, USE_WINDOW, USE_PREFIX)
     part_start = win_start + part * PARTITION_SIZE
     part_end = tl.minimum(ctx_len, part_start + PARTITION_SIZE)  # <= part_start: nothing to do
 
@@ -109,34 +105,22 @@ def _decode_partition_kernel(
     )  # [GROUP_PAD, D_PAD]
     q = q.to(DOT_DTYPE)
 
-    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)  # finite: see triton_prefill.py
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     # Every key of the partition is at or after win_start: visible, no per-key mask.
     m_i, l_i, acc = attend_paged_keys(
-        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, part_start, part_end,
+        q, k_cache_ptr, v_cache_ptr, table_row, kv_head, part_start, part_end,
         ctx_len, ctx_len, qk_scale, softcap, stride_cb, stride_co, stride_ch, offs_d, d_valid,
         BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
 
     # Partitions past the end of a short sequence's keys write nothing (the reduce reads only
-    # the partitions that start before ctx_len). where() rather than `mask & scalar`: the
-    # interpreter turns `tensor & scalar-bool` into an int array that tl.store rejects.
-    has_keys = part_start < ctx_len
-    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / safe_l[:, None]
-    out_rows = seq.to(tl.int64) * stride_os + heads * stride_oh + part * stride_op
-    tl.store(
-        part_out_ptr + out_rows[:, None] + offs_d[None, :],
-        out.to(part_out_ptr.dtype.element_ty),
-        mask=tl.where(has_keys, gd_mask, False),
-    )
-    if WRITE_LSE:
-        lse = m_i + tl.log2(safe_l)
-        lse_ptr = part_lse_ptr + seq.to(tl.int64) * stride_ls + heads * stride_lh + part
-        tl.store(lse_ptr, lse, mask=tl.where(has_keys, g_valid, False))
+    # the partitions that start before ctx_len).
+    store_partition(
+        part_out_ptr, part_lse_ptr, seq.to(tl.int64), heads, part, acc, m_i, l_i,
+        part_start < ctx_len, gd_mask, g_valid, offs_d, stride_os, stride_oh, stride_op,
+        stride_ls, stride_lh, WRITE_LSE,
+    )  # fmt: skip
 
 
 def decode_attention(
@@ -169,45 +153,89 @@ def decode_attention(
     after its prefix, and the reduce merges both: the same result, fewer bytes read. The plan
     changes no grid that depends on the step (its tensors may be a graph's static ones).
     """
-    check_cache_pair(k_cache, v_cache)
-    q = last_dim_contiguous(q)
-    num_seqs, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or num_q_heads % num_kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    shapes = paged_shapes(q, k_cache, v_cache, window, softcap)
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
-    if window is not None and window < 1:
-        raise ValueError(f"sliding window {window} must be at least 1")
-    cap = log2_softcap(softcap)  # validates it
+    q = shapes.q
     out = torch.empty_like(q)
-    if num_seqs == 0:
+    if q.shape[0] == 0:
         return out
     if max_context_len is None:
         max_context_len = int(context_lens.max())
-    block_n = min(block_n or default_tile(k_cache.dtype), partition_size)
-    if block_n < 16 or block_n & (block_n - 1):  # the interpreter takes any; the compiler not
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    group = num_q_heads // num_kv_heads
-    # A query sees at most min(C, W) keys; partitions start at its window start (see above).
-    max_keys = max_context_len if window is None else min(max_context_len, window)
-    num_parts = max(1, triton.cdiv(max_keys, partition_size))
-    own_parts = num_parts  # the sequences' own partitions; the prefix pass's come after them
-    if shared_prefix is not None:
-        num_parts += prefix_partitions(shared_prefix.max_prefix_len, partition_size)
+    block_n = _key_tile(k_cache.dtype, block_n, partition_size)
+    own_parts, num_parts = _partition_counts(max_context_len, window, partition_size, shared_prefix)
     single = num_parts == 1
-    if single:  # the partition kernel writes the final output: view it as [S, Hq, P=1, D]
-        part_out, part_lse = out.unsqueeze(2), out
-    else:
-        part_out = torch.empty(
-            (num_seqs, num_q_heads, num_parts, head_dim), dtype=torch.float32, device=q.device
-        )
-        part_lse = torch.empty(
-            (num_seqs, num_q_heads, num_parts), dtype=torch.float32, device=q.device
-        )
-    d_pad = pow2_at_least(head_dim)
+    part_out, part_lse = _partials(out, num_parts)
+    _own_partitions(
+        shapes, k_cache, v_cache, context_lens, block_tables, part_out, part_lse, scale,
+        partition_size, block_n, window, softcap is not None, shared_prefix,
+    )  # fmt: skip
+    if single:
+        return out
+    if shared_prefix is not None:
+        prefix_pass(
+            q, k_cache, v_cache, context_lens, shared_prefix, part_out, part_lse, own_parts,
+            scale, partition_size, block_n, window, shapes.softcap_log2, softcap is not None,
+        )  # fmt: skip
+    prefix = None if shared_prefix is None else (shared_prefix.seq_prefix_lens, own_parts)
+    combine_partitions(part_out, part_lse, out, context_lens, partition_size, window, prefix)
+    return out
+
+
+def _key_tile(cache_dtype: torch.dtype, block_n: int | None, partition_size: int) -> int:
+    """The keys a program scores at a time: `block_n`, or the dtype's default tile, at most a
+    partition; a power of two >= 16 (the interpreter takes any; the compiler not)."""
+    block_n = min(block_n or default_tile(cache_dtype), partition_size)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    return block_n
+
+
+def _partition_counts(
+    max_context_len: int,
+    window: int | None,
+    partition_size: int,
+    shared_prefix: SharedPrefixPlan | None,
+) -> tuple[int, int]:
+    """(the sequences' own partitions, all partitions): the prefix pass's come after theirs. A
+    query sees at most min(C, W) keys; partitions start at its window start (see above)."""
+    max_keys = max_context_len if window is None else min(max_context_len, window)
+    own_parts = max(1, triton.cdiv(max_keys, partition_size))
+    if shared_prefix is None:
+        return own_parts, own_parts
+    return own_parts, own_parts + prefix_partitions(shared_prefix.max_prefix_len, partition_size)
+
+
+def _partials(out: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the partitions go: part_out [S, Hq, P, D] and part_lse [S, Hq, P] float32; for
+    one partition the kernel writes the final output, viewed as [S, Hq, P=1, D]."""
+    if num_parts == 1:
+        return out.unsqueeze(2), out
+    part_out = out.new_empty((*out.shape[:2], num_parts, out.shape[2]), dtype=torch.float32)
+    return part_out, out.new_empty((*out.shape[:2], num_parts), dtype=torch.float32)
+
+
+def _own_partitions(
+    shapes: PagedShapes,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    scale: float,
+    partition_size: int,
+    block_n: int,
+    window: int | None,
+    use_softcap: bool,
+    shared_prefix: SharedPrefixPlan | None,
+) -> None:
+    """Launch the partition kernel over every sequence's own keys into part_out [S, Hq, P, D]
+    and part_lse [S, Hq, P] (one partition: part_out is the output and no lse is written)."""
+    q, group = shapes.q, shapes.num_q_heads // shapes.num_kv_heads
+    num_parts = part_out.shape[2]
     dot_dtype, precision = dot_config(k_cache.dtype)
-    _decode_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
+    _decode_partition_kernel[(q.shape[0], shapes.num_kv_heads, num_parts)](
         q,
         k_cache,
         v_cache,
@@ -229,35 +257,18 @@ def decode_attention(
         part_lse.stride(0),
         part_lse.stride(1),
         window or 0,  # ignored without a window (USE_WINDOW=False)
-        cap,  # ignored without a cap (USE_SOFTCAP=False)
-        BLOCK_SIZE=block_size,
+        shapes.softcap_log2,  # ignored without a cap (USE_SOFTCAP=False)
+        BLOCK_SIZE=shapes.block_size,
         GROUP=group,
         GROUP_PAD=pow2_at_least(group),
-        HEAD_DIM=head_dim,
-        D_PAD=d_pad,
+        HEAD_DIM=shapes.head_dim,
+        D_PAD=pow2_at_least(shapes.head_dim),
         PARTITION_SIZE=partition_size,
         BLOCK_N=block_n,
-        WRITE_LSE=not single,
+        WRITE_LSE=num_parts > 1,
         USE_WINDOW=window is not None,
-        USE_SOFTCAP=softcap is not None,
+        USE_SOFTCAP=use_softcap,
         USE_PREFIX=shared_prefix is not None,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
     )
-    if single:
-        return out
-    if shared_prefix is not None:
-        prefix_pass(
-            q, k_cache, v_cache, context_lens, shared_prefix, part_out, part_lse, own_parts,
-            scale, partition_size, block_n, window, cap, softcap is not None,
-        )  # fmt: skip
-    combine_partitions(
-        part_out,
-        part_lse,
-        out,
-        context_lens,
-        partition_size,
-        window,
-        None if shared_prefix is None else (shared_prefix.seq_prefix_lens, own_parts),
-    )
-    return out

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from runner.backends.triton.common import LOG2E, attend_paged_keys, dot_config, pow2_at_least
+from runner.backends.triton.decode_reduce import store_partition
 from runner.backends.triton.shared_prefix import SharedPrefixPlan
 
 
@@ -89,35 +90,20 @@ def _prefix_partition_kernel(
         first_key = ctx - window
     last_key = tl.where(r_valid, part_end, -1)  # a padded row sees no key
 
-    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, D_PAD], dtype=tl.float32)
     table_row = chunk_tables_ptr + chunk.to(tl.int64) * stride_ct
     m_i, l_i, acc = attend_paged_keys(
-        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, part_start, part_end,
+        q, k_cache_ptr, v_cache_ptr, table_row, kv_head, part_start, part_end,
         first_key, last_key, qk_scale, softcap, stride_cb, stride_co, stride_ch, offs_d, d_valid,
         BLOCK_SIZE, BLOCK_N, USE_WINDOW, True, USE_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
 
     # A partition past the prefix's end stores nothing (the reduce counts the member's prefix
-    # partitions from its prefix length). A row that saw no key has l = 0: output 0 and a
-    # log-sum-exp of -1e30, which the reduce weighs 0.
-    has_keys = part_start < prefix_len
-    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / safe_l[:, None]
-    slot = part_base + part
-    out_rows = seq * stride_os + heads * stride_oh + slot * stride_op
-    tl.store(
-        part_out_ptr + out_rows[:, None] + offs_d[None, :],
-        out,
-        mask=tl.where(has_keys, rd_mask, False),
-    )
-    lse = m_i + tl.log2(safe_l)
-    tl.store(
-        part_lse_ptr + seq * stride_ls + heads * stride_lh + slot,
-        lse,
-        mask=tl.where(has_keys, r_valid, False),
-    )
+    # partitions from its prefix length).
+    store_partition(
+        part_out_ptr, part_lse_ptr, seq, heads, part_base + part, acc, m_i, l_i,
+        part_start < prefix_len, rd_mask, r_valid, offs_d, stride_os, stride_oh, stride_op,
+        stride_ls, stride_lh, True,
+    )  # fmt: skip
 
 
 def prefix_partitions(max_prefix_len: int, partition_size: int) -> int:

@@ -18,6 +18,63 @@ from runner.backends.triton.common import pow2_at_least
 
 
 @triton.jit
+def own_keys_start(
+    ctx_len: tl.tensor,
+    window: int,  # read only when USE_WINDOW
+    prefix_len_ptr: tl.tensor,  # the sequence's shared-prefix length; read only when USE_PREFIX
+    USE_WINDOW: tl.constexpr,
+    USE_PREFIX: tl.constexpr,
+) -> tl.tensor:
+    """The first key of a sequence's own partitions, which tile [start, ctx_len): its window
+    start, or past that the end of its shared prefix (whose keys the prefix pass reads)."""
+    start = 0
+    if USE_WINDOW:
+        start = tl.maximum(ctx_len - window, 0)
+    if USE_PREFIX:
+        start = tl.maximum(start, tl.load(prefix_len_ptr))
+    return start
+
+
+@triton.jit
+def store_partition(
+    part_out_ptr: tl.tensor,  # [S, Hq, P, D]
+    part_lse_ptr: tl.tensor,  # [S, Hq, P] float32; unused when not WRITE_LSE
+    seq: tl.tensor,  # the rows' sequences (int64)
+    heads: tl.tensor,  # [ROWS] their query heads
+    slot: int,  # the partition slot written
+    acc: tl.tensor,  # [ROWS, D_PAD] float32: the online softmax's output
+    m_i: tl.tensor,  # [ROWS] its max
+    l_i: tl.tensor,  # [ROWS] its sum (0: the row saw no key)
+    has_keys: tl.tensor,  # whether the partition holds any key: else nothing is stored
+    out_mask: tl.tensor,  # [ROWS, D_PAD] which elements are real
+    row_mask: tl.tensor,  # [ROWS] which rows are real
+    offs_d: tl.tensor,
+    stride_os: int,
+    stride_oh: int,
+    stride_op: int,
+    stride_ls: int,
+    stride_lh: int,
+    WRITE_LSE: tl.constexpr,
+) -> None:
+    """One partition as the reduce reads it: the output normalised by its own softmax sum and
+    the log2-sum-exp of its scores (a row that saw no key: output 0, log-sum-exp -1e30, which
+    the reduce weighs 0). where() rather than `mask & scalar`: the interpreter turns
+    `tensor & scalar-bool` into an int array that tl.store rejects."""
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    out_rows = seq * stride_os + heads * stride_oh + slot * stride_op
+    tl.store(
+        part_out_ptr + out_rows[:, None] + offs_d[None, :],
+        out.to(part_out_ptr.dtype.element_ty),
+        mask=tl.where(has_keys, out_mask, False),
+    )
+    if WRITE_LSE:
+        lse = m_i + tl.log2(safe_l)
+        lse_ptr = part_lse_ptr + seq * stride_ls + heads * stride_lh + slot
+        tl.store(lse_ptr, lse, mask=tl.where(has_keys, row_mask, False))
+
+
+@triton.jit
 def _decode_reduce_kernel(
     part_out_ptr: tl.tensor,  # [S, Hq, P, D] float32, each partition normalised by its own sum
     part_lse_ptr: tl.tensor,  # [S, Hq, P] float32 log2-sum-exp of each partition's scores
@@ -46,19 +103,15 @@ def _decode_reduce_kernel(
     # The partitions tile [win_start, ctx_len), each of them non-empty; only these were written
     # for this sequence (the grid is sized for the longest one), so no partition without a key
     # ever enters the max or the sum below.
-    win_start = 0
-    if USE_WINDOW:
-        win_start = tl.maximum(ctx_len - window, 0)
-    if USE_PREFIX:  # the own pass starts after the shared prefix, which has partitions apart
-        prefix_len = tl.load(prefix_lens_ptr + seq)
-        win_start = tl.maximum(win_start, prefix_len)
+    # The own pass starts after a shared prefix, which has partitions apart.
+    win_start = own_keys_start(ctx_len, window, prefix_lens_ptr + seq, USE_WINDOW, USE_PREFIX)
     num_parts = tl.cdiv(ctx_len - win_start, PARTITION_SIZE)
 
     offs_p = tl.arange(0, P_PAD)
     offs_d = tl.arange(0, D_PAD)
     p_valid = offs_p < num_parts
     if USE_PREFIX:
-        prefix_parts = tl.cdiv(prefix_len, PARTITION_SIZE)
+        prefix_parts = tl.cdiv(tl.load(prefix_lens_ptr + seq), PARTITION_SIZE)
         p_valid = p_valid | ((offs_p >= prefix_base) & (offs_p < prefix_base + prefix_parts))
     d_valid = offs_d < HEAD_DIM
     lse_row = part_lse_ptr + seq.to(tl.int64) * stride_ls + head * stride_lh

@@ -23,11 +23,9 @@ import triton.language as tl
 from runner.backends.triton.common import (
     LOG2E,
     attend_paged_keys,
-    check_cache_pair,
     default_tile,
     dot_config,
-    last_dim_contiguous,
-    log2_softcap,
+    paged_shapes,
     pow2_at_least,
 )
 
@@ -97,18 +95,12 @@ def _prefill_kernel(
     if USE_WINDOW:
         kv_start = tl.maximum(first_pos + tile * BLOCK_M - window + 1, 0)
 
-    # A finite floor instead of -inf keeps exp2(m_old - m_new) a number for rows that have seen
-    # only masked keys so far (before the diagonal, or before a later query's window start);
-    # masked scores are -inf, so they contribute exp2(-inf) = 0. A valid query always sees
-    # itself, so its final l_i > 0.
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
-    # Each query sees keys up to its own position, and within a window from its window start.
+    # Each query sees keys up to its own position, and within a window from its window start
+    # (a valid query always sees itself, so its final l_i > 0).
     m_i, l_i, acc = attend_paged_keys(
-        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_start, kv_end,
+        q, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_start, kv_end,
         q_pos - window + 1, q_pos, qk_scale, softcap, stride_cb, stride_co, stride_ch, offs_d,
         d_valid, BLOCK_SIZE, BLOCK_N, USE_WINDOW, True, USE_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
@@ -146,15 +138,9 @@ def prefill_attention(
     block_tables [S, max_blocks] int32. `max_query_len` (a host int) sizes the grid; it is read
     from the tensor, with a device sync, when not given. Returns [T, Hq, D] in q's dtype.
     """
-    check_cache_pair(k_cache, v_cache)
-    q = last_dim_contiguous(q)
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or num_q_heads % num_kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if window is not None and window < 1:
-        raise ValueError(f"sliding window {window} must be at least 1")
-    cap = log2_softcap(softcap)  # validates it
+    shapes = paged_shapes(q, k_cache, v_cache, window, softcap)
+    q, num_tokens, head_dim = shapes.q, q.shape[0], shapes.head_dim
+    num_q_heads, num_kv_heads = shapes.num_q_heads, shapes.num_kv_heads
     out = torch.empty_like(q)
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -187,8 +173,8 @@ def prefill_attention(
         k_cache.stride(2),
         block_tables.stride(0),
         window or 0,  # ignored without a window (USE_WINDOW=False)
-        cap,  # ignored without a cap (USE_SOFTCAP=False)
-        BLOCK_SIZE=block_size,
+        shapes.softcap_log2,  # ignored without a cap (USE_SOFTCAP=False)
+        BLOCK_SIZE=shapes.block_size,
         GROUP=num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         D_PAD=pow2_at_least(head_dim),

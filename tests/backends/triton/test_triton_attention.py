@@ -20,18 +20,7 @@ from runner.backends.triton.attention import (
     store_kv,
     triton_paged_attention,
 )
-from runner.backends.triton.common import interpreting
-
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1"),
-    ),
-    pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-    ),
-]
-TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+from tests.backends.triton.triton_cases import DEVICES, TOL
 
 
 @dataclass

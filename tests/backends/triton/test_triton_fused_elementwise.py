@@ -20,18 +20,9 @@ from runner.backends.triton.fused_elementwise import add_rms_norm, silu_mul
 from runner.kv_pool.store import KVStore
 from runner.model.layers import RMSNorm
 from runner.model.loader import load_model
+from tests.backends.triton.triton_cases import assert_within_an_ulp
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def assert_within_an_ulp(got: torch.Tensor, ref: torch.Tensor, equal_share: float) -> None:
-    assert got.dtype == ref.dtype and got.shape == ref.shape
-    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[ref.dtype]
-    magnitude = ref.float().abs().clamp_min(2.0**-14)
-    ulp = torch.exp2(torch.floor(torch.log2(magnitude)) - mantissa_bits)
-    diff = (got.float() - ref.float()).abs()
-    assert bool((diff <= ulp).all()), f"{int((diff > ulp).sum())} values off by over an ulp"
-    assert float((got == ref).float().mean()) >= equal_share
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -12,24 +12,16 @@ from runner.attention.metadata import AttentionMetadata
 from runner.backends.torch.cascade import PrefixGroup
 from runner.backends.triton.attention import planned_shared_prefix, triton_paged_attention
 from runner.backends.triton.cascade_cost import ALWAYS, NEVER
-from runner.backends.triton.common import interpreting
 from runner.backends.triton.shared_prefix import (
     PlanBuffers,
+    SharedPrefixPlan,
     build_shared_prefix_plan,
     members_per_chunk,
     pack_plan,
     plan_decode_step,
 )
+from tests.backends.triton.triton_cases import DEVICES
 
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1"),
-    ),
-    pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-    ),
-]
 BLOCK, HQ, HKV, DIM, POOL = 4, 4, 2, 16, 40
 
 
@@ -44,6 +36,21 @@ def step_meta(groups: list[tuple[list[int], list[int]]], device: str) -> Attenti
             tables.append(prefix + [next(free) for _ in range(-(-own // BLOCK))])
             ctxs.append(len(prefix) * BLOCK + own)
     return AttentionMetadata.build([1] * len(ctxs), ctxs, tables, BLOCK, device)
+
+
+def host_plan(meta: AttentionMetadata) -> SharedPrefixPlan | None:
+    """The step's shared-prefix plan from its host tables, whatever it costs (ALWAYS)."""
+    return plan_decode_step(
+        torch.from_numpy(meta.block_tables_host),
+        meta.context_lens_host,
+        BLOCK,
+        HQ,
+        HKV,
+        DIM,
+        torch.float32,
+        "cpu",
+        ALWAYS,
+    )
 
 
 def attend(
@@ -81,17 +88,7 @@ def test_plan_buffers_refilled_for_another_step_equal_the_plain_kernel(device: s
     ]
     for seed, groups in enumerate(steps):
         meta = step_meta(groups, device)
-        host = plan_decode_step(
-            torch.from_numpy(meta.block_tables_host),
-            meta.context_lens_host,
-            BLOCK,
-            HQ,
-            HKV,
-            DIM,
-            torch.float32,
-            "cpu",
-            ALWAYS,
-        )
+        host = host_plan(meta)
         assert host is not None and buffers.fits(host)
         plan = buffers.fill(host)
         used, width = host.chunk_tables.shape
@@ -109,17 +106,7 @@ def test_plan_buffers_refilled_for_another_step_equal_the_plain_kernel(device: s
 
 def test_plan_buffers_refuse_a_plan_that_does_not_fit() -> None:
     meta = step_meta([([30, 31, 32], [1, 6, 3, 2, 5])], "cpu")
-    host = plan_decode_step(
-        torch.from_numpy(meta.block_tables_host),
-        meta.context_lens_host,
-        BLOCK,
-        HQ,
-        HKV,
-        DIM,
-        torch.float32,
-        "cpu",
-        ALWAYS,
-    )
+    host = host_plan(meta)
     assert host is not None  # a prefix of 3 blocks: wider than 2
     small = PlanBuffers(8, members_per_chunk(HQ // HKV, torch.float32), 1, 2, BLOCK, "cpu")
     assert not small.fits(host)

@@ -24,6 +24,7 @@ from runner.kv_pool.store import KVStore
 from runner.model.decoder_layers import Attention
 from runner.model.layers import apply_rope, rope_cos_sin
 from runner.model.loader import load_model
+from tests.backends.triton.triton_cases import assert_within_an_ulp
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -45,16 +46,6 @@ def torch_rope_store(
     k_cache.view(-1, heads, dim)[slots[keep]] = k[keep]
     v_cache.view(-1, heads, dim)[slots[keep]] = v[keep]
     return q
-
-
-def assert_within_an_ulp(got: torch.Tensor, ref: torch.Tensor) -> None:
-    if ref.dtype == torch.float32:
-        assert torch.equal(got, ref)
-        return
-    magnitude = ref.float().abs().clamp_min(2.0**-14)
-    ulp = torch.exp2(torch.floor(torch.log2(magnitude)) - 7)
-    diff = (got.float() - ref.float()).abs()
-    assert bool((diff <= ulp).all()), f"{int((diff > ulp).sum())} values off by over an ulp"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

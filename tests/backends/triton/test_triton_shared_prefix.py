@@ -16,24 +16,14 @@ from runner.attention.metadata import AttentionMetadata
 from runner.backends.torch.cascade import PrefixGroup, find_prefix_groups
 from runner.backends.triton.attention import triton_paged_attention
 from runner.backends.triton.cascade_cost import ALWAYS, NEVER
-from runner.backends.triton.common import interpreting
 from runner.backends.triton.decode import decode_attention
 from runner.backends.triton.shared_prefix import (
     build_shared_prefix_plan,
     decode_kv_bytes,
     plan_decode_step,
 )
+from tests.backends.triton.triton_cases import DEVICES
 
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1"),
-    ),
-    pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-    ),
-]
-TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 BLOCK = 4
 
 

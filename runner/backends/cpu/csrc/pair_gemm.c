@@ -66,37 +66,17 @@ static void pair_block(const unsigned *xg, const void *packed, float *y, long pa
 {
     const long stride = pairs * 64, ldy = panels * LANES;
     const char *panel = (const char *)packed + p * stride;
-    if (wide) {
-        switch (rows) { PAIR_CASE(1, WIDE) PAIR_CASE(2, WIDE) PAIR_CASE(3, WIDE) }
-        return;
-    }
-    switch (rows) {
-        PAIR_CASE(1, 1) PAIR_CASE(2, 1) PAIR_CASE(3, 1) PAIR_CASE(4, 1) PAIR_CASE(5, 1)
-        PAIR_CASE(6, 1) PAIR_CASE(7, 1) PAIR_CASE(8, 1) PAIR_CASE(9, 1) PAIR_CASE(10, 1)
-        PAIR_CASE(11, 1) PAIR_CASE(12, 1) PAIR_CASE(13, 1) PAIR_CASE(14, 1) PAIR_CASE(15, 1)
-        PAIR_CASE(16, 1)
-    }
+    TILE_SWITCH(PAIR_CASE)
 }
 
 /* x [M, K] float32 rounded to bfloat16 pairs in groups of 16 rows (layout above), the odd
- * K's last pair padded with a zero. The buffer is the calling thread's, kept and grown
- * between calls (a fresh one would be page-faulted in on every product of a prefill). */
+ * K's last pair padded with a zero, in the calling thread's buffer (thread_buffer). */
 static const unsigned *pair_groups(const float *x, long ldx, long M, long K, long pairs)
 {
-    static __thread unsigned *buffer;
-    static __thread long capacity;
     const long groups = (M + MAX_ROWS - 1) / MAX_ROWS;
-    const long need = groups * pairs * MAX_ROWS;
-    if (need > capacity) {
-        free(buffer);
-        capacity = need;
-        buffer = aligned_alloc(64, ((need * 4 + 63) / 64) * 64);
-        if (buffer == NULL) {
-            capacity = 0;
-            return NULL;
-        }
-    }
-    unsigned *out = buffer;
+    unsigned *out = thread_buffer(groups * pairs * MAX_ROWS);
+    if (out == NULL)
+        return NULL;
     /* A decode step's few rows are not worth a parallel region of their own. */
 #pragma omp parallel for schedule(static) if (M * K >= PARALLEL_ROUNDING)
     for (long r = 0; r < M; r++) {
@@ -140,8 +120,7 @@ void pair_gemm(const float *x, long ldx, const void *packed, float *y, long M, l
     const unsigned *xg = pair_groups(x, ldx, M, K, pairs);
     if (xg == NULL) { /* no memory for the rounded rows: NaN, never stale numbers, and a word */
         fprintf(stderr, "pair_gemm: no memory to round %ld rows of %ld\n", M, K);
-        for (long i = 0; i < M * panels * LANES; i++)
-            y[i] = NAN;
+        fill_nan(y, M, panels);
         return;
     }
     const struct pair_args args = {xg, packed, y, pairs, panels};

@@ -3,7 +3,9 @@
 #ifndef KVCACHE_PANEL_TILING_H
 #define KVCACHE_PANEL_TILING_H
 
+#include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 
 enum { LANES = 16, MAX_ROWS = 16 };
 /* What a panel holds (runner/backends/cpu/panels.py WEIGHT_TYPES); int8 scales cover INT8_GROUP k. */
@@ -57,6 +59,48 @@ static inline void walk_tiles(long M, long panels, long row_bytes, tile_fn tile,
         for (long p = 0; p < panels; p++)
             tile(args, p, full, rest, 0);
     }
+}
+
+/* The switch of a tile kernel's block (pair_gemm.c, quad_gemm.c): CASE(R, W) for each row
+ * count R a tile takes, against W = WIDE panels when `wide` (rows <= FEW_ROWS), else one, so
+ * each call is compiled with both as constants. Needs `rows` and `wide` in scope; returns. */
+#define TILE_SWITCH(CASE) \
+    if (wide) { \
+        switch (rows) { CASE(1, WIDE) CASE(2, WIDE) CASE(3, WIDE) } \
+        return; \
+    } \
+    switch (rows) { \
+        CASE(1, 1) CASE(2, 1) CASE(3, 1) CASE(4, 1) CASE(5, 1) CASE(6, 1) CASE(7, 1) \
+        CASE(8, 1) CASE(9, 1) CASE(10, 1) CASE(11, 1) CASE(12, 1) CASE(13, 1) CASE(14, 1) \
+        CASE(15, 1) CASE(16, 1) \
+    }
+
+/* The calling thread's buffer of at least `need` 32-bit words (64-byte aligned) for x's rows
+ * as a product reads them, kept and grown between calls: a fresh one would be page-faulted in
+ * on every product of a prefill. NULL where there is no memory. Each file that includes this
+ * keeps buffers of its own. */
+static inline unsigned *thread_buffer(long need)
+{
+    static __thread unsigned *buffer;
+    static __thread long capacity;
+    if (need > capacity) {
+        free(buffer);
+        capacity = need;
+        buffer = aligned_alloc(64, ((need * 4 + 63) / 64) * 64);
+        if (buffer == NULL) {
+            capacity = 0;
+            return NULL;
+        }
+    }
+    return buffer;
+}
+
+/* y [M, panels * 16] all NaN: what a product writes where it has no memory for x's rows,
+ * never stale numbers. */
+static inline void fill_nan(float *y, long M, long panels)
+{
+    for (long i = 0; i < M * panels * LANES; i++)
+        y[i] = NAN;
 }
 
 /* pair_gemm.c: y [M, panels * 16] = x [M, K] @ bfloat16 pair panels (WEIGHTS_BF16_PAIRS), x

@@ -93,16 +93,7 @@ static void quad_block(const unsigned *xq, const float *xs, const void *packed, 
 {
     const long stride = quads * 64 + 128, ldy = panels * LANES;
     const char *panel = (const char *)packed + p * stride;
-    if (wide) {
-        switch (rows) { QUAD_CASE(1, WIDE) QUAD_CASE(2, WIDE) QUAD_CASE(3, WIDE) }
-        return;
-    }
-    switch (rows) {
-        QUAD_CASE(1, 1) QUAD_CASE(2, 1) QUAD_CASE(3, 1) QUAD_CASE(4, 1) QUAD_CASE(5, 1)
-        QUAD_CASE(6, 1) QUAD_CASE(7, 1) QUAD_CASE(8, 1) QUAD_CASE(9, 1) QUAD_CASE(10, 1)
-        QUAD_CASE(11, 1) QUAD_CASE(12, 1) QUAD_CASE(13, 1) QUAD_CASE(14, 1) QUAD_CASE(15, 1)
-        QUAD_CASE(16, 1)
-    }
+    TILE_SWITCH(QUAD_CASE)
 }
 
 /* Row r of x [M, K] quantized (layout above) into out, its scale into scales[r]. */
@@ -134,26 +125,16 @@ static void quantize_row(const float *row, long K, long quads, unsigned *dst, fl
     }
 }
 
-/* x [M, K] quantized into groups of 16 rows, and its row scales after them. The buffer is the
- * calling thread's, kept and grown between calls, as pair_gemm.c keeps its own. */
+/* x [M, K] quantized into groups of 16 rows, and its row scales after them, in the calling
+ * thread's buffer (thread_buffer). */
 static const unsigned *quad_groups(const float *x, long ldx, long M, long K, long quads,
                                    const float **scales)
 {
-    static __thread unsigned *buffer;
-    static __thread long capacity;
     const long groups = (M + MAX_ROWS - 1) / MAX_ROWS;
-    const long need = groups * quads * MAX_ROWS + groups * MAX_ROWS;
-    if (need > capacity) {
-        free(buffer);
-        capacity = need;
-        buffer = aligned_alloc(64, ((need * 4 + 63) / 64) * 64);
-        if (buffer == NULL) {
-            capacity = 0;
-            return NULL;
-        }
-    }
-    unsigned *out = buffer;
-    float *row_scales = (float *)(buffer + groups * quads * MAX_ROWS);
+    unsigned *out = thread_buffer(groups * quads * MAX_ROWS + groups * MAX_ROWS);
+    if (out == NULL)
+        return NULL;
+    float *row_scales = (float *)(out + groups * quads * MAX_ROWS);
 #pragma omp parallel for schedule(static) if (M * K >= PARALLEL_QUANTIZING)
     for (long r = 0; r < M; r++)
         quantize_row(x + r * ldx, K, quads, out + r / MAX_ROWS * quads * MAX_ROWS + r % MAX_ROWS,
@@ -184,8 +165,7 @@ void quad_gemm(const float *x, long ldx, const void *packed, float *y, long M, l
     const unsigned *xq = quad_groups(x, ldx, M, K, quads, &xs);
     if (xq == NULL) { /* no memory for the quantized rows: NaN, never stale numbers, and a word */
         fprintf(stderr, "quad_gemm: no memory to quantize %ld rows of %ld\n", M, K);
-        for (long i = 0; i < M * panels * LANES; i++)
-            y[i] = NAN;
+        fill_nan(y, M, panels);
         return;
     }
     const struct quad_args args = {xq, xs, packed, y, quads, panels};
