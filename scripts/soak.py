@@ -38,6 +38,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runner.engine.config import CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES  # noqa: E402  (light: no torch)
+from runner.engine.step.policies.registry import POLICIES as SCHEDULING_POLICIES  # noqa: E402
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -53,7 +54,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=1000, help="requests per RSS sample")
     p.add_argument("--check-every", type=int, default=1, help="steps between integrity checks")
     p.add_argument("--max-rss-growth", type=float, default=0.10)
-    p.add_argument("--batching", choices=["continuous", "static"], default="continuous")
+    p.add_argument("--batching", choices=list(SCHEDULING_POLICIES), default="continuous")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step budget")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny model: 1)")
     p.add_argument(

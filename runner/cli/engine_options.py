@@ -23,6 +23,7 @@ from runner.engine.config import (
     EngineConfig,
 )
 from runner.engine.executor.multiproc import serve_rank_from_environment
+from runner.engine.step.policies.registry import POLICIES as SCHEDULING_POLICIES
 
 
 def _non_empty_key(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
@@ -52,11 +53,11 @@ _OPTIONS = [
         show_default=True,
         help="Which cached block goes first when the KV pool runs short: the least recently "
         "used, the least often used (ties: least recently), or the lowest request priority "
-        "(ties: least recently; every request has priority 0 for now).",
+        "(ties: least recently; a request's priority is the Python API's priority=).",
     ),
     click.option(
         "--batching",
-        type=click.Choice(["continuous", "static"]),
+        type=click.Choice(list(SCHEDULING_POLICIES)),
         default="continuous",
         show_default=True,
     ),
