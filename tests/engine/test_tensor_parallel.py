@@ -114,6 +114,12 @@ def test_chunks_preemption_samples_streams_logprobs_and_drafts(tiny_llama_tok_di
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
             for token in x:
                 assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-4)
+    greedy = SamplingParams(max_tokens=12, temperature=0)  # plain greedy rows: drafts run
+    assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy)] == [
+        o.outputs[0].token_ids for o in one.generate(prompts, greedy)
+    ]
+    assert two.spec_stats.num_draft_tokens > 0 and two.scheduler.num_preemptions > 0
+    assert two.spec_stats == one.spec_stats
     assert [o.outputs[j].token_ids for o in two.generate(prompts, sampled) for j in range(2)] == [
         o.outputs[j].token_ids for o in one.generate(prompts, sampled) for j in range(2)
     ]
