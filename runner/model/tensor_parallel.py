@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.model.layers import RMSNorm
+from runner.model.shared_memory_reduce import SharedMemoryReduce
 
 
 class Work(Protocol):
@@ -99,16 +100,26 @@ class TensorParallel:
     bits never depend on how the transport chunks the tensor, which follows the batch's size."""
 
     def __init__(
-        self, rank: int, size: int, group: Collectives, deterministic: bool = False
+        self,
+        rank: int,
+        size: int,
+        group: Collectives,
+        deterministic: bool = False,
+        local: SharedMemoryReduce | None = None,
     ) -> None:
         self.rank = rank
         self.size = size
         self.group = group
         self.deterministic = deterministic
+        # Ranks of one machine's CPU: sums and gathers through shared memory, where they fit
+        # (runner/model/shared_memory_reduce.py); the group carries the rest.
+        self.local = local
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x` (the same shape on each), on every rank."""
         x = x.contiguous()
+        if self.local is not None and self.local.fits(x):
+            return self.local.all_reduce(x)
         if not self.deterministic or self.size == 2:  # two operands: a + b == b + a, bit for bit
             self.group.allreduce([x]).wait()
             return x
@@ -127,6 +138,11 @@ class TensorParallel:
         if x.shape[1] < widest:
             x = F.pad(x, (0, widest - x.shape[1]))
         x = x.contiguous()
+        if self.local is not None and self.local.fits(x):
+            parts = self.local.gather(x)
+            if parts is None:
+                return None
+            return torch.cat([b[:, :w] for b, w in zip(parts, widths, strict=True)], dim=1)
         blocks: list[list[torch.Tensor]] = []
         if self.rank == 0:
             blocks.append([torch.empty_like(x) for _ in range(self.size)])

@@ -38,6 +38,7 @@ from runner.engine.executor.worker import StepOutput, StepPlan, Worker
 from runner.kv_pool.store import KVStore
 from runner.model.blend import BlendRegion, Placement
 from runner.model.loader import read_config, resolve_model_dir
+from runner.model.shared_memory_reduce import SharedMemoryReduce
 from runner.model.tensor_parallel import Collectives, TensorParallel, head_share
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,9 @@ class MultiprocExecutor:
         self.processes = processes  # those this process spawned (none under torchrun)
         self.shard_nbytes = shard_nbytes  # one block's bytes on each rank
         self.failure: str | None = None
-        self._stop = weakref.finalize(self, stop_ranks, groups, processes)
+        tp = local.model.tp
+        shared = tp.local if tp is not None else None  # the shared-memory segment it created
+        self._stop = weakref.finalize(self, stop_ranks, groups, processes, shared)
 
     @property
     def local(self) -> Worker:
@@ -268,9 +271,11 @@ class MultiprocExecutor:
         raise WorkersFailed(self.failure)
 
 
-def stop_ranks(groups: Groups, processes: list[BaseProcess]) -> None:
+def stop_ranks(
+    groups: Groups, processes: list[BaseProcess], shared: SharedMemoryReduce | None = None
+) -> None:
     """Tell the other ranks to stop (where they still listen), then join what this rank spawned,
-    killing what does not end in time."""
+    killing what does not end in time, and remove the shared-memory segment."""
     if all(p.is_alive() for p in processes):
         try:
             groups.broadcast_object((SHUTDOWN, ()))
@@ -281,6 +286,8 @@ def stop_ranks(groups: Groups, processes: list[BaseProcess]) -> None:
         if process.is_alive():
             process.kill()
             process.join(timeout=10)
+    if shared is not None:
+        shared.close()
 
 
 def shard_of(payload: bytes | memoryview, rank: int, shard_nbytes: list[int]) -> bytes:
@@ -341,7 +348,12 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device) -> Launche
             processes = spawn_ranks(config, meet.host, store.port, size, threads)
         groups = Groups(store, meet, rank_device(config, 0))
         groups.broadcast_object(config)  # every rank builds what rank 0 was asked for
-        tp = TensorParallel(0, size, groups.device, config.deterministic)
+        local = None
+        if device.type == "cpu" and one_machine(spawn):  # sums through shared memory
+            name = f"kvcache-tp-{os.getpid()}-{store.port}"
+            local = SharedMemoryReduce(name, 0, size, create=True)
+        groups.broadcast_object(local.memory.name if local is not None else None)
+        tp = TensorParallel(0, size, groups.device, config.deterministic, local)
         share = load_share(config, rank_device(config, 0), tp)
         num_blocks = pool_blocks(config, share, device)
         groups.broadcast_object(num_blocks)
@@ -376,6 +388,13 @@ def serve_rank_from_environment(config: EngineConfig) -> bool:
     return True
 
 
+def one_machine(spawned: bool) -> bool:
+    """Whether every rank runs on this machine: spawned here, or torchrun's one node."""
+    if spawned:
+        return True
+    return os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+
+
 def check_heads(config: EngineConfig, size: int) -> None:
     """ValueError where the model's heads cannot be split over `size` ranks."""
     hf = read_config(resolve_model_dir(config.model))
@@ -394,15 +413,19 @@ def spawn_ranks(
     for rank in range(1, size):
         meet = Rendezvous(host, port, rank, size)
         process = context.Process(
-            target=rank_main, args=(config, meet, threads), name=f"kvcache-tp{rank}", daemon=True
+            target=rank_main,
+            args=(config, meet, threads, True),
+            name=f"kvcache-tp{rank}",
+            daemon=True,
         )
         process.start()
         processes.append(process)
     return processes
 
 
-def rank_main(config: EngineConfig, meet: Rendezvous, threads: int) -> None:
-    """A spawned rank's process: build its share of the model and pool, then serve."""
+def rank_main(config: EngineConfig, meet: Rendezvous, threads: int, spawned: bool = False) -> None:
+    """A rank's process (spawned by rank 0, or started by torchrun): build its share of the
+    model and pool, then serve."""
     if threads > 0:
         torch.set_num_threads(threads)
     device = rank_device(config, meet.rank)
@@ -412,7 +435,13 @@ def rank_main(config: EngineConfig, meet: Rendezvous, threads: int) -> None:
     asked = groups.broadcast_object()
     assert isinstance(asked, EngineConfig)
     config = asked
-    tp = TensorParallel(meet.rank, meet.size, groups.device, config.deterministic)
+    name = groups.broadcast_object()
+    local = None
+    if isinstance(name, str):
+        # A spawned rank shares rank 0's resource tracker, which removes the segment with
+        # rank 0; under torchrun its own tracker must leave the segment alone.
+        local = SharedMemoryReduce(name, meet.rank, meet.size, untrack=not spawned)
+    tp = TensorParallel(meet.rank, meet.size, groups.device, config.deterministic, local)
     share = load_share(config, device, tp)
     num_blocks = groups.broadcast_object()
     assert isinstance(num_blocks, int)
@@ -424,7 +453,11 @@ def rank_main(config: EngineConfig, meet: Rendezvous, threads: int) -> None:
     groups.gather_bytes(mine.to_bytes(8, "little"))
     shard_nbytes = groups.broadcast_object()
     assert isinstance(shard_nbytes, list)
-    serve_rank(worker, groups, shard_nbytes)
+    try:
+        serve_rank(worker, groups, shard_nbytes)
+    finally:
+        if local is not None:
+            local.close()
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
