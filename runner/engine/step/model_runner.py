@@ -233,8 +233,8 @@ class ModelRunner:
     def _finish(self, batch: list[ScheduledSeq], out: StepOutput) -> torch.Tensor:
         """The logits, with the prompt tokens' log-probabilities handed to their sequences."""
         if out.prompt_logprobs is not None:
-            wanted = prompt_targets(batch, [item.num_new_tokens for item in batch])
-            for (item, position), value in zip(wanted, out.prompt_logprobs, strict=True):
+            wanted = prompt_rows(batch, [item.num_new_tokens for item in batch])
+            for (_, item, position), value in zip(wanted, out.prompt_logprobs, strict=True):
                 assert item.seq.prompt_logprobs is not None
                 item.seq.prompt_logprobs[position] = value
         return out.logits
@@ -245,19 +245,11 @@ def step_rows(batch: list[ScheduledSeq], query_lens: list[int]) -> StepRows:
     token (None: one token an item, each sampling), and the rows scoring prompt tokens."""
     asked = None
     if any(map(_PROMPT_LOGPROBS, batch)):  # the usual step: no one asks
-        rows: list[int] = []
-        offset = 0
-        for item, query_len in zip(batch, query_lens, strict=True):
-            seq = item.seq
-            if seq.prompt_logprobs is not None:
-                last = min(item.start + query_len, seq.num_prompt_tokens - 1)
-                rows.extend(offset + p - item.start for p in range(item.start, last))
-            offset += query_len
-        targets = prompt_targets(batch, query_lens)
+        scored = prompt_rows(batch, query_lens)
         asked = PromptLogprobRows(
-            rows,
-            [item.seq.prompt_token_ids[p] for item, p in targets],
-            [int(item.seq.params.prompt_logprobs or 0) for item, _ in targets],
+            [row for row, _, _ in scored],
+            [item.seq.prompt_token_ids[p] for _, item, p in scored],
+            [int(item.seq.params.prompt_logprobs or 0) for _, item, _ in scored],
         )
     if len(batch) == sum(query_lens) and all(map(_SAMPLES, batch)):
         return StepRows(None, asked)
@@ -270,15 +262,17 @@ def step_rows(batch: list[ScheduledSeq], query_lens: list[int]) -> StepRows:
     return StepRows(logit_rows, asked)
 
 
-def prompt_targets(
+def prompt_rows(
     batch: list[ScheduledSeq], query_lens: list[int]
-) -> list[tuple[ScheduledSeq, int]]:
-    """(item, prompt position predicted) of each row scoring a prompt token, in row order: the
-    row of chunk position p predicts prompt token p + 1."""
-    targets: list[tuple[ScheduledSeq, int]] = []
+) -> list[tuple[int, ScheduledSeq, int]]:
+    """(hidden row, item, prompt position predicted) of each row scoring a prompt token, in row
+    order: the row of chunk position p predicts prompt token p + 1."""
+    found: list[tuple[int, ScheduledSeq, int]] = []
+    offset = 0
     for item, query_len in zip(batch, query_lens, strict=True):
         seq = item.seq
         if seq.prompt_logprobs is not None:
             last = min(item.start + query_len, seq.num_prompt_tokens - 1)
-            targets.extend((item, position + 1) for position in range(item.start, last))
-    return targets
+            found.extend((offset + p - item.start, item, p + 1) for p in range(item.start, last))
+        offset += query_len
+    return found
