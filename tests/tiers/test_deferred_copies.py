@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from kvcache.tiers import BlockSpec, BlockValue, HostTier, TieredStore, decode
 from kvcache.tiers.writer import Pending
 from runner.engine.kv import transfer as kv_transfer
 from runner.engine.kv.transfer import CopyDone
+from runner.kv_pool.store import KVStore
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 POOL = 12  # blocks of 16: each round of six 69-token prompts evicts the round before's
@@ -91,6 +92,20 @@ def host_values(llm: LLM) -> dict[str, bytes]:
 
 def one_at_a_time(llm: LLM, prompts: list[list[int]]) -> list[Any]:
     return [out for prompt in prompts for out in llm.generate([prompt], GREEDY)]
+
+
+def count_blocking_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The blocks of each copy made at once (``read_blocks``, a blocking copy on a GPU), from
+    now on in this test."""
+    blocking: list[int] = []
+    read_blocks = kv_transfer.read_blocks
+
+    def counted(kv: KVStore, block_ids: Sequence[int]) -> list[bytes]:
+        blocking.append(len(block_ids))
+        return read_blocks(kv, block_ids)
+
+    monkeypatch.setattr(kv_transfer, "read_blocks", counted)
+    return blocking
 
 
 def test_evictions_return_before_their_copies_and_the_tier_gets_their_bytes(
@@ -183,14 +198,7 @@ def test_no_blocking_copy_at_commit_or_eviction(
     once (``read_blocks``, a blocking copy on a GPU) number 13 on the CPU's path, as every
     path did before; 0 with a device that queues them, whose copies the engine's thread never
     waits for; the answers the same."""
-    blocking: list[int] = []
-    read_blocks = kv_transfer.read_blocks
-
-    def counted(kv: Any, block_ids: Any) -> list[bytes]:
-        blocking.append(len(block_ids))
-        return read_blocks(kv, block_ids)
-
-    monkeypatch.setattr(kv_transfer, "read_blocks", counted)
+    blocking = count_blocking_reads(monkeypatch)
     prompts = rounds(2)
 
     def run(copies: GatedCopies | None, name: str) -> list[list[int]]:
@@ -276,14 +284,7 @@ def test_cuda_host_tier_overlapped_equals_tierless(
     """A host tier in a small pool on CUDA, steps overlapped: evictions and loads while a step
     is in flight, every copy for the tiers queued (none blocking); greedy answers equal the
     tier-less engine's, and a second pass hits the host tier."""
-    blocking: list[int] = []
-    read_blocks = kv_transfer.read_blocks
-
-    def counted(kv: Any, block_ids: Any) -> list[bytes]:
-        blocking.append(len(block_ids))
-        return read_blocks(kv, block_ids)
-
-    monkeypatch.setattr(kv_transfer, "read_blocks", counted)
+    blocking = count_blocking_reads(monkeypatch)
     path = make_tiny_model("llama")
     prompts = rounds(3)
     common: dict[str, Any] = {
