@@ -28,10 +28,8 @@ def shard_model(model: CausalLM, tp: TensorParallel) -> None:
         shard_attention(attn, tp)
         shard_mlp(mlp, tp)
     vocab_start, vocab_end = even_split(model.vocab_size, tp.size, tp.rank)
-    model.vocab_widths = [
-        even_split(model.vocab_size, tp.size, r)[1] - even_split(model.vocab_size, tp.size, r)[0]
-        for r in range(tp.size)
-    ]
+    spans = [even_split(model.vocab_size, tp.size, r) for r in range(tp.size)]
+    model.vocab_widths = [end - start for start, end in spans]
     if model.lm_head is not None:  # an untied head: its rows of the vocabulary
         head = model.lm_head
         assert isinstance(head, nn.Linear) and head.bias is None

@@ -5,11 +5,11 @@ Redis tiers in one store (kvcache/tiers), the loader that moves blocks between t
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from kvcache import BlockManager
 from kvcache.tiers import BlockSpec, DiskTier, HostTier, RemoteTier, TieredStore
 from kvcache.tiers.loader import PoolBlocks, TierLoader
+from kvcache.tiers.writer import Tier
 from runner.engine.config import EngineConfig
 
 KEY_ENV = "KVCACHE_CACHE_KEY"
@@ -33,7 +33,7 @@ def open_tiers(
     config: EngineConfig, bm: BlockManager, pool: PoolBlocks, spec: BlockSpec
 ) -> TierLoader:
     """The tiers the options name, over `pool` (one worker's, or the tensor-parallel ranks')."""
-    tiers: list[Any] = []
+    tiers: list[Tier] = []
     host = HostTier(config.host_cache_bytes) if config.host_cache_bytes else None
     if host is not None:
         tiers.append(host)
