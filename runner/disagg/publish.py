@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from kvcache.redaction import redact_url
 from kvcache.tiers import TierDown
@@ -36,23 +36,26 @@ class PublishCounters:
     failed: int = 0  # handovers Redis did not take (the decode worker computes their blocks)
 
 
+@dataclass(eq=False)
 class Publisher:
     """Publishes handovers of ``llm``'s prompts over one transport: ``server`` (direct) or
     ``redis``."""
 
-    def __init__(
-        self,
-        llm: EngineInterface,
-        held: HeldHandovers,
-        server: ZmqHandoverServer | None = None,
-        redis: RedisHandover | None = None,
-    ) -> None:
-        if (server is None) == (redis is None):
+    llm: EngineInterface
+    held: HeldHandovers
+    server: ZmqHandoverServer | None = None
+    redis: RedisHandover | None = None
+    stream: RedisStream | None = field(init=False, default=None)
+    tap: CommitTap = field(init=False)
+    counters: PublishCounters = field(init=False, default_factory=PublishCounters)
+
+    def __post_init__(self) -> None:
+        if (self.server is None) == (self.redis is None):
             raise ValueError("a prefill worker hands over through one transport")
-        self.llm, self.held, self.server, self.redis = llm, held, server, redis
-        self.stream = RedisStream(redis) if redis is not None else None
-        self.tap = CommitTap(llm, held, self.stream.add if self.stream is not None else None)
-        self.counters = PublishCounters()
+        if self.redis is not None:
+            self.stream = RedisStream(self.redis)
+        add = self.stream.add if self.stream is not None else None
+        self.tap = CommitTap(self.llm, self.held, add)
 
     def begin(
         self, handover_id: str, token_ids: Sequence[int], cache_salt: str | None

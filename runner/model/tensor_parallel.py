@@ -94,26 +94,19 @@ def head_share(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadS
     return HeadShare(base + q_start, base + q_end, kv, kv + 1, rank == sharing[0])
 
 
+@dataclass(eq=False)
 class TensorParallel:
     """This process's place in the group, and the collectives the sharded layers call.
     `deterministic`: sums in rank order (an all-gather, then adds in a fixed order), so a row's
     bits never depend on how the transport chunks the tensor, which follows the batch's size."""
 
-    def __init__(
-        self,
-        rank: int,
-        size: int,
-        group: Collectives,
-        deterministic: bool = False,
-        local: SharedMemoryReduce | None = None,
-    ) -> None:
-        self.rank = rank
-        self.size = size
-        self.group = group
-        self.deterministic = deterministic
-        # Ranks of one machine's CPU: sums and gathers through shared memory, where they fit
-        # (runner/model/shared_memory_reduce.py); the group carries the rest.
-        self.local = local
+    rank: int
+    size: int
+    group: Collectives
+    deterministic: bool = False
+    # Ranks of one machine's CPU: sums and gathers through shared memory, where they fit; the
+    # group carries the rest.
+    local: SharedMemoryReduce | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x` (the same shape on each), on every rank."""

@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import itertools
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -40,40 +40,36 @@ class Intake(NamedTuple):
     prefix_key: str  # the first full block's hash, hex ("" for a prompt shorter than a block)
 
 
+@dataclasses.dataclass(eq=False, kw_only=True)
 class RequestIntake:
     """Builds the sequences of each request; owns the sequence numbers, the engine's seed
     stream for requests' own streams, and the namespace roots by ``cache_salt``."""
 
-    def __init__(
-        self,
-        *,
-        tokenizer: PreTrainedTokenizerBase | None,
-        fingerprint: str,
-        block_size: int,
-        validator: RequestValidator,
-        grammars: GrammarBook,
-        seed: int,
-        deterministic: bool = False,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.fingerprint = fingerprint
-        self.block_size = block_size
-        self.validator = validator
-        self.grammars = grammars
-        self.seq_ids = itertools.count()  # also numbers beam searches (runner/engine/api/llm.py)
-        self.rng = torch.Generator().manual_seed(seed)  # seeds requests' streams (CPU)
-        # EngineConfig.deterministic: an unseeded sampled request's seed comes from the engine's
-        # seed and its prompt (request_seed), not from how many requests came before it.
-        self.seed = seed if deterministic else None
-        self._roots: dict[str | None, int] = {}
-        self._max_prompt_bytes: int | None = None  # found when a text first might pass it
+    tokenizer: PreTrainedTokenizerBase | None
+    fingerprint: str
+    block_size: int
+    validator: RequestValidator
+    grammars: GrammarBook
+    seed: int
+    # EngineConfig.deterministic: an unseeded sampled request's seed comes from the engine's
+    # seed and its prompt (request_seed), not from how many requests came before it.
+    deterministic: bool = False
+    # Also numbers beam searches.
+    seq_ids: Iterator[int] = dataclasses.field(init=False, default_factory=itertools.count)
+    rng: torch.Generator = dataclasses.field(init=False)  # seeds requests' streams (CPU)
+    roots: dict[str | None, int] = dataclasses.field(init=False, default_factory=dict)
+    # Found when a text first might pass it.
+    prompt_bytes_bound: int | None = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.rng = torch.Generator().manual_seed(self.seed)
 
     def root(self, cache_salt: str | None) -> int:
         """The namespace root of a ``cache_salt``'s blocks (computed once a salt). Mutates
         the cache of roots."""
-        if cache_salt not in self._roots:
-            self._roots[cache_salt] = namespace_root(self.fingerprint, cache_salt)
-        return self._roots[cache_salt]
+        if cache_salt not in self.roots:
+            self.roots[cache_salt] = namespace_root(self.fingerprint, cache_salt)
+        return self.roots[cache_salt]
 
     def check_text_size(self, prompt: Prompt | SegmentedPrompt) -> None:
         """Refuse a text too long to fit the context by its bytes, before it is tokenized (a
@@ -84,9 +80,9 @@ class RequestIntake:
         context = self.validator.max_model_len
         if len(text) <= context or self.tokenizer is None:
             return
-        if self._max_prompt_bytes is None:
-            self._max_prompt_bytes = max_prompt_bytes(self.tokenizer, context)
-        check_prompt_bytes("prompt", text, self._max_prompt_bytes, context)
+        if self.prompt_bytes_bound is None:
+            self.prompt_bytes_bound = max_prompt_bytes(self.tokenizer, context)
+        check_prompt_bytes("prompt", text, self.prompt_bytes_bound, context)
 
     def sequences(
         self,
@@ -126,7 +122,7 @@ class RequestIntake:
         structured = params.structured_outputs is not None
         if structured:  # a bad structure fails here, alone
             self.grammars.check(params.structured_outputs)
-        if self.seed is not None and params.seed is None and not params.greedy:
+        if self.deterministic and params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=request_seed(self.seed, token_ids))
         bad_words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         root = self.root(cache_salt)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
+from dataclasses import InitVar, dataclass, field
 
 from runner.engine.executor.executor import Executor
 from runner.engine.step.guards import interrupts_held
@@ -18,37 +19,31 @@ from runner.engine.step.scheduler import Scheduler, SchedulerOutput
 from runner.engine.step.settle import StepResult, StepSettler, sample_step
 
 
+@dataclass(eq=False)
 class EngineCore:
     """Schedule, execute, settle: the engine's step, and the K/V operations the host issues
     in its order. Holds no request table: requests enter through the scheduler, and leave
     through the settler."""
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        runner: ModelRunner,
-        executor: Executor,
-        settler: StepSettler,
-        clock: StepClock,
-        eos_ids: Collection[int],
-        overlap_device: StepDevice | None = None,
-    ) -> None:
-        self.scheduler = scheduler
-        self.runner = runner
-        self.executor = executor
-        self.settler = settler
-        self.clock = clock
-        self.eos_ids = eos_ids
-        # Asynchronous scheduling (runner/engine/step/overlap.py): None runs the plain loop.
-        self.overlap: OverlappedLoop | None = None
+    scheduler: Scheduler
+    runner: ModelRunner
+    executor: Executor
+    settler: StepSettler
+    clock: StepClock
+    eos_ids: Collection[int]
+    overlap_device: InitVar[StepDevice | None] = None
+    # Asynchronous scheduling (the overlapped loop): None runs the plain loop.
+    overlap: OverlappedLoop | None = field(init=False, default=None)
+
+    def __post_init__(self, overlap_device: StepDevice | None) -> None:
         if overlap_device is not None:
             self.overlap = OverlappedLoop(
-                scheduler,
-                runner,
+                self.scheduler,
+                self.runner,
                 overlap_device,
-                settler.settle,
+                self.settler.settle,
                 self.run,
-                settler.fail_unfinished,
+                self.settler.fail_unfinished,
             )
 
     def step(self) -> None:

@@ -170,29 +170,21 @@ def overlappable(out: SchedulerOutput) -> bool:
     return True
 
 
+@dataclass(eq=False)
 class OverlappedLoop:
     """The engine's step with one step in flight (see the module's docstring)."""
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        runner: ModelRunner,
-        device: StepDevice,
-        settle: Settle,
-        run_now: RunNow,
-        fail: Fail,
-    ) -> None:
-        self.scheduler = scheduler
-        self.runner = runner
-        self.device = device
-        self._settle_step = settle
-        self._run_now = run_now
-        self._fail = fail
-        self.inflight: InFlight | None = None
-        # When the last step settled (its share of the wall clock ended): the next step's time
-        # starts there if it was launched before (see the module's docstring).
-        self.settled_at = 0.0
-        self.synchronous_steps = 0  # steps that could not overlap (see `overlappable`)
+    scheduler: Scheduler
+    runner: ModelRunner
+    device: StepDevice
+    settle_step: Settle
+    run_now: RunNow
+    fail: Fail
+    inflight: InFlight | None = field(init=False, default=None)
+    # When the last step settled (its share of the wall clock ended): the next step's time
+    # starts there if it was launched before (see the module's docstring).
+    settled_at: float = field(init=False, default=0.0)
+    synchronous_steps: int = field(init=False, default=0)  # steps that could not overlap
 
     def step(self) -> None:
         """One engine step. A KeyboardInterrupt leaves the loop as the plain loop's does: the
@@ -241,7 +233,7 @@ class OverlappedLoop:
         except Exception as err:  # noqa: BLE001 - the device failed the step: its requests
             with interrupts_held():
                 self.inflight = None
-                self._fail(flight.out, err)
+                self.fail(flight.out, err)
                 # What it and the step after it cached may hold K/V it never wrote.
                 self.scheduler.drop_cached()
             return
@@ -257,9 +249,9 @@ class OverlappedLoop:
             out = flight.out.without(gone) if gone else flight.out
             try:
                 start = self._share_start(flight.t_start)
-                self._settle_step(out, result, start, flight.step, False)
+                self.settle_step(out, result, start, flight.step, False)
             except Exception as err:  # noqa: BLE001 - as a failed forward pass: the step's end
-                self._fail(flight.out, err)
+                self.fail(flight.out, err)
             self.settled_at = time.perf_counter()
 
     def _live_part(self, out: SchedulerOutput) -> SchedulerOutput:
@@ -286,12 +278,12 @@ class OverlappedLoop:
             out = self._live_part(out)
             if out.is_empty:
                 return
-        result = self._run_now(out)
+        result = self.run_now(out)
         with interrupts_held():
             try:
-                self._settle_step(out, result, self._share_start(t_start), step, True)
+                self.settle_step(out, result, self._share_start(t_start), step, True)
             except Exception as err:  # noqa: BLE001 - as a failed forward pass: the step's end
-                self._fail(out, err)
+                self.fail(out, err)
             self.settled_at = time.perf_counter()
 
     def _launch(self, out: SchedulerOutput, prev: InFlight | None) -> PendingTokens:

@@ -31,8 +31,8 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvcache import BlockManager, Purpose, hash_block
@@ -98,32 +98,27 @@ class Doorkeeper:
         return False
 
 
+@dataclass(eq=False)
 class SegmentReuse:
     """Plans, places and blends the reused segments of the engine's requests."""
 
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        runner: KVWriter,
-        ratio: float,  # the engine's blend_ratio, for prompts without their own
-        copy_slots: Callable[[int, int, int], None],
-        tiers: TierLoader | None = None,
-        run_ordered: Callable[[Callable[[], None]], None] | None = None,
-    ) -> None:
-        self.bm = block_manager
-        self.runner = runner
-        self.ratio = ratio
-        self.copy_slots = copy_slots
-        self.tiers = tiers
-        # Device work after what is queued (an overlapped step may still be writing the
-        # prompt's prefix); None: at once.
-        self.run_ordered = run_ordered
-        self.block_size = block_manager.block_size
-        self.stats = SegmentStats()
-        self.doorkeeper = Doorkeeper()
-        # Block-manager ids of readers and fills: below the tier loads' -1 (sequence ids are
-        # never negative).
-        self._ids = itertools.count(-2, -1)
+    bm: BlockManager
+    runner: KVWriter
+    ratio: float  # the engine's blend_ratio, for prompts without their own
+    copy_slots: Callable[[int, int, int], None]
+    tiers: TierLoader | None = None
+    # Device work after what is queued (an overlapped step may still be writing the prompt's
+    # prefix); None: at once.
+    run_ordered: Callable[[Callable[[], None]], None] | None = None
+    stats: SegmentStats = field(init=False, default_factory=SegmentStats)
+    doorkeeper: Doorkeeper = field(init=False, default_factory=Doorkeeper)
+    # Block-manager ids of readers and fills: below the tier loads' -1 (sequence ids are never
+    # negative).
+    ids: Iterator[int] = field(init=False, default_factory=lambda: itertools.count(-2, -1))
+
+    @property
+    def block_size(self) -> int:
+        return self.bm.block_size
 
     # ------------------------------------------------------------------ admission
     def reserve(self, seq: Seq, counted: bool) -> None:
@@ -166,7 +161,7 @@ class SegmentReuse:
         first block is not cached (the tiers asked first)."""
         if self.tiers is not None:
             self.tiers.load(list(segment) + [0], root)  # + 1: a load leaves the last token
-        reader = next(self._ids)
+        reader = next(self.ids)
         blocks = self.bm.borrow(reader, segment, root)
         if not blocks:
             self.bm.free(reader)
@@ -187,7 +182,7 @@ class SegmentReuse:
         tokens = list(segment)
         if not self.bm.can_allocate(tokens, root):
             return False
-        filler = next(self._ids)
+        filler = next(self.ids)
         alloc = self.bm.allocate(filler, tokens, root, Purpose.LOADING)
         computed = alloc.num_cached_tokens
         try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -72,27 +73,18 @@ def sample_step(
     return StepResult(list(batch), sampling, emitted, logprobs, [], timing)
 
 
+@dataclass(eq=False)
 class StepSettler:
     """Ends a step's requests and books its tokens; holds nothing of its own (the engine's
     scheduler, stop checker, recorder, request table and output router are handed in)."""
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        stopper: StopChecker,
-        recorder: MetricsRecorder,
-        spec_stats: SpecStats,
-        requests: LiveRequests,
-        outputs: OutputRouter,
-        token_texts: TokenTexts,
-    ) -> None:
-        self.scheduler = scheduler
-        self.stopper = stopper
-        self.recorder = recorder
-        self.spec_stats = spec_stats
-        self.requests = requests
-        self.outputs = outputs
-        self.token_texts = token_texts
+    scheduler: Scheduler
+    stopper: StopChecker
+    recorder: MetricsRecorder
+    spec_stats: SpecStats
+    requests: LiveRequests
+    outputs: OutputRouter
+    token_texts: TokenTexts
 
     def settle(
         self,
