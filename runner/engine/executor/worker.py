@@ -80,11 +80,12 @@ class StepOutput:
 
 
 class StepInputs(NamedTuple):
-    """A plan's inputs on the worker's device."""
+    """A plan's inputs on the worker's device, and (on the host) the rows its LM head takes."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
+    rows: StepRows
 
 
 class Worker:
@@ -129,17 +130,17 @@ class Worker:
             decode_only=plan.decode_only,
             block_tables_host=plan.block_tables,
         )
-        return StepInputs(ids, positions, meta)
+        return StepInputs(ids, positions, meta, plan.rows)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """One forward pass over the plan's batch."""
-        return self.forward(plan.rows, self.upload(plan))
+        return self.forward(self.upload(plan))
 
     @torch.inference_mode()
-    def forward(self, rows: StepRows, inputs: StepInputs) -> StepOutput:
-        """The logits of `rows` (and the prompt tokens' log-probabilities) over inputs already
-        on the device (an overlapped step uploads on the host first, overlap.py)."""
-        input_ids, positions, meta = inputs
+    def forward(self, inputs: StepInputs) -> StepOutput:
+        """The logits of the inputs' rows (and the prompt tokens' log-probabilities) over inputs
+        already on the device (an overlapped step uploads on the host first)."""
+        input_ids, positions, meta, rows = inputs
         graphs = self.graphs
         if (
             graphs is not None

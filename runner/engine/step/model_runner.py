@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from runner.attention.backend import AttentionBackend
-from runner.attention.metadata import AttentionMetadata
 from runner.engine.executor.executor import Executor
 from runner.engine.executor.worker import (
     ALIGN,
@@ -200,7 +199,7 @@ class ModelRunner:
         the LM head. One worker in this process takes the plan's inputs as `prepare` uploads
         them; N ranks take the plan itself."""
         if self.executor.tensor_parallel_size == 1:
-            return self.forward(batch, *self.prepare(batch))
+            return self.forward(batch, self.prepare(batch))
         return self._finish(batch, self.executor.execute(self.plan(batch)))
 
     def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
@@ -208,17 +207,9 @@ class ModelRunner:
         the host, then queues `forward` as the device's work: overlap.py; in-process only)."""
         return self.executor.local.upload(self.plan(batch))
 
-    def forward(
-        self,
-        batch: list[ScheduledSeq],
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, batch: list[ScheduledSeq], inputs: StepInputs) -> torch.Tensor:
         """`run`'s device half, over the inputs `prepare` made for `batch`."""
-        rows = step_rows(batch, meta.query_lens)
-        inputs = StepInputs(input_ids, positions, meta)
-        return self._finish(batch, self.executor.local.forward(rows, inputs))
+        return self._finish(batch, self.executor.local.forward(inputs))
 
     def compute_kv(self, token_ids: list[int], start: int, block_table: list[int]) -> None:
         """Write the K/V of positions [start, start + len(token_ids)) of a prompt whose earlier

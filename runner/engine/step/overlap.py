@@ -289,8 +289,9 @@ class OverlappedLoop:
     def _launch(self, out: SchedulerOutput, prev: InFlight | None) -> PendingTokens:
         """Prepare the step's inputs on the host and queue its device work."""
         batch = out.scheduled
-        input_ids, positions, meta = self.runner.prepare(batch)
-        dst, src = _held_inputs(batch, meta.query_lens, prev)
+        inputs = self.runner.prepare(batch)
+        input_ids = inputs.input_ids
+        dst, src = _held_inputs(batch, inputs.meta.query_lens, prev)
         sampling = [item for item in batch if item.sample]
         params = [item.seq.params for item in sampling]
         generators = [item.seq.generator for item in sampling]
@@ -301,7 +302,7 @@ class OverlappedLoop:
         def work() -> torch.Tensor:
             if fill is not None and previous is not None:  # held places: step N's own ids
                 input_ids[fill[0]] = previous.on_device().index_select(0, fill[1])
-            logits = self.runner.forward(batch, input_ids, positions, meta)
+            logits = self.runner.forward(batch, inputs)
             return sample_on_device(logits, params, generators)
 
         return self.device.submit(work)
