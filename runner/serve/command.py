@@ -33,6 +33,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 # What a role's engine is built by: its options (the role may add some) -> the engine.
 MakeEngine = Callable[[dict[str, object]], "EngineInterface"]
+# What a started worker gives back: its engine, and the step that adds its role's routes to the
+# app.
+StartedWorker = tuple["EngineInterface", Callable[["FastAPI"], "FastAPI"]]
 
 
 class RoleStarter(Protocol):
@@ -49,7 +52,7 @@ class RoleStarter(Protocol):
         cpus: str | None,
         make_llm: MakeEngine,
         engine_options: dict[str, object],
-    ) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]: ...
+    ) -> StartedWorker: ...
 
 
 def colocated(
@@ -58,7 +61,7 @@ def colocated(
     cpus: str | None,
     make_llm: MakeEngine,
     engine_options: dict[str, object],
-) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]:
+) -> StartedWorker:
     """The one role a serve command without the disaggregation roles has: both, unpinned."""
     if role != "both" or cpus is not None:
         given = f"--role {role}" if role != "both" else "--cpus"
@@ -285,7 +288,7 @@ def start_engine(
     placement: tuple[str, str, str | None],
     engine_options: dict[str, object],
     secret_urls: tuple[str, ...],
-) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]:
+) -> StartedWorker:
     """The worker's engine, started by `start_role` in its role (`placement`: --role,
     --handover, --cpus) with the server's engine settings; a bad option is a usage error,
     its text masked."""
