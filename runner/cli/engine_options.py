@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from kvcache.eviction import POLICIES as EVICTION_POLICIES
+from runner.cli.common_options import Option, apply_options, shown_option
 from runner.cli.sizes import ByteSize, HumanInt
 from runner.engine.config import (
     CPU_WEIGHT_DTYPES,
@@ -38,41 +39,31 @@ def _non_empty_key(_ctx: click.Context, _param: click.Parameter, value: str | No
     return value
 
 
-_OPTIONS = [
-    click.option("--block-size", type=int, default=16, show_default=True),
+_OPTIONS: list[Option] = [
+    shown_option("--block-size", int, 16),
     click.option("--no-prefix-cache", is_flag=True, help="Turn the prefix cache off."),
     click.option(
         "--enable-prefix-caching/--no-enable-prefix-caching",
         default=None,
         help="vLLM's names: the prefix cache on (the default) or off.",
     ),
-    click.option(
+    shown_option(
         "--eviction-policy",
-        type=click.Choice(sorted(EVICTION_POLICIES)),
-        default="lru",
-        show_default=True,
-        help="Which cached block goes first when the KV pool runs short: the least recently "
+        click.Choice(sorted(EVICTION_POLICIES)),
+        "lru",
+        "Which cached block goes first when the KV pool runs short: the least recently "
         "used, the least often used (ties: least recently), or the lowest request priority "
         "(ties: least recently; a request's priority is the Python API's priority=).",
     ),
-    click.option(
-        "--batching",
-        type=click.Choice(list(SCHEDULING_POLICIES)),
-        default="continuous",
-        show_default=True,
-    ),
+    shown_option("--batching", click.Choice(list(SCHEDULING_POLICIES)), "continuous"),
     click.option(
         "--max-num-batched-tokens",
         type=HumanInt(),
         default=None,
         help="Tokens one step may compute [default: 512 on the CPU, 2048 on a GPU].",
     ),
-    click.option(
-        "--max-num-seqs",
-        type=int,
-        default=64,
-        show_default=True,
-        help="Sequences one step may run (samples and beams count one each).",
+    shown_option(
+        "--max-num-seqs", int, 64, "Sequences one step may run (samples and beams count one each)."
     ),
     click.option(
         "--max-model-len",
@@ -88,13 +79,12 @@ _OPTIONS = [
         "(on by default).",
     ),
     click.option("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks."),
-    click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N."),
-    click.option(
+    shown_option("--device", None, "cpu", "cpu, cuda or cuda:N."),
+    shown_option(
         "--dtype",
-        type=click.Choice(["auto", *MODEL_DTYPES, *DTYPE_ALIASES]),
-        default="auto",
-        show_default=True,
-        help="The weights' dtype; auto: float32 on the CPU, bfloat16 on a GPU (vLLM's half "
+        click.Choice(["auto", *MODEL_DTYPES, *DTYPE_ALIASES]),
+        "auto",
+        "The weights' dtype; auto: float32 on the CPU, bfloat16 on a GPU (vLLM's half "
         "and float mean float16 and float32).",
     ),
     click.option(
@@ -115,13 +105,11 @@ _OPTIONS = [
         help="Schedule and prepare each step while the device runs the one before (vLLM's "
         "name); default: on for CUDA, off on the CPU. Never with --speculative-tokens.",
     ),
-    click.option(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        show_default=True,
-        help="Split the model's heads, MLP and vocabulary over N ranks, each a process joined "
+    shown_option(
+        ("--tensor-parallel-size", "-tp"),
+        int,
+        1,
+        "Split the model's heads, MLP and vocabulary over N ranks, each a process joined "
         "by torch.distributed (gloo on the CPU, NCCL on CUDA; docs/PARALLEL.md).",
     ),
     click.option(
@@ -130,21 +118,19 @@ _OPTIONS = [
         help="With --tensor-parallel-size: where the ranks meet, tcp://host:port (default: a "
         "free loopback port; torchrun's environment wins).",
     ),
-    click.option(
+    shown_option(
         "--speculative-tokens",
-        type=int,
-        default=0,
-        show_default=True,
-        help="Requests check up to K guessed tokens each step (what an earlier request with "
+        int,
+        0,
+        "Requests check up to K guessed tokens each step (what an earlier request with "
         "the same prefix went on with, or n-gram lookup in their own text): faster answers that "
         "repeat earlier text, the same tokens.",
     ),
-    click.option(
+    shown_option(
         "--blend-ratio",
-        type=click.FloatRange(0.0, 1.0),
-        default=DEFAULT_BLEND_RATIO,
-        show_default=True,
-        help="Prompts given as segments: the fraction of the reused segments' tokens "
+        click.FloatRange(0.0, 1.0),
+        DEFAULT_BLEND_RATIO,
+        "Prompts given as segments: the fraction of the reused segments' tokens "
         "recomputed with the full context; 1 recomputes all (the plain engine's output), 0 "
         "reuses segments as they are (docs/SEGMENTS.md).",
     ),
@@ -155,23 +141,21 @@ _OPTIONS = [
         "runs beside it, however its prompt is chunked or cached; unseeded sampled requests "
         "take a seed from the engine's and their prompt (docs/DETERMINISM.md).",
     ),
-    click.option(
+    shown_option(
         "--cpu-weight-dtype",
-        type=click.Choice(CPU_WEIGHT_DTYPES),
-        default="float32",
-        show_default=True,
-        help="CPU: store weight matrices as bfloat16 or int8 (a half or a quarter of the bytes a "
+        click.Choice(CPU_WEIGHT_DTYPES),
+        "float32",
+        "CPU: store weight matrices as bfloat16 or int8 (a half or a quarter of the bytes a "
         "decode step reads; the float32 model with its weights rounded so); bfloat16-dot also "
         "rounds each product's inputs to bfloat16 (AVX512-BF16); int8-dot quantizes weights "
         "and each product's inputs to int8 (AVX512-VNNI: about 3x float32 per product from 16 "
         "rows, perplexity +3.9%; docs/BENCHMARKS.md).",
     ),
-    click.option(
+    shown_option(
         "--kv-cache-dtype",
-        type=click.Choice([*KV_CACHE_DTYPES, *FP8_KV_CACHE_DTYPES]),
-        default="auto",
-        show_default=True,
-        help="float16: CPU, keys and values in half the bytes of a float32 model's (twice the "
+        click.Choice([*KV_CACHE_DTYPES, *FP8_KV_CACHE_DTYPES]),
+        "auto",
+        "float16: CPU, keys and values in half the bytes of a float32 model's (twice the "
         "tokens in the pool, half the bytes a decode step reads for its contexts). vLLM's fp8 "
         "names are refused with why: there is no 8-bit KV cache here.",
     ),
@@ -188,12 +172,8 @@ _OPTIONS = [
         default=None,
         help="Write cached blocks to this directory; a later run pointed at it gets hits.",
     ),
-    click.option(
-        "--disk-cache-bytes",
-        type=ByteSize(),
-        default="10GiB",
-        show_default=True,
-        help="The most the disk cache may take on disk.",
+    shown_option(
+        "--disk-cache-bytes", ByteSize(), "10GiB", "The most the disk cache may take on disk."
     ),
     click.option(
         "--remote-cache",
@@ -201,12 +181,11 @@ _OPTIONS = [
         default=None,
         help="Share cached blocks with every engine pointed at this Redis: redis://host:port/db.",
     ),
-    click.option(
+    shown_option(
         "--cache-chunk-tokens",
-        type=int,
-        default=256,
-        show_default=True,
-        help="Tokens of consecutive blocks the disk and remote caches store as one value (a "
+        int,
+        256,
+        "Tokens of consecutive blocks the disk and remote caches store as one value (a "
         "multiple of --block-size; engines sharing a cache should agree on it).",
     ),
     click.option(
@@ -273,6 +252,4 @@ def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
             raise SystemExit(0)
         return command(engine_options=options, **kwargs)
 
-    for option in reversed(_OPTIONS):
-        with_engine_options = option(with_engine_options)
-    return with_engine_options
+    return apply_options(_OPTIONS)(with_engine_options)

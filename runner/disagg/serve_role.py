@@ -7,15 +7,12 @@ stack) only when a worker starts, so that `kvcache --help` stays fast."""
 from __future__ import annotations
 
 import atexit
-from collections.abc import Callable
 from typing import TYPE_CHECKING
-
-from runner.engine.api.interface import EngineInterface
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from runner.serve.command import MakeEngine
+    from runner.serve.command import MakeEngine, StartedWorker
 
 
 def start_role(
@@ -24,7 +21,7 @@ def start_role(
     cpus: str | None,
     make_llm: MakeEngine,
     engine_options: dict[str, object],
-) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]:
+) -> StartedWorker:
     """(the engine, app -> app with the role's routes). Raises ValueError naming a bad
     option."""
     from runner.disagg.cpus import pin_to_cpus

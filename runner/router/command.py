@@ -2,9 +2,87 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import click
 
 from runner.router.policy import POLICIES
+
+Command = Callable[..., None]  # a click command's function, before click.command makes it one
+# An option whose default --help shows: (flag, type, default, help).
+Shown = tuple[str, click.ParamType, float, str | None]
+
+# cache_aware's tuning, in --help's order.
+CACHE_AWARE_TUNING: tuple[Shown, ...] = (
+    (
+        "--cache-threshold",
+        click.FloatRange(0, 1),
+        0.0,
+        "cache_aware: a match shorter than this share of the prompt's blocks counts as none.",
+    ),
+    (
+        "--balance-abs",
+        click.IntRange(min=0),
+        64,
+        "cache_aware: loads are unbalanced past this many requests between busiest and idlest",
+    ),
+    (
+        "--balance-rel",
+        click.FloatRange(min=1),
+        1.5,
+        "cache_aware: ... and past this ratio; then the least loaded replica gets the request.",
+    ),
+    (
+        "--load-weight",
+        click.FloatRange(min=0),
+        1.0,
+        "cache_aware: what a block of work in flight on a replica costs against a block of "
+        "the prompt it holds (0: prefixes alone).",
+    ),
+    (
+        "--recent-half-life",
+        click.FloatRange(min=0),
+        120.0,
+        "cache_aware: seconds over which a conversation started on a replica comes to weigh "
+        "half as much against its prefixes (0: only the work in flight counts).",
+    ),
+)
+
+SECONDS = click.FloatRange(min=0, min_open=True)
+# How often replicas are checked, and the deadlines on what they answer, in --help's order.
+DEADLINES: tuple[Shown, ...] = (
+    ("--health-interval", click.FloatRange(min=0.05), 1.0, None),
+    ("--upstream-connect-timeout", SECONDS, 5.0, "Seconds to connect to a replica."),
+    (
+        "--upstream-first-output-timeout",
+        SECONDS,
+        600.0,
+        "Seconds from a request to its first generated text (not streamed: its whole answer); "
+        "past it the replica is taken out and the request retried on another.",
+    ),
+    (
+        "--upstream-idle-timeout",
+        SECONDS,
+        600.0,
+        "Seconds a stream may go without a byte once its text began (a stream is alive while "
+        "tokens arrive); past it the client's stream ends with an error event and the replica "
+        "is taken out until its health check passes.",
+    ),
+)
+
+
+def shown_options(table: Sequence[Shown]) -> Callable[[Command], Command]:
+    """One decorator adding the options of `table`, in its order in --help."""
+
+    def add(command: Command) -> Command:
+        for flag, value_type, default, help in reversed(table):
+            option = click.option(
+                flag, type=value_type, default=default, show_default=True, help=help
+            )
+            command = option(command)
+        return command
+
+    return add
 
 
 @click.command()
@@ -24,43 +102,7 @@ from runner.router.policy import POLICIES
 @click.option("--policy", type=click.Choice(POLICIES), default="cache_aware", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option(
-    "--cache-threshold",
-    type=click.FloatRange(0, 1),
-    default=0.0,
-    show_default=True,
-    help="cache_aware: a match shorter than this share of the prompt's blocks counts as none.",
-)
-@click.option(
-    "--balance-abs",
-    type=click.IntRange(min=0),
-    default=64,
-    show_default=True,
-    help="cache_aware: loads are unbalanced past this many requests between busiest and idlest",
-)
-@click.option(
-    "--balance-rel",
-    type=click.FloatRange(min=1),
-    default=1.5,
-    show_default=True,
-    help="cache_aware: ... and past this ratio; then the least loaded replica gets the request.",
-)
-@click.option(
-    "--load-weight",
-    type=click.FloatRange(min=0),
-    default=1.0,
-    show_default=True,
-    help="cache_aware: what a block of work in flight on a replica costs against a block of "
-    "the prompt it holds (0: prefixes alone).",
-)
-@click.option(
-    "--recent-half-life",
-    type=click.FloatRange(min=0),
-    default=120.0,
-    show_default=True,
-    help="cache_aware: seconds over which a conversation started on a replica comes to weigh "
-    "half as much against its prefixes (0: only the work in flight counts).",
-)
+@shown_options(CACHE_AWARE_TUNING)
 @click.option(
     "--kv-events",
     is_flag=True,
@@ -76,31 +118,7 @@ from runner.router.policy import POLICIES
     help="--kv-events: where the replica at URL publishes (tcp://host:5557, and its replay "
     "socket) when its /kvcache/info cannot say (repeatable; implies --kv-events).",
 )
-@click.option("--health-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True)
-@click.option(
-    "--upstream-connect-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=5.0,
-    show_default=True,
-    help="Seconds to connect to a replica.",
-)
-@click.option(
-    "--upstream-first-output-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=600.0,
-    show_default=True,
-    help="Seconds from a request to its first generated text (not streamed: its whole answer); "
-    "past it the replica is taken out and the request retried on another.",
-)
-@click.option(
-    "--upstream-idle-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=600.0,
-    show_default=True,
-    help="Seconds a stream may go without a byte once its text began (a stream is alive while "
-    "tokens arrive); past it the client's stream ends with an error event and the replica is "
-    "taken out until its health check passes.",
-)
+@shown_options(DEADLINES)
 @click.option(
     "--tokenizer", default=None, help="cache_aware: tokenizer folder [default: the replicas']."
 )

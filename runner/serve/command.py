@@ -11,6 +11,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import click
 
+from runner.cli.common_options import (
+    Option,
+    api_key_option,
+    apply_options,
+    count_option,
+    seconds_option,
+    shown_option,
+)
 from runner.cli.engine_options import engine_options
 from runner.serve.tool_calls import TOOL_PARSERS
 from runner.serve.vllm_flags import VllmServeOptions, vllm_serve_options
@@ -21,11 +29,13 @@ if TYPE_CHECKING:
     from runner.engine.api.interface import EngineInterface
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-Command = Callable[..., None]  # a click command's function, before click.command makes it one
 
 
 # What a role's engine is built by: its options (the role may add some) -> the engine.
 MakeEngine = Callable[[dict[str, object]], "EngineInterface"]
+# What a started worker gives back: its engine, and the step that adds its role's routes to the
+# app.
+StartedWorker = tuple["EngineInterface", Callable[["FastAPI"], "FastAPI"]]
 
 
 class RoleStarter(Protocol):
@@ -42,7 +52,7 @@ class RoleStarter(Protocol):
         cpus: str | None,
         make_llm: MakeEngine,
         engine_options: dict[str, object],
-    ) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]: ...
+    ) -> StartedWorker: ...
 
 
 def colocated(
@@ -51,7 +61,7 @@ def colocated(
     cpus: str | None,
     make_llm: MakeEngine,
     engine_options: dict[str, object],
-) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]:
+) -> StartedWorker:
     """The one role a serve command without the disaggregation roles has: both, unpinned."""
     if role != "both" or cpus is not None:
         given = f"--role {role}" if role != "both" else "--cpus"
@@ -64,7 +74,7 @@ def _unchanged(app: FastAPI) -> FastAPI:
 
 
 # The command's options, in --help's order; the engine's (engine_options) come last.
-_OPTIONS: list[Callable[[Command], Command]] = [
+_OPTIONS: list[Option] = [
     click.argument("model_args", metavar="[MODEL]", nargs=-1),
     click.option(
         "--model",
@@ -72,14 +82,11 @@ _OPTIONS: list[Callable[[Command], Command]] = [
         help="HF folder, .gguf file or a Hub id in the local cache (or the MODEL argument, as "
         "`vllm serve MODEL`); default: SmolLM2-135M.",
     ),
-    click.option("--host", default="127.0.0.1", show_default=True),
-    click.option("--port", type=int, default=8000, show_default=True),
-    click.option(
-        "--api-key",
-        default=None,
-        envvar="KVCACHE_API_KEY",
-        help="Clients must send 'Authorization: Bearer KEY' to every route but /health "
-        "(or $KVCACHE_API_KEY).",
+    shown_option("--host", None, "127.0.0.1"),
+    shown_option("--port", int, 8000),
+    api_key_option(
+        "Clients must send 'Authorization: Bearer KEY' to every route but /health "
+        "(or $KVCACHE_API_KEY)."
     ),
     click.option(
         "--served-model-name",
@@ -87,12 +94,10 @@ _OPTIONS: list[Callable[[Command], Command]] = [
         help="The model's name in the API [default: its folder]. As vLLM's, it may be followed "
         "by more names (`--served-model-name a b`): requests may use any, answers the first.",
     ),
-    click.option(
+    count_option(
         "--max-queued-requests",
-        type=click.IntRange(min=1),
-        default=1024,
-        show_default=True,
-        help="Past this many samples (prompts x n) waiting to start, new requests get 429 with "
+        1024,
+        "Past this many samples (prompts x n) waiting to start, new requests get 429 with "
         "Retry-After; one request holding more gets 400.",
     ),
     click.option(
@@ -107,7 +112,7 @@ _OPTIONS: list[Callable[[Command], Command]] = [
         help="The chat template to render conversations with instead of the model's: a file's "
         "path, or the Jinja text itself.",
     ),
-    click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
+    shown_option("--seed", click.IntRange(min=0), 0),
     click.option(
         "--tool-call-parser",
         type=click.Choice(sorted(TOOL_PARSERS)),
@@ -131,49 +136,43 @@ _OPTIONS: list[Callable[[Command], Command]] = [
     click.option("--disable-log-stats", is_flag=True, help="vLLM's flag, accepted: none logged."),
     vllm_serve_options,
     click.version_option(package_name="kvcache", message="%(version)s"),
-    click.option(
+    seconds_option(
         "--body-timeout",
-        type=click.FloatRange(min=0, min_open=True),
-        default=30.0,
-        show_default=True,
-        help="Seconds a request's body may take to arrive; a slower one gets 408.",
+        30.0,
+        "Seconds a request's body may take to arrive; a slower one gets 408.",
     ),
-    click.option(
+    seconds_option(
         "--head-timeout",
-        type=click.FloatRange(min=0, min_open=True),
-        default=10.0,
-        show_default=True,
-        help="Seconds a request's head (request line and headers) may take; past it a 408.",
+        10.0,
+        "Seconds a request's head (request line and headers) may take; past it a 408.",
     ),
-    click.option(
+    count_option(
         "--max-body-bytes",
-        type=click.IntRange(min=1),
-        default=32 * 2**20,
-        show_default=True,
-        help="The largest request body taken, in bytes; a larger one gets 413.",
+        32 * 2**20,
+        "The largest request body taken, in bytes; a larger one gets 413.",
     ),
-    click.option(
+    shown_option(
         "--drain-timeout",
-        type=click.FloatRange(min=0),
-        default=30.0,
-        show_default=True,
-        help="On SIGTERM, seconds running requests get to finish before they are aborted.",
+        click.FloatRange(min=0),
+        30.0,
+        "On SIGTERM, seconds running requests get to finish before they are aborted.",
     ),
-    click.option(
+    shown_option(
         "--role",
-        type=click.Choice(["both", "prefill", "decode"]),
-        default="both",
-        show_default=True,
-        help="prefill/decode: one half of a disaggregated pair (docs/DISAGGREGATION.md).",
+        click.Choice(["both", "prefill", "decode"]),
+        "both",
+        "prefill/decode: one half of a disaggregated pair (docs/DISAGGREGATION.md).",
     ),
-    click.option(
+    shown_option(
         "--handover",
-        default="zmq",
-        show_default=True,
-        help="How prefill hands KV to decode: zmq, zmq://HOST:PORT (direct) or redis://HOST:PORT/DB.",
+        None,
+        "zmq",
+        "How prefill hands KV to decode: zmq, zmq://HOST:PORT (direct) or redis://HOST:PORT/DB.",
     ),
     click.option("--cpus", default=None, help="Pin this worker to these CPUs (0 or 0-3,6)."),
 ]
+# The serve command's own options (vLLM's serve flags among them), as one decorator.
+serve_options = apply_options(_OPTIONS)
 
 
 def serve_command(start_role: RoleStarter) -> click.Command:
@@ -244,13 +243,6 @@ def serve_command(start_role: RoleStarter) -> click.Command:
     return serve
 
 
-def serve_options(command: Command) -> Command:
-    """Add the serve command's own options (vLLM's serve flags among them) to `command`."""
-    for option in reversed(_OPTIONS):
-        command = option(command)
-    return command
-
-
 def check_api_key(api_key: str | None) -> None:
     if api_key is not None and not api_key.strip():  # an unset $SECRET: not "no key"
         raise click.BadParameter("the key is empty", param_hint="--api-key")
@@ -296,7 +288,7 @@ def start_engine(
     placement: tuple[str, str, str | None],
     engine_options: dict[str, object],
     secret_urls: tuple[str, ...],
-) -> tuple[EngineInterface, Callable[[FastAPI], FastAPI]]:
+) -> StartedWorker:
     """The worker's engine, started by `start_role` in its role (`placement`: --role,
     --handover, --cpus) with the server's engine settings; a bad option is a usage error,
     its text masked."""
