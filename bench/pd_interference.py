@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 
 from bench.engine_options import EngineOptions
+from bench.local_process import free_port, stop
 from bench.local_redis import AUTO
 from bench.local_redis import redis_url as local_redis
 from bench.pd_results import Stream, SystemResult, WorkloadRow
@@ -56,14 +57,6 @@ SYSTEMS: dict[str, EngineOptions] = {
 START_TIMEOUT_S = 300.0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_healthy(process: subprocess.Popen[bytes], url: str, what: str) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
@@ -82,7 +75,7 @@ def _wait_healthy(process: subprocess.Popen[bytes], url: str, what: str) -> None
 @contextmanager
 def _process(args: list[str], what: str) -> Iterator[str]:
     """A server process started with ``args`` plus --port; its URL once /health is ok."""
-    port = _free_port()
+    port = free_port()
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     process = subprocess.Popen([*args, "--port", str(port)], env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -90,11 +83,7 @@ def _process(args: list[str], what: str) -> Iterator[str]:
         _wait_healthy(process, url, what)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process, 30)
 
 
 def _worker(

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench.soak_workload import Request, Workload
+from kvcache import CacheStats
 from runner.engine.api.interface import ServingEngine
 from runner.engine.requests.outputs import RequestOutput
 from runner.engine.sequence import Sequence
@@ -25,15 +26,10 @@ class SoakReport:
     kinds: dict[str, int] = field(default_factory=dict)
     output_tokens: int = 0
     prompt_tokens: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
     miss_tokens: int = 0
-    readmit_query_tokens: int = 0
-    readmit_hit_tokens: int = 0
-    evicted_blocks: int = 0
     preemptions: int = 0
     num_blocks: int = 0
-    blocks_in_use: int = 0
+    cache: CacheStats = field(default_factory=CacheStats)  # the engine's counters at the end
     greedy_prompts_compared: int = 0
     canary_copies: int = 0
     rss_mb: list[float] = field(default_factory=list)  # after each chunk of finished requests
@@ -51,19 +47,22 @@ class SoakReport:
         return (self.rss_mb[-1] - self.rss_mb[0]) / self.rss_mb[0]
 
     def table(self) -> str:
-        hit_rate = self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+        cache = self.cache
         rows = [
             ("requests finished", f"{self.finished} / {self.requests}"),
             ("kinds", ", ".join(f"{k} {v}" for k, v in sorted(self.kinds.items()))),
             ("engine steps", f"{self.steps}"),
             ("wall time", f"{self.seconds:.1f} s ({self.requests / self.seconds:.0f} req/s)"),
             ("output tokens", f"{self.output_tokens}"),
-            ("query tokens", f"{self.query_tokens} (prompts submitted: {self.prompt_tokens})"),
-            ("hit + miss tokens", f"{self.hit_tokens} + {self.miss_tokens} ({hit_rate:.1%} hit)"),
-            ("readmission q/hit", f"{self.readmit_query_tokens} / {self.readmit_hit_tokens}"),
+            ("query tokens", f"{cache.query_tokens} (prompts submitted: {self.prompt_tokens})"),
+            (
+                "hit + miss tokens",
+                f"{cache.hit_tokens} + {self.miss_tokens} ({cache.hit_rate:.1%} hit)",
+            ),
+            ("readmission q/hit", f"{cache.readmit_query_tokens} / {cache.readmit_hit_tokens}"),
             ("preemptions", f"{self.preemptions}"),
-            ("evicted blocks", f"{self.evicted_blocks}"),
-            ("blocks in use at end", f"{self.blocks_in_use} of {self.num_blocks}"),
+            ("evicted blocks", f"{cache.evicted_blocks}"),
+            ("blocks in use at end", f"{cache.blocks_in_use} of {self.num_blocks}"),
             ("greedy prompts seen 2+ times", f"{self.greedy_prompts_compared}"),
             ("canary copies", f"{self.canary_copies}"),
             (
@@ -167,11 +166,7 @@ def check_consistency(
 def final_checks(llm: ServingEngine, rep: SoakReport, tally: dict[str, int], fail: Fail) -> None:
     """Copy the engine's end-of-run counters into `rep`, then check: nothing lost or leaked,
     the pool adds up, and hit/miss/query accounting agrees with what the soak counted."""
-    stats = llm.cache_stats()
-    rep.query_tokens, rep.hit_tokens = stats.query_tokens, stats.hit_tokens
-    rep.readmit_query_tokens = stats.readmit_query_tokens
-    rep.readmit_hit_tokens = stats.readmit_hit_tokens
-    rep.evicted_blocks, rep.blocks_in_use = stats.evicted_blocks, stats.blocks_in_use
+    rep.cache = stats = llm.cache_stats()
     rep.preemptions = llm.queue_depth().preemptions
     engine_stats = llm.stats()
     rep.draft_tokens = int(engine_stats["num_draft_tokens"])

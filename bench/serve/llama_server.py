@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from bench.local_process import free_port, stop
 
 START_TIMEOUT_S = 180.0
 BINARY = "llama-server"
@@ -30,12 +31,6 @@ def find_llama_server(given: str | None) -> str | None:
             raise ValueError(f"--llama-server {given}: not an executable file")
         return str(path)
     return shutil.which(BINARY)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def server_command(binary: str, gguf: Path, port: int, slots: int, args: str) -> list[str]:
@@ -73,11 +68,6 @@ def running_llama_server(binary: str, gguf: Path, slots: int, args: str) -> Iter
             time.sleep(0.25)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 10)
         log.close()
         os.unlink(log.name)

@@ -33,60 +33,56 @@ class ServeMetrics:
     def __init__(
         self, model_name: str = "kvcache", max_model_len: int = DEFAULT_MAX_MODEL_LEN
     ) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests_running = Gauge(
-            "kvcache_requests_running", "Requests in the running batch", registry=r
+        self.registry = r = CollectorRegistry()
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, registry=r)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        self.requests_running = gauge("kvcache_requests_running", "Requests in the running batch")
+        self.requests_waiting = gauge(
+            "kvcache_requests_waiting", "Requests queued, not yet admitted"
         )
-        self.requests_waiting = Gauge(
-            "kvcache_requests_waiting", "Requests queued, not yet admitted", registry=r
+        self.requests = counter(
+            "kvcache_requests", "Requests ended, by finish reason", ("finish_reason",)
         )
-        self.requests = Counter(
-            "kvcache_requests", "Requests ended, by finish reason", ["finish_reason"], registry=r
+        self.rejected = counter(
+            "kvcache_requests_rejected", "Requests refused, by HTTP status", ("status",)
         )
-        self.rejected = Counter(
-            "kvcache_requests_rejected", "Requests refused, by HTTP status", ["status"], registry=r
+        self.prompt_tokens = counter("kvcache_prompt_tokens", "Prompt tokens")
+        self.cached_tokens = counter(
+            "kvcache_cached_tokens", "Prompt tokens served from the prefix cache"
         )
-        self.prompt_tokens = Counter("kvcache_prompt_tokens", "Prompt tokens", registry=r)
-        self.cached_tokens = Counter(
-            "kvcache_cached_tokens", "Prompt tokens served from the prefix cache", registry=r
-        )
-        self.generated_tokens = Counter("kvcache_generation_tokens", "Tokens generated", registry=r)
-        self.reused_segment_tokens = Counter(
+        self.generated_tokens = counter("kvcache_generation_tokens", "Tokens generated")
+        self.reused_segment_tokens = counter(
             "kvcache_reused_segment_tokens",
             "Prompt tokens served from later segments' own cache (docs/SEGMENTS.md)",
-            registry=r,
         )
-        self.segment_hit_rate = Gauge(
+        self.segment_hit_rate = gauge(
             "kvcache_segment_hit_rate",
             "Tokens of later segments served from their own cache / all asked",
-            registry=r,
         )
-        self.segment_recompute_fraction = Gauge(
+        self.segment_recompute_fraction = gauge(
             "kvcache_segment_recompute_fraction",
             "Of the reused segment tokens, the fraction recomputed (blend_ratio)",
-            registry=r,
         )
-        self.hit_rate = Gauge(
-            "kvcache_prefix_cache_hit_rate",
-            "Prompt tokens found cached / all",
-            registry=r,
-        )
-        self.blocks_in_use = Gauge(
-            "kvcache_kv_blocks_in_use", "KV blocks held by running requests", registry=r
-        )
-        self.blocks_total = Gauge("kvcache_kv_blocks", "KV blocks in the pool", registry=r)
-        self.ttft = Histogram(
+        self.hit_rate = gauge("kvcache_prefix_cache_hit_rate", "Prompt tokens found cached / all")
+        self.blocks_in_use = gauge("kvcache_kv_blocks_in_use", "KV blocks held by running requests")
+        self.blocks_total = gauge("kvcache_kv_blocks", "KV blocks in the pool")
+        self.ttft = histogram(
             "kvcache_time_to_first_token_seconds",
             "From the request's arrival to its first token",
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            TTFT_BUCKETS,
         )
-        self.itl = Histogram(
+        self.itl = histogram(
             "kvcache_inter_token_latency_seconds",
             "Between a request's consecutive tokens",
-            buckets=ITL_BUCKETS,
-            registry=r,
+            ITL_BUCKETS,
         )
         self.vllm = VllmMetrics(r, model_name, max_model_len)
 

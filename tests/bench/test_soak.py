@@ -34,12 +34,12 @@ def one_torch_thread() -> Iterator[None]:
 def test_short_soak_holds_every_check(tiny_llama_dir: Path) -> None:
     rep = run_soak(str(tiny_llama_dir), 300, chunk=100, max_rss_growth=None)
     assert rep.failures == [], rep.table()
-    assert rep.finished == 300 and rep.blocks_in_use == 0
+    assert rep.finished == 300 and rep.cache.blocks_in_use == 0
     assert set(rep.kinds) == {"canary", "repeat", "shared", "turn", "unique"}
     # The workload really exercises what it claims to: hits, evictions, preemptions, repeats.
-    assert rep.hit_tokens > 0 and rep.miss_tokens > 0
-    assert rep.hit_tokens + rep.miss_tokens == rep.query_tokens == rep.prompt_tokens
-    assert rep.evicted_blocks > 0 and rep.preemptions > 0
+    assert rep.cache.hit_tokens > 0 and rep.miss_tokens > 0
+    assert rep.cache.hit_tokens + rep.miss_tokens == rep.cache.query_tokens == rep.prompt_tokens
+    assert rep.cache.evicted_blocks > 0 and rep.preemptions > 0
     assert rep.greedy_prompts_compared > 0 and rep.canary_copies >= 6
 
 
@@ -77,7 +77,7 @@ def test_soak_catches_a_leaked_block(tiny_llama_dir: Path, monkeypatch: pytest.M
 
     monkeypatch.setattr(Scheduler, "finish", leaky_finish)
     rep = run_soak(str(tiny_llama_dir), 60, chunk=20, max_rss_growth=None)
-    assert rep.blocks_in_use > 0
+    assert rep.cache.blocks_in_use > 0
     assert any("leak" in failure for failure in rep.failures), rep.failures
 
 

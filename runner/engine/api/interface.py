@@ -186,14 +186,10 @@ class ServingEngine(Protocol):
     ) -> list[RequestOutput]: ...
 
     def generate(
-        self,
-        prompts: PromptArg,
-        sampling_params: Params = None,
-        *,
-        use_tqdm: bool = False,
-        cache_salt: str | None = None,
-        params: Params = None,
-    ) -> list[RequestOutput]: ...
+        self, prompts: PromptArg, sampling_params: Params = None, *, cache_salt: str | None = None
+    ) -> list[RequestOutput]:
+        """Generate for each prompt; outputs in input order. Only the keywords the other
+        packages pass: `LLM.generate` takes vLLM's `use_tqdm`, `params` and `priority` too."""
 
     def beam_search(
         self, prompts: PromptArg, params: BeamSearchParams | None = None
