@@ -24,7 +24,7 @@ from runner.router.policy import policy_for
 from runner.router.prefix_index import PrefixIndex
 from runner.router.prompt_hashes import PromptHasher, replica_hashes
 from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
-from runner.router.relay import Hooks, Timeouts, UpstreamSilent, relay, send
+from runner.router.relay import Hooks, Timeouts, UpstreamSilent, post, relay
 from runner.router.replicas import Replica, ReplicaSet
 from runner.router.worker_choice import PromptTokens
 from runner.serve.json_types import JSONBody
@@ -123,15 +123,8 @@ class Router:
         or draining."""
         replica = work.replica
         work.start()
-        upstream = self.client.build_request(
-            "POST",
-            replica.url + path,
-            content=raw,
-            headers=headers,
-            timeout=self.timeouts.for_httpx(),
-        )
         try:
-            response = await send(self.client, upstream, self.timeouts)
+            response = await post(self.client, replica.url + path, self.timeouts, headers, raw)
         except (httpx.TransportError, UpstreamSilent) as err:
             work.finish()
             self._failed(replica, err)

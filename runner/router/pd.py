@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from runner.router.bodies import read_body
 from runner.router.pd_messages import KVTransferParams, PrefillLine, PullAnswer
 from runner.router.proxy import RouterSettings, forwarded_headers, proxy_app, upstream_client
-from runner.router.relay import Hooks, Timeouts, UpstreamSilent, relay, send
+from runner.router.relay import Hooks, Timeouts, UpstreamSilent, post, relay
 from runner.router.replicas import Replica, ReplicaSet
 from runner.router.worker_choice import PromptTokens, WorkerChoice
 from runner.serve.json_types import JSONBody, JSONObject
@@ -201,15 +201,10 @@ class PDRouter:
                 pulled = await task
                 self.handover["after_prefill_ms"] += 1000 * (time.perf_counter() - ended)
                 if pulled.status_code == 200:
-                    upstream = self.client.build_request(
-                        "POST",
-                        worker.url + path,
-                        json=body,
-                        headers=headers,
-                        timeout=self.timeouts.for_httpx(),
-                    )
                     sent_at = time.monotonic()
-                    response = await send(self.client, upstream, self.timeouts)
+                    response = await post(
+                        self.client, worker.url + path, self.timeouts, headers, body
+                    )
                     if response.status_code != 503:
                         self._count(pulled.json())
                         return await self._relay(worker, response, sent_at)

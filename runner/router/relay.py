@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runner.router.load import FirstToken
 from runner.router.proxy import RouterSettings
+from runner.serve.json_types import JSONObject
 from runner.serve.responses import error_body, sse
 
 
@@ -68,12 +69,20 @@ class Hooks:
     failed: Callable[[Exception], None]  # died (an httpx.HTTPError) or UpstreamSilent
 
 
-async def send(
-    client: httpx.AsyncClient, request: httpx.Request, timeouts: Timeouts
+async def post(
+    client: httpx.AsyncClient,
+    url: str,
+    timeouts: Timeouts,
+    headers: Mapping[str, str],
+    body: bytes | JSONObject,
 ) -> httpx.Response:
-    """The upstream's response, its body not read yet. Raises httpx.TransportError (it could
-    not be reached, or closed the connection without answering) or UpstreamSilent (no answer
-    within the first-output timeout)."""
+    """POST `body` (raw bytes, or a JSON object) to the upstream: its response, the body not
+    read yet. Raises httpx.TransportError (it could not be reached, or closed the connection
+    without answering) or UpstreamSilent (no answer within the first-output timeout)."""
+    content, json = (body, None) if isinstance(body, bytes) else (None, body)
+    request = client.build_request(
+        "POST", url, content=content, json=json, headers=headers, timeout=timeouts.for_httpx()
+    )
     try:
         async with asyncio.timeout(timeouts.first_output_s):
             return await client.send(request, stream=True)
