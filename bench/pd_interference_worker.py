@@ -9,6 +9,7 @@ import argparse
 import json
 
 from runner.disagg.serve_role import start_role
+from runner.serve.command import WorkerPlacement
 
 
 def main() -> None:
@@ -29,7 +30,7 @@ def main() -> None:
     # Metrics off unless the bench asks (engine-pd's workers record their schedules).
     options = {"record_metrics": False, "prefault_kv_cache": True} | json.loads(args.options)
     make = lambda o: LLM(args.model, **o)  # noqa: E731
-    llm, attach = start_role(args.role, args.handover, args.cpus, make, options)
+    llm, attach = start_role(WorkerPlacement(args.role, args.handover, args.cpus), make, options)
     freeze_server_heap()
     app = attach(build_app(llm, ServeSettings("bench", max_queued_requests=4096)))
     run_server(app, "127.0.0.1", args.port, 5.0)

@@ -12,15 +12,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from runner.serve.command import MakeEngine, StartedWorker
+    from runner.serve.command import MakeEngine, StartedWorker, WorkerPlacement
 
 
 def start_role(
-    role: str,
-    handover: str,
-    cpus: str | None,
-    make_llm: MakeEngine,
-    engine_options: dict[str, object],
+    placement: WorkerPlacement, make_llm: MakeEngine, engine_options: dict[str, object]
 ) -> StartedWorker:
     """(the engine, app -> app with the role's routes). Raises ValueError naming a bad
     option."""
@@ -28,9 +24,9 @@ def start_role(
     from runner.disagg.roles import RoleOptions, build_role, engine_options_for
     from runner.disagg.routes import attach_role
 
-    options = RoleOptions(role=role, handover=handover)
-    if cpus is not None:
-        pin_to_cpus(cpus)  # before the engine starts its threads
+    options = RoleOptions(role=placement.role, handover=placement.handover)
+    if placement.cpus is not None:
+        pin_to_cpus(placement.cpus)  # before the engine starts its threads
     llm = make_llm(engine_options_for(options, engine_options))
     parts = build_role(llm, options)
     atexit.register(parts.close)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import click
 
@@ -38,6 +38,15 @@ MakeEngine = Callable[[dict[str, object]], "EngineInterface"]
 StartedWorker = tuple["EngineInterface", Callable[["FastAPI"], "FastAPI"]]
 
 
+class WorkerPlacement(NamedTuple):
+    """Where a worker stands: its role, how it hands prompts over, and the CPUs it is pinned
+    to (--role, --handover, --cpus)."""
+
+    role: str
+    handover: str
+    cpus: str | None
+
+
 class RoleStarter(Protocol):
     """Starts a worker in its role (--role, --handover, --cpus): builds the engine through
     `make_llm` and gives it back with the step that adds the role's routes to the app; a
@@ -46,24 +55,16 @@ class RoleStarter(Protocol):
     never imports the package that extends it."""
 
     def __call__(
-        self,
-        role: str,
-        handover: str,
-        cpus: str | None,
-        make_llm: MakeEngine,
-        engine_options: dict[str, object],
+        self, placement: WorkerPlacement, make_llm: MakeEngine, engine_options: dict[str, object]
     ) -> StartedWorker: ...
 
 
 def colocated(
-    role: str,
-    handover: str,
-    cpus: str | None,
-    make_llm: MakeEngine,
-    engine_options: dict[str, object],
+    placement: WorkerPlacement, make_llm: MakeEngine, engine_options: dict[str, object]
 ) -> StartedWorker:
     """The one role a serve command without the disaggregation roles has: both, unpinned."""
-    if role != "both" or cpus is not None:
+    role = placement.role
+    if role != "both" or placement.cpus is not None:
         given = f"--role {role}" if role != "both" else "--cpus"
         raise ValueError(f"{given}: this serve command has no worker roles (cli.py adds them)")
     return make_llm(engine_options), _unchanged
@@ -217,7 +218,7 @@ def serve_command(start_role: RoleStarter) -> click.Command:
         secret_urls = secret_urls_of(engine_options, handover)
         make = engine_maker(model, seed, vllm)
         llm, attach = start_engine(
-            start_role, make, (role, handover, cpus), engine_options, secret_urls
+            start_role, make, WorkerPlacement(role, handover, cpus), engine_options, secret_urls
         )
         from runner.serve.app import ServeSettings, build_app
         from runner.serve.server import run_server
@@ -285,7 +286,7 @@ def engine_maker(model: str | None, seed: int, vllm: VllmServeOptions) -> MakeEn
 def start_engine(
     start_role: RoleStarter,
     make: MakeEngine,
-    placement: tuple[str, str, str | None],
+    placement: WorkerPlacement,
     engine_options: dict[str, object],
     secret_urls: tuple[str, ...],
 ) -> StartedWorker:
@@ -298,10 +299,9 @@ def start_engine(
 
     engine_options["record_metrics"] = False  # a server's memory must not grow per token
     engine_options["prefault_kv_cache"] = True  # its pool's page faults at start, not in steps
-    role, handover, cpus = placement
     with start_up_without_gc():
         try:
-            started = start_role(role, handover, cpus, make, engine_options)
+            started = start_role(placement, make, engine_options)
         except ValueError as err:  # its text may quote a URL it was given
             raise click.ClickException(Masker(secret_urls).mask(str(err))) from err
         freeze_server_heap()  # inside: its collection is the start-up's one, not a second
