@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -17,6 +16,7 @@ from typing import IO, TypedDict
 
 import httpx
 
+from bench.local_process import free_port, stop
 from bench.peers import PeerResult
 from bench.workloads import BenchRequest
 
@@ -39,12 +39,6 @@ def find_llama_server(given: str | None) -> Path | str:
     if DEFAULT_SERVER.is_file():
         return DEFAULT_SERVER
     return f"no llama-server on PATH nor at {DEFAULT_SERVER} (pass --llama-server PATH)"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_llama_cpp(server: Path, gguf: Path, requests: list[BenchRequest]) -> PeerResult:
@@ -81,12 +75,7 @@ def run_llama_cpp(server: Path, gguf: Path, requests: list[BenchRequest]) -> Pee
                     )
                 wall = time.perf_counter() - start
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, 10)
     outputs = [a["tokens"] for a, _ in answers]
     prefill = sum(int(a["timings"]["prompt_n"]) for a, _ in answers)
     ttft = [done - start - a["timings"]["predicted_ms"] / 1000 for a, done in answers]

@@ -11,13 +11,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from bench.local_process import free_port, stop
+
 AUTO = "auto"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _answers(port: int) -> bool:
@@ -42,7 +38,7 @@ def redis_url(spec: str | None, timeout_s: float = 10.0) -> Iterator[str | None]
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("--redis auto needs redis-server on the PATH (apt install redis-server)")
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as workdir:
         args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
         args += ["--appendonly", "no", "--dir", workdir]
@@ -55,5 +51,4 @@ def redis_url(spec: str | None, timeout_s: float = 10.0) -> Iterator[str | None]
                 time.sleep(0.05)
             yield f"redis://127.0.0.1:{port}/0"
         finally:
-            server.terminate()
-            server.wait(timeout=10)
+            stop(server, 10)

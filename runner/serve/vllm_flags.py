@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import click
 
+from runner.cli.common_options import apply_options
+
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 MAX_LOGPROBS = 20  # SamplingParams' cap (vLLM's default --max-logprobs)
 
@@ -137,6 +139,4 @@ def vllm_serve_options(command: Callable[..., None]) -> Callable[..., None]:
         llm = tuple((k, v) for k, v in given.items() if v is not None)
         command(vllm=VllmServeOptions(level, access, llm), **kwargs)
 
-    for option in reversed(_OPTIONS):
-        with_vllm_flags = option(with_vllm_flags)
-    return with_vllm_flags
+    return apply_options(_OPTIONS)(with_vllm_flags)
