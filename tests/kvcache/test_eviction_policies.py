@@ -221,3 +221,29 @@ TestPriorityMachine.settings = EACH
 
 TestMRUMachine = pytest.mark.usefixtures("with_mru")(MRUMachine.TestCase)
 TestMRUMachine.settings = EACH
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("lfu", "shared"), ("lru", "chunked")])
+def test_a_chunked_prompt_is_not_counted_as_hitting_its_own_blocks(policy: str, kept: str) -> None:
+    """SGLang's LFU skips the hits a chunked request would score on the blocks its own earlier
+    chunks cached; so does ours. A prompt prefilled in four chunks, once, is used less than
+    an older one two requests shared: LFU evicts the chunked one's blocks first (a count
+    inflated by its chunks would rank its first block above the shared one's), LRU the
+    older one's."""
+    bm = BlockManager(10, B, eviction_policy=policy)
+    prompts = {"shared": [5] * (4 * B) + [0], "chunked": [6] * (4 * B) + [0]}
+    for rid in (0, 1):  # computed, then hit whole by a second request
+        tokens = prompts["shared"]
+        bm.allocate(rid, tokens, ROOT)
+        bm.commit(rid, tokens, len(tokens))
+        bm.free(rid)
+    tokens = prompts["chunked"]
+    bm.allocate(2, tokens, ROOT)
+    for end in range(B, len(tokens) + 1, B):
+        bm.commit(2, tokens, end)
+    bm.free(2)
+    fresh = [7] * (5 * B + 1)  # six blocks: two free, four evicted
+    bm.allocate(3, fresh, ROOT)
+    bm.check_integrity()
+    left = {name: bm.cached_prefix_length(p, ROOT) for name, p in prompts.items()}
+    assert left == {name: 4 * B if name == kept else 0 for name in prompts}
