@@ -28,6 +28,7 @@ from runner.attention.backend import AttentionBackend, AttentionCall, Capabiliti
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.attention import store_kv
 from runner.backends.triton.common import (
+    cache_rows,
     check_cache_pair,
     check_window,
     last_dim_contiguous,
@@ -104,9 +105,11 @@ def _split_kernel(
     for n0 in range(first, split_hi, BN):
         keys = n0 + offs_n
         seen = (keys <= pos) & (keys >= lo)
-        block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=seen, other=0)
-        slot = block.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_co
-        at = slot[:, None] + kv_head * stride_ch + offs_d[None, :]
+        rows = cache_rows(
+            block_tables_ptr + seq * stride_bt, keys, seen, kv_head, stride_cb, stride_co,
+            stride_ch, BLOCK_SIZE,
+        )  # fmt: skip
+        at = rows[:, None] + offs_d[None, :]
         kv_mask = seen[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + at, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.sum(q[None, :] * k, axis=1) * scale_log2  # [BN], base 2
