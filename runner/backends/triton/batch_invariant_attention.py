@@ -33,6 +33,7 @@ from runner.backends.triton.common import (
     check_window,
     last_dim_contiguous,
     log2_softcap,
+    paged_args,
     pow2_at_least,
     soft_cap,
 )
@@ -40,7 +41,6 @@ from runner.backends.triton.common import (
 SPLIT = 256  # keys a split holds: a multiple of every block size the engine takes up to 256
 BLOCK_N = 16  # keys a program scores at a time within its split
 PARTIALS_BYTES = 256 << 20  # the most a launch's per-split partials take
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -55,14 +55,14 @@ def _split_kernel(
     part_acc_ptr: tl.tensor,  # [T, Hq, NUM_SPLITS, D] float32
     part_ml_ptr: tl.tensor,  # [T, Hq, NUM_SPLITS, 2] float32: (max, sum) in base 2
     scale_log2: float,  # scale * log2(e)
-    window: int,
-    softcap: float,  # soft cap * log2(e), read only with USE_SOFTCAP
     stride_qt: int,
     stride_qh: int,
     stride_cb: int,
     stride_co: int,
     stride_ch: int,
     stride_bt: int,
+    window: int,
+    softcap: float,  # soft cap * log2(e), read only with USE_SOFTCAP
     NUM_SPLITS: int,  # reserved by the launch (the step's longest context), not the row's own
     row0: int,  # the launch's first row: the partials hold rows row0 .. row0 + grid rows - 1
     GROUP: tl.constexpr,  # query heads per KV head
@@ -216,15 +216,10 @@ def batch_invariant_attention(
             meta.block_tables,
             part_acc,
             part_ml,
-            scale * LOG2E,
+            *paged_args(q, k_cache, scale),
+            meta.block_tables.stride(0),
             window or 0,
             log2_softcap(softcap),
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            meta.block_tables.stride(0),
             splits,
             row0,
             GROUP=num_heads // num_kv_heads,

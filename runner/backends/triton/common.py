@@ -134,11 +134,12 @@ def paged_shapes(
     return PagedShapes(q, block_size, num_q_heads, num_kv_heads, head_dim, cap)
 
 
-def query_cache_strides(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, ...]:
-    """The strides the paged attention kernels take, in their order: q [T, Hq, D] by token and
-    head, then the cache [num_blocks, block_size, Hkv, D] by block, offset and head (both with a
+def paged_args(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> tuple[float | int, ...]:
+    """The arguments every paged attention kernel takes after its tensors, in their order: the
+    softmax scale in base 2 (scale * log2(e)), q [T, Hq, D]'s strides by token and head, then
+    the cache [num_blocks, block_size, Hkv, D]'s by block, offset and head (both with a
     contiguous head dimension)."""
-    return (q.stride(0), q.stride(1), *k_cache.stride()[:3])
+    return (scale * LOG2E, q.stride(0), q.stride(1), *k_cache.stride()[:3])
 
 
 def paged_constexprs(

@@ -28,10 +28,10 @@ from runner.backends.triton.common import (
     LOG2E,
     PagedShapes,
     default_tile,
+    paged_args,
     paged_constexprs,
     paged_shapes,
     pow2_at_least,
-    query_cache_strides,
 )
 from runner.backends.triton.decode_prefix import prefix_partitions, prefix_pass
 from runner.backends.triton.decode_reduce import (
@@ -238,8 +238,7 @@ def _own_partitions(
         context_lens,
         block_tables,
         context_lens if shared_prefix is None else shared_prefix.seq_prefix_lens,
-        scale * LOG2E,
-        *query_cache_strides(q, k_cache),
+        *paged_args(q, k_cache, scale),
         block_tables.stride(0),
         *partition_strides(part_out, part_lse),
         window or 0,  # ignored without a window (USE_WINDOW=False)

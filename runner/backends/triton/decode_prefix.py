@@ -19,12 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.backends.triton.common import (
-    LOG2E,
-    paged_constexprs,
-    pow2_at_least,
-    query_cache_strides,
-)
+from runner.backends.triton.common import paged_args, paged_constexprs, pow2_at_least
 from runner.backends.triton.decode_reduce import attend_partition, partition_strides
 from runner.backends.triton.shared_prefix import SharedPrefixPlan
 
@@ -140,8 +135,7 @@ def prefix_pass(
         plan.chunk_seqs,
         plan.chunk_tables,
         plan.chunk_prefix_lens,
-        scale * LOG2E,
-        *query_cache_strides(q, k_cache),
+        *paged_args(q, k_cache, scale),
         plan.chunk_tables.stride(0),
         *partition_strides(part_out, part_lse),
         window or 0,

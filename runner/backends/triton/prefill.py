@@ -21,12 +21,11 @@ import triton
 import triton.language as tl
 
 from runner.backends.triton.common import (
-    LOG2E,
     attend_paged_keys,
     default_tile,
+    paged_args,
     paged_constexprs,
     paged_shapes,
-    query_cache_strides,
 )
 
 
@@ -162,8 +161,7 @@ def prefill_attention(
         query_start_loc,
         context_lens,
         block_tables,
-        scale * LOG2E,
-        *query_cache_strides(q, k_cache),
+        *paged_args(q, k_cache, scale),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
