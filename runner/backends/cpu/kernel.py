@@ -17,7 +17,9 @@ import torch
 from runner.backends.cpu.abi import declare
 from runner.backends.cpu.kernel_args import (
     check_decode_status,
+    decode_groups_fit,
     decode_operands,
+    heads_fit,
     softcap_arg,
     window_arg,
 )
@@ -34,8 +36,6 @@ from runner.backends.cpu.panels import (
 
 # Rows of x this many floats long (2 KB) alias in the L1 cache (see panel_gemm.c).
 ALIASING_FLOATS = 512
-# decode_attention's limits (decode_attention.c): head size, query heads per KV head, block.
-MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 256, 8, 256
 CACHE_DTYPES = (torch.float32, torch.float16)  # the attention kernels widen float16 as they read
 
 
@@ -106,12 +106,7 @@ class CpuKernels:
     def decode_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """Whether decode_attention takes these shapes: what prefill_attention takes, with at
         most 8 query heads per KV head and blocks of at most 256 tokens."""
-        hq, hkv, block_size = q.shape[1], k_cache.shape[2], k_cache.shape[1]
-        return (
-            CpuKernels.prefill_supported(q, k_cache)
-            and hq // hkv <= MAX_GROUP
-            and block_size <= MAX_BLOCK
-        )
+        return CpuKernels.prefill_supported(q, k_cache) and decode_groups_fit(q, k_cache)
 
     def decode_attention(
         self,
@@ -163,15 +158,10 @@ class CpuKernels:
     def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """Whether prefill_attention takes these shapes: CPU float32 queries over float32 or
         float16 caches, head size a multiple of 16 up to 256."""
-        d = q.shape[-1]
-        hq, hkv = q.shape[1], k_cache.shape[2]
         return (
             q.dtype == torch.float32
             and k_cache.dtype in CACHE_DTYPES
-            and q.device.type == k_cache.device.type == "cpu"
-            and d % LANES == 0
-            and d <= MAX_HEAD_DIM
-            and hq % hkv == 0
+            and heads_fit(q, k_cache, LANES)
         )
 
     def prefill_attention(

@@ -1,6 +1,6 @@
 """The C kernels' arguments as they take them, shared by both decode-attention libraries
-(kernel.py's AVX-512 one and portable.py's): the operands of a decode, its status, the window
-and the soft cap."""
+(kernel.py's AVX-512 one and portable.py's): the shapes they take, the operands of a decode, its
+status, the window and the soft cap."""
 
 from __future__ import annotations
 
@@ -8,6 +8,29 @@ import ctypes
 import math
 
 import torch
+
+# The attention kernels' limits (decode_attention.c, portable/decode_attention_vec.c,
+# prefill_attention.c): head size; and the decodes' query heads per KV head and block size.
+MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 256, 8, 256
+
+
+def heads_fit(q: torch.Tensor, k_cache: torch.Tensor, lanes: int) -> bool:
+    """Whether an attention kernel of vector width `lanes` takes these heads: q [T, Hq, D] and
+    the cache [blocks, B, Hkv, D] on the CPU, D a multiple of lanes up to MAX_HEAD_DIM, and Hq a
+    multiple of Hkv."""
+    d, hq, hkv = q.shape[-1], q.shape[1], k_cache.shape[2]
+    return (
+        q.device.type == k_cache.device.type == "cpu"
+        and d % lanes == 0
+        and d <= MAX_HEAD_DIM
+        and hq % hkv == 0
+    )
+
+
+def decode_groups_fit(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """What the decode kernels take beyond the heads (heads_fit): at most MAX_GROUP query heads
+    per KV head and blocks of at most MAX_BLOCK tokens."""
+    return q.shape[1] // k_cache.shape[2] <= MAX_GROUP and k_cache.shape[1] <= MAX_BLOCK
 
 
 def decode_operands(

@@ -15,13 +15,17 @@ import functools
 
 import torch
 
-from runner.backends.cpu.kernel_args import check_decode_status, decode_operands, window_arg
+from runner.backends.cpu.kernel_args import (
+    check_decode_status,
+    decode_groups_fit,
+    decode_operands,
+    heads_fit,
+    window_arg,
+)
 from runner.backends.cpu.loader import SOURCES, build_library
 
 PORTABLE_SOURCES = (SOURCES[0].parent / "portable" / "decode_attention_vec.c",)
-# The kernel's limits (decode_attention_vec.c): vector width, head size, query heads per KV
-# head, block size.
-WIDTH, MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 8, 256, 8, 256
+WIDTH = 8  # the kernel's vector width (decode_attention_vec.c): head sizes are multiples of it
 
 _ptr, _long, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
@@ -41,16 +45,11 @@ class PortableDecode:
         """Whether these shapes are the kernel's: CPU float32 queries and caches (contiguous),
         head size a multiple of 8 up to 256, at most 8 query heads per KV head, blocks of at
         most 256 tokens."""
-        d, hq, hkv, block_size = q.shape[-1], q.shape[1], k_cache.shape[2], k_cache.shape[1]
         return (
             q.dtype == k_cache.dtype == torch.float32
-            and q.device.type == k_cache.device.type == "cpu"
             and k_cache.is_contiguous()
-            and d % WIDTH == 0
-            and d <= MAX_HEAD_DIM
-            and hq % hkv == 0
-            and hq // hkv <= MAX_GROUP
-            and block_size <= MAX_BLOCK
+            and heads_fit(q, k_cache, WIDTH)
+            and decode_groups_fit(q, k_cache)
         )
 
     def decode_attention(

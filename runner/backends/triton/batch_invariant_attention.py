@@ -28,10 +28,12 @@ from runner.attention.backend import AttentionBackend, AttentionCall, Capabiliti
 from runner.attention.metadata import AttentionMetadata
 from runner.backends.triton.attention import store_kv
 from runner.backends.triton.common import (
+    cache_rows,
     check_cache_pair,
     check_window,
     last_dim_contiguous,
     log2_softcap,
+    paged_args,
     pow2_at_least,
     soft_cap,
 )
@@ -39,7 +41,6 @@ from runner.backends.triton.common import (
 SPLIT = 256  # keys a split holds: a multiple of every block size the engine takes up to 256
 BLOCK_N = 16  # keys a program scores at a time within its split
 PARTIALS_BYTES = 256 << 20  # the most a launch's per-split partials take
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -54,14 +55,14 @@ def _split_kernel(
     part_acc_ptr: tl.tensor,  # [T, Hq, NUM_SPLITS, D] float32
     part_ml_ptr: tl.tensor,  # [T, Hq, NUM_SPLITS, 2] float32: (max, sum) in base 2
     scale_log2: float,  # scale * log2(e)
-    window: int,
-    softcap: float,  # soft cap * log2(e), read only with USE_SOFTCAP
     stride_qt: int,
     stride_qh: int,
     stride_cb: int,
     stride_co: int,
     stride_ch: int,
     stride_bt: int,
+    window: int,
+    softcap: float,  # soft cap * log2(e), read only with USE_SOFTCAP
     NUM_SPLITS: int,  # reserved by the launch (the step's longest context), not the row's own
     row0: int,  # the launch's first row: the partials hold rows row0 .. row0 + grid rows - 1
     GROUP: tl.constexpr,  # query heads per KV head
@@ -104,9 +105,11 @@ def _split_kernel(
     for n0 in range(first, split_hi, BN):
         keys = n0 + offs_n
         seen = (keys <= pos) & (keys >= lo)
-        block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=seen, other=0)
-        slot = block.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_co
-        at = slot[:, None] + kv_head * stride_ch + offs_d[None, :]
+        rows = cache_rows(
+            block_tables_ptr + seq * stride_bt, keys, seen, kv_head, stride_cb, stride_co,
+            stride_ch, BLOCK_SIZE,
+        )  # fmt: skip
+        at = rows[:, None] + offs_d[None, :]
         kv_mask = seen[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + at, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.sum(q[None, :] * k, axis=1) * scale_log2  # [BN], base 2
@@ -213,15 +216,10 @@ def batch_invariant_attention(
             meta.block_tables,
             part_acc,
             part_ml,
-            scale * LOG2E,
+            *paged_args(q, k_cache, scale),
+            meta.block_tables.stride(0),
             window or 0,
             log2_softcap(softcap),
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            meta.block_tables.stride(0),
             splits,
             row0,
             GROUP=num_heads // num_kv_heads,

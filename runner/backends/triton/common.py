@@ -134,6 +134,34 @@ def paged_shapes(
     return PagedShapes(q, block_size, num_q_heads, num_kv_heads, head_dim, cap)
 
 
+def paged_args(q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> tuple[float | int, ...]:
+    """The arguments every paged attention kernel takes after its tensors, in their order: the
+    softmax scale in base 2 (scale * log2(e)), q [T, Hq, D]'s strides by token and head, then
+    the cache [num_blocks, block_size, Hkv, D]'s by block, offset and head (both with a
+    contiguous head dimension)."""
+    return (scale * LOG2E, q.stride(0), q.stride(1), *k_cache.stride()[:3])
+
+
+def paged_constexprs(
+    k_cache: torch.Tensor, group: int, window: int | None, use_softcap: bool
+) -> dict[str, int | bool | str | tl.dtype]:
+    """The constants the paged attention kernels (decode, its shared-prefix pass, prefill) are
+    compiled for: the cache's block size and head dimension, `group` query heads per KV head,
+    whether a window masks keys and a soft cap the scores, and the dot's operands (dot_config)."""
+    _, block_size, _, head_dim = k_cache.shape
+    dot_dtype, precision = dot_config(k_cache.dtype)
+    return {
+        "BLOCK_SIZE": block_size,
+        "GROUP": group,
+        "HEAD_DIM": head_dim,
+        "D_PAD": pow2_at_least(head_dim),
+        "USE_WINDOW": window is not None,
+        "USE_SOFTCAP": use_softcap,
+        "DOT_DTYPE": dot_dtype,
+        "DOT_PRECISION": precision,
+    }
+
+
 @triton.jit
 def rounded(x: tl.tensor, out_ty: tl.constexpr) -> tl.tensor:
     """float32 x rounded to out_ty (to nearest, ties to even), still in float32. bfloat16 is
@@ -145,6 +173,23 @@ def rounded(x: tl.tensor, out_ty: tl.constexpr) -> tl.tensor:
         return bits.to(tl.float32, bitcast=True)
     else:
         return x.to(out_ty).to(tl.float32)
+
+
+@triton.jit
+def cache_rows(
+    table_row: tl.tensor,  # a sequence's (or shared prefix's) row of block ids
+    keys: tl.tensor,  # key positions in that sequence
+    mask: tl.tensor,  # the keys to look up; the others read block 0
+    kv_head: int,
+    stride_cb: int,
+    stride_co: int,
+    stride_ch: int,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+) -> tl.tensor:
+    """Where each key's row of one KV head starts in a paged cache [num_blocks, block_size,
+    Hkv, D]: its block through the block table, its offset in the block (int64 elements)."""
+    block = tl.load(table_row + keys // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
+    return block * stride_cb + (keys % BLOCK_SIZE) * stride_co + kv_head * stride_ch
 
 
 @triton.jit
@@ -185,8 +230,9 @@ def attend_paged_keys(
     for start in range(key_start, key_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)  # key positions
         n_valid = offs_n < key_end
-        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        row = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+        row = cache_rows(
+            table_row, offs_n, n_valid, kv_head, stride_cb, stride_co, stride_ch, BLOCK_SIZE
+        )
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         k = k.to(DOT_DTYPE)

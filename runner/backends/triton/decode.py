@@ -27,14 +27,19 @@ import triton.language as tl
 from runner.backends.triton.common import (
     LOG2E,
     PagedShapes,
-    attend_paged_keys,
     default_tile,
-    dot_config,
+    paged_args,
+    paged_constexprs,
     paged_shapes,
     pow2_at_least,
 )
 from runner.backends.triton.decode_prefix import prefix_partitions, prefix_pass
-from runner.backends.triton.decode_reduce import combine_partitions, own_keys_start, store_partition
+from runner.backends.triton.decode_reduce import (
+    attend_partition,
+    combine_partitions,
+    own_keys_start,
+    partition_strides,
+)
 from runner.backends.triton.shared_prefix import SharedPrefixPlan
 
 __all__ = ["DEFAULT_PARTITION_SIZE", "LOG2E", "decode_attention"]
@@ -81,45 +86,35 @@ def _decode_partition_kernel(
 ) -> None:
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    part = tl.program_id(2)
-
     ctx_len = tl.load(context_lens_ptr + seq)
     # Partitions tile the visible keys [win_start, ctx_len) from the window start, so every key
     # a program loads is visible (no per-key window mask) and each partition of this sequence
     # that the reduce reads holds at least one key.
     # The shared prefix's keys are the prefix pass's (decode_prefix.py).
     win_start = own_keys_start(ctx_len, window, prefix_lens_ptr + seq, USE_WINDOW, USE_PREFIX)
-    part_start = win_start + part * PARTITION_SIZE
-    part_end = tl.minimum(ctx_len, part_start + PARTITION_SIZE)  # <= part_start: nothing to do
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
     heads = kv_head * GROUP + offs_g  # query heads of this group
     g_valid = offs_g < GROUP
     d_valid = offs_d < HEAD_DIM
-    gd_mask = g_valid[:, None] & d_valid[None, :]
     q = tl.load(
         q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=gd_mask,
+        mask=g_valid[:, None] & d_valid[None, :],
         other=0.0,
     )  # [GROUP_PAD, D_PAD]
     q = q.to(DOT_DTYPE)
 
-    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-
-    # Every key of the partition is at or after win_start: visible, no per-key mask.
-    m_i, l_i, acc = attend_paged_keys(
-        q, k_cache_ptr, v_cache_ptr, table_row, kv_head, part_start, part_end,
-        ctx_len, ctx_len, qk_scale, softcap, stride_cb, stride_co, stride_ch, offs_d, d_valid,
-        BLOCK_SIZE, BLOCK_N, False, False, USE_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
-    )  # fmt: skip
-
-    # Partitions past the end of a short sequence's keys write nothing (the reduce reads only
-    # the partitions that start before ctx_len).
-    store_partition(
-        part_out_ptr, part_lse_ptr, seq.to(tl.int64), heads, part, acc, m_i, l_i,
-        part_start < ctx_len, gd_mask, g_valid, offs_d, stride_os, stride_oh, stride_op,
-        stride_ls, stride_lh, WRITE_LSE,
+    # Every key of the partition is at or after win_start: visible, no per-key mask. Partitions
+    # past the end of a short sequence's keys write nothing (the reduce reads only the
+    # partitions that start before ctx_len).
+    attend_partition(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head,
+        win_start, ctx_len, tl.program_id(2), ctx_len, ctx_len, qk_scale, softcap,
+        part_out_ptr, part_lse_ptr, seq.to(tl.int64), heads, 0, g_valid, offs_d, d_valid,
+        stride_cb, stride_co, stride_ch, stride_os, stride_oh, stride_op, stride_ls, stride_lh,
+        BLOCK_SIZE, BLOCK_N, PARTITION_SIZE, False, False, USE_SOFTCAP, DOT_DTYPE,
+        DOT_PRECISION, WRITE_LSE,
     )  # fmt: skip
 
 
@@ -234,7 +229,6 @@ def _own_partitions(
     and part_lse [S, Hq, P] (one partition: part_out is the output and no lse is written)."""
     q, group = shapes.q, shapes.num_q_heads // shapes.num_kv_heads
     num_parts = part_out.shape[2]
-    dot_dtype, precision = dot_config(k_cache.dtype)
     _decode_partition_kernel[(q.shape[0], shapes.num_kv_heads, num_parts)](
         q,
         k_cache,
@@ -244,31 +238,15 @@ def _own_partitions(
         context_lens,
         block_tables,
         context_lens if shared_prefix is None else shared_prefix.seq_prefix_lens,
-        scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *paged_args(q, k_cache, scale),
         block_tables.stride(0),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
+        *partition_strides(part_out, part_lse),
         window or 0,  # ignored without a window (USE_WINDOW=False)
         shapes.softcap_log2,  # ignored without a cap (USE_SOFTCAP=False)
-        BLOCK_SIZE=shapes.block_size,
-        GROUP=group,
         GROUP_PAD=pow2_at_least(group),
-        HEAD_DIM=shapes.head_dim,
-        D_PAD=pow2_at_least(shapes.head_dim),
         PARTITION_SIZE=partition_size,
         BLOCK_N=block_n,
         WRITE_LSE=num_parts > 1,
-        USE_WINDOW=window is not None,
-        USE_SOFTCAP=use_softcap,
         USE_PREFIX=shared_prefix is not None,
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=precision,
+        **paged_constexprs(k_cache, group, window, use_softcap),
     )

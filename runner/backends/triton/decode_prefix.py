@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.backends.triton.common import LOG2E, attend_paged_keys, dot_config, pow2_at_least
-from runner.backends.triton.decode_reduce import store_partition
+from runner.backends.triton.common import paged_args, paged_constexprs, pow2_at_least
+from runner.backends.triton.decode_reduce import attend_partition, partition_strides
 from runner.backends.triton.shared_prefix import SharedPrefixPlan
 
 
@@ -65,10 +65,7 @@ def _prefix_partition_kernel(
 ) -> None:
     chunk = tl.program_id(0)
     kv_head = tl.program_id(1)
-    part = tl.program_id(2)
     prefix_len = tl.load(chunk_lens_ptr + chunk)
-    part_start = part * PARTITION_SIZE
-    part_end = tl.minimum(prefix_len, part_start + PARTITION_SIZE)
 
     offs_r = tl.arange(0, ROWS)  # row r: member r // GROUP, query head r % GROUP of kv_head
     offs_d = tl.arange(0, D_PAD)
@@ -78,31 +75,26 @@ def _prefix_partition_kernel(
     seq = tl.where(r_valid, seq, 0).to(tl.int64)
     heads = kv_head * GROUP + offs_r % GROUP
     d_valid = offs_d < HEAD_DIM
-    rd_mask = r_valid[:, None] & d_valid[None, :]
     q = tl.load(
         q_ptr + seq[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=rd_mask,
+        mask=r_valid[:, None] & d_valid[None, :],
         other=0.0,
     ).to(DOT_DTYPE)  # [ROWS, D_PAD]
     first_key = offs_r  # unread without a window
     if USE_WINDOW:  # row r sees keys >= its own window start
         ctx = tl.load(context_lens_ptr + seq, mask=r_valid, other=0)
         first_key = ctx - window
-    last_key = tl.where(r_valid, part_end, -1)  # a padded row sees no key
-
-    table_row = chunk_tables_ptr + chunk.to(tl.int64) * stride_ct
-    m_i, l_i, acc = attend_paged_keys(
-        q, k_cache_ptr, v_cache_ptr, table_row, kv_head, part_start, part_end,
-        first_key, last_key, qk_scale, softcap, stride_cb, stride_co, stride_ch, offs_d, d_valid,
-        BLOCK_SIZE, BLOCK_N, USE_WINDOW, True, USE_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
-    )  # fmt: skip
+    last_key = tl.where(r_valid, prefix_len, -1)  # a padded row sees no key
 
     # A partition past the prefix's end stores nothing (the reduce counts the member's prefix
     # partitions from its prefix length).
-    store_partition(
-        part_out_ptr, part_lse_ptr, seq, heads, part_base + part, acc, m_i, l_i,
-        part_start < prefix_len, rd_mask, r_valid, offs_d, stride_os, stride_oh, stride_op,
-        stride_ls, stride_lh, True,
+    attend_partition(
+        q, k_cache_ptr, v_cache_ptr, chunk_tables_ptr + chunk.to(tl.int64) * stride_ct, kv_head,
+        0, prefix_len, tl.program_id(2), first_key, last_key, qk_scale, softcap,
+        part_out_ptr, part_lse_ptr, seq, heads, part_base, r_valid, offs_d, d_valid,
+        stride_cb, stride_co, stride_ch, stride_os, stride_oh, stride_op, stride_ls, stride_lh,
+        BLOCK_SIZE, BLOCK_N, PARTITION_SIZE, USE_WINDOW, True, USE_SOFTCAP, DOT_DTYPE,
+        DOT_PRECISION, True,
     )  # fmt: skip
 
 
@@ -130,9 +122,8 @@ def prefix_pass(
     """Score every chunk's members against their prefix into partitions part_base.. of
     part_out [S, Hq, P, D] / part_lse [S, Hq, P] (float32), as decode_attention set them up."""
     num_chunks, members = plan.chunk_seqs.shape
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    dot_dtype, precision = dot_config(k_cache.dtype)
     grid = (num_chunks, num_kv_heads, prefix_partitions(plan.max_prefix_len, partition_size))
     _prefix_partition_kernel[grid](
         q,
@@ -144,32 +135,16 @@ def prefix_pass(
         plan.chunk_seqs,
         plan.chunk_tables,
         plan.chunk_prefix_lens,
-        scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *paged_args(q, k_cache, scale),
         plan.chunk_tables.stride(0),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
+        *partition_strides(part_out, part_lse),
         window or 0,
         softcap_log2,
         part_base,
-        BLOCK_SIZE=block_size,
-        GROUP=group,
         MEMBERS=members,
         ROWS=pow2_at_least(members * group),
-        HEAD_DIM=head_dim,
-        D_PAD=pow2_at_least(head_dim),
         PARTITION_SIZE=partition_size,
         BLOCK_N=block_n,
-        USE_WINDOW=window is not None,
-        USE_SOFTCAP=use_softcap,
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=precision,
         num_warps=8 if members * group > 64 else 4,
+        **paged_constexprs(k_cache, group, window, use_softcap),
     )

@@ -1,11 +1,13 @@
-"""Second pass of the split-K decode (runner/backends/triton/decode.py): combine the partitions.
+"""The partitions of the split-K decode (runner/backends/triton/decode.py): how one is attended
+and written, and the second pass that combines them.
 
-The partition kernel cuts what one decode query attends to (its whole context, or its last
-`window` keys) into partitions of PARTITION_SIZE keys starting at the window start, and writes
-for each partition its output normalised by its own softmax sum plus the log2-sum-exp of its
-scores. This kernel merges them into the softmax over all the keys, one program per (sequence,
-query head), reading how many partitions its sequence has from the device context_lens so that a
-fixed grid (CUDA graphs) serves every step.
+The partition kernels (the sequences' own, and the shared-prefix pass of decode_prefix.py) cut
+what one decode query attends to (its whole context, or its last `window` keys) into partitions
+of PARTITION_SIZE keys starting at the window start, and write for each partition its output
+normalised by its own softmax sum plus the log2-sum-exp of its scores (attend_partition). The
+reduce kernel merges them into the softmax over all the keys, one program per (sequence, query
+head), reading how many partitions its sequence has from the device context_lens so that a fixed
+grid (CUDA graphs) serves every step.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.backends.triton.common import pow2_at_least
+from runner.backends.triton.common import attend_paged_keys, pow2_at_least
 
 
 @triton.jit
@@ -72,6 +74,63 @@ def store_partition(
         lse = m_i + tl.log2(safe_l)
         lse_ptr = part_lse_ptr + seq * stride_ls + heads * stride_lh + slot
         tl.store(lse_ptr, lse, mask=tl.where(has_keys, row_mask, False))
+
+
+@triton.jit
+def attend_partition(
+    q: tl.tensor,  # [ROWS, D_PAD] in DOT_DTYPE: the rows that read these keys
+    k_cache_ptr: tl.tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr: tl.tensor,  # same layout and strides as k_cache
+    table_row: tl.tensor,  # the block ids of the keys' row (a sequence's, or a shared prefix's)
+    kv_head: int,
+    key_base: int,  # the partitioned keys are [key_base, key_limit) of that row
+    key_limit: tl.tensor,
+    part: int,  # this partition: the PARTITION_SIZE keys from key_base + part * PARTITION_SIZE
+    first_key: tl.tensor,  # [ROWS] as attend_paged_keys reads them
+    last_key: tl.tensor,
+    qk_scale: float,
+    softcap: float,
+    part_out_ptr: tl.tensor,  # [S, Hq, P, D]
+    part_lse_ptr: tl.tensor,  # [S, Hq, P] float32; unused when not WRITE_LSE
+    seq: tl.tensor,  # the rows' sequences (int64)
+    heads: tl.tensor,  # [ROWS] their query heads
+    slot_base: int,  # the partition is written to slot slot_base + part
+    row_mask: tl.tensor,  # [ROWS] which rows are real
+    offs_d: tl.tensor,  # [D_PAD] arange
+    d_valid: tl.tensor,  # [D_PAD] offs_d < HEAD_DIM
+    stride_cb: int,
+    stride_co: int,
+    stride_ch: int,
+    stride_os: int,
+    stride_oh: int,
+    stride_op: int,
+    stride_ls: int,
+    stride_lh: int,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    MASK_FIRST: tl.constexpr,
+    MASK_LAST: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+) -> None:
+    """One partition of a split decode, as every partition kernel runs it: its keys attended
+    through the block table (attend_paged_keys) and the result stored as the reduce reads it
+    (store_partition). A partition that starts at or past key_limit stores nothing."""
+    part_start = key_base + part * PARTITION_SIZE
+    part_end = tl.minimum(key_limit, part_start + PARTITION_SIZE)  # <= part_start: no key
+    m_i, l_i, acc = attend_paged_keys(
+        q, k_cache_ptr, v_cache_ptr, table_row, kv_head, part_start, part_end, first_key,
+        last_key, qk_scale, softcap, stride_cb, stride_co, stride_ch, offs_d, d_valid,
+        BLOCK_SIZE, BLOCK_N, MASK_FIRST, MASK_LAST, USE_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
+    )  # fmt: skip
+    store_partition(
+        part_out_ptr, part_lse_ptr, seq, heads, slot_base + part, acc, m_i, l_i,
+        part_start < key_limit, row_mask[:, None] & d_valid[None, :], row_mask, offs_d,
+        stride_os, stride_oh, stride_op, stride_ls, stride_lh, WRITE_LSE,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -136,6 +195,12 @@ def _decode_reduce_kernel(
     )
 
 
+def partition_strides(part_out: torch.Tensor, part_lse: torch.Tensor) -> tuple[int, ...]:
+    """The strides the partition kernels take for part_out [S, Hq, P, D] (sequence, head,
+    partition) and part_lse [S, Hq, P] (sequence, head), both contiguous in their last dim."""
+    return (*part_out.stride()[:3], *part_lse.stride()[:2])
+
+
 def combine_partitions(
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
@@ -156,11 +221,7 @@ def combine_partitions(
         out,
         context_lens,
         context_lens if prefix is None else prefix[0],
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
+        *partition_strides(part_out, part_lse),
         out.stride(0),
         out.stride(1),
         window or 0,  # ignored without a window (USE_WINDOW=False)

@@ -9,9 +9,9 @@ activations on a GPU:
   [T, 2I], as torch computes F.silu(gate) * up in 16 bits (the SiLU in float32 rounded once,
   then the product rounded once): one kernel instead of three (split, SiLU, multiply).
 
-Both keep torch's order of operations and roundings (the norm's through rms_norm.py's rounding
-helper), so they equal the torch path within one unit in the last place (the sum of squares is
-added in another order). They also run in float32 (a float32 model on a GPU), where nothing
+Both keep torch's order of operations and roundings (the norm is rms_norm.py's store_rms_norm),
+so they equal the torch path within one unit in the last place (the sum of squares is added in
+another order). They also run in float32 (a float32 model on a GPU), where nothing
 rounds the result to 16 bits afterwards: there Triton's defaults would compile the square root,
 the divisions and the exponential to approximate instructions (sqrt.approx.ftz.f32,
 div.full.f32, ex2.approx.f32 on sm_90), a few units in the last place off torch's, which is
@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from runner.backends.triton.common import interpreting, pow2_at_least, rounded
+from runner.backends.triton.rms_norm import row_tile, store_rms_norm
 
 try:  # CUDA's math library (its expf); absent from Triton builds without the NVIDIA backend
     from triton.language.extra import libdevice
@@ -62,18 +63,7 @@ def _add_rms_norm_kernel(
     out_ty = out_ptr.dtype.element_ty
     total = rounded(x + res, out_ty)  # a 16-bit add, as torch's
     tl.store(sum_ptr + row * dim + cols, total.to(out_ty), mask=mask)
-    squares = tl.sum(total * total, axis=0)
-    if PRECISE:
-        mean = tl.math.div_rn(squares, dim.to(tl.float32))  # type: ignore[attr-defined]
-        normed = total * tl.math.div_rn(1.0, tl.math.sqrt_rn(mean + eps))
-    else:
-        normed = total * (1.0 / tl.sqrt(squares / dim + eps))
-    scale = tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if SCALE_IN_FLOAT32:
-        out = scale * normed
-    else:
-        out = scale * rounded(normed, out_ty)
-    tl.store(out_ptr + row * dim + cols, rounded(out, out_ty).to(out_ty), mask=mask)
+    store_rms_norm(total, scale_ptr, out_ptr, row, cols, mask, dim, eps, SCALE_IN_FLOAT32, PRECISE)
 
 
 def add_rms_norm(
@@ -100,7 +90,6 @@ def add_rms_norm(
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     tokens, dim = x.shape
-    d_pad = pow2_at_least(dim, floor=1)
     if tokens:
         _add_rms_norm_kernel[(tokens,)](
             x,
@@ -112,10 +101,9 @@ def add_rms_norm(
             residual.stride(0),
             dim,
             eps,
-            D_PAD=d_pad,
             SCALE_IN_FLOAT32=scale_in_float32,
             PRECISE=x.dtype == torch.float32,
-            num_warps=min(8, max(1, d_pad // 256)),
+            **row_tile(dim),
         )
     return out, total
 

@@ -21,12 +21,11 @@ import triton
 import triton.language as tl
 
 from runner.backends.triton.common import (
-    LOG2E,
     attend_paged_keys,
     default_tile,
-    dot_config,
+    paged_args,
+    paged_constexprs,
     paged_shapes,
-    pow2_at_least,
 )
 
 
@@ -42,12 +41,12 @@ def _prefill_kernel(
     qk_scale: float,  # softmax scale * log2(e)
     stride_qt: int,
     stride_qh: int,
-    stride_ot: int,
-    stride_oh: int,
     stride_cb: int,
     stride_co: int,
     stride_ch: int,
     stride_bt: int,
+    stride_ot: int,
+    stride_oh: int,
     window: int,  # sliding window in keys; read only when USE_WINDOW
     softcap: float,  # soft cap * log2(e) (log2_softcap); read only when USE_SOFTCAP
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -139,7 +138,7 @@ def prefill_attention(
     from the tensor, with a device sync, when not given. Returns [T, Hq, D] in q's dtype.
     """
     shapes = paged_shapes(q, k_cache, v_cache, window, softcap)
-    q, num_tokens, head_dim = shapes.q, q.shape[0], shapes.head_dim
+    q, num_tokens = shapes.q, q.shape[0]
     num_q_heads, num_kv_heads = shapes.num_q_heads, shapes.num_kv_heads
     out = torch.empty_like(q)
     num_seqs = context_lens.shape[0]
@@ -154,7 +153,6 @@ def prefill_attention(
         if size < 16 or size & (size - 1):
             raise ValueError(f"block_m / block_n must be powers of two >= 16, got {size}")
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
-    dot_dtype, precision = dot_config(k_cache.dtype)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -163,26 +161,14 @@ def prefill_attention(
         query_start_loc,
         context_lens,
         block_tables,
-        scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
+        *paged_args(q, k_cache, scale),
+        block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
         window or 0,  # ignored without a window (USE_WINDOW=False)
         shapes.softcap_log2,  # ignored without a cap (USE_SOFTCAP=False)
-        BLOCK_SIZE=shapes.block_size,
-        GROUP=num_q_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        D_PAD=pow2_at_least(head_dim),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        USE_WINDOW=window is not None,
-        USE_SOFTCAP=softcap is not None,
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=precision,
+        **paged_constexprs(k_cache, num_q_heads // num_kv_heads, window, softcap is not None),
     )
     return out

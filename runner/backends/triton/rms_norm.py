@@ -21,6 +21,45 @@ from runner.backends.triton.common import pow2_at_least, rounded
 
 
 @triton.jit
+def store_rms_norm(
+    x: tl.tensor,  # [D_PAD] float32 holding out's dtype's values, 0 past dim
+    scale_ptr: tl.tensor,  # [dim]: the weight (or Gemma's 1 + weight, in float32)
+    out_ptr: tl.tensor,  # rows of dim, contiguous, the input's dtype
+    row: int,
+    cols: tl.tensor,  # [D_PAD] arange
+    mask: tl.tensor,  # cols < dim
+    dim: int,
+    eps: float,
+    SCALE_IN_FLOAT32: tl.constexpr,  # scale, then round (OLMo 2, Gemma); else round, then scale
+    PRECISE: tl.constexpr,  # float32: correctly rounded square root and divisions
+) -> None:
+    """Row `row` of out: the RMSNorm of x times the scale, in transformers' operations and
+    dtypes (the norm in float32, the scale's product as a 16-bit one unless SCALE_IN_FLOAT32).
+    PRECISE keeps the square root and divisions correctly rounded where nothing rounds the
+    result to 16 bits afterwards (float32), as torch's are."""
+    squares = tl.sum(x * x, axis=0)
+    if PRECISE:
+        mean = tl.math.div_rn(squares, dim.to(tl.float32))  # type: ignore[attr-defined]
+        normed = x * tl.math.div_rn(1.0, tl.math.sqrt_rn(mean + eps))
+    else:
+        normed = x * (1.0 / tl.sqrt(squares / dim + eps))
+    scale = tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    if SCALE_IN_FLOAT32:
+        out = scale * normed
+    else:  # a 16-bit product, as torch computes one: in float32, rounded once below
+        out = scale * rounded(normed, out_ty)
+    tl.store(out_ptr + row * dim + cols, rounded(out, out_ty).to(out_ty), mask=mask)
+
+
+def row_tile(dim: int) -> dict[str, int]:
+    """The launch constants of a kernel with one program a row of `dim` values: the row padded
+    to a power of two (D_PAD) and warps for 4 to 8 values a thread (a head: 1 warp)."""
+    d_pad = pow2_at_least(dim, floor=1)
+    return {"D_PAD": d_pad, "num_warps": min(8, max(1, d_pad // 256))}
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr: tl.tensor,  # [A, B, dim] rows, last dim contiguous
     scale_ptr: tl.tensor,  # [dim]: the weight (or Gemma's 1 + weight, in float32)
@@ -38,14 +77,7 @@ def _rms_norm_kernel(
     mask = cols < dim
     base = (row // NUM_B) * stride_a + (row % NUM_B) * stride_b
     x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps))
-    scale = tl.load(scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out_ty = out_ptr.dtype.element_ty
-    if SCALE_IN_FLOAT32:
-        out = scale * normed
-    else:  # a 16-bit product, as torch computes one: in float32, rounded once below
-        out = scale * rounded(normed, out_ty)
-    tl.store(out_ptr + row * dim + cols, rounded(out, out_ty).to(out_ty), mask=mask)
+    store_rms_norm(x, scale_ptr, out_ptr, row, cols, mask, dim, eps, SCALE_IN_FLOAT32, False)
 
 
 def rms_norm(
@@ -70,7 +102,6 @@ def rms_norm(
         rows = rows.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_rows = rows.shape[0] * rows.shape[1]
-    d_pad = pow2_at_least(dim, floor=1)
     if num_rows:
         _rms_norm_kernel[(num_rows,)](
             rows,
@@ -81,8 +112,7 @@ def rms_norm(
             dim,
             eps,
             NUM_B=rows.shape[1],
-            D_PAD=d_pad,
             SCALE_IN_FLOAT32=scale_in_float32,
-            num_warps=min(8, max(1, d_pad // 256)),  # 4 to 8 values a thread; a head: 1 warp
+            **row_tile(dim),
         )
     return out

@@ -38,8 +38,9 @@ def _rotated_heads(
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
     OUT_TY: tl.constexpr,
-) -> tl.tensor:
-    """The token's heads [H_PAD, D_PAD] rotated, in float32 holding OUT_TY values."""
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """The token's heads [H_PAD, D_PAD] rotated, in float32 holding OUT_TY values; the heads'
+    offsets [H_PAD] and which elements are real [H_PAD, D_PAD], to store them by."""
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
     # rotate-half's partner of dim d: d + R/2 in the first half, d - R/2 in the second.
@@ -51,7 +52,7 @@ def _rotated_heads(
     xp = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     a = rounded(x * cos[None, :], OUT_TY)
     b = rounded(xp * sin[None, :], OUT_TY)
-    return tl.where(offs_d[None, :] < ROT, rounded(a + b, OUT_TY), x)
+    return tl.where(offs_d[None, :] < ROT, rounded(a + b, OUT_TY), x), offs_h, mask
 
 
 @triton.jit
@@ -92,22 +93,18 @@ def _rope_store_kernel(
     sin = tl.load(sin_ptr + token * stride_sin + offs_d, mask=in_rot, other=0.0).to(tl.float32)
     out_ty = q_out_ptr.dtype.element_ty
 
-    q = _rotated_heads(
+    q, offs_hq, q_mask = _rotated_heads(
         q_ptr + token * stride_qt, stride_qh, NUM_HEADS, cos, sin,
         HEAD_DIM, ROT, HQ_PAD, D_PAD, out_ty,
     )  # fmt: skip
-    offs_hq = tl.arange(0, HQ_PAD)
-    q_mask = (offs_hq[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
     q_dst = q_out_ptr + token * NUM_HEADS * HEAD_DIM + offs_hq[:, None] * HEAD_DIM
     tl.store(q_dst + offs_d[None, :], q.to(out_ty), mask=q_mask)
 
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    k = _rotated_heads(
+    k, offs_h, kv_mask = _rotated_heads(
         k_ptr + token * stride_kt, stride_kh, NUM_KV_HEADS, cos, sin,
         HEAD_DIM, ROT, HKV_PAD, D_PAD, out_ty,
     )  # fmt: skip
-    offs_h = tl.arange(0, HKV_PAD)
-    kv_mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
     # A negative slot (padding) stores nothing; where(), not `mask & (slot >= 0)`, which the
     # interpreter turns into an int array (as store_kv's kernel notes).
     kv_mask = tl.where(slot >= 0, kv_mask, False)

@@ -44,22 +44,40 @@ void rms_norm(const float *x, const float *w, float *y, long rows, long dim, flo
     rms_norm_rows(x, dim, w, y, dim, rows, dim, eps);
 }
 
-/* out[r] = silu(gate) * up, gate_up[r] = [gate (width) | up (width)]; width a multiple of 16;
- * rows of out ldo floats apart. silu(g) = g / (1 + e^-g), as torch computes it. */
-void silu_and_mul_rows(const float *gate_up, float *out, long ldo, long rows, long width)
+/* One row of a gated activation: out[i] = act(gate[i]) * up[i] for width floats (a multiple
+ * of 16). */
+typedef void (*gated_row_fn)(const float *gate, const float *up, float *out, long width);
+
+/* The rows of gate_up [rows, 2 * width], each [gate (width) | up (width)], through `row` into
+ * out, whose rows are ldo floats apart. Each row function keeps its own compile attributes
+ * (the GeLU's rounding depends on them), so a row is a call rather than an inlined body. */
+static void gated_rows(gated_row_fn row, const float *gate_up, float *out, long ldo, long rows,
+                       long width)
 {
     #pragma omp parallel for schedule(static) if (rows * width > PARALLEL_FLOATS)
     for (long r = 0; r < rows; r++) {
-        const float *gate = gate_up + r * 2 * width, *up = gate + width;
-        float *o = out + r * ldo;
-        for (long i = 0; i < width; i += LANES) {
-            __m512 g = _mm512_loadu_ps(gate + i);
-            __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                         exp_any(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-            __m512 silu = _mm512_div_ps(g, denom);
-            _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
-        }
+        const float *gate = gate_up + r * 2 * width;
+        row(gate, gate + width, out + r * ldo, width);
     }
+}
+
+/* silu(g) = g / (1 + e^-g), as torch computes it. */
+static void silu_row(const float *gate, const float *up, float *o, long width)
+{
+    for (long i = 0; i < width; i += LANES) {
+        __m512 g = _mm512_loadu_ps(gate + i);
+        __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                     exp_any(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+        __m512 silu = _mm512_div_ps(g, denom);
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+    }
+}
+
+/* out[r] = silu(gate) * up, gate_up[r] = [gate (width) | up (width)]; width a multiple of 16;
+ * rows of out ldo floats apart. */
+void silu_and_mul_rows(const float *gate_up, float *out, long ldo, long rows, long width)
+{
+    gated_rows(silu_row, gate_up, out, ldo, rows, width);
 }
 
 /* out [rows, width], contiguous. */
@@ -116,34 +134,34 @@ static inline __m512 tanh_float(__m512 u)
     return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
 }
 
-/* out[r] = gelu_tanh(gate) * up, gate_up[r] = [gate (width) | up (width)]; width a multiple of
- * 16; rows of out ldo floats apart. gelu_tanh(x) = 0.5 x (1 + tanh(beta (x + kappa x^3))) with
- * torch's roundings: beta and kappa rounded to float, x + kappa x^3 in one fused multiply-add
- * (as torch's build of its vector kernel computes it: two to eight times fewer differences from
- * F.gelu than with two roundings), every other operation rounded on its own. torch's vector
- * tanh (SLEEF's) is within one ulp but not always correctly rounded, so a few values in 10^3
- * differ from F.gelu by one ulp of tanh (tests/test_cpu_layers_gemma.py bounds it). The
- * modules call this same kernel (MLP.forward), so the C layers and the module path agree bit
- * for bit. */
+/* gelu_tanh(x) = 0.5 x (1 + tanh(beta (x + kappa x^3))) with torch's roundings: beta and kappa
+ * rounded to float, x + kappa x^3 in one fused multiply-add (as torch's build of its vector
+ * kernel computes it: two to eight times fewer differences from F.gelu than with two
+ * roundings), every other operation rounded on its own. torch's vector tanh (SLEEF's) is within
+ * one ulp but not always correctly rounded, so a few values in 10^3 differ from F.gelu by one
+ * ulp of tanh (tests/test_cpu_layers_gemma.py bounds it). The modules call this same kernel
+ * (MLP.forward), so the C layers and the module path agree bit for bit. */
 __attribute__((optimize("fp-contract=off")))
-void gelu_tanh_and_mul_rows(const float *gate_up, float *out, long ldo, long rows, long width)
+static void gelu_tanh_row(const float *gate, const float *up, float *o, long width)
 {
     const __m512 beta = _mm512_set1_ps((float)0.79788456080286535588);
     const __m512 kappa = _mm512_set1_ps(0.044715f);
     const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
-    #pragma omp parallel for schedule(static) if (rows * width > PARALLEL_FLOATS)
-    for (long r = 0; r < rows; r++) {
-        const float *gate = gate_up + r * 2 * width, *up = gate + width;
-        float *o = out + r * ldo;
-        for (long i = 0; i < width; i += LANES) {
-            __m512 x = _mm512_loadu_ps(gate + i);
-            __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-            __m512 inner = _mm512_mul_ps(beta, _mm512_fmadd_ps(kappa, cube, x));
-            __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(half, x),
-                                        _mm512_add_ps(one, tanh_float(inner)));
-            _mm512_storeu_ps(o + i, _mm512_mul_ps(gelu, _mm512_loadu_ps(up + i)));
-        }
+    for (long i = 0; i < width; i += LANES) {
+        __m512 x = _mm512_loadu_ps(gate + i);
+        __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+        __m512 inner = _mm512_mul_ps(beta, _mm512_fmadd_ps(kappa, cube, x));
+        __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(half, x),
+                                    _mm512_add_ps(one, tanh_float(inner)));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(gelu, _mm512_loadu_ps(up + i)));
     }
+}
+
+/* out[r] = gelu_tanh(gate) * up, gate_up[r] = [gate (width) | up (width)]; width a multiple of
+ * 16; rows of out ldo floats apart. */
+void gelu_tanh_and_mul_rows(const float *gate_up, float *out, long ldo, long rows, long width)
+{
+    gated_rows(gelu_tanh_row, gate_up, out, ldo, rows, width);
 }
 
 /* out [rows, width], contiguous. */

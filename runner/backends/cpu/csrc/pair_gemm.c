@@ -127,11 +127,5 @@ void pair_gemm(const float *x, long ldx, const void *packed, float *y, long M, l
     walk_tiles(M, panels, pairs * 4, pair_task, &args);
 }
 #else
-long panel_gemm_has_pairs(void) { return 0; }
-
-void pair_gemm(const float *x, long ldx, const void *packed, float *y, long M, long K,
-               long panels)
-{
-    (void)x, (void)ldx, (void)packed, (void)y, (void)M, (void)K, (void)panels;
-}
+PRODUCT_NOT_BUILT(pair_gemm, panel_gemm_has_pairs)
 #endif

@@ -103,6 +103,17 @@ static inline void fill_nan(float *y, long M, long panels)
         y[i] = NAN;
 }
 
+/* What a file of dot products defines where the build lacks its instructions (pair_gemm.c
+ * without AVX512-BF16, quad_gemm.c without AVX512-VNNI): `has` answers 0 and `gemm` leaves y
+ * alone, since runner/backends/cpu/kernel.py refuses such panels before calling. */
+#define PRODUCT_NOT_BUILT(gemm, has) \
+    long has(void) { return 0; } \
+    void gemm(const float *x, long ldx, const void *packed, float *y, long M, long K, \
+              long panels) \
+    { \
+        (void)x, (void)ldx, (void)packed, (void)y, (void)M, (void)K, (void)panels; \
+    }
+
 /* pair_gemm.c: y [M, panels * 16] = x [M, K] @ bfloat16 pair panels (WEIGHTS_BF16_PAIRS), x
  * rounded to bfloat16 first; NaN where there is no memory to round x, nothing where the build
  * lacks AVX512-BF16 (runner/backends/cpu/kernel.py refuses such panels before calling). */

@@ -172,11 +172,5 @@ void quad_gemm(const float *x, long ldx, const void *packed, float *y, long M, l
     walk_tiles(M, panels, quads * 4, quad_task, &args);
 }
 #else
-long panel_gemm_has_quads(void) { return 0; }
-
-void quad_gemm(const float *x, long ldx, const void *packed, float *y, long M, long K,
-               long panels)
-{
-    (void)x, (void)ldx, (void)packed, (void)y, (void)M, (void)K, (void)panels;
-}
+PRODUCT_NOT_BUILT(quad_gemm, panel_gemm_has_quads)
 #endif
