@@ -4,7 +4,10 @@ model_type); anything else is refused by name."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # HF architecture name -> (q/k/v bias, o_proj bias, q/k norm); None = read attention_bias.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool | None, bool]] = {
@@ -48,7 +51,7 @@ _MODEL_TYPES = {
 TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 
-def text_config(config: Any) -> Any:
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
     """The config the decoder runs: `config` itself, or a multimodal checkpoint's text_config
     named as its TEXT_OF_MULTIMODAL architecture (its images are not taken)."""
     for arch in getattr(config, "architectures", None) or []:
@@ -59,7 +62,7 @@ def text_config(config: Any) -> Any:
     return config
 
 
-def resolve_architecture(config: Any) -> str:
+def resolve_architecture(config: PretrainedConfig) -> str:
     """The supported HF architecture of `config`, else ValueError naming it."""
     archs = list(getattr(config, "architectures", None) or [])
     for arch in archs:
@@ -74,7 +77,7 @@ def resolve_architecture(config: Any) -> str:
     )
 
 
-def layer_windows(config: Any, arch: str) -> list[int | None]:
+def layer_windows(config: PretrainedConfig, arch: str) -> list[int | None]:
     """Each layer's sliding window (its last W tokens, itself included), None where it attends
     to the whole context: every layer of SLIDING_WINDOW_ARCHITECTURES when `sliding_window` is
     set; else the layers that `layer_types` names "sliding_attention" (Qwen2 and Qwen3 with

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +31,15 @@ from runner.model.hf_weights import load_hf_weights
 from runner.model.layers import RMSNorm, rope_cos_sin
 from runner.model.tensor_parallel import TensorParallel
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 # Per layer type with RoPE tables of its own: the (cos, sin) rows of a step's positions.
 RopeRows = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
         self.architecture = resolve_architecture(config)

@@ -6,7 +6,7 @@ and both (Gemma 3)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +24,12 @@ from runner.model.architectures import (
 from runner.model.layers import RMSNorm, apply_rope, layer_rope_types
 from runner.model.tensor_parallel import TensorParallel
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, arch: str, layer: int) -> None:
+    def __init__(self, config: PretrainedConfig, arch: str, layer: int) -> None:
         super().__init__()
         # SmolLM3 leaves RoPE out of some layers (no_rope_layers[i] == 0: no rotation there).
         no_rope_layers = getattr(config, "no_rope_layers", None)
@@ -132,7 +135,7 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         # Gemma names it hidden_activation, the others hidden_act.
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
@@ -171,7 +174,7 @@ class ResidualLayer(nn.Module):
     """What the three layouts share: attention, then the gated MLP, each a residual branch of
     the hidden stream; a subclass says where the norms stand (`branches`)."""
 
-    def __init__(self, config: Any, arch: str, layer: int) -> None:
+    def __init__(self, config: PretrainedConfig, arch: str, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, arch, layer)
         self.mlp = MLP(config)
@@ -211,7 +214,7 @@ class DecoderLayer(ResidualLayer):
     """The pre-norm layer (Llama and most others): h += attention(norm(h)); h += mlp(norm(h)).
     Fused, the residual add and the norm after it run in one Triton kernel."""
 
-    def __init__(self, config: Any, arch: str, layer: int) -> None:
+    def __init__(self, config: PretrainedConfig, arch: str, layer: int) -> None:
         super().__init__(config, arch, layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -238,7 +241,7 @@ class PostNormLayer(ResidualLayer):
     """OLMo 2's layer: each branch is normed on its way out, none on its way in:
     h += norm(attention(h)); h += norm(mlp(h)). layers.c runs it too (its post_norm)."""
 
-    def __init__(self, config: Any, arch: str, layer: int) -> None:
+    def __init__(self, config: PretrainedConfig, arch: str, layer: int) -> None:
         super().__init__(config, arch, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, True)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, True)
@@ -254,7 +257,7 @@ class SandwichNormLayer(ResidualLayer):
     """Gemma 3's layer: each branch is normed on its way in and on its way out, every norm
     scaling by 1 + weight in float32: h += norm(attention(norm(h))); h += norm(mlp(norm(h)))."""
 
-    def __init__(self, config: Any, arch: str, layer: int) -> None:
+    def __init__(self, config: PretrainedConfig, arch: str, layer: int) -> None:
         super().__init__(config, arch, layer)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, True, 1.0)

@@ -6,13 +6,16 @@ and cast to the model dtype) so that our logits match HF's on the same weights.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runner.backends.cpu.kernel import CpuKernels
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # RoPE types whose inverse frequencies are fixed at load time. "dynamic" changes with the
 # sequence length, which a KV cache cannot follow (cached keys would carry stale rotations), so
@@ -90,7 +93,7 @@ class RMSNorm(nn.Module):
         return self.scale() * xf.to(x.dtype)
 
 
-def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict[str, Any]:
     """The RoPE settings of a config, for transformers 5 (rope_parameters) and 4.x
     (rope_theta + rope_scaling) alike. Always has 'rope_type' and 'rope_theta'. `layer_type`
     picks a model's settings for one kind of layer where they differ (Gemma 3's
@@ -114,7 +117,7 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
     return params
 
 
-def layer_rope_types(config: Any) -> list[str | None]:
+def layer_rope_types(config: PretrainedConfig) -> list[str | None]:
     """Which RoPE settings each layer rotates with: None where they are the model's default
     (its full-attention layers'), else the layer's type, whose settings rope_parameters gives
     (Gemma 3's local layers rotate with another base); None for every layer where the config
@@ -126,7 +129,7 @@ def layer_rope_types(config: Any) -> list[str | None]:
     return [None if rope_parameters(config, kind) == default else kind for kind in types]
 
 
-def rotary_dim(config: Any, head_dim: int) -> int:
+def rotary_dim(config: PretrainedConfig, head_dim: int) -> int:
     """How many leading dimensions of each head RoPE rotates (partial_rotary_factor: Phi-4-mini
     rotates 3/4 of each head and passes the rest through)."""
     factor = rope_parameters(config).get("partial_rotary_factor")
@@ -138,7 +141,7 @@ def rotary_dim(config: Any, head_dim: int) -> int:
     return dim
 
 
-def rope_context_limit(config: Any) -> int | None:
+def rope_context_limit(config: PretrainedConfig) -> int | None:
     """The longest context the RoPE tables serve, where that is shorter than the model's
     positions: a longrope model's original context (past it, transformers switches every
     position to the long factors, which cached keys cannot follow). None otherwise."""
@@ -152,7 +155,7 @@ def rope_context_limit(config: Any) -> int | None:
 
 
 def rope_inv_freq(
-    config: Any, head_dim: int, layer_type: str | None = None
+    config: PretrainedConfig, head_dim: int, layer_type: str | None = None
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [rotary_dim // 2] (float32, CPU) and the cos/sin scale factor, for
     the layers of `layer_type` (rope_parameters)."""
@@ -179,7 +182,7 @@ def rope_inv_freq(
 
 
 def rope_cos_sin(
-    config: Any,
+    config: PretrainedConfig,
     head_dim: int,
     max_positions: int,
     dtype: torch.dtype,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import xxhash
@@ -20,6 +20,9 @@ from runner.model.architectures import resolve_architecture, text_config
 from runner.model.decoder import CausalLM
 from runner.model.gguf import convert_gguf, default_gguf_path
 from runner.model.hub import looks_like_hub_id, resolve_hub_model
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _DTYPES = {
@@ -35,8 +38,8 @@ _DTYPES = {
 
 class LoadedModel(NamedTuple):
     model: CausalLM
-    config: Any  # transformers.PretrainedConfig
-    tokenizer: Any | None  # a transformers tokenizer, None when the folder has none
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase | None  # None when the folder has none
     fingerprint: str  # stable id of the weights (prefix-cache namespace)
     path: Path  # the HF folder the weights were read from
 
@@ -107,7 +110,7 @@ def resolve_model_dir(model: str | Path | None) -> Path:
     return path
 
 
-def read_config(folder: Path) -> Any:
+def read_config(folder: Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
     try:
@@ -246,7 +249,9 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
         self._handles.clear()
 
 
-def load_tokenizer(folder: Path, config: Any = None) -> Any | None:
+def load_tokenizer(
+    folder: Path, config: PretrainedConfig | None = None
+) -> PreTrainedTokenizerBase | None:
     """The folder's tokenizer, None when it has none. `config`, the folder's config when the
     caller has read it already, spares AutoTokenizer reading config.json a second time."""
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
