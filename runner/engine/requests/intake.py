@@ -40,6 +40,16 @@ class Intake(NamedTuple):
     prefix_key: str  # the first full block's hash, hex ("" for a prompt shorter than a block)
 
 
+class PromptTokens(NamedTuple):
+    """A prompt as the engine runs it: its token ids, its text (None for token ids), its later
+    segments' [start, end) bounds and its own blend ratio (a segmented prompt's)."""
+
+    token_ids: list[int]
+    text: str | None
+    segments: tuple[tuple[int, int], ...]
+    blend_ratio: float | None
+
+
 @dataclasses.dataclass(eq=False, kw_only=True)
 class RequestIntake:
     """Builds the sequences of each request; owns the sequence numbers, the engine's seed
@@ -102,6 +112,46 @@ class RequestIntake:
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if request_id is not None and taken(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
+        tokens, params = self.prompt_tokens(prompt, params, add_special_tokens)
+        token_ids = tokens.token_ids
+        structured = params.structured_outputs is not None
+        if structured:  # a bad structure fails here, alone
+            self.grammars.check(params.structured_outputs)
+        if self.deterministic and params.seed is None and not params.greedy:
+            params = dataclasses.replace(params, seed=request_seed(self.seed, token_ids))
+        bad_words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
+        root = self.root(cache_salt)
+        first = block_hashes(token_ids[: self.block_size], self.block_size, root)
+        n = params.n
+        seq_id, rid = self.request_number(request_id, n, taken)
+        seqs = []
+        for j in range(n):
+            own = sample_params(params, j) if n > 1 else params
+            seqs.append(
+                Sequence(
+                    seq_id=seq_id if j == 0 else next(self.seq_ids),
+                    request_id=sample_request_id(rid, j) if n > 1 else rid,
+                    prompt_token_ids=token_ids,
+                    params=own,
+                    root=root,
+                    generator=request_generator(own, self.rng),
+                    prompt_text=tokens.text,
+                    group=rid if n > 1 else None,
+                    sample_index=j,
+                    grammar=self.grammars.state_for(own.structured_outputs) if structured else None,
+                    bad_words=bad_words,
+                    segments=tokens.segments,
+                    blend_ratio=tokens.blend_ratio,
+                )
+            )
+        return Intake(seqs, rid if n > 1 else None, f"{first[0]:016x}" if first else "")
+
+    def prompt_tokens(
+        self, prompt: Prompt | SegmentedPrompt, params: SamplingParams, add_special_tokens: bool
+    ) -> tuple[PromptTokens, SamplingParams]:
+        """The prompt's tokens fitted to the context (the validator may cut it to its last
+        tokens, moving the segments' bounds with it), and the params the fit leaves. Raises
+        ValueError naming the problem."""
         self.check_text_size(prompt)
         bounds: tuple[tuple[int, int], ...] = ()
         blend_ratio = None
@@ -115,19 +165,16 @@ class RequestIntake:
         before = len(token_ids)
         token_ids, params = self.validator.fit(token_ids, params)
         if len(token_ids) != before:  # cut to its last tokens: the segments' starts moved
-            bounds = tuple(
-                (s - before + len(token_ids), e - before + len(token_ids)) for s, e in bounds
-            )
-            bounds = tuple((s, e) for s, e in bounds if s >= 0)
-        structured = params.structured_outputs is not None
-        if structured:  # a bad structure fails here, alone
-            self.grammars.check(params.structured_outputs)
-        if self.deterministic and params.seed is None and not params.greedy:
-            params = dataclasses.replace(params, seed=request_seed(self.seed, token_ids))
-        bad_words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
-        root = self.root(cache_salt)
-        first = block_hashes(token_ids[: self.block_size], self.block_size, root)
-        n = params.n
+            cut = before - len(token_ids)
+            bounds = tuple((s - cut, e - cut) for s, e in bounds if s >= cut)
+        return PromptTokens(token_ids, text, bounds, blend_ratio), params
+
+    def request_number(
+        self, request_id: str | None, n: int, taken: Callable[[str], bool]
+    ) -> tuple[int, str]:
+        """The request's first sequence number, and its id: the one given, or that number
+        (the next free one when a given id took it). Raises ValueError when one of a given id's
+        samples is running already. Mutates: the sequence numbers advance."""
         seq_id = next(self.seq_ids)
         while request_id is None and _ids_taken(str(seq_id), n, taken):
             seq_id = next(self.seq_ids)  # a given id took this number: the next one is free
@@ -138,27 +185,7 @@ class RequestIntake:
                 raise ValueError(
                     f"request id {others[0]!r} (a sample of {rid!r}) is already running"
                 )
-        seqs = []
-        for j in range(n):
-            own = sample_params(params, j) if n > 1 else params
-            seqs.append(
-                Sequence(
-                    seq_id=seq_id if j == 0 else next(self.seq_ids),
-                    request_id=sample_request_id(rid, j) if n > 1 else rid,
-                    prompt_token_ids=token_ids,
-                    params=own,
-                    root=root,
-                    generator=request_generator(own, self.rng),
-                    prompt_text=text,
-                    group=rid if n > 1 else None,
-                    sample_index=j,
-                    grammar=self.grammars.state_for(own.structured_outputs) if structured else None,
-                    bad_words=bad_words,
-                    segments=bounds,
-                    blend_ratio=blend_ratio,
-                )
-            )
-        return Intake(seqs, rid if n > 1 else None, f"{first[0]:016x}" if first else "")
+        return seq_id, rid
 
 
 def text_of(prompt: Prompt | SegmentedPrompt) -> str:
