@@ -4,15 +4,17 @@ engine runs it with the same greedy answers."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from pathlib import Path
 
 import pytest
 
 from kvcache import LLM, SamplingParams
 from runner.engine.config import EngineConfig
-from runner.engine.sequence import SeqStatus
+from runner.engine.sequence import SeqStatus, Sequence
 from runner.engine.step.policies.continuous import ContinuousBatching
 from runner.engine.step.policies.policy import SchedulerMachinery
+from runner.engine.step.policies.priority import PriorityScheduling
 from runner.engine.step.policies.registry import POLICIES, policy_for
 from runner.engine.step.policies.static import StaticBatching
 from runner.engine.step.scheduler import SchedulerOutput
@@ -43,6 +45,9 @@ class ShortestPromptFirst:
             m.waiting.remove(chosen)
             m.admit(chosen, out)
             budget -= m.schedule_prefill_chunk(chosen, budget, out)
+
+    def victim(self, running: Seq[Sequence]) -> Sequence:
+        return running[-1]
 
     def holds_finished(self, reason: str) -> bool:
         return False
@@ -104,7 +109,8 @@ def test_static_batching_admits_the_next_batch_once_the_last_is_done(
 def test_policies_are_chosen_by_name_and_an_unknown_name_is_refused(tiny_llama_dir: Path) -> None:
     assert isinstance(policy_for("continuous"), ContinuousBatching)
     assert isinstance(policy_for("static"), StaticBatching)
-    with pytest.raises(ValueError, match="batching must be one of 'continuous', 'static', got 'x'"):
+    assert isinstance(policy_for("priority"), PriorityScheduling)
+    with pytest.raises(ValueError, match="batching must be one of 'continuous', 'static', .*'x'"):
         policy_for("x")
     with pytest.raises(ValueError, match="batching must be one of .* got 'fifo'"):
         LLM(str(tiny_llama_dir), batching="fifo")
@@ -116,3 +122,48 @@ def test_policies_are_chosen_by_name_and_an_unknown_name_is_refused(tiny_llama_d
 def test_only_static_batching_holds_a_finished_member(reason: str) -> None:
     assert StaticBatching().holds_finished(reason) is (reason in ("stop", "length"))
     assert ContinuousBatching().holds_finished(reason) is False
+
+
+def test_priority_scheduling_admits_the_lowest_priority_value_first(tiny_llama_dir: Path) -> None:
+    """One sequence at a time: continuous batching admits the prompts as they came, priority
+    scheduling by their priorities (2, 0, 1 here), lower first. The answers are the same."""
+    default, default_order, _ = _run(LLM(str(tiny_llama_dir), max_num_seqs=1), GREEDY)
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=1, batching="priority")
+    admitted: list[int] = []
+    llm.add_schedule_listener(
+        lambda out: admitted.extend(s.num_prompt_tokens for s in out.admitted)
+    )
+    outs = llm.generate(PROMPTS, GREEDY, priority=[2, 0, 1])
+    llm.block_manager.check_integrity()
+    assert [n for step in default_order for n in step] == [12, 4, 8]
+    assert admitted == [4, 8, 12]
+    assert [o.token_ids for o in outs] == default
+
+
+@pytest.mark.parametrize(
+    ("batching", "preempted"), [("continuous", "urgent"), ("priority", "late")]
+)
+def test_a_short_pool_preempts_the_highest_priority_value(
+    tiny_llama_dir: Path, batching: str, preempted: str
+) -> None:
+    """A request of priority 5 runs; one of priority 0 joins it; their answers outgrow a pool
+    of 8 blocks of 4 tokens. Continuous batching preempts the newest, the urgent one; priority
+    scheduling the one of the higher value, though it came first (vLLM's rule). Both answers
+    are the plain engine's either way."""
+    params = SamplingParams(max_tokens=18, temperature=0, ignore_eos=True)
+    prompts = {"late": list(range(40, 48)), "urgent": list(range(60, 68))}
+    plain = LLM(str(tiny_llama_dir))
+    expected = {name: out.token_ids for name, out in zip(prompts, plain.generate(
+        list(prompts.values()), params), strict=True)}  # fmt: skip
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=8, block_size=4, batching=batching)
+    seqs = {"late": llm.add_request(prompts["late"], params, request_id="late", priority=5)}
+    llm.step()  # the first runs alone, then the urgent one arrives
+    seqs["urgent"] = llm.add_request(prompts["urgent"], params, request_id="urgent", priority=0)
+    answers: dict[str, list[int]] = {}
+    while llm.has_unfinished():
+        answers.update((out.request_id, out.token_ids) for out in llm.step())
+    llm.block_manager.check_integrity()
+    assert {name: seq.num_preemptions > 0 for name, seq in seqs.items()} == {
+        name: name == preempted for name in seqs
+    }
+    assert answers == expected

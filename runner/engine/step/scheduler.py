@@ -51,7 +51,7 @@ class Scheduler:
         self.policy = policy_for(config.batching)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order: the last is preempted first
+        self.running: list[Sequence] = []  # admission order (the policy picks whom to preempt)
         # Finished but still in the batch, as the policy says (static batching's members).
         self.held: list[Sequence] = []
         self.step_count = 0
@@ -176,7 +176,7 @@ class Scheduler:
 
     def schedule_decode(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Schedule one decode position of a running sequence, once the pool has room for its
-        token (preempting the newest other sequences if needed); False when `seq` itself was
+        token (preempting the policy's victims if needed); False when `seq` itself was
         preempted."""
         if not self._reserve_decode_slot(seq, out):
             return False
@@ -184,9 +184,9 @@ class Scheduler:
         return True
 
     def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Make room for one more token, preempting the newest other sequences if needed."""
+        """Make room for one more token, preempting the policy's victims if needed."""
         while not self.bm.grow(seq.seq_id, seq.num_tokens):
-            victim = self.running[-1]
+            victim = self.policy.victim(self.running)
             self._preempt(victim, out)
             if victim is seq:
                 return False

@@ -4,6 +4,8 @@ is left of the token budget, so a request joins the batch as soon as there is ro
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
 from runner.engine.sequence import SeqStatus, Sequence
 from runner.engine.step.policies.policy import SchedulerMachinery
 from runner.engine.step.scheduled import SchedulerOutput
@@ -11,7 +13,8 @@ from runner.engine.step.scheduled import SchedulerOutput
 
 class ContinuousBatching:
     """Decodes, then prefill chunks, then admissions, all under the step's token budget; a
-    decode that finds the pool short preempts the most recently admitted sequence."""
+    decode that finds the pool short preempts the policy's `victim`, the most recently admitted
+    sequence."""
 
     def schedule(self, machinery: SchedulerMachinery, out: SchedulerOutput) -> None:
         m = machinery
@@ -36,7 +39,7 @@ class ContinuousBatching:
         while budget > 0 and m.waiting and len(m.running) < m.config.max_num_seqs:
             if inflight is None:
                 inflight = m.admission.inflight_hashes(m.running)
-            chosen = m.admission.pick(m.waiting, inflight, m.step_count)
+            chosen = self.next_admission(m, inflight)
             if chosen is None or not m.bm.can_allocate(
                 chosen.token_ids, chosen.root, reads_cache=chosen.reuses_cache
             ):
@@ -46,6 +49,13 @@ class ContinuousBatching:
             budget -= m.schedule_prefill_chunk(chosen, budget, out)
             inflight.update(m.admission.prompt_hashes(chosen))
         m.add_drafts(out, budget)
+
+    def next_admission(self, m: SchedulerMachinery, inflight: set[int]) -> Sequence | None:
+        """The waiting request to admit next: cache-aware order (admission.py)."""
+        return m.admission.pick(m.waiting, inflight, m.step_count)
+
+    def victim(self, running: Seq[Sequence]) -> Sequence:
+        return running[-1]  # the most recently admitted
 
     def holds_finished(self, reason: str) -> bool:
         return False  # a finished sequence's slot goes to the next request at once

@@ -5,6 +5,7 @@ the primitives that admit, decode, prefill and draft while keeping the books rig
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Seq
 from typing import Protocol
 
 from kvcache import BlockManager
@@ -17,8 +18,8 @@ from runner.engine.step.scheduled import SchedulerOutput
 class SchedulerMachinery(Protocol):
     """What a policy drives: the scheduler's state (read, and its queues changed in place) and
     its primitives. A policy moves a sequence out of `waiting` only through `admit`, and
-    preempts only through `schedule_decode` (which preempts the newest running sequences when
-    the pool is short)."""
+    preempts only through `schedule_decode` (which preempts the policy's victims while the pool
+    is short)."""
 
     @property
     def config(self) -> EngineConfig: ...
@@ -44,7 +45,7 @@ class SchedulerMachinery(Protocol):
 
     @property
     def running(self) -> list[Sequence]:
-        """Admission order: the last is preempted first."""
+        """Admission order."""
         ...
 
     @property
@@ -58,8 +59,8 @@ class SchedulerMachinery(Protocol):
         ...
 
     def schedule_decode(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Schedule one decode position of a running sequence, preempting the newest running
-        sequences while the pool is short; False when `seq` itself was preempted."""
+        """Schedule one decode position of a running sequence, preempting the policy's victims
+        while the pool is short; False when `seq` itself was preempted."""
         ...
 
     def schedule_prefill_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
@@ -78,6 +79,11 @@ class SchedulingPolicy(Protocol):
     def schedule(self, machinery: SchedulerMachinery, out: SchedulerOutput) -> None:
         """Fill `out` with this step's work (decodes, prefill chunks, admissions) under
         `config.token_budget` and `config.max_num_seqs`."""
+        ...
+
+    def victim(self, running: Seq[Sequence]) -> Sequence:
+        """Which of the running sequences (admission order, never empty) to preempt when the
+        pool has no room for a decode's next token."""
         ...
 
     def holds_finished(self, reason: str) -> bool:

@@ -8,11 +8,13 @@ from collections.abc import Callable
 
 from runner.engine.step.policies.continuous import ContinuousBatching
 from runner.engine.step.policies.policy import SchedulingPolicy
+from runner.engine.step.policies.priority import PriorityScheduling
 from runner.engine.step.policies.static import StaticBatching
 
 POLICIES: dict[str, Callable[[], SchedulingPolicy]] = {
     "continuous": ContinuousBatching,
     "static": StaticBatching,
+    "priority": PriorityScheduling,
 }
 
 

@@ -5,6 +5,9 @@ behaviour, the baseline continuous batching is measured against)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
+from runner.engine.sequence import Sequence
 from runner.engine.step.policies.policy import SchedulerMachinery
 from runner.engine.step.scheduled import SchedulerOutput
 
@@ -17,6 +20,9 @@ class StaticBatching:
         m = machinery
         if out.is_empty and m.waiting and not m.running and not m.held:
             self._step(m, out)  # a preemption released the batch: the next one
+
+    def victim(self, running: Seq[Sequence]) -> Sequence:
+        return running[-1]  # reserved room makes this rare: a preemption ends the batch
 
     def holds_finished(self, reason: str) -> bool:
         # An aborted or failed member gives its blocks back at once.
