@@ -72,8 +72,8 @@ class Sequence:
     # that may come from the segment's own cache (runner/engine/step/segments.py).
     segments: tuple[tuple[int, int], ...] = ()
     blend_ratio: float | None = None  # the prompt's own (None: the engine's)
-    # vLLM's request priority (lower first): under eviction_policy="priority" its cached
-    # blocks are evicted after those of lower priorities (kvcache/eviction/priority.py).
+    # vLLM's request priority: a lower value is the more urgent request, admitted first under
+    # priority scheduling, and its blocks kept longer under priority eviction.
     priority: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
 
@@ -143,6 +143,13 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self._tokens)
+
+    @property
+    def cache_retention(self) -> int:
+        """What the priority eviction policy ranks this request's blocks by, a higher value
+        kept longer (SGLang's sense): vLLM's priority turned around, so the more urgent request
+        (the lower priority value) keeps its blocks longer."""
+        return -self.priority
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -42,6 +42,7 @@ def chat_submission(
         template_kwargs=options,
         tools=body.tools or None,
         cache_salt=body.cache_salt,
+        priority=body.priority,
     )
 
 

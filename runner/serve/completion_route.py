@@ -22,7 +22,7 @@ async def complete(
 ) -> Response:
     prompts = body.prompts()
     subs = [
-        Submission("", i, params, prompt=p, cache_salt=body.cache_salt)
+        Submission("", i, params, prompt=p, cache_salt=body.cache_salt, priority=body.priority)
         for i, p in enumerate(prompts)
     ]
     call = await start_call(state.engine, request, subs, "prompt")

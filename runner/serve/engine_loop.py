@@ -232,6 +232,7 @@ class EngineLoop:
                 request_id=sub.request_id,
                 cache_salt=sub.cache_salt,
                 add_special_tokens=sub.messages is None,  # a chat template wrote its own
+                priority=sub.priority,
             )
         except ValueError as err:
             self._deliver(sink, Rejected(sub.index, self._masker.mask(str(err))))

@@ -65,6 +65,7 @@ class Submission:
     template_kwargs: dict[str, object] | None = None
     tools: list[dict[str, Any]] | None = None  # what the chat template shows the model
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's request priority (lower first)
     # Called on the engine's thread with the request's sequences once it is queued, before a
     # step computes any of it (a prefill worker opens its handover there: from a handler it
     # waited for the engine lock, which the first step of this very prompt could hold to the

@@ -41,6 +41,7 @@ _LLM_FLAGS: dict[str, tuple[tuple[str, ...], click.ParamType]] = {
     "pipeline_parallel_size": (("--pipeline-parallel-size", "-pp"), click.INT),
     "cpu_offload_gb": (("--cpu-offload-gb",), click.FLOAT),
     "distributed_executor_backend": (("--distributed-executor-backend",), click.STRING),
+    "scheduling_policy": (("--scheduling-policy",), click.Choice(["fcfs", "priority"])),
 }
 
 

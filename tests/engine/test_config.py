@@ -117,10 +117,11 @@ def test_the_eviction_policy_is_chosen_by_name(tiny_llama_dir: Path) -> None:
     assert bad.exit_code == 2 and "'fifo' is not one of 'lfu', 'lru', 'priority'" in bad.output
 
 
-def test_priority_keeps_a_high_priority_prefix_cached(tiny_llama_dir: Path) -> None:
-    """eviction_policy="priority" with vLLM's `generate(..., priority=...)`: when the pool runs
-    short, the low-priority prompt's blocks go and the high-priority one's stay (under "lru"
-    the older, high-priority prompt's would go first)."""
+def test_priority_keeps_an_urgent_prefix_cached(tiny_llama_dir: Path) -> None:
+    """eviction_policy="priority" with vLLM's `generate(..., priority=...)`, a lower value the
+    more urgent request (as priority scheduling admits it first): when the pool runs short, the
+    blocks of the prompt of priority 5 go and those of priority 0 stay (under "lru" the older,
+    urgent prompt's would go first)."""
     from kvcache import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0)
@@ -128,8 +129,8 @@ def test_priority_keeps_a_high_priority_prefix_cached(tiny_llama_dir: Path) -> N
     filler = [[20 + j, 30 + i % 11] * 16 for j, i in enumerate(range(3))]
     for policy, survivor, gone in (("priority", kept, dropped), ("lru", dropped, kept)):
         llm = LLM(str(tiny_llama_dir), block_size=16, num_kv_blocks=12, eviction_policy=policy)
-        llm.generate([kept], params, priority=[5])
-        llm.generate([dropped], params, priority=[0])
+        llm.generate([kept], params, priority=[0])
+        llm.generate([dropped], params, priority=[5])
         llm.generate(filler, params, priority=[1, 1, 1])  # needs blocks: one prompt's must go
         assert llm.cached_prefix(survivor, None).blocks == 3, policy  # its full blocks, all
         assert llm.cached_prefix(gone, None).blocks < 3, policy

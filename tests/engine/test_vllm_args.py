@@ -67,3 +67,21 @@ def test_what_cannot_be_honoured_is_refused_by_name(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny_llama_tok_dir), **option)
+
+
+def test_vllms_scheduling_policy_names_the_batching(tiny_llama_tok_dir: Path) -> None:
+    """scheduling_policy="priority" is batching="priority"; "fcfs" leaves the batching given;
+    another value, or a batching it cannot order, is refused by name before the model loads."""
+    model = str(tiny_llama_tok_dir)
+    assert LLM(model, scheduling_policy="priority").config.batching == "priority"
+    # continuous batching is the default a command line passes: priority orders its queue
+    priority = LLM(model, scheduling_policy="priority", batching="continuous")
+    assert priority.config.batching == "priority"
+    assert LLM(model, scheduling_policy="fcfs").config.batching == "continuous"
+    assert LLM(model, scheduling_policy="fcfs", batching="static").config.batching == "static"
+    with pytest.raises(ValueError, match="scheduling_policy='lifo': must be 'fcfs' or 'priority'"):
+        LLM(model, scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="scheduling_policy='priority' and batching='static'"):
+        LLM(model, scheduling_policy="priority", batching="static")
+    with pytest.raises(ValueError, match="scheduling_policy='fcfs' and batching='priority'"):
+        LLM(model, scheduling_policy="fcfs", batching="priority")

@@ -278,3 +278,25 @@ def test_the_engine_options_take_vllms_names() -> None:
     assert seen[-1]["gpu_memory_utilization"] == 0.5
     both = runner.invoke(command, ["--enable-prefix-caching", "--no-prefix-cache"])
     assert both.exit_code == 2 and "--enable-prefix-caching" in both.output
+
+
+def test_a_requests_priority_reaches_the_engine(serve: ServeFactory, tiny_llm: LLM) -> None:
+    """vLLM's `priority` field, on completions and chats (the openai client's extra_body),
+    queues the request with that priority; one that is not an integer is a 400 naming it."""
+    seen: list[int] = []
+    tiny_llm.add_schedule_listener(lambda out: seen.extend(s.priority for s in out.admitted))
+    with serve() as server:
+        api = client(server)
+        api.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"priority": 3}
+        )
+        api.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            extra_body={"priority": -2},
+        )
+        api.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        bad = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "priority": "high"})
+    assert seen == [3, -2, 0]
+    assert bad.status_code == 400 and "priority" in bad.text

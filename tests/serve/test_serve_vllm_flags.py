@@ -27,6 +27,7 @@ def test_a_vllm_command_line_serves(tiny_llama_tok_dir: Path) -> None:
     command += ["--max-logprobs", "20", "--generation-config", "vllm"]
     command += ["--chat-template-content-format", "string", "--max-model-len", "0.4k"]
     command += ["--kv-cache-dtype", "auto", "-tp", "1", "--disable-log-stats"]
+    command += ["--scheduling-policy", "priority"]
     proc = serve_process(command)
     try:
         wait_until_up(proc, url)
@@ -35,7 +36,10 @@ def test_a_vllm_command_line_serves(tiny_llama_tok_dir: Path) -> None:
         assert [c.id for c in cards] == ["tiny", "other"]
         assert cards[0].model_dump()["max_model_len"] == 400  # 0.4k, as vLLM reads it
         reply = api.chat.completions.create(
-            model="other", messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+            model="other",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            extra_body={"priority": 1},
         )
         assert reply.model == "tiny" and reply.choices[0].message.content is not None
     finally:

@@ -168,7 +168,8 @@ class Engine:
         """Validate and queue one request; raises ValueError naming the problem. Returns its
         sequence; with params.n > 1 it queues n (request ids "<id>#<j>", see `samples_of`),
         returns sample 0's, and `step` hands back one RequestOutput once all have finished.
-        `priority` (vLLM's): what the "priority" eviction policy keeps longest, lower first."""
+        `priority` (vLLM's), a lower value the more urgent request: admitted first under
+        batching="priority", its blocks kept longer under eviction_policy="priority"."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         seqs, group, prefix_key = self.intake.sequences(

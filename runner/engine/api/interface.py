@@ -162,6 +162,7 @@ class ServingEngine(Protocol):
         request_id: str | None = None,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        priority: int = 0,
     ) -> Seq:
         """Validate and queue one request (ValueError names the problem); sample 0's
         sequence."""

@@ -99,8 +99,8 @@ class LLM(EngineCalls):
         """Generate for each prompt (text, token ids, or vLLM's {"prompt": ...} or
         {"prompt_token_ids": [...]} dict); outputs come back in input order. `sampling_params`
         (vLLM's name) or `params`: one for all prompts or one per prompt. `priority` (vLLM's):
-        one integer a prompt; under eviction_policy="priority" a lower one's cached blocks are
-        evicted first."""
+        one integer a prompt, a lower one the more urgent: admitted first under
+        batching="priority", its cached blocks kept longer under eviction_policy="priority"."""
         batch = prompt_inputs(prompts)
         chosen = sampling_params_arg(sampling_params, params)
         if priority is not None and len(priority) != len(batch):

@@ -28,6 +28,9 @@ class VllmArg:
 # Pipeline and data parallelism: a model runs on one device, or split by tensor parallelism
 # (tensor_parallel_size, an engine option).
 PARALLEL = ("pipeline_parallel_size", "data_parallel_size")
+# Checked on their own below: the quantization a .gguf model names, and the queue's order
+# (vLLM's scheduling_policy: "fcfs", continuous batching's, or "priority", batching="priority").
+CHECKED_APART = ("quantization", "scheduling_policy")
 
 VLLM_ARGS: dict[str, VllmArg] = {
     "swap_space": VllmArg(
@@ -85,6 +88,7 @@ def pop_vllm_args(options: dict[str, Any], model: str | None) -> dict[str, Any]:
             "weights are loaded de-quantized, and on the CPU cpu_weight_dtype='int8' or "
             "'bfloat16' rounds the weights as they are packed"
         )
+    _scheduling_policy(rest, rest.pop("scheduling_policy", None))
     for name, arg in VLLM_ARGS.items():
         value = rest.pop(name, None)
         if value is None or value in arg.same:
@@ -96,10 +100,29 @@ def pop_vllm_args(options: dict[str, Any], model: str | None) -> dict[str, Any]:
     return rest
 
 
+def _scheduling_policy(options: dict[str, Any], policy: object) -> None:
+    """vLLM's scheduling_policy as the batching it names: "priority" orders continuous
+    batching's queue by priority (batching="priority"); "fcfs" leaves the batching as given.
+    ValueError for another value, or beside a batching it cannot order (static, or priority
+    named with "fcfs")."""
+    if policy is None:
+        return
+    if policy not in ("fcfs", "priority"):
+        raise ValueError(f"scheduling_policy={policy!r}: must be 'fcfs' or 'priority'")
+    batching = options.get("batching")
+    fits = ("continuous", "priority") if policy == "priority" else ("continuous", "static")
+    if batching is not None and batching not in fits:
+        raise ValueError(
+            f"scheduling_policy={policy!r} and batching={batching!r} disagree: give one of them"
+        )
+    if policy == "priority":
+        options["batching"] = "priority"
+
+
 def vllm_arg_names() -> Mapping[str, VllmArg]:
-    """Every name `pop_vllm_args` takes (the parallel sizes and quantization beside the
-    table), for the command line's parsers."""
+    """Every name `pop_vllm_args` takes (the parallel sizes, quantization and the scheduling
+    policy beside the table), for the command line's parsers."""
     names: dict[str, VllmArg] = dict(VLLM_ARGS)
-    for name in (*PARALLEL, "quantization"):
+    for name in (*PARALLEL, *CHECKED_APART):
         names[name] = VllmArg((), "")
     return names

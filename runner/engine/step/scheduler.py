@@ -230,7 +230,7 @@ class Scheduler:
             seq.root,
             purpose,
             reads_cache=seq.reuses_cache,
-            priority=seq.priority,
+            priority=seq.cache_retention,
         )
         if alloc.copy is not None:
             self.copy_slots(*alloc.copy)
