@@ -168,7 +168,7 @@ def generate(
     top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, min_tokens, logit_bias,
     allowed_token_ids, bad_words, truncate_prompt_tokens, skip_special_tokens,
     include_stop_str_in_output, structured_outputs, repetition_penalty, presence_penalty,
-    frequency_penalty, logprobs, prompt_logprobs, n) and cache_salt."""
+    frequency_penalty, logprobs, prompt_logprobs, n), cache_salt and priority."""
     from runner.cli.batch.paths import check_paths
 
     # First, and held until the command ends: a second run on OUTPUT is refused at once.

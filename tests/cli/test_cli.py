@@ -506,3 +506,27 @@ def test_bad_engine_options_fail_before_the_model_loads(tmp_path: Path) -> None:
         result = CliRunner().invoke(main, [*base, *flags])
         assert result.exit_code == 2, (flags, result.output)
         assert named in result.output and "no-such-model" not in result.output
+
+
+def test_a_lines_priority_orders_the_queue(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Under --batching priority with one sequence at a time, lines run by their `priority`
+    (lower first; none given is 0), so their records arrive in that order; a priority that is
+    not an integer fails its line alone, which keeps its id."""
+    given = {"a": 3, "b": None, "c": -1, "d": "high"}
+    lines = []
+    for i, (rid, priority) in enumerate(given.items()):
+        line = json.loads(good(i))
+        line["id"] = rid
+        if priority is not None:
+            line["priority"] = priority
+        lines.append(json.dumps(line).encode())
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    args = [*generate_args(src, out, tiny_llama_dir, 2), "--batching", "priority"]
+    result = CliRunner().invoke(main, [*args, "--max-num-seqs", "1"])
+    assert result.exit_code == 1, result.output
+    recs = records(out)
+    assert [r["id"] for r in recs if "error" not in r] == ["c", "b", "a"]
+    assert [(r["id"], r["error"]) for r in recs if "error" in r] == [
+        ("d", "line 4: 'priority' must be an integer")
+    ]

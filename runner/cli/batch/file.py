@@ -52,7 +52,11 @@ SAMPLING_FIELDS = (
 )
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids", "segments")
 KNOWN_FIELDS = frozenset(
-    ("id", "cache_salt", "chat_template_kwargs", "blend_ratio", *PROMPT_FIELDS, *SAMPLING_FIELDS)
+    (
+        *("id", "cache_salt", "priority", "chat_template_kwargs", "blend_ratio"),
+        *PROMPT_FIELDS,
+        *SAMPLING_FIELDS,
+    )
 )
 
 
@@ -69,6 +73,7 @@ class BatchLine:
     segments: SegmentedPrompt | None = None  # a prompt given as segments (docs/SEGMENTS.md)
     params: SamplingParams | None = None
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's (lower first); orders the queue, not the answer
     error: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
     id_given: bool = False  # False: the id is the line number, since the line named none
@@ -161,6 +166,11 @@ def parse_line(
         line.error = f"line {line_no}: 'cache_salt' must be a string"
         return line
     line.cache_salt = salt
+    priority = obj.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        line.error = f"line {line_no}: 'priority' must be an integer"
+        return line
+    line.priority = priority
     if "chat_template_kwargs" in obj:
         if line.messages is None:
             line.error = f"line {line_no}: chat_template_kwargs needs messages"

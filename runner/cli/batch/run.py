@@ -182,6 +182,7 @@ class BatchRun:
                 request_id=line.request_id,
                 cache_salt=line.cache_salt,
                 add_special_tokens=special,
+                priority=line.priority,
             )
             self.num_queued += 1
         except ValueError as err:
