@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     None,
     "shared_system_prompt",
     "A data/ workload name or .jsonl file; 'core' runs the block-manager micro-bench; "
-    "'tensor-parallel' two ranks against one; "
+    "'tensor-parallel' two ranks against one; 'priority' urgent requests behind a queue under "
+    "continuous batching and priority scheduling (--limit: the queue's length); "
     "'tiers-working-set', 'tiers-restart', 'tiers-replicas' and 'tiers-per-block' the KV tiers' "
     "figures (docs/TIERS.md).",
 )
@@ -171,7 +172,7 @@ def run_apart(
     tier_options: dict[str, int | str | None],
 ) -> bool:
     """Run the workloads that are no race of systems in one process (blend, tensor-parallel,
-    core, tiers-*, and the served prefill/decode systems); False for any other."""
+    priority, core, tiers-*, and the served prefill/decode systems); False for any other."""
     if workload == "blend":  # reuse beyond the prefix (bench/blend.py)
         from bench.blend import blend_bench
         from bench.blend import table as blend_table
@@ -185,6 +186,13 @@ def run_apart(
 
         rows = tensor_parallel_bench(model)
         echo(tp_table(rows))
+        write_json(json_path, rows)
+    elif workload == "priority":  # priority scheduling against first come (bench/priority.py)
+        from bench.priority import priority_bench
+        from bench.priority import table as priority_table
+
+        rows = priority_bench(model, limit)
+        echo(priority_table(rows))
         write_json(json_path, rows)
     elif workload == "core":
         from bench.microbench import main as core_main
