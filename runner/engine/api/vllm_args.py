@@ -100,7 +100,7 @@ def pop_vllm_args(options: dict[str, Any], model: str | None) -> dict[str, Any]:
     return rest
 
 
-def _scheduling_policy(options: dict[str, Any], policy: object) -> None:
+def _scheduling_policy(options: dict[str, object], policy: object) -> None:
     """vLLM's scheduling_policy as the batching it names: "priority" orders continuous
     batching's queue by priority (batching="priority"); "fcfs" leaves the batching as given.
     ValueError for another value, or beside a batching it cannot order (static, or priority
