@@ -8,6 +8,7 @@ computed as the engine computes them (prompt_hashes.py), the policies (policy.py
 routes with streaming pass-through and retries (app.py) and the click command (command.py);
 the disaggregated router (pd.py) reads its workers' answers as pd_messages.py types them.
 May import: kvcache (its hashing), engine (only requests.py's chat rendering), serve (its
-request models), kv_events (the events' schema); never the engine itself: a router loads no
+request models), kv_events (the events' schema), cli (the option builders every command
+shares); never the engine itself: a router loads no
 model, only its tokenizer.
 """

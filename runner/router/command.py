@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import click
 
+from runner.cli.common_options import Option, api_key_option, apply_options, shown_option
 from runner.router.policy import POLICIES
 
-Command = Callable[..., None]  # a click command's function, before click.command makes it one
 # An option whose default --help shows: (flag, type, default, help).
 Shown = tuple[str, click.ParamType, float, str | None]
 
@@ -71,18 +71,9 @@ DEADLINES: tuple[Shown, ...] = (
 )
 
 
-def shown_options(table: Sequence[Shown]) -> Callable[[Command], Command]:
+def shown_options(table: Sequence[Shown]) -> Option:
     """One decorator adding the options of `table`, in its order in --help."""
-
-    def add(command: Command) -> Command:
-        for flag, value_type, default, help in reversed(table):
-            option = click.option(
-                flag, type=value_type, default=default, show_default=True, help=help
-            )
-            command = option(command)
-        return command
-
-    return add
+    return apply_options([shown_option(*row) for row in table])
 
 
 @click.command()
@@ -122,12 +113,7 @@ def shown_options(table: Sequence[Shown]) -> Callable[[Command], Command]:
 @click.option(
     "--tokenizer", default=None, help="cache_aware: tokenizer folder [default: the replicas']."
 )
-@click.option(
-    "--api-key",
-    default=None,
-    envvar="KVCACHE_API_KEY",
-    help="Clients must send 'Authorization: Bearer KEY' to /v1/* (or $KVCACHE_API_KEY).",
-)
+@api_key_option("Clients must send 'Authorization: Bearer KEY' to /v1/* (or $KVCACHE_API_KEY).")
 @click.option(
     "--replica-api-key",
     default=None,

@@ -69,7 +69,7 @@ ALLOWED: dict[str, set[str]] = {
     # serve never imports disagg, which extends it: cli.py hands serve disagg's role starter.
     "runner.serve": {"kvcache", "runner.engine", "runner.sampling", "runner.cli"},
     "runner.disagg": {"kvcache", "runner.serve", "runner.engine"},
-    "runner.router": {"kvcache", "runner.engine", "runner.serve", "runner.kv_events"},
+    "runner.router": {"kvcache", "runner.engine", "runner.serve", "runner.kv_events", "runner.cli"},
     "runner.cli": {
         "kvcache",
         "runner.engine",
