@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, Union
 
 from kvcache.utils.argparse_utils import human_readable_int
-from runner.engine.api.vllm_args import CHECKED_APART, PARALLEL, VLLM_ARGS
+from runner.engine.api.vllm_args import PARALLEL, vllm_arg_names
 from runner.engine.config import EngineConfig
 
 
@@ -69,9 +69,8 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The engine's arguments among a parsed command line's (those add_cli_args adds)."""
-        names = {"model", "tokenizer", "seed", "trust_remote_code", *CHECKED_APART}
-        names |= {f.name for f in dataclasses.fields(EngineConfig)} | set(PARALLEL)
-        names |= set(VLLM_ARGS)
+        names = {"model", "tokenizer", "seed", "trust_remote_code", *vllm_arg_names()}
+        names |= {f.name for f in dataclasses.fields(EngineConfig)}
         given = {k: v for k, v in vars(args).items() if k in names}
         model = given.pop("model", None)
         return cls(model, **given)
@@ -96,7 +95,7 @@ class EngineArgs:
                 parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=quiet)
             else:
                 parser.add_argument(*flags, type=read, default=quiet)
-        for name in (*PARALLEL, *CHECKED_APART, *VLLM_ARGS):
+        for name in vllm_arg_names():
             flags = ["--" + name.replace("_", "-")]
             if name in _VLLM_FLAGS:
                 parser.add_argument(*flags, action="store_true", default=quiet)

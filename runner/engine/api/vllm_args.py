@@ -120,9 +120,7 @@ def _scheduling_policy(options: dict[str, object], policy: object) -> None:
 
 
 def vllm_arg_names() -> Mapping[str, VllmArg]:
-    """Every name `pop_vllm_args` takes (the parallel sizes, quantization and the scheduling
-    policy beside the table), for the command line's parsers."""
-    names: dict[str, VllmArg] = dict(VLLM_ARGS)
-    for name in (*PARALLEL, *CHECKED_APART):
-        names[name] = VllmArg((), "")
-    return names
+    """Every name `pop_vllm_args` takes, for the command line's parsers: the parallel sizes,
+    quantization and the scheduling policy (checked apart), then the table's."""
+    apart = dict.fromkeys((*PARALLEL, *CHECKED_APART), VllmArg((), ""))
+    return {**apart, **VLLM_ARGS}
