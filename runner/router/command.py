@@ -91,8 +91,8 @@ def shown_options(table: Sequence[Shown]) -> Option:
 )
 @click.option("--decode", "decode", multiple=True, help="A `kvcache serve --role decode` URL.")
 @click.option("--policy", type=click.Choice(POLICIES), default="cache_aware", show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
+@shown_option("--host", None, "127.0.0.1")
+@shown_option("--port", int, 8000)
 @shown_options(CACHE_AWARE_TUNING)
 @click.option(
     "--kv-events",

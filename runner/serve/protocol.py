@@ -53,8 +53,8 @@ class SamplingFields(StructureFields):
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     cache_salt: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
-    # vLLM's: the queue's order under priority scheduling (lower first), and what the priority
-    # eviction policy keeps longest.
+    # vLLM's, a lower value the more urgent request: admitted first under priority scheduling,
+    # its blocks kept longer under priority eviction.
     priority: int = 0
 
     def _sampling(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import click
 
 from runner.cli.common_options import apply_options
+from runner.engine.api.vllm_args import VLLM_SCHEDULING_POLICIES
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 MAX_LOGPROBS = 20  # SamplingParams' cap (vLLM's default --max-logprobs)
@@ -41,7 +42,7 @@ _LLM_FLAGS: dict[str, tuple[tuple[str, ...], click.ParamType]] = {
     "pipeline_parallel_size": (("--pipeline-parallel-size", "-pp"), click.INT),
     "cpu_offload_gb": (("--cpu-offload-gb",), click.FLOAT),
     "distributed_executor_backend": (("--distributed-executor-backend",), click.STRING),
-    "scheduling_policy": (("--scheduling-policy",), click.Choice(["fcfs", "priority"])),
+    "scheduling_policy": (("--scheduling-policy",), click.Choice(VLLM_SCHEDULING_POLICIES)),
 }
 
 

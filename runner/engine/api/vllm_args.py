@@ -31,6 +31,7 @@ PARALLEL = ("pipeline_parallel_size", "data_parallel_size")
 # Checked on their own below: the quantization a .gguf model names, and the queue's order
 # (vLLM's scheduling_policy: "fcfs", continuous batching's, or "priority", batching="priority").
 CHECKED_APART = ("quantization", "scheduling_policy")
+VLLM_SCHEDULING_POLICIES = ("fcfs", "priority")
 
 VLLM_ARGS: dict[str, VllmArg] = {
     "swap_space": VllmArg(
@@ -107,7 +108,7 @@ def _scheduling_policy(options: dict[str, object], policy: object) -> None:
     named with "fcfs")."""
     if policy is None:
         return
-    if policy not in ("fcfs", "priority"):
+    if policy not in VLLM_SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy={policy!r}: must be 'fcfs' or 'priority'")
     batching = options.get("batching")
     fits = ("continuous", "priority") if policy == "priority" else ("continuous", "static")
