@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.local_process import free_port
+
 
 def _values(blocks: int, value_bytes: int) -> list[bytes]:
     rng = np.random.default_rng(0)
@@ -156,14 +158,6 @@ def _gloo_worker(rank: int, port: int, blocks: int, value_bytes: int, plan: list
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", type=int, default=129)
@@ -187,7 +181,7 @@ def main() -> None:
     server.join(30)
 
     plan = [c for c in chunks for _ in range(args.repeats + 1)]  # the first of each: warm-up
-    out, port = ctx.Queue(), _free_port()
+    out, port = ctx.Queue(), free_port()
     workers = [ctx.Process(target=_gloo_worker, args=(r, port, blocks, size, plan, out))
                for r in (0, 1)]  # fmt: skip
     for w in workers:
